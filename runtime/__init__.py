@@ -1,0 +1,1 @@
+"""Runtime: workers, transfers, the CPU optimizer and the simulator."""
