@@ -10,9 +10,10 @@ k = (t*rounds + r)*S + i) on worker k mod N, microbatch m of the round:
   - B: the recompute of m waits only for the worker and m's saved input (the
     forward slot that computed the stage's input layer); the backward of m then
     waits for m's gradient from the previous slot (FB or the previous B);
-  - the first compute of slot k waits for its parameter upload, which is issued
-    when the worker starts its previous slot (prefetch one stage ahead) and
-    when the parameter version the iteration reads is in the compute copy;
+  - the first compute of slot k waits for its parameter upload, which starts
+    once the worker has released the slot before its previous one (k - 2N:
+    a worker holds the running stage and the prefetched next one) and once
+    the parameter version the iteration reads is in the compute copy;
   - per layer l (zero-cost optimizer): step(u, l) applies iteration u's
     gradient once l's last backward of u is done (R3), after copy(u-1, l)
     (R5) and after the previous step in the optimizer's order (gradient
@@ -146,7 +147,7 @@ def schedule(plan: StagePlan, costs: CostTable, *, gpus: int, microbatches: int,
 
     holders = [[s.index for s in stages if l in s.layers] for l in range(nl)]  # stages uploading layer l
     free = [0.0] * n                      # when each worker's compute lane is free
-    first_start = [0.0] * n               # start of the first compute of each worker's current slot
+    released = [[0.0, 0.0] for _ in range(n)]  # per worker: end of its last two slots (older first)
     steps: list[list[float]] = []         # steps[u][l] = step(u, l)
     copies: list[list[float]] = []        # copies[u][l] = copy(u, l), once its readers' uploads are known
     uploaded = [0.0] * ns                 # latest parameter upload per stage, over all iterations so far
@@ -166,12 +167,11 @@ def schedule(plan: StagePlan, costs: CostTable, *, gpus: int, microbatches: int,
             for s in stages:
                 k = (t * rounds + r) * ns + s.index
                 w = k % n
-                up = max(ready[s.index], first_start[w] if k >= n else 0.0)
+                up = max(ready[s.index], released[w][0])
                 uploaded[s.index] = max(uploaded[s.index], up)
                 pre, post = times[s.index]
                 clock = max(free[w], up)
                 saved = fwd_end[producer[s.index]] if producer[s.index] is not None else None
-                start0 = None
                 new_done = [0.0] * rr
                 for m in range(rr):
                     if s.kind is StageKind.B:
@@ -180,11 +180,10 @@ def schedule(plan: StagePlan, costs: CostTable, *, gpus: int, microbatches: int,
                     else:
                         a = max(clock, done[m]) if s.index > 0 else clock
                         clock = a + post
-                    start0 = a if start0 is None else start0
                     new_done[m] = clock
                 busy += rr * (pre + post)
                 free[w] = clock
-                first_start[w] = start0
+                released[w] = [released[w][1], clock]
                 if s.kind is StageKind.F:
                     fwd_end.append(new_done)
                 done = new_done
