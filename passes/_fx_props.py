@@ -1,0 +1,159 @@
+"""Shape propagation for `trace`: every node's value metadata, at (almost) no FLOPs.
+
+Note:
+    Every module call runs on `meta` copies of its parameters and inputs, and so
+    does every glue op that reads a meta value: tracing a large model costs no
+    FLOPs and works when the model itself is on `meta`. Glue that reads only
+    real values (the example, position ids built from it) runs for real, because
+    Hugging Face mask creation branches on the values of position ids; `x.device`
+    of a meta stand-in answers the example's device, so such glue stays real. An
+    op that fails on meta (data-dependent: `.item()`, `nonzero`, e.g. mask
+    creation or mixture-of-experts routing) is re-run for real, with zero
+    tensors standing in for the meta values; a module whose own weights are on
+    meta cannot be, and raises a clear error naming the node.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_map
+
+__all__ = ["TMeta", "propagate", "PropagationError"]
+
+
+class PropagationError(ValueError):
+    """A node failed while recording shapes; the message names the node and the layer unit."""
+
+
+@dataclass(frozen=True, slots=True)
+class TMeta:
+    """Metadata of a traced tensor value."""
+
+    shape: tuple[int, ...]  # concrete shape at the traced example
+    dtype: torch.dtype  # element type
+    requires_grad: bool  # depends on a trainable parameter
+
+
+def describe(v: Any) -> Any:
+    """Tensors -> TMeta, tuples/lists/dicts recursively, anything else as is."""
+    if isinstance(v, torch.Tensor):
+        return TMeta(tuple(v.shape), v.dtype, bool(v.requires_grad))
+    if isinstance(v, torch.Size):
+        return v
+    if type(v) in (tuple, list):
+        return type(v)(describe(x) for x in v)
+    if type(v) is dict:
+        return {k: describe(x) for k, x in v.items()}
+    return v
+
+
+def _to_meta(t: Any) -> Any:
+    """A meta copy of a tensor that keeps its requires_grad flag."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    m = t.detach().to("meta")
+    return m.requires_grad_(t.requires_grad) if (t.is_floating_point() or t.is_complex()) else m
+
+
+class _Prop(fx.Interpreter):
+    """Interpreter that records `describe(value)` per node; modules and fake values run on meta."""
+
+    def __init__(self, root: torch.nn.Module, graph: fx.Graph, units: dict[fx.Node, str],
+                 glue_device: torch.device, model_on_meta: bool) -> None:
+        super().__init__(root, graph=graph)
+        self.units = units
+        self.glue_device = glue_device
+        self.model_on_meta = model_on_meta
+        self.record: dict[fx.Node, Any] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        try:
+            if n.op in ("call_function", "call_method", "call_module"):
+                args, kwargs = self.fetch_args_kwargs_from_env(n)
+                value = self._run_mixed(n, args, kwargs)
+            else:
+                value = super().run_node(n)
+        except PropagationError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - re-raised naming the node
+            where = f"layer unit {self.units[n]!r}" if n in self.units else "glue between layers"
+            hint = (" (the model is on the meta device and this op needs real data; trace a model with "
+                    "real weights, or make the op part of a layer unit with layers=[...])"
+                    if self.model_on_meta else "")
+            raise PropagationError(f"recording shapes failed at node {n.name!r} ({n.op} {_target(n)}) "
+                                   f"in {where}: {type(exc).__name__}: {exc}{hint}") from exc
+        self.record[n] = describe(value)
+        return value
+
+    def _run_mixed(self, n: fx.Node, args: Any, kwargs: Any) -> Any:
+        """Run on meta when a module or a meta stand-in is involved; on failure, for real."""
+        if n.op == "call_function" and n.target is getattr and len(args) > 1 and args[1] == "device" \
+                and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            return self.glue_device  # meta tensors stand in for real ones on the glue device
+        leaves: list[torch.Tensor] = []
+        tree_map(lambda t: leaves.append(t) if isinstance(t, torch.Tensor) else None, (args, kwargs))
+        if self.glue_device.type == "meta" or not (n.op == "call_module" or any(t.is_meta for t in leaves)):
+            return self._call(n, args, kwargs, meta_state=False)
+        try:
+            return self._call(n, tree_map(_to_meta, args), tree_map(_to_meta, kwargs), meta_state=True)
+        except Exception:  # noqa: BLE001 - data-dependent op: run it for real on zero stand-ins
+            pass
+        if n.op == "call_module" and any(t.is_meta for t in self._state(n)):
+            raise RuntimeError(f"module {n.target!r} cannot run on the meta device (data-dependent op) "
+                               f"and its weights are on meta")
+        return self._call(n, tree_map(self._materialise, args), tree_map(self._materialise, kwargs), False)
+
+    def _state(self, n: fx.Node) -> list[torch.Tensor]:
+        """Parameters and buffers of a call_module node's module."""
+        mod = self.fetch_attr(n.target)
+        return [*mod.parameters(), *mod.buffers()]
+
+    def _call(self, n: fx.Node, args: Any, kwargs: Any, meta_state: bool) -> Any:
+        """Execute one node; modules with meta copies of their state if `meta_state`."""
+        if n.op == "call_function":
+            return n.target(*args, **kwargs)
+        if n.op == "call_method":
+            return getattr(args[0], n.target)(*args[1:], **kwargs)
+        mod = self.fetch_attr(n.target)
+        if not meta_state:
+            return mod(*args, **kwargs)
+        state = {k: _to_meta(p) for k, p in mod.named_parameters()}
+        state.update({k: b.to("meta") for k, b in mod.named_buffers()})
+        return torch.func.functional_call(mod, state, args, kwargs)
+
+    def _materialise(self, t: Any) -> Any:
+        """A zero tensor on the glue device standing in for meta tensor `t` (others unchanged)."""
+        if not isinstance(t, torch.Tensor) or not t.is_meta:
+            return t
+        z = torch.zeros(t.shape, dtype=t.dtype, device=self.glue_device)
+        return z.requires_grad_(t.requires_grad) if t.requires_grad else z
+
+
+def _target(n: fx.Node) -> str:
+    """Readable op target of a node."""
+    return getattr(n.target, "__name__", None) or str(n.target)
+
+
+def propagate(root: torch.nn.Module, graph: fx.Graph, inputs: dict[str, torch.Tensor],
+              units: dict[fx.Node, str], model_on_meta: bool) -> dict[fx.Node, Any]:
+    """Run `graph` once on `inputs` and return `describe(value)` for every node.
+
+    Args:
+        root: module holding the graph's submodules and attributes.
+        graph: the traced top-level graph.
+        inputs: model inputs by placeholder name.
+        units: call_module nodes of layer units -> unit name (for error messages).
+        model_on_meta: the model's weights are on meta (for error messages).
+    Returns:
+        node -> TMeta for tensors, tuples/lists/dicts of those, or the Python value.
+    """
+    names = [n.target for n in graph.nodes if n.op == "placeholder"]
+    args = [inputs[name] for name in names]
+    device = args[0].device if args else torch.device("cpu")
+    prop = _Prop(root, graph, units, device, model_on_meta)
+    with torch.enable_grad():
+        prop.run(*args)
+    return prop.record
