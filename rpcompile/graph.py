@@ -47,6 +47,9 @@ class Layer:
     outputs: tuple[str, ...]  # value names, in the order module.forward returns them
     params: tuple[str, ...]  # canonical qualified parameter names this layer uses
     module: torch.fx.GraphModule = field(repr=False, compare=False)  # forward(*inputs) -> tuple
+    # (canonical name, dim, start, stop) per parameter this layer reads only a slice of (vocab shards of
+    # `shard_lm_head`): the module accepts the full parameter or exactly that slice; () = all whole
+    param_slices: tuple[tuple[str, int, int, int], ...] = ()
 
 
 def _fmt_bytes(n: int) -> str:
