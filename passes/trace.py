@@ -14,6 +14,8 @@ Note:
 """
 from __future__ import annotations
 
+import contextlib
+
 import fnmatch
 from typing import Any, Callable, Sequence
 
@@ -21,6 +23,7 @@ import torch
 import torch.fx as fx
 
 from rpcompile.graph import Layer, LayerGraph, Value
+from rpcompile.passes._meta_moe import balanced_experts
 from rpcompile.passes._fx_props import PropagationError, TMeta, propagate
 from rpcompile.passes._fx_split import build_layer_module, eliminate_dead_code, fix_crossings, layer_io
 from rpcompile.passes._fx_tracer import (LayerTracer, UntraceableError, autowrap_masks, explain_root,
@@ -73,7 +76,8 @@ def trace(model: torch.nn.Module, example: Any, *, loss_fn: Callable[[Any, Any],
     eliminate_dead_code(graph)
     layer_of, layer_names, unit_nodes, results = _assign_layers(graph, tracer)
     on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
-    record = propagate(tracer.root, graph, inputs, unit_nodes, on_meta)
+    with balanced_experts(model) if on_meta else contextlib.nullcontext():  # MoE dispatch needs real data
+        record = propagate(tracer.root, graph, inputs, unit_nodes, on_meta)
     loss_node = next(n for n in graph.nodes if n.op == "output").args[0]
     loss_rec = record.get(loss_node)
     if not (isinstance(loss_rec, TMeta) and loss_rec.shape == () and loss_rec.dtype.is_floating_point):
