@@ -116,16 +116,44 @@ class CostTable:
     def __len__(self) -> int:
         return len(self.names)
 
+    def totals(self) -> dict[str, float]:
+        """Sum over layers of every known column, e.g. `t.totals()["fwd"]`.
+
+        >>> CostTable.from_lists([1, 2], [3, 4]).totals()["bwd"]
+        7.0
+        """
+        return {f.name: sum(getattr(self, f.name)) for f in fields(self)
+                if f.name != "names" and getattr(self, f.name) is not None}
+
+    @classmethod
+    def symbolic(cls, graph, example, hardware, *, microbatches: int = 1):
+        """Predicted costs as sympy expressions in B (microbatch size) and S (sequence length).
+
+        Same as `rpcompile.passes.estimate_costs(graph, example, mode="predict",
+        hardware=hardware, microbatches=microbatches, symbolic=True)`.
+
+        Returns:
+            A `rpcompile.passes.symbolic.SymbolicCosts`; `.at(B, S)` gives a CostTable.
+        """
+        from rpcompile.passes.cost import estimate_costs
+
+        return estimate_costs(graph, example, mode="predict", hardware=hardware, microbatches=microbatches,
+                              symbolic=True, progress=False)
+
     def __str__(self) -> str:
+        cols = list(_COLUMNS) + [(f, None, h) for f, h in (("fwd_flops", "fwd FLOP"), ("bwd_flops", "bwd FLOP"))
+                                 if getattr(self, f) is not None]
         rows = []
         for i, name in enumerate(self.names):
-            rows.append([i, name] + [_fmt(getattr(self, f)[i], is_time) for f, is_time, _ in _COLUMNS])
-        rows.append(["", "total"] + [_fmt(sum(getattr(self, f)), is_time) for f, is_time, _ in _COLUMNS])
-        return tabulate(rows, headers=["#", "layer"] + [h for _, _, h in _COLUMNS], disable_numparse=True)
+            rows.append([i, name] + [_fmt(getattr(self, f)[i], is_time) for f, is_time, _ in cols])
+        rows.append(["", "total"] + [_fmt(sum(getattr(self, f)), is_time) for f, is_time, _ in cols])
+        return tabulate(rows, headers=["#", "layer"] + [h for _, _, h in cols], disable_numparse=True)
 
 
-def _fmt(x: float, is_time: bool) -> str:
-    """A time in ms or a byte count in binary units."""
+def _fmt(x: float, is_time: bool | None) -> str:
+    """A time in ms, a FLOP count (is_time None) in G, or a byte count in binary units."""
+    if is_time is None:
+        return f"{x / 1e9:.2f} G"
     if is_time:
         return f"{x * 1e3:.3f} ms"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

@@ -1,0 +1,413 @@
+"""The `estimate_costs` pass: LayerGraph + example -> CostTable (per layer, per microbatch).
+
+Two modes:
+- "measure": run each layer alone on a device with the microbatch inputs that the
+  previous layers produced, time forward and backward (median after warm-up) and
+  account the memory it really saves/allocates.
+- "predict": count FLOPs and bytes of every aten op of each layer (forward and
+  backward) on the `meta` device with `torch.utils.flop_counter`'s formulas, and
+  price each op with `Hardware.roofline` plus a launch latency. Needs no weights.
+
+Note:
+    Memory columns (both modes): `act_bytes` = outputs read by a later layer;
+    `saved_bytes` = the layer's inputs (kept for the recompute); `peak_bytes` =
+    distinct tensors autograd saves (parameters excluded) + output gradients +
+    input gradients, or on CUDA the allocator's peak above the layer's resident
+    state. A layer that cannot run on `meta` (data-dependent ops) is retried with
+    fake tensors, then for real on the CPU with random weights if its parameters
+    are small (a warning names it); otherwise a ValueError names it.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+from rpcompile.costs import CostTable
+from rpcompile.graph import Layer, LayerGraph
+from rpcompile.hardware import Hardware, dtype_key
+
+__all__ = ["estimate_costs", "OpCount", "LayerCount", "count_layers", "split_microbatch", "layer_times"]
+
+_NO_DATA = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach",
+                      "alias", "lift_fresh", "_local_scalar_dense", "sym_size", "sym_stride", "sym_numel",
+                      "set_", "resize_", "is_same_size", "_unsafe_view", "_reshape_alias"})
+
+
+@dataclass(frozen=True, slots=True)
+class OpCount:
+    """One aten op as the roofline prices it."""
+
+    name: str  # aten op name, e.g. "mm"
+    flops: int  # FLOPs (torch.utils.flop_counter formula; 0 if none)
+    bytes: int  # bytes read + written (0 for views)
+    dtype: str  # dtype key of its first floating input, for the peak FLOP/s lookup
+
+
+@dataclass(frozen=True, slots=True)
+class LayerCount:
+    """What one layer does for one microbatch shape (predict mode's raw data)."""
+
+    fwd_ops: tuple[OpCount, ...]  # aten ops of the forward
+    bwd_ops: tuple[OpCount, ...]  # aten ops of the backward (without recompute)
+    param_bytes: int  # bytes of its parameters
+    grad_bytes: int  # bytes of its trainable parameters' gradients
+    act_bytes: int  # bytes of outputs read downstream
+    saved_bytes: int  # bytes of its inputs
+    peak_bytes: int  # autograd-saved (non-parameter) + output-grad + input-grad bytes
+
+
+class _Recorder(TorchDispatchMode):
+    """Dispatch mode appending an OpCount per aten op to `self.ops`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[OpCount] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.__name__.split(".")[0]
+        if func.is_view or name in _NO_DATA or func.namespace == "prim":
+            return out
+        tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+        nbytes = sum(_tensor_bytes(t) for t in tensors)
+        rule = flop_registry.get(func._overloadpacket)
+        flops = int(rule(*args, **kwargs, out_val=out)) if rule is not None else 0
+        floats = [t for t in tensors if t.is_floating_point()]
+        self.ops.append(OpCount(name, flops, nbytes, dtype_key(floats[0].dtype) if floats else "float32"))
+        return out
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes an op touches in `t` (an expanded tensor counts its storage, not its view)."""
+    n = t.numel() * t.element_size()
+    try:
+        return min(n, t.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):
+        return n
+
+
+def _storage_id(t: torch.Tensor) -> int:
+    """Identity of a tensor's storage (works on meta)."""
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return id(t)
+
+
+def split_microbatch(graph: LayerGraph, example: Any, microbatches: int) -> dict[str, torch.Tensor]:
+    """The first of `microbatches` equal slices (dim 0) of the example's batched inputs, by name.
+
+    Raises:
+        ValueError: a batched input's size is not divisible by `microbatches` (names it).
+
+    >>> split_microbatch(g, {"input_ids": ids8x16, "labels": ids8x16}, 4)["input_ids"].shape
+    torch.Size([2, 16])
+    """
+    if microbatches < 1:
+        raise ValueError(f"microbatches must be >= 1, got {microbatches}")
+    out = {}
+    for name, t in graph.flatten_inputs(example).items():
+        v = graph.values.get(name)
+        if microbatches > 1 and (v is None or v.batch_dim == 0) and t.dim() > 0:
+            if t.shape[0] % microbatches:
+                raise ValueError(f"input {name!r} has batch size {t.shape[0]}, "
+                                 f"not divisible into {microbatches} microbatches")
+            t = t[: t.shape[0] // microbatches]
+        out[name] = t
+    return out
+
+
+def _state(layer: Layer, make: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """name -> make(tensor) for every parameter and buffer of the layer module (aliases included)."""
+    mod = layer.module
+    state = {k: make(p).requires_grad_(p.requires_grad) if p.is_floating_point() else make(p)
+             for k, p in mod.named_parameters(remove_duplicate=False)}
+    state.update({k: make(b) for k, b in mod.named_buffers(remove_duplicate=False)})
+    return state
+
+
+def _leaf(t: torch.Tensor, grad: bool) -> torch.Tensor:
+    """A detached leaf of `t` that requires grad if asked and possible."""
+    t = t.detach()
+    return t.requires_grad_(True) if grad and (t.is_floating_point() or t.is_complex()) else t
+
+
+def _later_inputs(graph: LayerGraph) -> list[set[str]]:
+    """For each layer index i, the value names read by layers after i (plus the loss)."""
+    later: list[set[str]] = [set() for _ in graph.layers]
+    acc = {graph.loss}
+    for i in range(len(graph.layers) - 1, -1, -1):
+        later[i] = set(acc)
+        acc |= set(graph.layers[i].inputs)
+    return later
+
+
+def _run_once(graph: LayerGraph, layer: Layer, state: dict, inputs: list, rec_fwd, rec_bwd) -> tuple:
+    """Forward (+ backward) of one layer; returns (outputs, peak workspace bytes)."""
+    params = {_storage_id(p) for p in state.values()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        sid = _storage_id(t)
+        if sid not in params:
+            seen[sid] = max(seen.get(sid, 0), _tensor_bytes(t))
+        return t
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), rec_fwd:
+        outs = torch.func.functional_call(layer.module, state, tuple(inputs))
+    outs = tuple(outs)
+    diff = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+    wrt = [t for t in [*inputs, *state.values()] if isinstance(t, torch.Tensor) and t.requires_grad]
+    peak = sum(seen.values()) + sum(_tensor_bytes(o) for o in diff)
+    if diff and wrt:
+        with rec_bwd:
+            grads = torch.autograd.grad(diff, wrt, [torch.ones_like(o) for o in diff], allow_unused=True)
+        peak += sum(_tensor_bytes(g) for g, t in zip(grads, wrt) if g is not None and _storage_id(t) not in params)
+    return outs, peak
+
+
+def _layer_memory(graph: LayerGraph, layer: Layer, inputs: list, outs: tuple, later: set[str]) -> tuple:
+    """(param_bytes, grad_bytes, act_bytes, saved_bytes) of one layer at this microbatch."""
+    pb = sum(graph.params[p].bytes for p in layer.params)
+    gb = sum(graph.params[p].bytes for p in layer.params if graph.params[p].requires_grad)
+    act = sum(_tensor_bytes(o) for n, o in zip(layer.outputs, outs) if n in later and isinstance(o, torch.Tensor))
+    saved = sum(_tensor_bytes(t) for t in inputs if isinstance(t, torch.Tensor))
+    return pb, gb, act, saved
+
+
+def _to_meta(t: Any) -> Any:
+    """A meta tensor like `t` (non-tensors unchanged)."""
+    return t.detach().to("meta") if isinstance(t, torch.Tensor) else t
+
+
+def _count_one(graph: LayerGraph, layer: Layer, inputs: list, later: set[str],
+               fallback_param_bytes: int) -> tuple[LayerCount, tuple]:
+    """Count one layer on meta, else with fake tensors, else for real on the CPU (small layers only)."""
+    grads = [graph.values[n].requires_grad if n in graph.values else False for n in layer.inputs]
+    errors = []
+    for how in ("meta", "fake", "cpu"):
+        try:
+            rf, rb = _Recorder(), _Recorder()
+            if how == "meta":
+                state = _state(layer, _to_meta)
+                outs, peak = _run_once(graph, layer, state, [_leaf(t, g) for t, g in zip(inputs, grads)], rf, rb)
+            elif how == "fake":
+                outs, peak = _run_fake(graph, layer, inputs, grads, rf, rb)
+            else:
+                pbytes = sum(graph.params[p].bytes for p in layer.params)
+                if pbytes > fallback_param_bytes:
+                    raise ValueError(f"layer {layer.index} ({layer.name}) cannot run on the meta device "
+                                     f"({'; '.join(errors)}) and its {pbytes} parameter bytes exceed "
+                                     f"fallback_param_bytes={fallback_param_bytes}")
+                state = _state(layer, _random_cpu)
+                real = [_leaf(_random_cpu(t), g) for t, g in zip(inputs, grads)]
+                outs, peak = _run_once(graph, layer, state, real, rf, rb)
+            if how == "cpu":
+                warnings.warn(f"estimate_costs: layer {layer.index} ({layer.name}) cannot run on the meta device "
+                              f"({'; '.join(errors)}); counted it by running it on the CPU with random weights", stacklevel=3)
+            outs = tuple(_plain_meta(o) for o in outs)
+            mem = _layer_memory(graph, layer, inputs, outs, later)
+            return LayerCount(tuple(rf.ops), tuple(rb.ops), *mem, peak), outs
+        except ValueError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - try the next way, report all if none works
+            errors.append(f"{how}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    raise ValueError(f"layer {layer.index} ({layer.name}) could not be counted: {'; '.join(errors)}")
+
+
+def _run_fake(graph: LayerGraph, layer: Layer, inputs: list, grads: list, rf, rb) -> tuple:
+    """`_run_once` under FakeTensorMode (Hugging Face skips data-dependent checks on fake tensors)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fm = FakeTensorMode(allow_non_fake_inputs=True)
+    state = {k: fm.from_tensor(v).requires_grad_(v.requires_grad) if v.is_floating_point() else fm.from_tensor(v)
+             for k, v in _state(layer, _to_meta).items()}
+    fake_in = [_leaf(fm.from_tensor(t), g) if isinstance(t, torch.Tensor) else t for t, g in zip(inputs, grads)]
+    with fm:
+        return _run_once(graph, layer, state, fake_in, rf, rb)
+
+
+def _plain_meta(t: Any) -> Any:
+    """A plain meta tensor with `t`'s shape and dtype (fake/real/meta in)."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    return torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
+
+
+def _random_cpu(t: torch.Tensor) -> torch.Tensor:
+    """A real CPU tensor of `t`'s shape (`t` itself if it is one): small random floats, integer zeros."""
+    if not t.is_meta and t.device.type == "cpu":
+        return t.detach()
+    if t.is_floating_point():
+        return torch.randn(tuple(t.shape), dtype=t.dtype) * 0.02
+    return torch.zeros(tuple(t.shape), dtype=t.dtype)
+
+
+def count_layers(graph: LayerGraph, inputs: dict[str, torch.Tensor], *, progress: bool = True,
+                 fallback_param_bytes: int = 256 * 2 ** 20) -> list[LayerCount]:
+    """Per-layer op counts and memory for one microbatch, executed layer by layer on `meta`.
+
+    Args:
+        graph: the traced model (its weights may be on `meta`).
+        inputs: the microbatch's named model inputs (real or meta tensors).
+        fallback_param_bytes: largest layer that may be run for real on the CPU when `meta` fails.
+    Returns:
+        One LayerCount per layer.
+    """
+    env: dict[str, Any] = {k: _to_meta(v) for k, v in inputs.items()}
+    later = _later_inputs(graph)
+    counts, start = [], time.perf_counter()
+    for layer in graph.layers:
+        _progress(progress, layer.index, len(graph.layers), start, "counting")
+        count, outs = _count_one(graph, layer, [env[n] for n in layer.inputs], later[layer.index],
+                                 fallback_param_bytes)
+        env.update(zip(layer.outputs, outs))
+        counts.append(count)
+    _progress(progress, len(graph.layers), len(graph.layers), start, "counting")
+    return counts
+
+
+def layer_times(ops: Sequence[OpCount], hardware: Hardware) -> float:
+    """Predicted seconds of a sequence of ops: per-op roofline plus launch latency."""
+    return sum(hardware.roofline(o.flops, o.bytes, o.dtype) for o in ops) + len(ops) * hardware.op_latency
+
+
+def _predict(graph: LayerGraph, inputs: dict, hardware: Hardware, progress: bool) -> CostTable:
+    """CostTable from counted ops priced on `hardware`."""
+    counts = count_layers(graph, inputs, progress=progress)
+    return CostTable.from_lists(
+        fwd=[layer_times(c.fwd_ops, hardware) for c in counts],
+        bwd=[layer_times(c.bwd_ops, hardware) for c in counts],
+        param_bytes=[c.param_bytes for c in counts], grad_bytes=[c.grad_bytes for c in counts],
+        act_bytes=[c.act_bytes for c in counts], saved_bytes=[c.saved_bytes for c in counts],
+        peak_bytes=[c.peak_bytes for c in counts], names=[layer.name for layer in graph.layers],
+        fwd_flops=[sum(o.flops for o in c.fwd_ops) for c in counts],
+        bwd_flops=[sum(o.flops for o in c.bwd_ops) for c in counts])
+
+
+def _median_time(fn: Callable[[], Any], dev: torch.device, warmup: int, repeats: int) -> float:
+    """Median seconds of fn() after warm-up; fewer repeats once 3 s are spent."""
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda d: None)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync(dev)
+        t0 = time.perf_counter()
+        fn()
+        sync(dev)
+        times.append(time.perf_counter() - t0)
+        if sum(times) > 3.0 and len(times) >= 2:
+            break
+    return statistics.median(times)
+
+
+def _measure_layer(graph: LayerGraph, layer: Layer, inputs: list, later: set[str], dev: torch.device,
+                   warmup: int, repeats: int) -> tuple[list, tuple]:
+    """[fwd s, bwd s, param, grad, act, saved, peak bytes, fwd flops, bwd flops] and the layer's outputs."""
+    state = _state(layer, lambda t: _random_cpu(t).to(dev) if t.is_meta else t.detach().to(dev))
+    grads = [graph.values[n].requires_grad if n in graph.values else False for n in layer.inputs]
+    xs = [_leaf(t, g) if isinstance(t, torch.Tensor) else t for t, g in zip(inputs, grads)]
+    with torch.enable_grad():
+        fwd_t = _median_time(lambda: torch.func.functional_call(layer.module, state, tuple(xs)), dev, warmup,
+                             repeats)
+        outs = tuple(torch.func.functional_call(layer.module, state, tuple(xs)))
+    diff = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+    wrt = [t for t in [*xs, *state.values()] if isinstance(t, torch.Tensor) and t.requires_grad]
+    bwd_t, gouts = 0.0, None
+    if diff and wrt:
+        gouts = [torch.ones_like(o) for o in diff]
+        bwd_t = _median_time(lambda: torch.autograd.grad(diff, wrt, gouts, retain_graph=True, allow_unused=True),
+                             dev, warmup, repeats)
+    rf, rb = _Recorder(), _Recorder()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+    outs = diff = gouts = None  # free the timing graph (the lambda's cells) before the memory run
+    outs, peak = _run_once(graph, layer, state, xs, rf, rb)
+    if dev.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(dev) - base
+    mem = _layer_memory(graph, layer, xs, outs, later)
+    flops = [sum(o.flops for o in rf.ops), sum(o.flops for o in rb.ops)]
+    outs = tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outs)
+    return [fwd_t, bwd_t, *mem, max(peak, 0), *flops], outs
+
+
+def _measure(graph: LayerGraph, inputs: dict, dev: torch.device, warmup: int, repeats: int,
+             progress: bool) -> CostTable:
+    """CostTable from running each layer alone on `dev`."""
+    env: dict[str, Any] = {k: v.to(dev) for k, v in inputs.items()}
+    later = _later_inputs(graph)
+    rows, start = [], time.perf_counter()
+    for layer in graph.layers:
+        _progress(progress, layer.index, len(graph.layers), start, "measuring")
+        row, outs = _measure_layer(graph, layer, [env[n] for n in layer.inputs], later[layer.index], dev,
+                                   warmup, repeats)
+        env.update(zip(layer.outputs, outs))
+        rows.append(row)
+    _progress(progress, len(graph.layers), len(graph.layers), start, "measuring")
+    cols = list(zip(*rows))
+    keys = ("fwd", "bwd", "param_bytes", "grad_bytes", "act_bytes", "saved_bytes", "peak_bytes",
+            "fwd_flops", "bwd_flops")
+    return CostTable.from_lists(**dict(zip(keys, cols)), names=[layer.name for layer in graph.layers])
+
+
+def _progress(enabled: bool, i: int, n: int, start: float, what: str) -> None:
+    """A one-line progress indicator on stderr, only when stderr is a terminal."""
+    if enabled and sys.stderr.isatty():
+        end = "\n" if i == n else ""
+        sys.stderr.write(f"\r[estimate_costs] {what} layer {min(i + 1, n)}/{n}, "
+                         f"{time.perf_counter() - start:.1f} s elapsed{end}")
+        sys.stderr.flush()
+
+
+def estimate_costs(graph: LayerGraph, example: Any, *, mode: str = "measure", device: str | torch.device | None = None,
+                   hardware: Hardware | None = None, microbatches: int = 1, symbolic: bool = False,
+                   warmup: int = 1, repeats: int = 5, progress: bool = True):
+    """Per-layer, per-microbatch costs of a traced model.
+
+    Args:
+        graph: from `rpcompile.passes.trace`.
+        example: one global batch (as given to trace); costs are for its first of
+            `microbatches` slices along dim 0.
+        mode: "measure" (run each layer on `device`) or "predict" (count ops on `meta`,
+            roofline on `hardware`; works for models built on `meta`).
+        device: measure mode's device (default CUDA if available, else CPU).
+        hardware: predict mode's Hardware (required there), e.g. `Hardware.preset("rtx4090")`.
+        microbatches: how many microbatches the example is split into.
+        symbolic: predict only; return a `SymbolicCosts` (costs as sympy expressions in B, S).
+        warmup, repeats: measure mode's timing loop (median of `repeats`).
+        progress: print "layer i/L, elapsed" to stderr when it is a terminal.
+    Returns:
+        A CostTable (or a SymbolicCosts if `symbolic`).
+    Raises:
+        ValueError: bad mode, missing hardware, indivisible batch, an uncountable layer (named).
+
+    >>> t = estimate_costs(g, batch, mode="predict", hardware=Hardware.preset("rtx4090"))
+    >>> print(t)   # one row per layer, totals at the bottom
+    """
+    if mode not in ("measure", "predict"):
+        raise ValueError(f"mode must be 'measure' or 'predict', got {mode!r}")
+    if mode == "predict" and hardware is None:
+        raise ValueError("mode='predict' needs hardware=, e.g. Hardware.preset('rtx4090') or Hardware.measure()")
+    inputs = split_microbatch(graph, example, microbatches)
+    if symbolic:
+        if mode != "predict":
+            raise ValueError("symbolic=True needs mode='predict'")
+        from rpcompile.passes.symbolic import symbolic_costs
+        return symbolic_costs(graph, inputs, hardware, progress=progress)
+    if mode == "predict":
+        return _predict(graph, inputs, hardware, progress)
+    dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    return _measure(graph, inputs, dev, warmup, repeats, progress)

@@ -1,0 +1,281 @@
+"""Hardware: the numbers the cost model and the simulator need about one server.
+
+Presets come from public spec sheets; `Hardware.measure()` times this machine.
+Nothing here touches a device at import time.
+
+    >>> hw = Hardware.preset("rtx4090")
+    >>> hw.device_memory // 10**9, hw.flops("bf16") / 1e12
+    (24, 330.0)
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+import torch
+
+__all__ = ["Hardware", "dtype_key"]
+
+_ALIASES = MappingProxyType({
+    "fp32": "float32", "float": "float32", "tf32": "tf32", "bf16": "bfloat16", "fp16": "float16",
+    "half": "float16", "fp64": "float64", "double": "float64", "fp8": "float8_e4m3fn",
+})
+
+
+def dtype_key(dtype: torch.dtype | str) -> str:
+    """The `peak_flops` key of a dtype: torch.bfloat16, "bf16", "bfloat16" -> "bfloat16"."""
+    name = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else str(dtype).lower()
+    return _ALIASES.get(name, name)
+
+
+@dataclass(frozen=True, slots=True)
+class Hardware:
+    """One server: N identical accelerators attached to a host that keeps the model state.
+
+    Bandwidths are bytes/s, memories bytes, times seconds. `peak_flops` maps a dtype
+    key ("float32", "bfloat16", "float16", ...; see `dtype_key`) to dense FLOP/s.
+    """
+
+    name: str  # preset name or "measured-<device>"
+    peak_flops: dict[str, float] = field(hash=False)  # dtype key -> peak dense FLOP/s of one device
+    efficiency: float  # fraction of peak_flops a real kernel achieves (roofline compute ceiling)
+    device_memory: int  # bytes of memory per device (GPU, or one host worker's share)
+    mem_bandwidth: float  # device memory bandwidth, bytes/s (roofline memory ceiling)
+    h2d_bandwidth: float  # host-to-device copy bandwidth per device, bytes/s
+    d2h_bandwidth: float  # device-to-host copy bandwidth per device, bytes/s
+    host_memory: int  # bytes of host (CPU) memory for master weights, optimizer state, saved activations
+    gpus: int  # number of devices (workers) in the server
+    optimizer_bytes_per_s: float  # bytes of fp32 master weights the CPU optimizer (Adam) updates per second
+    link_latency: float = 10e-6  # fixed cost per host<->device transfer, s
+    op_latency: float = 5e-6  # fixed cost per launched op (kernel launch / eager dispatch), s
+    notes: str = field(default="", compare=False)  # where the numbers come from
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "peak_flops", {dtype_key(k): float(v) for k, v in dict(self.peak_flops).items()})
+        if not self.peak_flops:
+            raise ValueError("Hardware.peak_flops needs at least one dtype")
+        for f in ("efficiency", "device_memory", "mem_bandwidth", "h2d_bandwidth", "d2h_bandwidth",
+                  "host_memory", "gpus", "optimizer_bytes_per_s"):
+            if not getattr(self, f) > 0:
+                raise ValueError(f"Hardware.{f} must be > 0, got {getattr(self, f)!r}")
+        if self.link_latency < 0 or self.op_latency < 0:
+            raise ValueError("Hardware latencies must be >= 0")
+
+    def flops(self, dtype: torch.dtype | str) -> float:
+        """Peak dense FLOP/s for `dtype`; a dtype without an entry uses float32's (or the slowest).
+
+        >>> Hardware.preset("h100").flops(torch.bfloat16) / 1e12
+        989.5
+        """
+        key = dtype_key(dtype)
+        if key in self.peak_flops:
+            return self.peak_flops[key]
+        return self.peak_flops.get("float32", min(self.peak_flops.values()))
+
+    def roofline(self, flops: float, nbytes: float, dtype: torch.dtype | str = "float32") -> float:
+        """Seconds for one op: max(compute time at efficiency x peak, memory time), no launch cost.
+
+        >>> Hardware.preset("rtx4090").roofline(330e12 * 0.5, 0, "bf16")
+        1.0
+        """
+        return max(flops / (self.flops(dtype) * self.efficiency), nbytes / self.mem_bandwidth)
+
+    def replace(self, **changes) -> "Hardware":
+        """A copy with some fields changed, e.g. `hw.replace(gpus=4)`."""
+        return dataclasses.replace(self, **changes)
+
+    @staticmethod
+    def presets() -> tuple[str, ...]:
+        """Names accepted by `Hardware.preset`."""
+        return tuple(_PRESETS)
+
+    @classmethod
+    def preset(cls, name: str, **changes) -> "Hardware":
+        """A server from public spec sheets: "rtx4090", "rtx5090", "a800", "h100" (8 GPUs each) or "cpu".
+
+        Args:
+            name: preset name (case-insensitive).
+            **changes: fields to override, e.g. `gpus=4`.
+        Returns:
+            The Hardware.
+        Raises:
+            ValueError: unknown name (the message lists the known ones).
+
+        >>> Hardware.preset("rtx5090", gpus=4).gpus
+        4
+        """
+        key = name.lower().replace("-", "").replace("_", "")
+        if key not in _PRESETS:
+            raise ValueError(f"unknown hardware preset {name!r}; known presets: {', '.join(_PRESETS)}")
+        hw = cls(**_PRESETS[key])
+        return hw.replace(**changes) if changes else hw
+
+    @classmethod
+    def measure(cls, device: str | torch.device | None = None, *, gpus: int | None = None,
+                budget_s: float = 2.0) -> "Hardware":
+        """Measure this machine: matmul FLOP/s per dtype, memory and copy bandwidth, optimizer speed.
+
+        Args:
+            device: "cuda", "cuda:1" or "cpu"; default CUDA if available, else the CPU.
+            gpus: device count (default: CUDA device count, or 1 host worker on the CPU).
+            budget_s: rough time budget for all measurements.
+        Returns:
+            A Hardware named "measured-<device>" with efficiency 0.9 (peak_flops are already achieved rates).
+
+        >>> hw = Hardware.measure("cpu"); hw.flops("float32") > 0
+        True
+        """
+        dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        per = budget_s / 8
+        dtypes = [torch.float32, torch.bfloat16] + ([torch.float16] if dev.type == "cuda" else [])
+        peak = {dtype_key(dt): _matmul_rate(dev, dt, per) for dt in dtypes}
+        peak = {k: v for k, v in peak.items() if v > 0}
+        mem_bw = _elementwise_bandwidth(dev, per)
+        if dev.type == "cuda":
+            h2d, d2h = _copy_bandwidth(dev, per, "h2d"), _copy_bandwidth(dev, per, "d2h")
+            dev_mem = torch.cuda.get_device_properties(dev).total_memory
+            count = gpus or torch.cuda.device_count()
+            op_lat = 5e-6
+        else:
+            h2d = d2h = _copy_bandwidth(dev, per, "copy")
+            count = gpus or 1
+            op_lat = _op_latency(dev, per / 2)
+            dev_mem = 0
+        host = _host_memory()
+        opt = _adam_rate(per * 2)
+        return cls(name=f"measured-{dev.type}", peak_flops=peak, efficiency=0.9,
+                   device_memory=dev_mem or max(host // max(count, 1) // 2, 1), mem_bandwidth=mem_bw,
+                   h2d_bandwidth=h2d, d2h_bandwidth=d2h, host_memory=host, gpus=count,
+                   optimizer_bytes_per_s=opt, link_latency=10e-6 if dev.type == "cuda" else 2e-6,
+                   op_latency=op_lat, notes=f"measured with torch {torch.__version__} in ~{budget_s:.0f} s")
+
+
+def _timeit(fn, dev: torch.device, budget: float, max_reps: int = 50) -> float:
+    """Median seconds of `fn()` after one warm-up, repeated until `budget` s are spent."""
+    fn()
+    _sync(dev)
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < max_reps and (len(times) < 3 or time.perf_counter() - start < budget):
+        t0 = time.perf_counter()
+        fn()
+        _sync(dev)
+        times.append(time.perf_counter() - t0)
+        if times[-1] > budget:  # too slow to repeat
+            break
+    return statistics.median(times)
+
+
+def _sync(dev: torch.device) -> None:
+    """Wait for queued work on `dev`."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _matmul_rate(dev: torch.device, dtype: torch.dtype, budget: float) -> float:
+    """Best matmul FLOP/s over a few square sizes (0 if the dtype is unusably slow)."""
+    best = 0.0
+    sizes = (1024, 4096, 8192) if dev.type == "cuda" else (512, 1024)
+    for n in sizes:
+        a = torch.randn(n, n, device=dev).to(dtype)
+        b = torch.randn(n, n, device=dev).to(dtype)
+        t0 = time.perf_counter()
+        a @ b
+        _sync(dev)
+        if time.perf_counter() - t0 > budget:  # no fast kernel for this dtype here
+            return best or 2 * n ** 3 / (time.perf_counter() - t0)
+        best = max(best, 2 * n ** 3 / _timeit(lambda: a @ b, dev, budget / len(sizes)))
+    return best
+
+
+def _elementwise_bandwidth(dev: torch.device, budget: float) -> float:
+    """Bytes/s moved by an out-of-place add (2 reads + 1 write), as eager ops use memory."""
+    n = (64 if dev.type == "cuda" else 1) * 2 ** 20
+    x, y = torch.randn(n, device=dev), torch.randn(n, device=dev)
+    return 3 * x.nbytes / _timeit(lambda: x + y, dev, budget)
+
+
+def _copy_bandwidth(dev: torch.device, budget: float, kind: str) -> float:
+    """Bytes/s of a host<->device copy (pinned host memory) or, on the CPU, a large memcpy."""
+    n = (64 if kind != "copy" else 16) * 2 ** 20
+    if kind == "copy":
+        src, dst = torch.empty(n // 4), torch.empty(n // 4)
+        return n / _timeit(lambda: dst.copy_(src), dev, budget)
+    host = torch.empty(n // 4, pin_memory=True)
+    gpu = torch.empty(n // 4, device=dev)
+    if kind == "h2d":
+        return n / _timeit(lambda: gpu.copy_(host, non_blocking=True), dev, budget)
+    return n / _timeit(lambda: host.copy_(gpu, non_blocking=True), dev, budget)
+
+
+def _op_latency(dev: torch.device, budget: float) -> float:
+    """Seconds of eager overhead per op (a tiny add)."""
+    x = torch.ones(8, device=dev)
+
+    def ten_adds() -> None:
+        for _ in range(10):
+            x + x
+    return _timeit(ten_adds, dev, budget, max_reps=200) / 10
+
+
+def _adam_rate(budget: float) -> float:
+    """Bytes of fp32 master weights per second one fused CPU AdamW step updates."""
+    n = 2 ** 19
+    p = torch.zeros(n, requires_grad=True)
+    p.grad = torch.randn(n)
+    opt = torch.optim.AdamW([p], lr=1e-3, foreach=True)
+    return p.nbytes / _timeit(opt.step, torch.device("cpu"), budget)
+
+
+def _host_memory() -> int:
+    """Physical host memory in bytes (Linux /proc/meminfo; 16 GiB if unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 16 * 2 ** 30
+
+
+_GB = 10 ** 9
+# Public spec-sheet numbers. Dense (no sparsity) tensor-core peaks. Host side: a typical 8-GPU
+# server (host memory and the CPU AdamW rate are our assumptions, not vendor figures).
+_PRESETS = MappingProxyType({
+    "rtx4090": dict(
+        name="rtx4090", efficiency=0.6, device_memory=24 * _GB, mem_bandwidth=1008 * _GB,
+        # 330 TFLOP/s is the dense fp16/bf16 tensor rate with fp16 accumulate (the issue's figure);
+        # GeForce parts run fp32-accumulate (what training uses) at half that, 165 TFLOP/s.
+        peak_flops={"bfloat16": 330e12, "float16": 330e12, "tf32": 82.6e12, "float32": 82.6e12},
+        h2d_bandwidth=32 * _GB, d2h_bandwidth=32 * _GB,  # PCIe 4.0 x16, per direction
+        host_memory=512 * 2 ** 30, gpus=8, optimizer_bytes_per_s=20 * _GB,
+        notes="NVIDIA Ada GPU architecture whitepaper (RTX 4090); PCIe 4.0 x16"),
+    "rtx5090": dict(
+        name="rtx5090", efficiency=0.6, device_memory=32 * _GB, mem_bandwidth=1792 * _GB,
+        peak_flops={"bfloat16": 419e12, "float16": 419e12, "tf32": 104.8e12, "float32": 104.8e12},
+        h2d_bandwidth=64 * _GB, d2h_bandwidth=64 * _GB,  # PCIe 5.0 x16, per direction
+        host_memory=512 * 2 ** 30, gpus=8, optimizer_bytes_per_s=20 * _GB,
+        notes="NVIDIA Blackwell GeForce whitepaper (RTX 5090, fp16-accumulate dense); PCIe 5.0 x16"),
+    "a800": dict(
+        name="a800", efficiency=0.7, device_memory=80 * _GB, mem_bandwidth=2039 * _GB,
+        peak_flops={"bfloat16": 312e12, "float16": 312e12, "tf32": 156e12, "float32": 19.5e12},
+        h2d_bandwidth=32 * _GB, d2h_bandwidth=32 * _GB,  # PCIe 4.0 x16
+        host_memory=1024 * 2 ** 30, gpus=8, optimizer_bytes_per_s=30 * _GB,
+        notes="A800 80GB = A100 80GB compute (NVIDIA A100 datasheet); PCIe 4.0 x16"),
+    "h100": dict(
+        name="h100", efficiency=0.7, device_memory=80 * _GB, mem_bandwidth=3350 * _GB,
+        peak_flops={"bfloat16": 989.5e12, "float16": 989.5e12, "tf32": 494.7e12, "float32": 66.9e12},
+        h2d_bandwidth=64 * _GB, d2h_bandwidth=64 * _GB,  # PCIe 5.0 x16
+        host_memory=2048 * 2 ** 30, gpus=8, optimizer_bytes_per_s=40 * _GB,
+        notes="NVIDIA H100 SXM5 datasheet (dense); PCIe 5.0 x16 host link"),
+    "cpu": dict(
+        name="cpu", efficiency=0.8, device_memory=16 * 2 ** 30, mem_bandwidth=20 * _GB,
+        peak_flops={"float32": 200e9, "bfloat16": 200e9, "float16": 5e9},
+        h2d_bandwidth=10 * _GB, d2h_bandwidth=10 * _GB,  # memcpy between host workers
+        host_memory=64 * 2 ** 30, gpus=2, optimizer_bytes_per_s=4 * _GB, link_latency=2e-6, op_latency=10e-6,
+        notes="rough host-worker defaults (a few modern cores); use Hardware.measure() for real numbers"),
+})

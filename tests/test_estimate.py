@@ -1,0 +1,151 @@
+"""estimate_costs (measure / predict), symbolic costs and max_seq_len."""
+import time
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+import models as M  # noqa: E402
+from rpcompile import CostTable, Hardware, max_seq_len
+from rpcompile.passes import estimate_costs, trace
+from rpcompile.passes.cost import count_layers, split_microbatch
+from rpcompile.passes.symbolic import B, S, SymbolicCosts
+
+MEMORY = ("param_bytes", "grad_bytes", "act_bytes", "saved_bytes", "peak_bytes")
+
+
+def _mlp():
+    model = M.sequential(width=16, depth=3)
+    batch = M.regression_batch(batch=8, width=16)
+    return trace(model, batch, loss_fn=M.mse_loss), batch
+
+
+def test_predict_counts_flops_like_flop_counter_mode_and_backward_is_twice():
+    g, batch = _mlp()
+    t = estimate_costs(g, batch, mode="predict", hardware=Hardware.preset("cpu"), microbatches=2, progress=False)
+    x = batch[0][:4]
+    with FlopCounterMode(display=False) as fc:
+        g.layers[0].module(x)
+    assert t.fwd_flops[0] == fc.get_total_flops() == 2 * 4 * 16 * 16
+    assert t.bwd_flops[0] == t.fwd_flops[0]  # a model input needs no gradient: grad weight only
+    i = next(i for i, layer in enumerate(g.layers) if i > 0 and layer.params)
+    assert t.bwd_flops[i] == 2 * t.fwd_flops[i] > 0  # grad input + grad weight
+    assert t.param_bytes[0] == (16 * 16 + 16) * 4 and t.grad_bytes == t.param_bytes
+    assert t.saved_bytes[0] == 4 * 16 * 4 and all(x > 0 for x in t.fwd + t.bwd)
+
+
+def test_measure_matches_predict_memory_and_times_are_positive():
+    g, batch = _mlp()
+    meas = estimate_costs(g, batch, mode="measure", device="cpu", repeats=2, progress=False)
+    pred = estimate_costs(g, batch, mode="predict", hardware=Hardware.preset("cpu"), progress=False)
+    assert isinstance(meas, CostTable) and meas.names == pred.names
+    assert all(x > 0 for x in meas.fwd + meas.bwd)
+    for f in MEMORY + ("fwd_flops", "bwd_flops"):
+        assert getattr(meas, f) == getattr(pred, f), f
+
+
+def test_bad_input_is_reported():
+    g, batch = _mlp()
+    with pytest.raises(ValueError, match="not divisible into 3 microbatches"):
+        split_microbatch(g, batch, 3)
+    with pytest.raises(ValueError, match="needs hardware"):
+        estimate_costs(g, batch, mode="predict")
+    with pytest.raises(ValueError, match="mode"):
+        estimate_costs(g, batch, mode="guess")
+
+
+class _DataDependent(nn.Module):
+    """A layer whose forward needs real values (.item()): it cannot run on meta or fake tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x) * (int((x > 0).sum().item()) % 3 + 1)
+
+
+def test_layer_that_cannot_run_on_meta_falls_back_with_a_warning_or_raises_if_big():
+    model = nn.Sequential(nn.Linear(8, 8), _DataDependent(), nn.Linear(8, 1))
+    x = torch.randn(4, 8)
+    g = trace(model, (x,), loss_fn=lambda out, ex: out.sum())
+    with pytest.warns(UserWarning, match=r"layer 1 \(1\) cannot run on the meta device"):
+        t = estimate_costs(g, (x,), mode="predict", hardware=Hardware.preset("cpu"), progress=False)
+    assert t.fwd_flops[1] == 2 * 4 * 8 * 8
+    with warnings.catch_warnings(), pytest.raises(ValueError, match=r"layer 1 \(1\).*fallback_param_bytes"):
+        warnings.simplefilter("ignore")
+        count_layers(g, g.flatten_inputs((x,)), fallback_param_bytes=16, progress=False)
+
+
+def test_llama_predict_on_meta_equals_predict_on_real_weights():
+    pytest.importorskip("transformers")
+    batch = M.lm_batch(batch=2, seq=16)
+    real = M.llama()
+    with torch.device("meta"):
+        meta = M.llama()
+    hw = Hardware.preset("rtx4090")
+    a = estimate_costs(trace(real, batch), batch, mode="predict", hardware=hw, progress=False)
+    b = estimate_costs(trace(meta, batch), batch, mode="predict", hardware=hw, progress=False)
+    assert a == b and sum(a.fwd_flops) > 0
+
+
+def test_symbolic_costs_at_an_unseen_shape_equal_the_predicted_costs():
+    pytest.importorskip("transformers")
+    g = trace(M.llama(), M.lm_batch(batch=2, seq=16))
+    hw = Hardware.preset("rtx4090")
+    sc = estimate_costs(g, M.lm_batch(batch=2, seq=16), mode="predict", hardware=hw, symbolic=True, progress=False)
+    assert isinstance(sc, SymbolicCosts) and sc.fwd_flops[1].free_symbols <= {B, S}
+    assert sc.fwd_flops[1].as_poly(B, S).degree(S) == 2 and sc.fwd_flops[1].as_poly(B, S).degree(B) == 1
+    for b, s in ((3, 40), (5, 7)):  # not fitting points (B in {2, 3} x S in {8, 12, 16}, check (4, 10))
+        batch = M.lm_batch(batch=b, seq=s)
+        pred = estimate_costs(g, batch, mode="predict", hardware=hw, progress=False)
+        at = sc.at(b, s)
+        assert at.fwd_flops == pred.fwd_flops and at.bwd_flops == pred.bwd_flops
+        for f in MEMORY:
+            assert getattr(at, f) == getattr(pred, f), f
+        for x, y in zip(at.fwd + at.bwd, pred.fwd + pred.bwd):
+            assert x == pytest.approx(y, rel=1e-9)
+    assert "B*S**2" in str(sc)
+    assert CostTable.symbolic(g, M.lm_batch(batch=2, seq=16), hw).fwd_flops == sc.fwd_flops
+
+
+def test_max_seq_len_is_the_largest_fitting_length():
+    pytest.importorskip("transformers")
+    g = trace(M.llama(), M.lm_batch(batch=2, seq=16))
+    small = Hardware.preset("rtx4090", device_memory=2 * 2 ** 20)
+    sc = CostTable.symbolic(g, M.lm_batch(batch=2, seq=16), small)
+    s = max_seq_len(sc, small, gpus=2)
+    assert 16 < s < 10 ** 5
+
+    def device_bytes(n):  # one layer per stage: its state, workspace, input, output grad, next layer's params
+        t = sc.at(1, n)
+        return max(t.param_bytes[i] + t.grad_bytes[i] + t.peak_bytes[i] + t.saved_bytes[i] + t.act_bytes[i]
+                   + (t.param_bytes[i + 1] if i + 1 < len(t) else 0) for i in range(len(t)))
+    assert device_bytes(s) <= 0.9 * small.device_memory < device_bytes(s + 1)
+    assert max_seq_len(g, small, gpus=2) == s
+    assert max_seq_len(sc, small.replace(device_memory=8 * 2 ** 20), gpus=2) > s
+    assert max_seq_len(sc, small.replace(device_memory=1000), gpus=2) == 0
+    assert max_seq_len(sc, small.replace(host_memory=2 ** 20), gpus=2) < s
+
+
+def test_llama_8b_on_meta_flops_match_6nt_plus_attention_quickly():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                                   num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                                   attn_implementation="eager")
+    t0 = time.perf_counter()
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (1, 2048))
+    batch = {"input_ids": ids, "labels": ids}
+    t = estimate_costs(trace(model, batch), batch, mode="predict", hardware=Hardware.preset("rtx4090"),
+                       progress=False)
+    assert time.perf_counter() - t0 < 10
+    n = sum(p.numel() for p in model.model.layers[0].parameters())
+    tokens, s, h = 2048, 2048, 4096
+    expected = 6 * n * tokens + 3 * 4 * s * s * h  # matmuls fwd+bwd; QK^T and PV: 2 * 2*S*S*h fwd, x3
+    got = t.fwd_flops[1] + t.bwd_flops[1]
+    assert abs(got / expected - 1) < 0.05
+    assert t.param_bytes[1] == n * 4 and len(t) == 35 and 0 < t.fwd[1] < t.bwd[1]
