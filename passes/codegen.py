@@ -132,7 +132,7 @@ def emit(plan: StagePlan, *, gpus: int, microbatches: int, round_size: int | Non
                 u = Instr(Op.ACT_UP, w, stage=i, mb=m, deps=tuple(up) + bufs)
                 last = Instr(_FINAL[st.kind], w, stage=i, mb=m, deps=first + (Ref(u.name),))
                 out += [u, last]
-            if i < ns - 1:
+            if i < ns - 1 or st.kind is StageKind.FB:  # the fused stage also brings the loss down
                 out.append(Instr(Op.ACT_DOWN, w, stage=i, mb=m, deps=(Ref(last.name),)))
         gs = []
         if st.kind is not StageKind.F:

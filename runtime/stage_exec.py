@@ -1,0 +1,257 @@
+"""Running a stage's layers: what crosses its cuts, forward, recompute and backward.
+
+`StageIO` says, per stage of a plan, which values a stage reads, downloads and
+which gradients it receives and sends (DESIGN.md idea 3). `LayerRunner` runs
+layers on one worker with parameters given by name, with per-(iteration,
+microbatch, layer) seeded randomness so that a B stage's recompute reproduces
+the dropout masks of the F stage that ran the same layer earlier.
+
+Note:
+    `torch.func.functional_call` swaps a module's parameters in place while it
+    runs, so two threads may not call it on one module. Each worker gets its own
+    copies of the layer modules (parameters on the meta device, never used;
+    buffers on the worker's device).
+"""
+from __future__ import annotations
+
+import copy
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rpcompile.graph import LayerGraph
+from rpcompile.plan import StageKind, StagePlan
+
+__all__ = ["StageIO", "stage_io", "LayerRunner", "layer_seed", "split_batch", "has_random_ops", "flat_ranges",
+           "up_keys", "count_readers", "chunk_elements", "grads_of"]
+
+_RANDOM_FNS = ("dropout", "bernoulli", "rand", "randn", "randint", "randperm", "multinomial", "normal")
+
+
+@dataclass(frozen=True)
+class StageIO:
+    """The values at a stage's cuts (names; see `stage_io`)."""
+
+    index: int
+    kind: StageKind
+    layers: range
+    params: tuple[str, ...]  # canonical parameter names used by the stage, first-use order
+    own: dict  # layer -> the params it brings to the stage's flat layout (dedup'ed within the stage)
+    reads: tuple[str, ...]  # values produced before the stage (or batch inputs) that its layers read
+    down: tuple[str, ...]  # F: values produced here that later stages read (outputs + saved inputs)
+    grad_in: tuple[str, ...]  # B: gradients received at the cut after the stage (requires_grad only)
+    grad_out: tuple[str, ...]  # X/B: gradients sent at the cut before the stage (requires_grad only)
+
+
+def stage_io(graph: LayerGraph, plan: StagePlan) -> list[StageIO]:
+    """Per stage, the values it reads, downloads, receives and sends gradients for.
+
+    Args:
+        graph: the traced model.
+        plan: stage plan covering the graph's layers.
+    Returns:
+        One StageIO per stage, in slot order.
+    """
+    if plan.num_layers != len(graph.layers):
+        raise ValueError(f"plan covers {plan.num_layers} layers but the graph has {len(graph.layers)}")
+    cuts = {r.start - 1 for r in plan.bwd if r.start > 0}
+    out = []
+    for s in plan.stages:
+        lo, hi = s.layers.start, s.layers.stop - 1
+        layers = [graph.layers[i] for i in s.layers]
+        produced = {n for lay in layers for n in lay.outputs}
+        read = {n for lay in layers for n in lay.inputs}
+        reads = tuple(v.name for v in graph.live_at(lo - 1) if v.name in read)
+        down: tuple[str, ...] = ()
+        if s.kind is StageKind.F:
+            need = {v.name for v in graph.live_at(hi)}
+            need |= {v.name for c in cuts if lo <= c <= hi for v in graph.live_at(c)}
+            down = tuple(n for lay in layers for n in lay.outputs if n in need and n in produced)
+        grad_in = tuple(v.name for v in graph.live_at(hi) if v.requires_grad) if s.kind is StageKind.B else ()
+        grad_out = () if s.kind is StageKind.F else tuple(v.name for v in graph.live_at(lo - 1) if v.requires_grad)
+        params, own = [], {}
+        for lay in layers:
+            own[lay.index] = tuple(p for p in lay.params if p not in params)
+            params += own[lay.index]
+        out.append(StageIO(s.index, s.kind, s.layers, tuple(params), own, reads, down, grad_in, grad_out))
+    return out
+
+
+def flat_ranges(sizes: list[int], lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """Split the flat element range [lo, hi) over consecutive tensors of `sizes` elements.
+
+    Returns:
+        (tensor index, start, stop) within each tensor that the range touches.
+
+    >>> flat_ranges([4, 4], 2, 6)
+    [(0, 2, 4), (1, 0, 2)]
+    """
+    out, off = [], 0
+    for k, n in enumerate(sizes):
+        a, b = max(lo, off), min(hi, off + n)
+        if a < b:
+            out.append((k, a - off, b - off))
+        off += n
+    return out
+
+
+def layer_seed(seed: int, iteration: int, mb: int, layer: int) -> int:
+    """The RNG seed of one layer's forward (and its recompute) for one microbatch.
+
+    >>> layer_seed(0, 1, 2, 3) == layer_seed(0, 1, 2, 3)
+    True
+    """
+    x = seed & 0xFFFFFFFF
+    for v in (iteration, mb, layer):
+        x = (x * 0x9E3779B97F4A7C15 + (v & 0xFFFFFFFF) + 0x632BE59BD9B4E019) % (1 << 61)
+    return x
+
+
+def has_random_ops(graph: LayerGraph) -> bool:
+    """True if a layer may draw random numbers (dropout p > 0, attention dropout, rand* in glue)."""
+    for lay in graph.layers:
+        for m in lay.module.modules():
+            if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0:
+                return True
+            for attr in ("attention_dropout", "dropout", "dropout_p"):
+                v = getattr(m, attr, 0.0)
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
+                    return True
+        for node in lay.module.graph.nodes:
+            name = getattr(node.target, "__name__", str(node.target)).lower()
+            if node.op in ("call_function", "call_method") and any(r in name for r in _RANDOM_FNS):
+                return True
+    return False
+
+
+def split_batch(graph: LayerGraph, batch: Any, microbatches: int) -> list[dict[str, torch.Tensor]]:
+    """The batch's named inputs cut into `microbatches` equal slices along each input's batch dim.
+
+    Inputs with `batch_dim` None are shared by every microbatch.
+
+    Raises:
+        ValueError: an input's batch size is not divisible by `microbatches` (names it).
+    """
+    inputs = graph.flatten_inputs(batch)
+    out: list[dict[str, torch.Tensor]] = [{} for _ in range(microbatches)]
+    for name, t in inputs.items():
+        bd = graph.values[name].batch_dim if name in graph.values else 0
+        if bd is None or t.dim() == 0:
+            parts = [t] * microbatches
+        else:
+            if t.shape[bd] % microbatches:
+                raise ValueError(f"input {name!r} has batch size {t.shape[bd]}, not divisible into "
+                                 f"{microbatches} microbatches")
+            parts = list(t.tensor_split(microbatches, dim=bd))
+        for m in range(microbatches):
+            out[m][name] = parts[m].contiguous()
+    return out
+
+
+class LayerRunner:
+    """Runs the graph's layers on one device with parameters passed by name.
+
+    Args:
+        graph: the traced model.
+        device: where the worker's tensors live.
+        seed: base seed of the per-layer RNG.
+        rng_lock: lock guarding torch's global RNG, or None when the graph draws no random numbers.
+    """
+
+    def __init__(self, graph: LayerGraph, device: torch.device, seed: int, rng_lock: threading.Lock | None) -> None:
+        self.graph, self.device, self.seed, self.rng_lock = graph, device, seed, rng_lock
+        self.modules = []
+        for lay in graph.layers:
+            memo = {id(p): torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+                    for p in lay.module.parameters()}
+            mod = copy.deepcopy(lay.module, memo)
+            self.modules.append(mod.to(device) if device.type != "cpu" else mod)
+
+    def run_layer(self, index: int, params: dict[str, torch.Tensor], env: dict[str, Any], iteration: int,
+                  mb: int) -> None:
+        """Run layer `index` reading and extending `env`, randomness seeded by (iteration, mb, layer)."""
+        lay = self.graph.layers[index]
+        args = [env[n] for n in lay.inputs]
+        mine = {p: params[p] for p in lay.params}
+        if self.rng_lock is None:
+            outs = torch.func.functional_call(self.modules[index], mine, tuple(args))
+        else:
+            with self.rng_lock:
+                torch.manual_seed(layer_seed(self.seed, iteration, mb, index))
+                outs = torch.func.functional_call(self.modules[index], mine, tuple(args))
+        if not isinstance(outs, (tuple, list)):
+            outs = (outs,)
+        if len(outs) != len(lay.outputs):
+            raise RuntimeError(f"layer {index} ({lay.name}) returned {len(outs)} values, expected {len(lay.outputs)}")
+        env.update(zip(lay.outputs, outs))
+
+    def forward(self, layers: range, params: dict[str, torch.Tensor], inputs: dict[str, Any], iteration: int,
+                mb: int, *, grad_of: tuple[str, ...] = ()) -> dict[str, Any]:
+        """Run `layers` in order from `inputs`; returns the environment of every value seen.
+
+        Args:
+            grad_of: input names to turn into leaves that require grad (the recompute's inputs).
+        """
+        env = {n: (t.detach().requires_grad_(True) if n in grad_of and t.is_floating_point() else t)
+               for n, t in inputs.items()}
+        for i in layers:
+            self.run_layer(i, params, env, iteration, mb)
+        return env
+
+
+def up_keys(io: list[StageIO], i) -> list[tuple]:
+    """Host keys (without the iteration) that an upload instruction reads."""
+    st = io[i.stage]
+    if i.grad:
+        return [("g", i.mb, st.layers.stop - 1, n) for n in st.grad_in]
+    return [("a", i.mb, n) for n in st.reads]
+
+
+def count_readers(program, io: list[StageIO]) -> dict[tuple, int]:
+    """Host key (without the iteration) -> number of uploads of one iteration that read it."""
+    out: dict[tuple, int] = {}
+    for i in program.instrs:
+        if i.op.value == "U":
+            for k in up_keys(io, i):
+                out[k] = out.get(k, 0) + 1
+    return out
+
+
+def chunk_elements(program, io: list[StageIO], state) -> tuple[dict, dict]:
+    """(stage, chunk) -> [(param, start, stop)] flat element ranges; (stage, param) -> piece count.
+
+    A piece (layer, a, z) of a chunk is the byte range [a, z) of the layer's parameter bytes as
+    the cost table counted them; it maps to the same fraction of the layer's actual flat
+    elements (its parameters in `StageIO.own` order). A layer counted as 0 bytes goes whole.
+    """
+    total: dict[tuple[int, int], int] = {}
+    for c in program.chunks:
+        for l, _, z in c.pieces:
+            total[(c.stage, l)] = max(total.get((c.stage, l), 0), z)
+    elems, count = {}, {}
+    for c in program.chunks:
+        out = []
+        for l, a, z in c.pieces:
+            names = io[c.stage].own.get(l, ())
+            sizes = [state.read(n).numel() for n in names]
+            e, tb = sum(sizes), total[(c.stage, l)]
+            lo, hi = (0, e) if tb == 0 else (a * e // tb, z * e // tb)
+            out += [(names[k], s, f) for k, s, f in flat_ranges(sizes, lo, hi)]
+        elems[(c.stage, c.index)] = out
+        for n, _, _ in out:
+            count[(c.stage, n)] = count.get((c.stage, n), 0) + 1
+    return elems, count
+
+
+def grads_of(env: dict, names: tuple[str, ...], passthrough: dict) -> dict[str, torch.Tensor]:
+    """Gradients of `names`: a leaf's .grad (zeros if none), or the received one for unused pass-throughs."""
+    out = {}
+    for n in names:
+        v = env.get(n)
+        if v is None or not isinstance(v, torch.Tensor) or not v.requires_grad:
+            out[n] = passthrough[n]
+        else:
+            out[n] = v.grad if v.grad is not None else torch.zeros_like(v)
+    return out
