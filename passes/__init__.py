@@ -1,4 +1,13 @@
-"""Compiler passes: each is a pure function from one IR value to a new one."""
-from rpcompile.passes.timing import iteration_time
+"""Compiler passes, in pipeline order; each is a pure function from one IR value to a new one.
 
-__all__ = ["iteration_time"]
+    trace -> shard_lm_head -> estimate_costs -> partition (iteration_time) -> emit -> verify
+"""
+from rpcompile.passes.trace import trace
+from rpcompile.passes.shard_head import shard_lm_head
+from rpcompile.passes.cost import estimate_costs
+from rpcompile.passes.timing import iteration_time
+from rpcompile.passes.partition import partition
+from rpcompile.passes.codegen import emit
+from rpcompile.passes.verify import verify
+
+__all__ = ["trace", "shard_lm_head", "estimate_costs", "iteration_time", "partition", "emit", "verify"]

@@ -178,8 +178,7 @@ def _run_once(graph: LayerGraph, layer: Layer, state: dict, inputs: list, rec_fw
 
 def _layer_memory(graph: LayerGraph, layer: Layer, inputs: list, outs: tuple, later: set[str]) -> tuple:
     """(param_bytes, grad_bytes, act_bytes, saved_bytes) of one layer at this microbatch."""
-    pb = sum(graph.params[p].bytes for p in layer.params)
-    gb = sum(graph.params[p].bytes for p in layer.params if graph.params[p].requires_grad)
+    pb, gb = graph.param_bytes(layer), graph.param_bytes(layer, trainable=True)
     act = sum(_tensor_bytes(o) for n, o in zip(layer.outputs, outs) if n in later and isinstance(o, torch.Tensor))
     saved = sum(_tensor_bytes(t) for t in inputs if isinstance(t, torch.Tensor))
     return pb, gb, act, saved

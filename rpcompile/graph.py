@@ -160,11 +160,31 @@ class LayerGraph:
                 owners.setdefault(name, []).append(layer.index)
         return {name: tuple(idx) for name, idx in owners.items()}
 
+    def param_bytes(self, layer: Layer, *, trainable: bool = False, elements: bool = False) -> int:
+        """Bytes of the parameters `layer` reads: only its slice of a sliced one (`param_slices`).
+
+        Args:
+            layer: a layer of this graph.
+            trainable: count only parameters with requires_grad (the gradient bytes).
+            elements: count elements instead of bytes.
+        """
+        sliced = {name: (dim, lo, hi) for name, dim, lo, hi in layer.param_slices}
+        total = 0
+        for name in layer.params:
+            v = self.params[name]
+            if trainable and not v.requires_grad:
+                continue
+            n = v.bytes // max(v.dtype.itemsize, 1) if elements else v.bytes
+            if name in sliced:
+                dim, lo, hi = sliced[name]
+                n = n * (hi - lo) // v.shape[dim]
+            total += n
+        return total
+
     def __str__(self) -> str:
         rows = []
         for layer in self.layers:
-            nparams = sum(self.params[p].bytes // max(self.params[p].dtype.itemsize, 1) for p in layer.params)
-            pbytes = sum(self.params[p].bytes for p in layer.params)
+            pbytes, nparams = self.param_bytes(layer), self.param_bytes(layer, elements=True)
             rows.append([layer.index, layer.name, f"{nparams:,}", _fmt_bytes(pbytes),
                          _names(layer.inputs), _names(layer.outputs)])
         head = ["layer", "name", "params", "param bytes", "inputs", "outputs"]

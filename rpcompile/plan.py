@@ -13,8 +13,14 @@ order (descending layers), each recomputing its forward first.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
-from typing import Sequence
+import math
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Sequence
+
+from tabulate import tabulate
+
+if TYPE_CHECKING:
+    from rpcompile.costs import CostTable
 
 
 class StageKind(str, enum.Enum):
@@ -51,6 +57,8 @@ class StagePlan:
     fwd: tuple[range, ...]  # forward stages, ascending
     fused: range            # the fused forward+backward stage (the last layers, through the loss)
     bwd: tuple[range, ...]  # backward stages in execution order (descending layers)
+    # Evaluation attached at construction by `evaluated()` (never mutated); not part of equality.
+    report: "PlanReport | None" = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.fused) < 1 or self.fused.step != 1:
@@ -114,8 +122,156 @@ class StagePlan:
                 out.append(Stage(len(out), kind, j, r))
         return tuple(out)
 
+    def stage_times(self, costs: "CostTable") -> tuple[float, ...]:
+        """Seconds per microbatch of each stage: F = sum fwd; FB = sum fwd+bwd; B = sum fwd+bwd (recompute)."""
+        _check_costs(self, costs)
+        out = []
+        for s in self.stages:
+            t = sum(costs.fwd[i] for i in s.layers)
+            out.append(t if s.kind is StageKind.F else t + sum(costs.bwd[i] for i in s.layers))
+        return tuple(out)
+
+    def t_max(self, costs: "CostTable") -> float:
+        """The slowest stage's time per microbatch."""
+        return max(self.stage_times(costs))
+
+    def stage_memory(self, costs: "CostTable", *, gpus: int | None = None) -> tuple[int, ...]:
+        """Estimated device bytes of each stage while it runs (see Note).
+
+        Args:
+            costs: the cost table (`param_bytes` .. `peak_bytes`).
+            gpus: workers N; the prefetched stage is the one N slots later in the
+                rotation. None: the largest other stage's parameters (a bound).
+        Returns:
+            Bytes per stage, in slot order.
+
+        Note: a stage's worker holds (1) the stage's parameters; (2) the next
+        stage it runs, prefetched: stage (i + N) mod S of the rotation; (3) for
+        FB and B stages the gradients and the backward workspace, `peak_bytes`
+        summed over the stage's layers (the whole stage is recomputed, so all
+        its saved tensors live at once); (4) in-flight activations: the input of
+        the current and the next microbatch (uploaded one ahead; a B stage's
+        input is its saved input `saved_bytes[first]`, an F/FB stage's the
+        previous layer's `act_bytes`, layer 0's the batch `saved_bytes[0]`);
+        the output `act_bytes[last]`; for F stages also the saved inputs of the
+        backward cut points inside it; for B stages the incoming gradient
+        (`act_bytes[last]`, current and next) and the outgoing one. An estimate
+        used for feasibility, not an allocator trace.
+
+        >>> from rpcompile.costs import CostTable
+        >>> c = CostTable.from_lists([1, 1], [2, 2], param_bytes=[10, 20], grad_bytes=[10, 20])
+        >>> StagePlan.from_str("1|1|1").stage_memory(c, gpus=2)
+        (20, 50, 40)
+        """
+        _check_costs(self, costs)
+        stages = self.stages
+        own = [sum(costs.param_bytes[i] for i in s.layers) for s in stages]
+        cuts = {r.start for r in self.bwd if r.start > 0}
+        out = []
+        for s in stages:
+            lo, hi = s.layers.start, s.layers.stop - 1
+            if gpus is None:
+                nxt = max((own[j] for j in range(len(stages)) if j != s.index), default=0)
+            else:
+                nxt = own[(s.index + gpus) % len(stages)]
+            inp = costs.saved_bytes[lo] if s.kind is StageKind.B or lo == 0 else costs.act_bytes[lo - 1]
+            mem = own[s.index] + nxt + 2 * inp + costs.act_bytes[hi]
+            if s.kind is StageKind.F:
+                mem += sum(costs.saved_bytes[j] for j in cuts if lo < j <= hi)
+            else:
+                mem += sum(costs.grad_bytes[i] + costs.peak_bytes[i] for i in s.layers)
+                mem += (costs.act_bytes[lo - 1] if lo > 0 else 0)
+                if s.kind is StageKind.B:
+                    mem += costs.act_bytes[hi]
+            out.append(mem)
+        return tuple(out)
+
+    def describe(self, costs: "CostTable", *, gpus: int, microbatches: int, round_size: int | None = None,
+                 staleness: int = 0, memory_budget: int | None = None) -> "PlanReport":
+        """Evaluate the plan: stage times and memory, t_max, iteration time, bubble.
+
+        Args:
+            costs: the cost table.
+            gpus, microbatches, round_size, staleness: as for `iteration_time`.
+            memory_budget: device bytes per worker, shown in the table (None: no limit).
+        Returns:
+            A PlanReport; `str()` of it is the table.
+
+        >>> from rpcompile.costs import CostTable
+        >>> c = CostTable.from_lists([1.0] * 4, [2.0] * 4)
+        >>> r = StagePlan.from_str("3|1|3").describe(c, gpus=1, microbatches=2)
+        >>> r.t_max, r.iteration_time
+        (9.0, 30.0)
+        """
+        from rpcompile.passes.timing import iteration_time  # passes import this module
+        times = self.stage_times(costs)
+        t = iteration_time(self, costs, gpus=gpus, microbatches=microbatches, round_size=round_size,
+                           staleness=staleness)
+        bubble = 1.0 - microbatches * sum(times) / (gpus * t) if t > 0 else 0.0  # as `bubble_ratio`
+        return PlanReport(
+            stages=self.stages, times=times, memory=self.stage_memory(costs, gpus=gpus), t_max=max(times),
+            iteration_time=t, bubble_ratio=bubble,
+            gpus=gpus, microbatches=microbatches, staleness=staleness, memory_budget=memory_budget)
+
+    def evaluated(self, costs: "CostTable", **kwargs) -> "StagePlan":
+        """A copy carrying `describe(costs, **kwargs)` as `report`, so that `print(plan)` shows the table."""
+        return replace(self, report=self.describe(costs, **kwargs))
+
     def __str__(self) -> str:
-        return f"StagePlan({self.to_str()})"
+        return f"StagePlan({self.to_str()})" if self.report is None else str(self.report)
+
+
+@dataclass(frozen=True, slots=True)
+class PlanReport:
+    """A plan's evaluation under one cost table and schedule; `str()` is a table.
+
+    >>> from rpcompile.costs import CostTable
+    >>> c = CostTable.from_lists([1e-3] * 2, [2e-3] * 2)
+    >>> print(StagePlan.from_str("1|1|1").describe(c, gpus=2, microbatches=2))  # doctest: +NORMALIZE_WHITESPACE
+    stage    kind    layers    time      memory    share of t_max
+    -------  ------  --------  --------  --------  ----------------
+    F1       F       0         1.000 ms    0 B       33%
+    FB       FB      1         3.000 ms    0 B       100%
+    B1       B       0         3.000 ms    0 B       100%
+    plan 1|1|1: 3 stages, t_max 3.000 ms, iteration 9.000 ms (2 GPUs, 2 microbatches, staleness 0), bubble 22.2%
+    """
+
+    stages: tuple[Stage, ...]       # the plan's stages in slot order
+    times: tuple[float, ...]        # seconds per microbatch, per stage
+    memory: tuple[int, ...]         # estimated device bytes, per stage (`StagePlan.stage_memory`)
+    t_max: float                    # the slowest stage's time
+    iteration_time: float           # `iteration_time` of the plan (s)
+    bubble_ratio: float             # idle share of the workers over an iteration
+    gpus: int                       # workers N
+    microbatches: int               # microbatches per iteration M
+    staleness: int                  # 0 or 1, as evaluated
+    memory_budget: int | None       # device bytes per worker, None = no limit
+
+    def __str__(self) -> str:
+        from rpcompile.costs import _fmt
+        rows = []
+        for s, t, m in zip(self.stages, self.times, self.memory):
+            lay = f"{s.layers.start}" if len(s.layers) == 1 else f"{s.layers.start}-{s.layers.stop - 1}"
+            share = f"{100 * t / self.t_max:.0f}%" if self.t_max > 0 else "-"
+            rows.append([s.label, s.kind.value, lay, _fmt(t, True), _fmt(m, False), share])
+        table = tabulate(rows, headers=["stage", "kind", "layers", "time", "memory", "share of t_max"],
+                         disable_numparse=True)
+        sizes = [len(s.layers) for s in self.stages]
+        kinds = [s.kind for s in self.stages]
+        compact = (",".join(str(n) for n, k in zip(sizes, kinds) if k is StageKind.F) + "|"
+                   + "".join(str(n) for n, k in zip(sizes, kinds) if k is StageKind.FB) + "|"
+                   + ",".join(str(n) for n, k in zip(sizes, kinds) if k is StageKind.B))
+        budget = "" if self.memory_budget is None else f", memory budget {_fmt(self.memory_budget, False)}"
+        it = "inf" if math.isinf(self.iteration_time) else _fmt(self.iteration_time, True)
+        return (f"{table}\nplan {compact}: {len(self.stages)} stages, t_max {_fmt(self.t_max, True)}, "
+                f"iteration {it} ({self.gpus} GPUs, {self.microbatches} microbatches, staleness "
+                f"{self.staleness}), bubble {100 * self.bubble_ratio:.1f}%{budget}")
+
+
+def _check_costs(plan: StagePlan, costs: "CostTable") -> None:
+    """Raise unless the cost table has one entry per layer of the plan."""
+    if len(costs.fwd) != plan.num_layers:
+        raise ValueError(f"plan has {plan.num_layers} layers but the cost table has {len(costs.fwd)}")
 
 
 def _check_cover(what: str, ranges: tuple[range, ...], n: int, *, ascending: bool) -> None:

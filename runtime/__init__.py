@@ -1,5 +1,5 @@
-"""Runtime: workers, transfers, the CPU optimizer and the simulator."""
-from rpcompile.runtime.simulator import Timeline, simulate  # pure Python: no device query at import
+"""Runtime: workers, transfers, the CPU optimizer and the simulator (no device query at import)."""
+from rpcompile.runtime.simulator import Timeline, simulate
+from rpcompile.runtime.executor import Runtime, RuntimeFailure, run
 
-__all__ = ["Timeline", "simulate"]
-from rpcompile.runtime.executor import Runtime, RuntimeFailure, run  # noqa: E402  (torch only; no device query)
+__all__ = ["Timeline", "simulate", "Runtime", "RuntimeFailure", "run"]

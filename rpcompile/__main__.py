@@ -1,0 +1,111 @@
+"""Command line: python -m rpcompile {demo, plan, simulate, train} ...
+
+    python -m rpcompile demo
+    python -m rpcompile plan --model llama3.1-8b --gpus 8 --hardware rtx4090 --seq 2048 --microbatches 16
+    python -m rpcompile simulate --program program.csv [--costs costs.json] --hardware rtx4090
+    python -m rpcompile train --config run.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Train the embedded tiny Llama on the repository's own text."""
+    from rpcompile.demo import DemoConfig, run
+    run(DemoConfig(steps=args.steps, out=args.out))
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Plan a model on meta for a target machine and compare with the baselines."""
+    from rpcompile.planning import plan_model
+    t = time.perf_counter()
+    r = plan_model(args.model, gpus=args.gpus, hardware=args.hardware, seq=args.seq,
+                   microbatches=args.microbatches, staleness=args.staleness)
+    print(f"{args.model}: {r.params / 1e9:.2f}B parameters, {len(r.costs)} layers, "
+          f"{args.gpus}x {args.hardware}, seq {args.seq}, {args.microbatches} microbatches\n")
+    print(r.plan, "", r.table(), "", sep="\n")
+    print(f"max_seq_len on {args.gpus}x {args.hardware}: {r.max_seq if r.max_seq else 'n/a'}")
+    print(f"planned in {time.perf_counter() - t:.1f} s")
+    if args.save_program:
+        r.program.to_csv(args.save_program)
+        with open(args.save_program + ".costs.json", "w") as f:
+            json.dump(r.costs.to_lists(), f)
+        print(f"wrote {args.save_program} and {args.save_program}.costs.json")
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    """Simulate a saved program (CSV) with saved costs (JSON) on a hardware preset."""
+    from rpcompile.costs import CostTable
+    from rpcompile.hardware import Hardware
+    from rpcompile.program import Program
+    from rpcompile.runtime import simulate
+    program = Program.from_csv(args.program)
+    costs_path = args.costs or args.program + ".costs.json"
+    try:
+        with open(costs_path) as f:
+            costs = CostTable.from_lists(**json.load(f))
+    except FileNotFoundError:
+        n = program.plan.num_layers
+        print(f"no cost file {costs_path!r}: using unit costs (fwd 1 ms, bwd 2 ms per layer, no bytes)")
+        costs = CostTable.from_lists(fwd=[1e-3] * n, bwd=[2e-3] * n)
+    t = simulate(program, costs, Hardware.preset(args.hardware), iterations=args.iterations)
+    print(t.summary())
+    if args.trace:
+        t.to_chrome_trace(args.trace)
+        print(f"wrote {args.trace}")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """Train from a JSON run config (see rpcompile.train.RunConfig)."""
+    from rpcompile.train import RunConfig, train
+    with open(args.config) as f:
+        cfg = RunConfig(**json.load(f))
+    train(cfg)
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    """The argument parser; each sub-command's `func` is its handler."""
+    p = argparse.ArgumentParser(prog="python -m rpcompile", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("demo", help="train a tiny Llama on this repository's text (2 workers)")
+    d.add_argument("--steps", type=int, default=60)
+    d.add_argument("--out", default="rpcompile-demo")
+    d.set_defaults(func=cmd_demo)
+    from rpcompile.presets import MODELS
+    pl = sub.add_parser("plan", help="plan a model for a machine, on meta, vs the baselines")
+    pl.add_argument("--model", required=True, help=f"one of {sorted(MODELS)} or a config.json path")
+    pl.add_argument("--gpus", type=int, default=8)
+    pl.add_argument("--hardware", default="rtx4090")
+    pl.add_argument("--seq", type=int, default=2048)
+    pl.add_argument("--microbatches", type=int, default=16)
+    pl.add_argument("--staleness", type=int, default=1, choices=(0, 1))
+    pl.add_argument("--save-program", help="write the program (CSV) and costs (JSON) here")
+    pl.set_defaults(func=cmd_plan)
+    s = sub.add_parser("simulate", help="simulate a saved program")
+    s.add_argument("--program", required=True)
+    s.add_argument("--costs", help="CostTable JSON (default: PROGRAM.costs.json)")
+    s.add_argument("--hardware", default="rtx4090")
+    s.add_argument("--iterations", type=int, default=1)
+    s.add_argument("--trace", help="write a Chrome trace here")
+    s.set_defaults(func=cmd_simulate)
+    t = sub.add_parser("train", help="train from a JSON run config")
+    t.add_argument("--config", required=True)
+    t.set_defaults(func=cmd_train)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""Plan a model for a machine you may not have: predicted costs, our plan vs bound-stage baselines.
+
+Used by `python -m rpcompile plan` and the examples. Everything here runs on
+the `meta` device: no weight is allocated.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tabulate import tabulate
+
+from rpcompile.hardware import Hardware
+
+
+@dataclass(frozen=True, slots=True)
+class PlanResult:
+    """What `plan_model` found, as plain data."""
+
+    model: str            # preset name or config path
+    params: int           # parameter count
+    plan: object          # the chosen StagePlan (prints as its table)
+    program: object       # the emitted Program
+    costs: object         # the predicted CostTable
+    rows: tuple           # (schedule, iteration s, tokens/s, bubble, steady bubble, peak GiB) per schedule
+    max_seq: int | None   # longest sequence that fits (None if it could not be computed)
+    tokens: int           # tokens per iteration
+
+    def table(self) -> str:
+        """Our plan and the baselines side by side."""
+        return tabulate(self.rows, headers=["schedule", "iteration (s)", "tokens/s", "bubble (sync)",
+                                            "bubble (steady)", "peak GiB/GPU"],
+                        floatfmt=("", ".3f", ",.0f", ".1%", ".1%", ".1f"))
+
+
+def plan_model(model: str, *, gpus: int = 8, hardware: str | Hardware = "rtx4090", seq: int = 2048,
+               microbatches: int = 16, staleness: int = 1) -> PlanResult:
+    """Build `model` on meta, predict its costs on `hardware`, plan, simulate, compare.
+
+    Args:
+        model: a name from `rpcompile.presets.MODELS` or a config.json path.
+        gpus, hardware, seq, microbatches, staleness: the target run (one sequence per microbatch).
+    Returns:
+        A PlanResult; `.table()` compares our schedule with GPipe, 1F1B, interleaved and looped-BFS.
+    """
+    import torch
+    from rpcompile import passes
+    from rpcompile.api import Options, plan_pipeline
+    from rpcompile.presets import build_meta, example_batch
+    from rpcompile.runtime import simulate
+    from rpcompile.runtime.baselines import baselines
+    from rpcompile.passes.timing import steady_state_window, default_round_size
+
+    hw = Hardware.preset(hardware) if isinstance(hardware, str) else hardware
+    net = build_meta(model)
+    example = example_batch(net.config.vocab_size, microbatches, seq)
+    opts = Options(gpus=gpus, microbatches=microbatches, staleness=staleness,
+                   optimizer=None, dtype=torch.bfloat16, loss_fn=None, layers=None,
+                   lm_head_shards="auto", hardware=hw, memory_budget=None, backend="host", seed=0)
+    graph, costs, plan, program, m = plan_pipeline(net, example, opts, mode="predict")
+    tokens = microbatches * seq
+    k, _ = steady_state_window(gpus, plan.num_stages, m // default_round_size(gpus, m))
+    rows = []
+    ours_sync = simulate(passes.emit(plan, gpus=gpus, microbatches=m, staleness=0, costs=costs), costs, hw)
+    ours = simulate(program, costs, hw, iterations=k)
+    rows.append(("rpcompile (RoundPipe)", ours.steady_iteration_time, tokens / ours.steady_iteration_time,
+                 ours_sync.bubble_ratio, ours.steady_bubble, max(ours.peak_memory) / 2**30))
+    for name, prog in baselines(costs, gpus=gpus, microbatches=m).items():
+        t = simulate(prog, costs, hw)
+        rows.append((name, t.iteration_time, tokens / t.iteration_time, t.bubble_ratio, t.bubble_ratio,
+                     max(t.peak_memory) / 2**30))
+    try:
+        from rpcompile import max_seq_len
+        longest = max_seq_len(graph, hw, gpus=gpus)
+    except Exception:  # reported as "n/a": planning still succeeded
+        longest = None
+    n_params = sum(v.shape.numel() if hasattr(v.shape, "numel") else _numel(v.shape)
+                   for v in graph.params.values())
+    return PlanResult(model, n_params, plan, program, costs, tuple(rows), longest, tokens)
+
+
+def _numel(shape) -> int:
+    """Product of a shape's sizes."""
+    n = 1
+    for s in shape:
+        n *= s
+    return n

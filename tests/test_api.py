@@ -1,0 +1,127 @@
+"""The public API: compile, step, evaluate, model, checkpoints, re-planning, bad input."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import rpcompile
+from rpcompile.zoo import LlamaConfig, TinyLlama
+
+CFG = LlamaConfig(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, ffn=64, max_seq=32)
+
+
+def batch(seed, b=4, t=16):
+    ids = torch.randint(0, 64, (b, t), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def make(staleness=1, **kw):
+    opts = dict(gpus=2, example=batch(0), microbatches=2, staleness=staleness,
+                optimizer=rpcompile.AdamW(lr=1e-2, impl="foreach"), memory_budget=2**20)
+    opts.update(kw)
+    return rpcompile.compile(TinyLlama(CFG), **opts)
+
+
+def params(c):
+    return {n: p.detach().clone() for n, p in c.model().named_parameters()}
+
+
+def test_compiled_is_printable_and_trains():
+    with make() as c:
+        for text in (str(c.graph), str(c.costs), str(c.plan), str(c.program), repr(c)):
+            assert text
+        assert "share of t_max" in str(c.plan)
+        losses = [c.step(batch(0)) for _ in range(6)]
+        assert losses[-1] < losses[0]
+        assert c.evaluate(batch(0)) == pytest.approx(c.evaluate(batch(0)))
+
+
+def test_model_gives_back_the_module_with_every_update_applied():
+    with make(staleness=1) as c:
+        before = params(c)
+        c.step(batch(0))
+        after = params(c)  # staleness 1: the update of step 1 is pending in the host state; model() applies it
+        assert any(not torch.equal(before[n], after[n]) for n in before)
+        masters = c.state.parameters_fp32()
+        assert all(torch.equal(after[n], masters[n]) for n in masters)
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_resume_in_a_fresh_process_is_bit_identical(tmp_path, staleness):
+    ref = make(staleness)
+    for i in range(3):
+        ref.step(batch(i))
+    path = str(tmp_path / "ckpt.rp")
+    ref.save(path)
+    for i in range(3, 6):
+        ref.step(batch(i))
+    want = params(ref)
+    ref.close()
+    out = str(tmp_path / "resumed.pt")
+    script = textwrap.dedent(f"""
+        import torch, rpcompile
+        from rpcompile.zoo import LlamaConfig, TinyLlama
+        from tests.test_api import CFG, batch, params
+        c = rpcompile.load({path!r}, TinyLlama(CFG, seed=123))
+        assert c.steps == 3, c.steps
+        for i in range(3, 6):
+            c.step(batch(i))
+        torch.save(params(c), {out!r})
+        c.close()
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=root, timeout=300)
+    got = torch.load(out)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[n], want[n]) for n in want)
+
+
+def test_truncated_checkpoint_is_detected_and_the_previous_file_survives(tmp_path):
+    path = str(tmp_path / "ckpt.rp")
+    with make() as c:
+        c.step(batch(0))
+        c.save(path)
+        good = open(path, "rb").read()
+        with open(path + ".part", "wb") as f:
+            f.write(good[: len(good) // 2])
+        with pytest.raises(ValueError, match="truncated"):
+            rpcompile.checkpoint.load(path + ".part")
+        real_replace = os.replace
+
+        def crash(src, dst):  # the process dies between writing the temp file and the rename
+            raise KeyboardInterrupt
+
+        os.replace = crash
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                c.step(batch(1))
+                c.save(path)
+        finally:
+            os.replace = real_replace
+        assert open(path, "rb").read() == good
+        assert [f for f in os.listdir(tmp_path) if f.startswith(".tmp-")] == []
+
+
+def test_bad_batches_are_named_before_any_worker_starts():
+    with make() as c:
+        b = batch(0)
+        with pytest.raises(ValueError, match="'input_ids'.*not divisible by 2"):
+            c.step({"input_ids": b["input_ids"][:3], "labels": b["labels"][:3]})
+        with pytest.raises(ValueError, match="missing 'labels'"):
+            c.step({"input_ids": b["input_ids"]})
+        with pytest.raises(ValueError, match="'labels' has dtype torch.float32"):
+            c.step({"input_ids": b["input_ids"], "labels": b["labels"].float()})
+        assert c.steps == 0
+        c.step(b)  # still usable
+        assert c.steps == 1
+
+
+def test_a_new_sequence_length_replans_and_keeps_training(capsys):
+    with make() as c:
+        c.step(batch(0))
+        loss = c.step(batch(1, t=24))
+        assert "re-planned" in capsys.readouterr().err
+        assert loss == loss and c.steps == 2
