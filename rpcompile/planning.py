@@ -21,15 +21,15 @@ class PlanResult:
     plan: object          # the chosen StagePlan (prints as its table)
     program: object       # the emitted Program
     costs: object         # the predicted CostTable
-    rows: tuple           # (schedule, iteration s, tokens/s, bubble, steady bubble, peak GiB) per schedule
+    rows: tuple           # (schedule, iteration s, tokens/s, bubble, steady bubble, peak GiB, fits) per schedule
     max_seq: int | None   # longest sequence that fits (None if it could not be computed)
     tokens: int           # tokens per iteration
 
     def table(self) -> str:
         """Our plan and the baselines side by side."""
         return tabulate(self.rows, headers=["schedule", "iteration (s)", "tokens/s", "bubble (sync)",
-                                            "bubble (steady)", "peak GiB/GPU"],
-                        floatfmt=("", ".3f", ",.0f", ".1%", ".1%", ".1f"))
+                                            "bubble (steady)", "peak GiB/GPU", "fits the GPU"],
+                        floatfmt=("", ".3f", ",.0f", ".1%", ".1%", ".1f", ""))
 
 
 def plan_model(model: str, *, gpus: int = 8, hardware: str | Hardware = "rtx4090", seq: int = 2048,
@@ -63,11 +63,12 @@ def plan_model(model: str, *, gpus: int = 8, hardware: str | Hardware = "rtx4090
     ours_sync = simulate(passes.emit(plan, gpus=gpus, microbatches=m, staleness=0, costs=costs), costs, hw)
     ours = simulate(program, costs, hw, iterations=k)
     rows.append(("rpcompile (RoundPipe)", ours.steady_iteration_time, tokens / ours.steady_iteration_time,
-                 ours_sync.bubble_ratio, ours.steady_bubble, max(ours.peak_memory) / 2**30))
+                 ours_sync.bubble_ratio, ours.steady_bubble, max(ours.peak_memory) / 2**30,
+                 _fits(ours, hw)))
     for name, prog in baselines(costs, gpus=gpus, microbatches=m).items():
         t = simulate(prog, costs, hw)
         rows.append((name, t.iteration_time, tokens / t.iteration_time, t.bubble_ratio, t.bubble_ratio,
-                     max(t.peak_memory) / 2**30))
+                     max(t.peak_memory) / 2**30, _fits(t, hw)))
     try:
         from rpcompile import max_seq_len
         longest = max_seq_len(graph, hw, gpus=gpus)
@@ -76,6 +77,11 @@ def plan_model(model: str, *, gpus: int = 8, hardware: str | Hardware = "rtx4090
     n_params = sum(v.shape.numel() if hasattr(v.shape, "numel") else _numel(v.shape)
                    for v in graph.params.values())
     return PlanResult(model, n_params, plan, program, costs, tuple(rows), longest, tokens)
+
+
+def _fits(timeline, hw: Hardware) -> str:
+    """'yes' if every worker's simulated peak fits the device memory, else 'no (OOM)'."""
+    return "yes" if max(timeline.peak_memory) <= hw.device_memory else "no (OOM)"
 
 
 def _numel(shape) -> int:

@@ -242,7 +242,9 @@ class Runtime:
         return dev.store.pop(("p", t, ins.stage, ins.round))
 
     def _step(self, t: int, ins, dev) -> None:
-        """O: the optimizer step of one layer group (host)."""
+        """O: the optimizer step of one layer group (host); R3 holds, so every gradient is complete."""
+        if self.state.needs_global:  # clipping / dynamic loss scale: the global statistics need all groups
+            self.state.grads_complete_all()
         self.state.step(ins.layer)
 
     def _copy(self, t: int, ins, dev) -> None:
@@ -374,10 +376,7 @@ class Runtime:
         for t in sorted((t for t in self._backups if t >= u), reverse=True):
             for n, v in self._backups.pop(t).items():
                 self.state.compute[n].copy_(v)
-        for g in self.state.grad.values():  # discard iteration u's partial gradients
-            g.zero_()
-        for fresh in getattr(self.state, "_fresh", ()):  # HostState's logical zero (no public API yet)
-            fresh.clear()
+        self.state.discard_grads()  # iteration u's partial gradients
         for store in [self.host] + [d.store for d in self.devices]:
             store.drop_where(lambda k: isinstance(k[0], int) and k[0] >= u or len(k) > 1 and isinstance(k[1], int)
                              and k[0] in ("p", "pg", "in", "gin", "out", "rc", "ws") and k[1] >= u)

@@ -188,3 +188,16 @@ def test_indivisible_batch_names_input():
         with pytest.raises(ValueError, match="input_ids"):
             rt.step(make(0, 6))
         rt.step(make(0, 4))  # still usable
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_gradient_clipping_keeps_its_meaning(staleness):
+    """max_grad_norm clips by the global norm over every layer's gradient, as clip_grad_norm_ does."""
+    opt = AdamW(lr=1e-2, eps=1e-4, impl="foreach", max_grad_norm=0.05)
+    model, graph, make, loss = _setup("nanogpt")
+    batches = [make(s, 4) for s in range(4)]
+    ref, sd = reference_train(model, batches, optimizer=opt, staleness=staleness,
+                              loss_fn=_mean_loss(graph, loss, 4))
+    losses, params, _ = _train(graph, PLANS[6][2], 2, 4, batches, staleness=staleness, opt=opt)
+    assert losses == pytest.approx(ref, rel=1e-5)
+    _close(params, sd)
