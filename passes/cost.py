@@ -34,6 +34,7 @@ from torch.utils.flop_counter import flop_registry
 from rpcompile.costs import CostTable
 from rpcompile.graph import Layer, LayerGraph
 from rpcompile.hardware import Hardware, dtype_key
+from rpcompile.passes._meta_moe import balanced_experts
 
 __all__ = ["estimate_costs", "OpCount", "LayerCount", "count_layers", "split_microbatch", "layer_times"]
 
@@ -199,11 +200,13 @@ def _count_one(graph: LayerGraph, layer: Layer, inputs: list, later: set[str],
             rf, rb = _Recorder(), _Recorder()
             if how == "meta":
                 state = _state(layer, _to_meta)
-                outs, peak = _run_once(graph, layer, state, [_leaf(t, g) for t, g in zip(inputs, grads)], rf, rb)
+                with balanced_experts(layer.module):  # MoE: average routing instead of data-dependent dispatch
+                    outs, peak = _run_once(graph, layer, state, [_leaf(t, g) for t, g in zip(inputs, grads)],
+                                           rf, rb)
             elif how == "fake":
                 outs, peak = _run_fake(graph, layer, inputs, grads, rf, rb)
             else:
-                pbytes = sum(graph.params[p].bytes for p in layer.params)
+                pbytes = graph.param_bytes(layer)
                 if pbytes > fallback_param_bytes:
                     raise ValueError(f"layer {layer.index} ({layer.name}) cannot run on the meta device "
                                      f"({'; '.join(errors)}) and its {pbytes} parameter bytes exceed "

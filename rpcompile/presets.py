@@ -63,15 +63,15 @@ def config_for(name_or_path: str):
     raise ValueError(f"unknown model {name_or_path!r}: use one of {sorted(MODELS)} or a config.json path")
 
 
-def build_meta(name_or_path: str):
-    """The causal LM on the meta device (no weights allocated), eager attention, no KV cache."""
+def build_meta(name_or_path: str, dtype=None):
+    """The causal LM on the meta device (no weights allocated) in `dtype` (default bf16), eager attention."""
     import torch
     tf = _transformers()
     cfg = config_for(name_or_path)
     cfg._attn_implementation = "eager"
     cfg.use_cache = False
     with torch.device("meta"):
-        return tf.AutoModelForCausalLM.from_config(cfg)
+        return tf.AutoModelForCausalLM.from_config(cfg, dtype=dtype or torch.bfloat16)
 
 
 def example_batch(vocab: int, batch: int, seq: int, device: str = "cpu") -> dict:
