@@ -64,7 +64,8 @@ class ScheduleTimes:
 
 
 def iteration_time(plan: StagePlan, costs: CostTable, *, gpus: int, microbatches: int,
-                   round_size: int | None = None, staleness: int = 0) -> float:
+                   round_size: int | None = None, staleness: int = 0,
+                   cutoff: float | None = None) -> float:
     """Compute-only time of one iteration of the RoundPipe schedule for `plan`.
 
     Args:
@@ -76,8 +77,11 @@ def iteration_time(plan: StagePlan, costs: CostTable, *, gpus: int, microbatches
         staleness: 0 = one isolated iteration, fill and drain included;
             1 = steady-state time per iteration, the rotation running on into
             the next iterations (see `steady_state_window`).
+        cutoff: optional upper bound; once the result is known to exceed it the
+            recurrence stops early and `math.inf` is returned (a search passes
+            its best time so far).
     Returns:
-        Seconds.
+        Seconds (or `math.inf` when above `cutoff`).
 
     >>> c = CostTable.from_lists(fwd=[1.0] * 4, bwd=[2.0] * 4)
     >>> iteration_time(StagePlan.from_str("3|1|3"), c, gpus=1, microbatches=2)
@@ -85,14 +89,18 @@ def iteration_time(plan: StagePlan, costs: CostTable, *, gpus: int, microbatches
     """
     r = round_size or default_round_size(gpus, microbatches)
     if staleness == 0:
-        return schedule(plan, costs, gpus=gpus, microbatches=microbatches, round_size=r,
-                        staleness=0, iterations=1).makespan
+        s = schedule(plan, costs, gpus=gpus, microbatches=microbatches, round_size=r,
+                     staleness=0, iterations=1, cutoff=cutoff)
+        return math.inf if s is None else s.makespan
     if staleness != 1:
         raise ValueError(f"staleness must be 0 or 1, got {staleness!r}")
     k, p = steady_state_window(gpus, plan.num_stages, microbatches // r)
-    ends = schedule(plan, costs, gpus=gpus, microbatches=microbatches, round_size=r,
-                    staleness=1, iterations=k).ends
-    return (ends[-1] - ends[-1 - p]) / p
+    s = schedule(plan, costs, gpus=gpus, microbatches=microbatches, round_size=r,
+                 staleness=1, iterations=k, cutoff=cutoff, window=p)
+    if s is None:
+        return math.inf
+    t = (s.ends[-1] - s.ends[-1 - p]) / p
+    return math.inf if cutoff is not None and t > cutoff else t
 
 
 def bubble_ratio(plan: StagePlan, costs: CostTable, *, gpus: int, microbatches: int,
@@ -100,8 +108,7 @@ def bubble_ratio(plan: StagePlan, costs: CostTable, *, gpus: int, microbatches: 
     """Idle share of N workers over one iteration: 1 - work / (N * iteration_time)."""
     t = iteration_time(plan, costs, gpus=gpus, microbatches=microbatches,
                        round_size=round_size, staleness=staleness)
-    work = microbatches * sum(_stage_times(plan, costs)[i][0] + _stage_times(plan, costs)[i][1]
-                              for i in range(plan.num_stages))
+    work = microbatches * sum(pre + post for pre, post in _stage_times(plan, costs))
     return 1.0 - work / (gpus * t) if t > 0 else 0.0
 
 
@@ -121,15 +128,21 @@ def _stage_times(plan: StagePlan, costs: CostTable) -> list[tuple[float, float]]
 def _saved_input_producer(plan: StagePlan) -> list[int | None]:
     """For each stage, the forward stage that computes its saved input (B stages only)."""
     out: list[int | None] = [None] * plan.num_stages
+    owner = [i for i, r in enumerate(plan.fwd) for _ in r]  # forward stage of each non-fused layer
     for s in plan.stages:
         if s.kind is StageKind.B and s.layers.start > 0:
-            out[s.index] = next(i for i, r in enumerate(plan.fwd) if s.layers.start - 1 in r)
+            out[s.index] = owner[s.layers.start - 1]
     return out
 
 
 def schedule(plan: StagePlan, costs: CostTable, *, gpus: int, microbatches: int,
-             round_size: int, staleness: int, iterations: int) -> ScheduleTimes:
-    """Run the timing recurrence for `iterations` back-to-back iterations."""
+             round_size: int, staleness: int, iterations: int, cutoff: float | None = None,
+             window: int = 1) -> ScheduleTimes | None:
+    """Run the timing recurrence for `iterations` back-to-back iterations.
+
+    With `cutoff`, returns None as soon as the time averaged over the last
+    `window` iterations is known to exceed it.
+    """
     n, m_total, rr = gpus, microbatches, round_size
     if rr < 1 or m_total % rr:
         raise ValueError(f"round_size {rr} must divide microbatches {m_total}")
@@ -139,65 +152,110 @@ def schedule(plan: StagePlan, costs: CostTable, *, gpus: int, microbatches: int,
     ns, rounds, nl = len(stages), m_total // rr, plan.num_layers
     times = _stage_times(plan, costs)
     producer = _saved_input_producer(plan)
-    grad_stage = [0] * nl  # the stage whose backward completes layer l's gradient
+    # Per stage: (index, kind code 0=F 1=FB 2=B, pre, post, producer); specialised loops below.
+    code = {StageKind.F: 0, StageKind.FB: 1, StageKind.B: 2}
+    info = [(s.index, code[s.kind], times[s.index][0], times[s.index][1], producer[s.index]) for s in stages]
+    # Layers between consecutive stage boundaries share their stages, so every per-layer optimizer
+    # value is equal across such a segment: the recurrence keeps one value per segment.
+    cuts = sorted({0, nl} | {s.layers.start for s in stages} | {s.layers.stop for s in stages})
+    nseg = len(cuts) - 1
+    seg_of = {c: g for g, c in enumerate(cuts[:-1])}
+    grad_stage = [0] * nseg               # the stage whose backward completes the segment's gradient
+    holders: list[list[int]] = [[] for _ in range(nseg)]  # stages uploading the segment's layers
+    layers: list[list[int]] = []          # per stage, its segments
     for s in stages:
-        if s.kind is not StageKind.F:
-            for l in s.layers:
-                grad_stage[l] = s.index
-
-    holders = [[s.index for s in stages if l in s.layers] for l in range(nl)]  # stages uploading layer l
+        segs = list(range(seg_of[s.layers.start], seg_of[s.layers.start] + 1 + sum(
+            1 for c in cuts[1:-1] if s.layers.start < c < s.layers.stop)))
+        layers.append(segs)
+        for g in segs:
+            holders[g].append(s.index)
+            if s.kind is not StageKind.F:
+                grad_stage[g] = s.index
     free = [0.0] * n                      # when each worker's compute lane is free
-    released = [[0.0, 0.0] for _ in range(n)]  # per worker: end of its last two slots (older first)
+    first_start = [0.0] * n               # start of the first compute of each worker's current slot
     steps: list[list[float]] = []         # steps[u][l] = step(u, l)
     copies: list[list[float]] = []        # copies[u][l] = copy(u, l), once its readers' uploads are known
     uploaded = [0.0] * ns                 # latest parameter upload per stage, over all iterations so far
     last_step = 0.0                       # end of the optimizer's latest step
     ends, busy = [], 0.0
+    limit = math.inf if cutoff is None or staleness == 1 else cutoff
+    first_window = iterations - 1 - window
     for t in range(iterations):
+        # A clock above `limit` proves the result exceeds `cutoff`: ends[-1] is the largest clock of
+        # the last iteration, and ends never decreases when every worker has a slot each iteration.
+        if cutoff is not None and staleness == 1 and (t == iterations - 1 or (t > first_window >= 0
+                                                                               and ns * rounds >= n)):
+            limit = ends[first_window] + window * cutoff if first_window >= 0 else math.inf
         src = t - 1 - staleness           # the gradient iteration whose copy this iteration reads
-        ready = [0.0] * ns                # parameter version ready, per stage
         if src >= 0:
-            for s in stages:
-                ready[s.index] = max(copies[src][l] for l in s.layers)
+            cp = copies[src]
+            ready = [max(cp[l] for l in lay) for lay in layers]  # parameter version ready, per stage
+        else:
+            ready = [0.0] * ns
         gend = [0.0] * ns
         t_end = 0.0
         for r in range(rounds):
             done = [0.0] * rr             # end of m on the previous slot (activation or gradient)
             fwd_end: list[list[float]] = []  # per forward stage, end of each microbatch
-            for s in stages:
-                k = (t * rounds + r) * ns + s.index
+            k = (t * rounds + r) * ns
+            for i, kind, pre, post, prod in info:
                 w = k % n
-                up = max(ready[s.index], released[w][0])
-                uploaded[s.index] = max(uploaded[s.index], up)
-                pre, post = times[s.index]
-                clock = max(free[w], up)
-                saved = fwd_end[producer[s.index]] if producer[s.index] is not None else None
-                new_done = [0.0] * rr
-                for m in range(rr):
-                    if s.kind is StageKind.B:
-                        a = max(clock, saved[m]) if saved is not None else clock
-                        clock = max(a + pre, done[m]) + post
+                up = ready[i]
+                if k >= n and first_start[w] > up:
+                    up = first_start[w]
+                if up > uploaded[i]:
+                    uploaded[i] = up
+                clock = free[w]
+                if up > clock:
+                    clock = up
+                new_done = []
+                if kind == 2:             # B: recompute from the saved input, then backward
+                    if prod is not None:
+                        saved = fwd_end[prod]
+                        start0 = clock if clock >= saved[0] else saved[0]
+                        for sv, d in zip(saved, done):
+                            a = clock if clock >= sv else sv
+                            x = a + pre
+                            clock = (x if x >= d else d) + post
+                            new_done.append(clock)
                     else:
-                        a = max(clock, done[m]) if s.index > 0 else clock
-                        clock = a + post
-                    new_done[m] = clock
+                        start0 = clock
+                        for d in done:
+                            x = clock + pre
+                            clock = (x if x >= d else d) + post
+                            new_done.append(clock)
+                elif i > 0:               # F or FB after the first slot: wait for m's input
+                    start0 = clock if clock >= done[0] else done[0]
+                    for d in done:
+                        clock = (clock if clock >= d else d) + post
+                        new_done.append(clock)
+                else:
+                    start0 = clock
+                    for _ in range(rr):
+                        clock = clock + post
+                        new_done.append(clock)
                 busy += rr * (pre + post)
                 free[w] = clock
-                released[w] = [released[w][1], clock]
-                if s.kind is StageKind.F:
+                first_start[w] = start0
+                if kind == 0:
                     fwd_end.append(new_done)
+                else:
+                    gend[i] = clock
                 done = new_done
-                if s.kind is not StageKind.F:
-                    gend[s.index] = clock
-                t_end = max(t_end, clock)
+                if clock > t_end:
+                    t_end = clock
+                    if clock > limit:
+                        return None
+                k += 1
         ends.append(t_end)
         # Zero-cost optimizer. A copy is final once every iteration reading the version it
         # overwrites has uploaded (R1): iteration t for staleness 0, t+1 for staleness 1.
         if staleness == 1 and t >= 1:
             copies.append(_copies(steps[t - 1], holders, uploaded))
-        step = [0.0] * nl
-        for l in range(nl - 1, -1, -1):   # R3, R5 and one step at a time, layers descending
-            last_step = max(gend[grad_stage[l]], copies[t - 1][l] if t >= 1 else 0.0, last_step)
+        step = [0.0] * nseg
+        prev = copies[t - 1] if t >= 1 else None
+        for l in range(nseg - 1, -1, -1):  # R3, R5 and one step at a time, layers descending
+            last_step = max(gend[grad_stage[l]], prev[l] if prev is not None else 0.0, last_step)
             step[l] = last_step
         steps.append(step)
         if staleness == 0:

@@ -1,0 +1,22 @@
+"""StagePlan: per-stage time and memory, t_max, the printed table."""
+from rpcompile import CostTable, StagePlan
+
+
+def test_stage_times_and_t_max():
+    c = CostTable.from_lists(fwd=[1.0, 2.0, 3.0], bwd=[2.0, 4.0, 6.0])
+    p = StagePlan.from_str("2|1|1,1")
+    assert p.stage_times(c) == (3.0, 9.0, 6.0, 3.0)  # F sums fwd; FB and B sum fwd + bwd
+    assert p.t_max(c) == 9.0 and p.num_stages == 4
+
+
+def test_memory_model_by_hand():
+    c = CostTable.from_lists([1, 1], [2, 2], param_bytes=[10, 20], grad_bytes=[10, 20])
+    assert StagePlan.from_str("1|1|1").stage_memory(c, gpus=2) == (20, 50, 40)
+
+
+def test_str_round_trip_and_table():
+    p = StagePlan.from_str("2,2|1|3,1")
+    assert p.to_str() == "2,2|1|3,1" and str(p) == "StagePlan(2,2|1|3,1)"
+    c = CostTable.from_lists([1e-3] * 5, [2e-3] * 5)
+    e = p.evaluated(c, gpus=2, microbatches=2)
+    assert e == p and "share of t_max" in str(e) and "bubble" in str(e)
