@@ -19,11 +19,12 @@ Note:
 """
 from __future__ import annotations
 
+import re
 import statistics
 import sys
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -269,14 +270,33 @@ def count_layers(graph: LayerGraph, inputs: dict[str, torch.Tensor], *, progress
     env: dict[str, Any] = {k: _to_meta(v) for k, v in inputs.items()}
     later = _later_inputs(graph)
     counts, start = [], time.perf_counter()
+    seen: dict[tuple, tuple[LayerCount, tuple]] = {}  # identical decoder layers are counted once
     for layer in graph.layers:
         _progress(progress, layer.index, len(graph.layers), start, "counting")
-        count, outs = _count_one(graph, layer, [env[n] for n in layer.inputs], later[layer.index],
-                                 fallback_param_bytes)
+        args = [env[n] for n in layer.inputs]
+        key = _layer_key(graph, layer, args)
+        if key in seen:
+            first, outs = seen[key]
+            count = replace(first, **dict(zip(("param_bytes", "grad_bytes", "act_bytes", "saved_bytes"),
+                                              _layer_memory(graph, layer, args, outs, later[layer.index]))))
+        else:
+            count, outs = _count_one(graph, layer, args, later[layer.index], fallback_param_bytes)
+            seen[key] = count, outs
         env.update(zip(layer.outputs, outs))
         counts.append(count)
     _progress(progress, len(graph.layers), len(graph.layers), start, "counting")
     return counts
+
+
+def _layer_key(graph: LayerGraph, layer: Layer, args: list) -> tuple:
+    """Layers equal in code (up to module indices), parameter shapes and input shapes count the same."""
+    def norm(text: str) -> str:
+        return re.sub(r"\d+", "#", text)
+    params = tuple((norm(n), tuple(p.shape), p.dtype, p.requires_grad) for n, p in layer.module.named_parameters())
+    ins = tuple((tuple(t.shape), t.dtype, graph.values[n].requires_grad if n in graph.values else False)
+                if isinstance(t, torch.Tensor) else repr(t) for n, t in zip(layer.inputs, args))
+    slices = tuple((norm(n), d, a, b) for n, d, a, b in layer.param_slices)
+    return norm(layer.module.code), params, ins, slices
 
 
 def layer_times(ops: Sequence[OpCount], hardware: Hardware) -> float:
