@@ -27,8 +27,10 @@ that iteration stepped (no undo log for the fp32 state).
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import threading
+import weakref
 import time
 from typing import Any
 
@@ -93,6 +95,9 @@ class Runtime:
         self._committed = start_iteration  # iterations < this have returned from step()
         self._evaluator: LayerRunner | None = None
         self.lanes: dict[tuple[int, Lane], LaneThread] = {}
+        me = weakref.ref(self)
+        self._at_exit = lambda: me() is not None and me().close()  # lane threads must not outlive torch
+        atexit.register(self._at_exit)
         for w in range(-1, program.gpus):
             for lane in ((Lane.OPTIMIZER, Lane.COPY) if w < 0 else
                          (Lane.COMPUTE, Lane.ACT_UP, Lane.PARAM_UP, Lane.ACT_DOWN, Lane.GRAD_DOWN)):
@@ -325,7 +330,8 @@ class Runtime:
         self._prune()
 
     def close(self) -> None:
-        """Finish queued work and stop the lane threads."""
+        """Finish queued work and stop the lane threads (also run at interpreter exit if forgotten)."""
+        atexit.unregister(self._at_exit)
         for th in self.lanes.values():
             th.stop()
         for th in self.lanes.values():

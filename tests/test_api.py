@@ -125,3 +125,18 @@ def test_a_new_sequence_length_replans_and_keeps_training(capsys):
         loss = c.step(batch(1, t=24))
         assert "re-planned" in capsys.readouterr().err
         assert loss == loss and c.steps == 2
+
+
+def test_a_script_that_forgets_close_exits_cleanly():
+    script = textwrap.dedent("""
+        import rpcompile
+        from tests.test_api import CFG, batch
+        from rpcompile.zoo import TinyLlama
+        c = rpcompile.compile(TinyLlama(CFG), gpus=2, example=batch(0), microbatches=2)
+        c.step(batch(0))
+        print("stepped")
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", script], cwd=root, timeout=300, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "stepped" in r.stdout
