@@ -52,7 +52,8 @@ def compile(model: torch.nn.Module, gpus: int = 8, *, example: Any, microbatches
             staleness: int = 1, optimizer: AdamW | SGD | None = None, dtype: torch.dtype | None = None,
             loss_fn: Callable | None = None, layers: Sequence[str] | None = None,
             lm_head_shards: int | str = "auto", hardware: Hardware | str | None = None,
-            memory_budget: int | None = None, backend: str = "auto", seed: int = 0) -> "Compiled":
+            memory_budget: int | None = None, backend: str = "auto", seed: int = 0,
+            dist: Any = False, process_group: Any = None) -> "Compiled":
     """Compile `model` for RoundPipe training on `gpus` workers.
 
     Args:
@@ -70,6 +71,10 @@ def compile(model: torch.nn.Module, gpus: int = 8, *, example: Any, microbatches
         memory_budget: device bytes per worker (default: 90% of the hardware's device memory).
         backend: "auto" (CUDA if available, else host workers), "host" or "cuda".
         seed: base seed for dropout and other randomness.
+        dist: data parallelism across processes: True or a `rpcompile.runtime.distributed.DistConfig`.
+            `example` and `step`'s batches are then this process's shard (see DistConfig, `shard`).
+        process_group: the torch.distributed group to train over (implies dist; default: the
+            initialised default group, else gloo from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT).
     Returns:
         A `Compiled` handle: `.plan`, `.program`, `.step(batch)`, `.simulate()`, `.save()`...
     """
@@ -79,7 +84,7 @@ def compile(model: torch.nn.Module, gpus: int = 8, *, example: Any, microbatches
                    optimizer=optimizer or AdamW(lr=1e-4), dtype=dtype, loss_fn=loss_fn, layers=layers,
                    lm_head_shards=lm_head_shards, hardware=hardware, memory_budget=memory_budget,
                    backend=backend, seed=seed)
-    return Compiled(model, opts, example)
+    return Compiled(model, opts, example, dist=dist, process_group=process_group)
 
 
 def plan_pipeline(model: torch.nn.Module, example: Any, opts: Options, *, mode: str = "measure"):
@@ -96,6 +101,9 @@ def plan_pipeline(model: torch.nn.Module, example: Any, opts: Options, *, mode: 
         budget = int(0.9 * opts.hardware.device_memory)
     # 1. trace the model into layers with explicit values across every cut
     graph = passes.trace(model, example, loss_fn=opts.loss_fn, layers=opts.layers)
+    if not any(v.requires_grad for v in graph.params.values()):
+        raise ValueError(f"{type(model).__name__} has no trainable parameter (requires_grad is False for all "
+                         f"{len(graph.params)}): nothing to train; unfreeze some (e.g. LoRA adapters)")
     # 2. measure (or predict) per-layer time and memory for one microbatch
     costs = passes.estimate_costs(graph, example, mode=mode, hardware=opts.hardware, microbatches=m)
     # 3. cut the LM head + loss into vocabulary shards so no layer dominates, and cost the shards
@@ -144,19 +152,26 @@ class Compiled:
         graph, costs, plan, program: the compiler's IRs (all printable).
     """
 
-    def __init__(self, model: torch.nn.Module, opts: Options, example: Any) -> None:
+    def __init__(self, model: torch.nn.Module, opts: Options, example: Any, *, dist: Any = False,
+                 process_group: Any = None) -> None:
         from rpcompile.runtime.optimizer import HostState
         self._model, self.options, self._example = model, opts, example
         self.graph, self.costs, self.plan, self.program, self.microbatches = plan_pipeline(model, example, opts)
         self._shape = _shape_key(example)
         self.state = HostState.from_graph(self.graph, optimizer=opts.optimizer, dtype=opts.dtype)
+        # data parallel (issue #9): rank 0's weights everywhere; each group's gradient averaged before its step
+        self._dist = _data_parallel(self.state, dist, process_group)
+        self.rank, self.world_size = (self._dist.rank, self._dist.world) if self._dist else (0, 1)
         self.steps = 0
         self._runtime = self._new_runtime()
 
     def _new_runtime(self):
         from rpcompile.runtime.executor import Runtime
-        return Runtime(self.graph, self.program, self.state, backend=self.options.backend,
-                       seed=self.options.seed, start_iteration=self.steps)
+        rt = Runtime(self.graph, self.program, self.state, backend=self.options.backend,
+                     seed=self.options.seed + self.rank, start_iteration=self.steps)  # per-rank dropout
+        if self._dist:
+            self._dist.attach(rt)  # counts the gradient writes that complete each layer group
+        return rt
 
     def _replan(self, batch: Any) -> None:
         """Re-plan for a batch of a new shape (e.g. a longer sequence), keeping the training state."""
@@ -175,9 +190,16 @@ class Compiled:
         check_batch(batch, self.microbatches, like=self.graph)
         if _shape_key(batch) != self._shape:
             self._replan(batch)
-        loss = self._runtime.step(batch)
+        if self._dist:
+            self._dist.check()  # a failed data-parallel step cannot be re-run in place
+        try:
+            loss = self._runtime.step(batch)
+        except BaseException as exc:
+            if self._dist:
+                self._dist.fail(exc)
+            raise
         self.steps += 1
-        return loss
+        return self._dist.average(loss) if self._dist else loss  # data parallel: mean over processes
 
     @property
     def last_timeline(self) -> list:
@@ -192,7 +214,8 @@ class Compiled:
         check_batch(batch, self.microbatches, like=self.graph)
         if _shape_key(batch) != self._shape:
             self._replan(batch)
-        return self._runtime.evaluate(batch)
+        loss = self._runtime.evaluate(batch)
+        return self._dist.average(loss, "evaluate loss") if self._dist else loss
 
     def simulate(self, hardware: Hardware | str = "rtx4090", iterations: int = 1, *, example: Any = None):
         """Simulate this program on `hardware` with costs predicted for it; returns a Timeline."""
@@ -227,8 +250,9 @@ class Compiled:
         self._runtime = self._new_runtime()
 
     def save(self, path: str) -> None:
-        """Write `state_dict()` atomically (temporary file in the same folder, then rename)."""
-        checkpoint.save(self.state_dict(), path)
+        """Write `state_dict()` atomically (temporary file in the same folder, then rename); data parallel: rank 0 only."""
+        if self.rank == 0:  # every rank holds the same state
+            checkpoint.save(self.state_dict(), path)
 
     def model(self) -> torch.nn.Module:
         """The user's module with the current weights (every update applied, a pending one too)."""
@@ -240,8 +264,10 @@ class Compiled:
         return self._model
 
     def close(self) -> None:
-        """Stop the runtime's threads."""
+        """Stop the runtime's threads (and the data-parallel reducer)."""
         self._runtime.close()
+        if self._dist:
+            self._dist.close()
 
     def __enter__(self) -> "Compiled":
         return self
@@ -254,7 +280,8 @@ class Compiled:
                 f"{self.options.gpus} workers, {self.microbatches} microbatches, staleness {self.options.staleness})")
 
 
-def load(path: str, model: torch.nn.Module, *, loss_fn: Callable | None = None) -> Compiled:
+def load(path: str, model: torch.nn.Module, *, loss_fn: Callable | None = None, dist: Any = False,
+         process_group: Any = None) -> Compiled:
     """Load a checkpoint written by `Compiled.save` and continue training `model` from it.
 
     The checkpoint records the compile options and the example batch, so the
@@ -265,14 +292,26 @@ def load(path: str, model: torch.nn.Module, *, loss_fn: Callable | None = None) 
         path: the checkpoint file.
         model: a module of the architecture the checkpoint was trained with (its weights are replaced).
         loss_fn: the run's loss_fn, if any.
+        dist, process_group: as for `compile` (every process loads the same file).
     Returns:
         A Compiled whose next `step` continues the saved run bit for bit.
     """
     sd = checkpoint.load(path)
     opts = Options(**{**sd["options"], "loss_fn": loss_fn})
-    c = Compiled(model, opts, sd["example"])
+    c = Compiled(model, opts, sd["example"], dist=dist, process_group=process_group)
     c.load_state_dict(sd)
     return c
+
+
+def _data_parallel(state: Any, dist: Any, process_group: Any) -> Any:
+    """A GradReducer over `process_group` (runtime/distributed.py) that has broadcast rank 0's weights; None if off."""
+    if not dist and process_group is None:
+        return None
+    from rpcompile.runtime.distributed import DistConfig, GradReducer, init_group
+    cfg = dist if isinstance(dist, DistConfig) else DistConfig()
+    reducer = GradReducer(state, init_group(cfg, process_group), cfg)
+    reducer.broadcast_state()
+    return reducer
 
 
 def _shape_key(batch: Any) -> tuple:
