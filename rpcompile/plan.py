@@ -59,12 +59,19 @@ class StagePlan:
     bwd: tuple[range, ...]  # backward stages in execution order (descending layers)
     # Evaluation attached at construction by `evaluated()` (never mutated); not part of equality.
     report: "PlanReport | None" = field(default=None, compare=False, repr=False)
+    # Derived from the three groupings in __post_init__ (stage records in slot order).
+    _stages: tuple = field(default=(), init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.fused) < 1 or self.fused.step != 1:
             raise ValueError(f"StagePlan: the fused stage must hold at least one layer, got {self.fused}")
         _check_cover("forward", self.fwd, self.fused.start, ascending=True)
         _check_cover("backward", self.bwd, self.fused.start, ascending=False)
+        out: list[Stage] = []
+        for kind, ranges in ((StageKind.F, self.fwd), (StageKind.FB, (self.fused,)), (StageKind.B, self.bwd)):
+            for j, r in enumerate(ranges):
+                out.append(Stage(len(out), kind, j, r))
+        object.__setattr__(self, "_stages", tuple(out))
 
     @classmethod
     def from_sizes(cls, fwd: Sequence[int], fused: int, bwd: Sequence[int]) -> "StagePlan":
@@ -115,12 +122,7 @@ class StagePlan:
     @property
     def stages(self) -> tuple[Stage, ...]:
         """All stages in slot order: F1..Fa, FB, B1..Bb."""
-        out = []
-        kinds = [(StageKind.F, self.fwd), (StageKind.FB, (self.fused,)), (StageKind.B, self.bwd)]
-        for kind, ranges in kinds:
-            for j, r in enumerate(ranges):
-                out.append(Stage(len(out), kind, j, r))
-        return tuple(out)
+        return self._stages
 
     def stage_times(self, costs: "CostTable") -> tuple[float, ...]:
         """Seconds per microbatch of each stage: F = sum fwd; FB = sum fwd+bwd; B = sum fwd+bwd (recompute)."""
