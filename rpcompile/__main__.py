@@ -25,11 +25,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from rpcompile.planning import plan_model
     t = time.perf_counter()
     r = plan_model(args.model, gpus=args.gpus, hardware=args.hardware, seq=args.seq,
-                   microbatches=args.microbatches, staleness=args.staleness)
+                   microbatches=args.microbatches, staleness=args.staleness, frozen_base=args.frozen_base)
     print(f"{args.model}: {r.params / 1e9:.2f}B parameters, {len(r.costs)} layers, "
           f"{args.gpus}x {args.hardware}, seq {args.seq}, {args.microbatches} microbatches\n")
     print(r.plan, "", r.table(), "", sep="\n")
-    print(f"max_seq_len on {args.gpus}x {args.hardware}: {r.max_seq if r.max_seq else 'n/a'}")
+    fits = "fits" if r.host_bytes <= r.host_memory else "DOES NOT FIT: freeze the base (LoRA) or add host memory"
+    print(f"host memory: {r.host_bytes / 2**30:,.0f} GiB needed of {r.host_memory / 2**30:,.0f} GiB ({fits})")
+    print(f"max_seq_len on {args.gpus}x {args.hardware}: {r.max_seq if r.max_seq is not None else 'n/a'}")
     print(f"planned in {time.perf_counter() - t:.1f} s")
     if args.save_program:
         r.program.to_csv(args.save_program)
@@ -87,6 +89,8 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--seq", type=int, default=2048)
     pl.add_argument("--microbatches", type=int, default=16)
     pl.add_argument("--staleness", type=int, default=1, choices=(0, 1))
+    pl.add_argument("--frozen-base", action="store_true",
+                    help="LoRA-style: freeze every matrix (no grads, masters or optimizer state for them)")
     pl.add_argument("--save-program", help="write the program (CSV) and costs (JSON) here")
     pl.set_defaults(func=cmd_plan)
     s = sub.add_parser("simulate", help="simulate a saved program")

@@ -24,6 +24,8 @@ class PlanResult:
     rows: tuple           # (schedule, iteration s, tokens/s, bubble, steady bubble, peak GiB, fits) per schedule
     max_seq: int | None   # longest sequence that fits (None if it could not be computed)
     tokens: int           # tokens per iteration
+    host_bytes: int       # host memory the run needs: weights, fp32 masters, grads, Adam state, saved inputs
+    host_memory: int      # host memory of the target machine
 
     def table(self) -> str:
         """Our plan and the baselines side by side."""
@@ -33,12 +35,14 @@ class PlanResult:
 
 
 def plan_model(model: str, *, gpus: int = 8, hardware: str | Hardware = "rtx4090", seq: int = 2048,
-               microbatches: int = 16, staleness: int = 1) -> PlanResult:
+               microbatches: int = 16, staleness: int = 1, frozen_base: bool = False) -> PlanResult:
     """Build `model` on meta, predict its costs on `hardware`, plan, simulate, compare.
 
     Args:
         model: a name from `rpcompile.presets.MODELS` or a config.json path.
         gpus, hardware, seq, microbatches, staleness: the target run (one sequence per microbatch).
+        frozen_base: plan a LoRA-style run: every matrix is frozen, only the 1-D weights (norms)
+            train. LoRA adapters are small enough that their bytes and FLOPs are left out.
     Returns:
         A PlanResult; `.table()` compares our schedule with GPipe, 1F1B, interleaved and looped-BFS.
     """
@@ -52,6 +56,9 @@ def plan_model(model: str, *, gpus: int = 8, hardware: str | Hardware = "rtx4090
 
     hw = Hardware.preset(hardware) if isinstance(hardware, str) else hardware
     net = build_meta(model)
+    if frozen_base:
+        for p in net.parameters():
+            p.requires_grad_(p.dim() == 1)
     example = example_batch(net.config.vocab_size, microbatches, seq)
     opts = Options(gpus=gpus, microbatches=microbatches, staleness=staleness,
                    optimizer=None, dtype=torch.bfloat16, loss_fn=None, layers=None,
@@ -76,7 +83,17 @@ def plan_model(model: str, *, gpus: int = 8, hardware: str | Hardware = "rtx4090
         longest = None
     n_params = sum(v.shape.numel() if hasattr(v.shape, "numel") else _numel(v.shape)
                    for v in graph.params.values())
-    return PlanResult(model, n_params, plan, program, costs, tuple(rows), longest, tokens)
+    return PlanResult(model, n_params, plan, program, costs, tuple(rows), longest, tokens,
+                      host_bytes(graph, costs, plan, m), hw.host_memory)
+
+
+def host_bytes(graph, costs, plan, microbatches: int) -> int:
+    """Host memory of a run: compute copies, and for trainable parameters an fp32 master, an fp32
+    gradient and two fp32 Adam moments, plus every microbatch's saved stage inputs."""
+    weights = sum(v.bytes for v in graph.params.values())
+    trainable = sum(v.bytes // max(v.dtype.itemsize, 1) for v in graph.params.values() if v.requires_grad)
+    saved = microbatches * sum(costs.saved_bytes[s.layers.start] for s in plan.stages)
+    return weights + 16 * trainable + saved
 
 
 def _fits(timeline, hw: Hardware) -> str:
