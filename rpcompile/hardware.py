@@ -51,6 +51,10 @@ class Hardware:
     optimizer_bytes_per_s: float  # bytes of fp32 master weights the CPU optimizer (Adam) updates per second
     link_latency: float = 10e-6  # fixed cost per host<->device transfer, s
     op_latency: float = 5e-6  # fixed cost per launched op (kernel launch / eager dispatch), s
+    # data parallelism across servers (issue #9; runtime/distributed.py); the simulator adds a ring all-reduce
+    nodes: int = 1  # servers training data-parallel, one rpcompile process each (1: no network traffic)
+    net_bandwidth: float = 12.5e9  # inter-node bytes/s per server and direction (100 Gb/s NIC)
+    net_latency: float = 10e-6  # per-message inter-node latency, s
     notes: str = field(default="", compare=False)  # where the numbers come from
 
     def __post_init__(self) -> None:
@@ -61,8 +65,11 @@ class Hardware:
                   "host_memory", "gpus", "optimizer_bytes_per_s"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"Hardware.{f} must be > 0, got {getattr(self, f)!r}")
-        if self.link_latency < 0 or self.op_latency < 0:
+        if self.link_latency < 0 or self.op_latency < 0 or self.net_latency < 0:
             raise ValueError("Hardware latencies must be >= 0")
+        if self.nodes < 1 or not self.net_bandwidth > 0:
+            raise ValueError(f"Hardware.nodes must be >= 1 and net_bandwidth > 0, got {self.nodes}, "
+                             f"{self.net_bandwidth!r}")
 
     def flops(self, dtype: torch.dtype | str) -> float:
         """Peak dense FLOP/s for `dtype`; a dtype without an entry uses float32's (or the slowest).

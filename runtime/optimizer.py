@@ -147,6 +147,7 @@ class HostState:
         self._fresh: list[set[str]] = [set() for _ in range(num_layers)]  # grads written this iteration
         self._scale_of: dict[int, float] = {}  # iteration -> scale its loss was multiplied by
         self.skipped: list[int] = []  # iterations skipped for inf/nan gradients
+        self.on_grad = self.on_complete = lambda layer: None  # data-parallel hooks (runtime/distributed.py)
 
     @classmethod
     def from_graph(cls, graph: Any, **kwargs: Any) -> HostState:
@@ -205,6 +206,7 @@ class HostState:
             else:  # the first write of the iteration overwrites: the buffer is logically zero
                 buf.copy_(grad)
                 self._fresh[l].add(name)
+            self.on_grad(l)  # hook: count the write (data parallel: the last one starts l's all-reduce)
 
     def grads_complete(self, layer: int) -> None:
         """Declare group `layer`'s gradient of this iteration complete (R3) and reduce it.
@@ -250,6 +252,7 @@ class HostState:
             u, self._done[layer] = self._done[layer], self._done[layer] + 1
             if not group:
                 return
+            self.on_complete(layer)  # hook: data parallel waits for l's gradient averaged over processes
             scale = self._scale_of.get(u, self.loss_scale)  # set by begin_iteration before u's backward
             names = [n for n in group if n in self._fresh[layer]]
             grads = [self.grad[n] for n in names]

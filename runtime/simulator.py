@@ -23,7 +23,9 @@ output gradient (`act_bytes` of its last layer). D moves an F stage's output
 plus the saved inputs of B stages that start strictly inside it, or a
 backward's input gradient. A transfer takes link_latency + bytes / bandwidth.
 A host step O takes MASTER_PER_PARAM_BYTE * param_bytes / optimizer_bytes_per_s
-(an fp32 master of a 16-bit training copy); a copy C takes param_bytes /
+(an fp32 master of a 16-bit training copy), plus with `nodes` k > 1 the ring
+all-reduce of its fp32 gradient (`ring_allreduce_time` over `net_bandwidth`,
+`net_latency`: data parallelism, issue #9); a copy C takes param_bytes /
 host_memcpy_bandwidth (0 without one). An O on a GPU worker (the bound-stage
 baselines) takes fp32 master bytes / device_optimizer_bytes_per_s (default
 mem_bandwidth * ADAM_MASTER_SHARE, as Adam is memory-bound; 0 without
@@ -40,6 +42,7 @@ from rpcompile.costs import CostTable
 from rpcompile.passes.timing import steady_state_window
 from rpcompile.plan import StageKind
 from rpcompile.program import COMPUTE_OPS, Instr, Lane, Op, Program
+from rpcompile.runtime.distributed import ring_allreduce_time
 from rpcompile.runtime.sim_events import Job, StuckError, exposed_waits, peak_usage, run_jobs
 
 MASTER_PER_PARAM_BYTE = 2   # fp32 master bytes per byte of 16-bit parameters
@@ -165,7 +168,8 @@ class Timeline:
 _COMPUTE_LETTERS = frozenset(o.value for o in COMPUTE_OPS)
 
 
-def simulate(program: Program, costs: CostTable, hardware, *, iterations: int = 1) -> Timeline:
+def simulate(program: Program, costs: CostTable, hardware, *, iterations: int = 1,
+             nodes: int | None = None) -> Timeline:
     """Run `iterations` back-to-back iterations of `program` on a hardware model.
 
     Args:
@@ -175,6 +179,8 @@ def simulate(program: Program, costs: CostTable, hardware, *, iterations: int = 
             `optimizer_bytes_per_s` (fp32 master bytes/s of the host optimizer) and optionally
             `link_latency` (s), `host_memcpy_bandwidth`, `device_optimizer_bytes_per_s` (bytes/s).
         iterations: iteration t runs `program.shifted(t)`; deps reach back through Ref.back.
+        nodes: data-parallel processes (default `hardware.nodes`, else 1); > 1 adds each layer group's
+            gradient all-reduce (hardware `net_bandwidth`, `net_latency`) to its host step.
     Returns:
         A Timeline. With iterations > 1 the steady time is (C[K-1] - C[K-1-P]) / P over the
         last P iterations, (K, P) = steady_state_window(gpus, stages, rounds), when
@@ -194,7 +200,7 @@ def simulate(program: Program, costs: CostTable, hardware, *, iterations: int = 
                          f"{costs.num_layers}")
     if iterations < 1:
         raise ValueError(f"simulate: iterations must be >= 1, got {iterations}")
-    bw = _Bandwidths.of(hardware)
+    bw = _Bandwidths.of(hardware, nodes)
     tmpl = program.instrs
     n = len(tmpl)
     pos = program.index()
@@ -265,9 +271,12 @@ class _Bandwidths:
     latency: float
     memcpy: float
     device_optimizer: float
+    nodes: int = 1
+    net: float = math.inf
+    net_latency: float = 0.0
 
     @classmethod
-    def of(cls, hw) -> "_Bandwidths":
+    def of(cls, hw, nodes: int | None = None) -> "_Bandwidths":
         """Read the attributes by name; the first three are required."""
         need = ("h2d_bandwidth", "d2h_bandwidth", "optimizer_bytes_per_s")
         missing = [a for a in need if not hasattr(hw, a)]
@@ -277,7 +286,9 @@ class _Bandwidths:
                    float(getattr(hw, "link_latency", 0.0) or 0.0),
                    float(getattr(hw, "host_memcpy_bandwidth", math.inf) or math.inf),
                    float(getattr(hw, "device_optimizer_bytes_per_s", None)
-                         or getattr(hw, "mem_bandwidth", math.inf) * ADAM_MASTER_SHARE))
+                         or getattr(hw, "mem_bandwidth", math.inf) * ADAM_MASTER_SHARE),
+                   int(nodes or getattr(hw, "nodes", 1) or 1), float(getattr(hw, "net_bandwidth", math.inf)),
+                   float(getattr(hw, "net_latency", 0.0) or 0.0))
         for name, v in zip(need, (vals.h2d, vals.d2h, vals.optimizer)):
             if not v > 0:
                 raise ValueError(f"simulate: hardware {name} must be > 0, got {v!r}")
@@ -293,7 +304,8 @@ def _duration(i: Instr, program: Program, costs: CostTable, bw: _Bandwidths) -> 
         pb = costs.param_bytes[i.layer]
         if op is Op.COPY:
             return pb / bw.memcpy
-        return MASTER_PER_PARAM_BYTE * pb / (bw.optimizer if i.worker < 0 else bw.device_optimizer)
+        net = ring_allreduce_time(MASTER_PER_PARAM_BYTE * pb, bw.nodes, bw.net, bw.net_latency) if pb else 0.0
+        return net + MASTER_PER_PARAM_BYTE * pb / (bw.optimizer if i.worker < 0 else bw.device_optimizer)
     layers = program.plan.stages[i.stage].layers
     f = sum(costs.fwd[l] for l in layers)
     b = sum(costs.bwd[l] for l in layers)

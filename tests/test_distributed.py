@@ -1,0 +1,155 @@
+"""Data parallelism across processes (issue #9): 2 gloo processes on localhost == 1 process on the global batch.
+
+The processes are launched as torchrun would (RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT in the env; compile(..., dist=...) initialises gloo from them).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import rpcompile
+from rpcompile.hardware import Hardware
+from rpcompile.runtime.distributed import DistConfig, ring_allreduce_time, shard
+from rpcompile.zoo import LlamaConfig, TinyLlama
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CFG = LlamaConfig(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, ffn=64, max_seq=32)
+B, M, STEPS, WORLD = 8, 4, 5, 2  # global batch B in M microbatches; each of WORLD processes: B/2 in M/2
+
+
+def batch(seed: int, b: int = B) -> dict:
+    ids = torch.randint(0, 64, (b, 16), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def make(staleness: int, example: dict, microbatches: int, **kw) -> rpcompile.Compiled:
+    return rpcompile.compile(TinyLlama(CFG), gpus=2, example=example, microbatches=microbatches,
+                             staleness=staleness, optimizer=rpcompile.AdamW(lr=1e-2, impl="foreach"),
+                             memory_budget=2**20, backend="host", **kw)
+
+
+def params(c: rpcompile.Compiled) -> dict:
+    return {n: p.detach().clone() for n, p in c.model().named_parameters()}
+
+
+def worker(mode: str, out: str) -> None:
+    """One process of a 2-process run (called in a subprocess; the env says which rank)."""
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    local = lambda i: shard(batch(i), rank, WORLD)  # noqa: E731
+    if mode == "equal":
+        res = {}
+        for st in (0, 1):
+            with make(st, local(0), M // WORLD, dist=DistConfig(timeout_s=30)) as c:
+                res[f"loss{st}"] = [c.step(local(i)) for i in range(STEPS)]
+                res[st] = params(c)
+                c.save(f"{out}.ckpt{st}.rank{rank}")  # a no-op on rank 1
+        torch.save(res, f"{out}.{rank}")
+        return
+    c = make(0, local(0), M // WORLD, dist=DistConfig(timeout_s=20))
+    c.step(local(0))
+    if rank == 1:  # dies inside its second step, in the fused stage's compute
+        fused = c._runtime.handlers[rpcompile.Op.FUSED]
+        c._runtime.handlers[rpcompile.Op.FUSED] = lambda t, ins, dev: os._exit(3) if t == 1 else fused(t, ins, dev)
+    t0, err = time.perf_counter(), None
+    try:
+        for i in range(1, 4):
+            c.step(local(i))
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        err = f"{type(exc).__name__}: {exc}"
+    try:
+        again = c.step(local(4)) and "stepped"
+    except Exception as exc:  # noqa: BLE001
+        again = str(exc).splitlines()[0]
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump({"error": err, "seconds": time.perf_counter() - t0, "again": again}, f)
+    c.close()
+
+
+def _launch(mode: str, out: str, timeout: float) -> list[subprocess.CompletedProcess]:
+    """Run `worker(mode, out)` as WORLD processes with torchrun's env on a free localhost port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = f"from tests.test_distributed import worker; worker({mode!r}, {out!r})"
+    procs = []
+    for rank in range(WORLD):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    done = []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=timeout)
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return done
+
+
+def _close(a: dict, b: dict, rel: float = 1e-5) -> None:
+    assert a.keys() == b.keys()
+    for n, v in a.items():
+        ref = b[n].float()
+        assert torch.allclose(v, ref, rtol=rel, atol=rel * ref.abs().max().item()), \
+            f"{n}: max diff {(v - ref).abs().max().item():.3g}"
+
+
+def test_two_processes_equal_one_process_on_the_global_batch(tmp_path):
+    out = str(tmp_path / "r")
+    runs = _launch("equal", out, timeout=120)
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-3000:]
+    got = [torch.load(f"{out}.{rank}") for rank in range(WORLD)]
+    assert os.path.exists(f"{out}.ckpt0.rank0") and os.path.exists(f"{out}.ckpt1.rank0")  # only rank 0 writes
+    assert not os.path.exists(f"{out}.ckpt0.rank1") and not os.path.exists(f"{out}.ckpt1.rank1")
+    for st in (0, 1):
+        for n in got[0][st]:  # the processes hold the same weights (same reduced gradients, same update)
+            assert torch.equal(got[0][st][n], got[1][st][n]), n
+        with make(st, batch(0), M) as single:
+            losses = [single.step(batch(i)) for i in range(STEPS)]
+            want = params(single)
+        _close(got[0][st], want)
+        assert got[0][f"loss{st}"] == pytest.approx(losses, rel=1e-5)  # reported loss: mean over processes
+
+
+def test_a_dead_process_makes_the_other_fail_not_hang(tmp_path):
+    out = str(tmp_path / "d")
+    runs = _launch("die", out, timeout=80)
+    assert runs[1].returncode == 3
+    assert runs[0].returncode == 0, runs[0].stderr[-3000:]
+    res = json.load(open(f"{out}.0"))
+    assert res["error"] is not None, "rank 0 finished its steps although rank 1 died"
+    assert "distributed all-reduce" in res["error"], res["error"][:2000]
+    assert res["seconds"] < 30
+    assert "cannot continue" in res["again"] or "distributed" in res["again"], res["again"]
+
+
+def test_simulator_adds_the_ring_all_reduce_to_each_host_step():
+    from rpcompile import CostTable, StagePlan
+    from rpcompile.passes import emit
+    from rpcompile.runtime import simulate
+    hw = Hardware.preset("rtx4090", net_bandwidth=1e9, net_latency=1e-3)
+    c = CostTable.from_lists(fwd=[1e-3] * 4, bwd=[2e-3] * 4, param_bytes=[10**8] * 4)
+    prog = emit(StagePlan.from_str("2,1|1|1,2"), gpus=2, microbatches=2, staleness=0)
+    one, two = simulate(prog, c, hw), simulate(prog, c, hw, nodes=2)
+    per_layer = ring_allreduce_time(2 * 10**8, 2, 1e9, 1e-3)
+    assert per_layer == pytest.approx(0.2 + 2e-3)
+    steps = lambda t: {r.template: r.end - r.start for r in t.records if r.op == "O"}  # noqa: E731
+    for name, d in steps(two).items():
+        assert d == pytest.approx(steps(one)[name] + per_layer)
+    assert simulate(prog, c, hw.replace(nodes=2)).makespan == pytest.approx(two.makespan)
+    assert two.makespan > one.makespan + 3 * per_layer  # staleness 0: the steps are on the critical path
+    with pytest.raises(ValueError, match="nodes"):
+        Hardware.preset("rtx4090", nodes=0)
