@@ -1,28 +1,40 @@
 """CPU benchmark of the runtime: tokens/s of the compiled model vs eager PyTorch, measured vs simulated bubble.
 
-    python bench/runtime_cpu.py            # writes docs/bench/runtime_cpu.md (< 5 min on 2 cores)
+    python bench/runtime_cpu.py              # writes docs/bench/runtime_cpu.md (~1-3 min on 2 cores)
+    python bench/runtime_cpu.py --threads 1  # both sides with one intra-op thread
 
-Eager baseline: the same Llama with torch.utils.checkpoint per decoder layer (HF
-gradient checkpointing, use_reentrant=False) and torch.optim.AdamW(fused=True),
-mean loss over the same microbatches. Compiled: `Runtime` on host workers
-(gpus = 1, 2, 4), staleness 1, AdamW(impl="fused"). The measured bubble is
-1 - compute-lane busy time / (N * span) of the last step's timeline; the
-simulated one is `rpcompile.runtime.simulate` on measured per-layer costs and
-the "cpu" hardware preset.
+Eager baseline: the same Llama (same seed, train mode, dropout 0), each decoder layer wrapped in
+`torch.utils.checkpoint(use_reentrant=False)`, a plain gradient-accumulation loop over the same 4
+microbatches (backward per microbatch on loss / M) and `torch.optim.AdamW(fused=True)`. Compiled:
+`Runtime` on host workers (gpus = 1, 2, 4), staleness 1, AdamW(impl="fused"). Both use the same
+`torch.set_num_threads` value. All variants live at once and their steps are interleaved round-robin
+(eager, g1, g2, g4, eager, ...), so machine-load changes on a shared host hit every variant alike;
+we quote medians of the timed steps.
+
+Bubble, measured and simulated the same way: 1 - (compute-lane busy time of all workers) /
+(N x end of the iteration's last worker instruction), from the step's start; the CPU optimizer tail
+of staleness 1 is excluded on both sides. Simulated: `rpcompile.runtime.simulate` of the same Program
+(one iteration) with per-layer costs measured on this machine (`estimate_costs(mode="measure")`) and
+`Hardware.measure("cpu")`.
 """
 from __future__ import annotations
 
-import datetime
+import argparse
+import dataclasses
 import os
-import platform
+import statistics
 import sys
 import time
 
 import torch
 from tabulate import tabulate
+from torch.utils.checkpoint import checkpoint
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path.insert(0, HERE)
 import models  # noqa: E402
+from _common import machine_line, write_doc  # noqa: E402
 from rpcompile import AdamW, StagePlan  # noqa: E402
 from rpcompile.passes import emit, trace  # noqa: E402
 from rpcompile.runtime.executor import Runtime  # noqa: E402
@@ -31,94 +43,192 @@ from rpcompile.runtime.stage_exec import split_batch  # noqa: E402
 
 CFG = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
            num_key_value_heads=8, vocab_size=4096, max_position_embeddings=512)
-BATCH, SEQ, MBS, STEPS, WARMUP = 8, 128, 4, 6, 2
+BATCH, SEQ, MBS, STEPS, WARMUP = 8, 128, 4, 8, 2
 PLANS = {1: "3|4|3", 2: "2,1|4|1,2", 4: "1,1,1|4|1,1,1"}  # 7 layers: embed, 4 blocks, norm, lm_head
+AGREE = 0.15
 
 
 def _batches(n: int) -> list[dict]:
     return [models.lm_batch(batch=BATCH, seq=SEQ, seed=s, vocab=CFG["vocab_size"]) for s in range(n)]
 
 
-def eager_tokens_per_s(graph) -> float:
-    """Eager PyTorch with per-decoder-layer activation checkpointing and fused AdamW."""
-    model = models.llama(**CFG)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+class _Checkpointed(torch.nn.Module):
+    """A decoder layer run under torch.utils.checkpoint (non-reentrant); other attributes pass through."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, *args, **kwargs):
+        return checkpoint(self.layer, *args, use_reentrant=False, **kwargs)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["layer"], name)
+
+
+def eager_stepper(graph):
+    """A step(batch) function: eager Llama, per-layer checkpointing, gradient accumulation, fused AdamW."""
+    model = models.llama(**CFG).train()
+    assert all(not isinstance(m, torch.nn.Dropout) or m.p == 0 for m in model.modules())
+    assert getattr(model.config, "attention_dropout", 0.0) == 0.0
+    model.config.use_cache = False  # else train mode builds a KV cache and the recompute appends to it again
+    layers = model.model.layers
+    for i in range(len(layers)):
+        layers[i] = _Checkpointed(layers[i])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    times = []
-    for b in _batches(WARMUP + STEPS):
-        t0 = time.perf_counter()
-        loss = sum(model(**mb).loss for mb in split_batch(graph, b, MBS)) / MBS
-        loss.backward()
+
+    def step(batch: dict) -> float:
+        total = 0.0
+        for mb in split_batch(graph, batch, MBS):
+            loss = model(**mb, use_cache=False).loss / MBS
+            loss.backward()
+            total += float(loss.detach())
         opt.step()
         opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
-    return BATCH * SEQ / (sum(times[WARMUP:]) / STEPS)
+        return total
+    return step
 
 
-def compiled(graph, gpus: int, costs, hardware) -> tuple[float, float, float | None]:
-    """(tokens/s, measured bubble, simulated bubble or None) of the runtime on `gpus` host workers."""
-    plan = StagePlan.from_str(PLANS[gpus])
-    prog = emit(plan, gpus=gpus, microbatches=MBS, staleness=1)
-    state = HostState.from_graph(graph, optimizer=AdamW(lr=1e-4, impl="fused"))
-    times, bubbles = [], []
-    with Runtime(graph, prog, state, backend="host", timeout=120) as rt:
-        for b in _batches(WARMUP + STEPS):
-            t0 = time.perf_counter()
-            rt.step(b)
-            times.append(time.perf_counter() - t0)
-            recs = rt.last_timeline
-            span = max(r[4] for r in recs) - min(r[3] for r in recs)
-            busy = sum(r[4] - r[3] for r in recs if r[2] == "compute")
-            bubbles.append(1 - busy / (gpus * span))
-        t0 = time.perf_counter()
-        rt.flush()
-        times[-1] += time.perf_counter() - t0
-    sim = None
-    if costs is not None:
-        from rpcompile.runtime import simulate
-        sim = simulate(prog, costs, hardware, iterations=1).bubble_ratio
-    return BATCH * SEQ / (sum(times[WARMUP:]) / STEPS), sum(bubbles[WARMUP:]) / STEPS, sim
+def bubble_of(records, gpus: int) -> tuple[float, float]:
+    """(bubble, end of the last worker instruction) from (worker, lane, start, end) tuples of one iteration."""
+    work = [(s, e) for w, lane, s, e in records if w >= 0]
+    end = max(e for _, e in work)
+    busy = sum(e - s for w, lane, s, e in records if w >= 0 and lane == "compute")
+    return 1 - busy / (gpus * end), end
+
+
+def simulated(prog, costs, hw, gpus: int) -> tuple[float, float]:
+    """(bubble, worker-window seconds) of one simulated iteration, measured like the runtime's."""
+    from rpcompile.runtime import simulate
+    tl = simulate(prog, costs, hw.replace(gpus=gpus), iterations=1)
+    return bubble_of([(r.worker, r.lane, r.start, r.end) for r in tl.records], gpus)
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    t_start = time.perf_counter()
     torch.manual_seed(0)
     model = models.llama(**CFG)
     example = _batches(1)[0]
     graph = trace(model, example)
+
+    from rpcompile.hardware import Hardware
+    from rpcompile.passes.cost import estimate_costs
+
+    def measure_costs():
+        return estimate_costs(graph, example, mode="measure", device="cpu", microbatches=MBS, warmup=2,
+                              repeats=5, progress=False)
+    costs = measure_costs()
+    hw = Hardware.measure("cpu", gpus=1)
+
+    progs = {g: emit(StagePlan.from_str(PLANS[g]), gpus=g, microbatches=MBS, staleness=1) for g in PLANS}
+    runtimes = {g: Runtime(graph, progs[g], HostState.from_graph(graph, optimizer=AdamW(lr=1e-4, impl="fused")),
+                           backend="host", timeout=300) for g in PLANS}
+    eager = eager_stepper(graph)
+    times: dict[str, list[float]] = {"eager": [], **{g: [] for g in PLANS}}
+    meas: dict[int, list[tuple[float, float]]] = {g: [] for g in PLANS}
     try:
-        from rpcompile.hardware import Hardware
-        from rpcompile.passes.cost import estimate_costs
-        costs = estimate_costs(graph, example, mode="measure", device="cpu", microbatches=MBS, warmup=1,
-                               repeats=3, progress=False)
-        hardware = Hardware.preset("cpu")
-    except Exception as exc:  # noqa: BLE001 - the simulator column is optional
-        print(f"no simulation: {exc}", file=sys.stderr)
-        costs = hardware = None
-    eager = eager_tokens_per_s(graph)
-    rows = [["eager + checkpoint + AdamW(fused)", "-", f"{eager:,.0f}", "1.00", "-", "-"]]
-    for gpus in (1, 2, 4):
-        tps, bub, sim = compiled(graph, gpus, costs, hardware)
-        rows.append([f"rpcompile gpus={gpus} ({PLANS[gpus]})", gpus, f"{tps:,.0f}", f"{tps / eager:.2f}",
-                     f"{100 * bub:.1f}%", "-" if sim is None else f"{100 * sim:.1f}%"])
-    table = tabulate(rows, headers=["run", "workers", "tokens/s", "ratio vs eager", "bubble (measured)",
-                                    "bubble (simulate)"], disable_numparse=True)
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    head = (f"# runtime_cpu benchmark\n\ncommand: `python bench/runtime_cpu.py`  \n"
-            f"date: {datetime.date.today()}  \nCPU: {cpu}, {os.cpu_count()} cores  \n"
-            f"torch {torch.__version__}, threads {torch.get_num_threads()}  \n"
-            f"model: Llama hidden {CFG['hidden_size']}, {CFG['num_hidden_layers']} layers, vocab "
-            f"{CFG['vocab_size']}; batch {BATCH} x seq {SEQ}, {MBS} microbatches, {STEPS} timed steps after "
-            f"{WARMUP} warm-up; float32\n\n```\n{table}\n```\n")
-    print(head)
-    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "bench", "runtime_cpu.md")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        f.write(head)
+        for k, batch in enumerate(_batches(WARMUP + STEPS)):
+            order = ["eager", *PLANS]
+            order = order[k % len(order):] + order[:k % len(order)]  # rotate who goes first
+            for v in order:
+                t0 = time.perf_counter()
+                if v == "eager":
+                    eager(batch)
+                else:
+                    runtimes[v].step(batch)
+                dt = time.perf_counter() - t0
+                if k >= WARMUP:
+                    times[v].append(dt)
+                    if v != "eager":
+                        meas[v].append(bubble_of([r[1:] for r in runtimes[v].last_timeline], v))
+        for rt in runtimes.values():
+            rt.flush()
+    finally:
+        for rt in runtimes.values():
+            rt.close()
+
+    # Costs measured twice more after the timed steps; keep each layer's faster reading (on a shared host a
+    # burst of load during one measurement inflates it several-fold; the minimum is the robust estimate).
+    for _ in range(2):
+        again = measure_costs()
+        costs = dataclasses.replace(costs, fwd=tuple(map(min, costs.fwd, again.fwd)),
+                                    bwd=tuple(map(min, costs.bwd, again.bwd)))
+    tps = {v: BATCH * SEQ / statistics.median(ts) for v, ts in times.items()}
+    rows = [["eager: checkpoint per layer + AdamW(fused)", "-", f"{tps['eager']:,.0f}", "1.00",
+             f"{statistics.median(times['eager']):.3f}", "-", "-", "-", "-", "-"]]
+    notes = []
+    for g in PLANS:
+        bub = statistics.median(b for b, _ in meas[g])
+        win = statistics.median(w for _, w in meas[g])
+        sbub, swin = simulated(progs[g], costs, hw, g)
+        ok = abs(swin - win) <= AGREE * win and abs(sbub - bub) <= max(AGREE * bub, 0.02)
+        rows.append([f"rpcompile gpus={g} ({PLANS[g]})", g, f"{tps[g]:,.0f}", f"{tps[g] / tps['eager']:.2f}",
+                     f"{statistics.median(times[g]):.3f}", f"{win:.3f}", f"{swin:.3f}", f"{100 * bub:.1f}%",
+                     f"{100 * sbub:.1f}%", "yes" if ok else "NO"])
+        if not ok:
+            notes.append(g)
+    table = tabulate(rows, headers=["run", "workers", "tokens/s (median)", "vs eager", "step s",
+                                    "worker window s (measured)", "(simulated)", "bubble (measured)",
+                                    "bubble (simulated)", f"agree <= {AGREE:.0%}"],
+                     disable_numparse=True, tablefmt="github")
+    cost_line = (f"measured per-microbatch costs (per-layer min of one measurement before and two after the timed steps): fwd {1e3 * sum(costs.fwd):.1f} ms, bwd {1e3 * sum(costs.bwd):.1f} "
+                 f"ms over {len(costs.fwd)} layers (sum); Hardware.measure: fp32 "
+                 f"{hw.flops('float32') / 1e9:.0f} GFLOP/s, memcpy {hw.h2d_bandwidth / 1e9:.1f} GB/s, "
+                 f"op latency {hw.op_latency * 1e6:.1f} us")
+    pred = MBS * sum(2 * f + b for f, b in zip(costs.fwd, costs.bwd))
+    cost_line += (f"  \ncost sanity: these costs predict {pred:.3f} s of compute per 1-worker step "
+                  f"(M x sum(2 fwd + bwd)); eager measured {statistics.median(times['eager']):.3f} s "
+                  f"({pred / statistics.median(times['eager']):.1f}x). Well above 1x means the per-layer "
+                  f"measurement itself was slowed by load (or by the cost pass) and the simulated column "
+                  f"inherits that error.")
+    ratio = tps[1] / tps["eager"]
+    verdict = (f"compiled(gpus=1) / eager = {ratio:.2f} (target >= 0.90: "
+               f"{'met' if ratio >= 0.9 else 'NOT met'}).")
+    gap = ("" if not notes else
+           f"The simulator and the runtime disagree by more than {AGREE:.0%} for gpus = "
+           f"{', '.join(map(str, notes))}. Why: the simulator treats each host worker as an independent device "
+           f"with the single-worker costs measured above, but here the N worker compute lanes (plus the "
+           f"transfer lanes and the CPU optimizer thread) share {os.cpu_count()} cores, each op using "
+           f"{args.threads} intra-op threads: N host workers are not N devices. When two lanes compute at once "
+           f"each runs slower, so measured busy time is inflated (the measured bubble looks smaller than the "
+           f"real idle share of the machine) and the window is longer than predicted; with gpus=4 on 2 cores "
+           f"the parallel speed-up the simulator assumes cannot exist. Python dispatch and lane hand-offs "
+           f"between instructions (not in the cost table) add measured idle time at gpus=1. So on this machine "
+           f"the CPU run validates the schedule's ordering and the protocol, not the simulator's timing model; "
+           f"that needs real devices (bench/gpu.sh).\n")
+    text = f"""# runtime_cpu benchmark
+
+{machine_line()}  
+model: Llama hidden {CFG['hidden_size']}, {CFG['num_hidden_layers']} layers, vocab {CFG['vocab_size']}; batch {BATCH} x seq {SEQ}, {MBS} microbatches, {STEPS} timed steps after {WARMUP} warm-up per variant, interleaved; float32; run time {time.perf_counter() - t_start:.0f} s  
+{cost_line}
+
+{table}
+
+{verdict}
+Agreement: simulated worker window within {AGREE:.0%} of the measured one and simulated bubble within
+{AGREE:.0%} (relative, or 2 points) of the measured one.
+{gap}
+Eager baseline, what was wrong before: the old script ran all eager steps first and all compiled steps
+afterwards. On this shared 2-core machine other jobs come and go; with 2 OpenMP threads per op, a core
+taken by another multi-threaded process makes every parallel region wait for a descheduled thread, and
+single steps swing from 0.6 s to 6-12 s (seen in isolated runs of the same HF-checkpointed loop:
+threads=2 median 5.7 s/step vs threads=1 0.9 s/step during a busy minute, 0.66 s vs 0.56 s a minute
+later). The 4-6x gap was that load landing on the eager phase, not a slow path in eager PyTorch: the
+model has no active dropout, HF's gradient checkpointing costs ~1.3-1.5x a no-checkpoint step (the
+recompute), and the first step of a fresh model costs 3-6 s (one-time warm-up, excluded). Now eager uses
+an explicit `torch.utils.checkpoint` per decoder layer, per-microbatch backward, fused AdamW, the same
+thread count, and its steps are interleaved with the compiled ones. Numbers still move by +-30% between
+runs here; compare only within one run.
+"""
+    print(text)
+    print("wrote", write_doc("runtime_cpu.md", text))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,52 @@
+"""Assemble docs/BENCHMARKS.md from the reports the bench scripts wrote under docs/bench/.
+
+Each bench script prints its table and writes `docs/bench/<name>.md` with the
+exact command, date and machine; this script only concatenates them, in a
+fixed order, under one index. Run it after any bench script:
+
+    python bench/collect.py
+"""
+from __future__ import annotations
+
+import os
+
+ORDER = ("trace", "costs", "partition", "schedules_sim", "schedules", "runtime_cpu", "optimizer",
+         "distributed", "gpu")
+TITLES = {
+    "trace": "Trace time (issue 2)", "costs": "Cost model: predicted vs measured (issue 3)",
+    "partition": "Partition: planning time and plan quality (issue 4)",
+    "schedules_sim": "Simulated bubble vs bound-stage baselines (issue 5)",
+    "schedules": "The five paper models on 8x RTX 4090, simulated (issue 8)",
+    "runtime_cpu": "Runtime on this CPU: compiled vs eager, measured vs simulated bubble (issue 6)",
+    "optimizer": "CPU optimizer throughput (issue 6)", "distributed": "Data parallelism across processes (issue 9)",
+    "gpu": "GPU run (bench/gpu.sh)",
+}
+
+
+def main() -> None:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    folder = os.path.join(root, "docs", "bench")
+    found = [n for n in ORDER if os.path.exists(os.path.join(folder, n + ".md"))]
+    extra = sorted(f[:-3] for f in os.listdir(folder) if f.endswith(".md") and f[:-3] not in ORDER)
+    parts = ["# Benchmarks\n",
+             "Every table below is the real output of the script named in its section, with the command, "
+             "date and machine. Comparisons are ratios taken in the same run; the CPU machine is a shared "
+             "2-core VM, so absolute times are noisy. Regenerate a section by running its script, then "
+             "`python bench/collect.py`.\n"]
+    parts += [f"- [{TITLES.get(n, n)}](#{n.replace('_', '-')})" for n in found + extra]
+    for n in found + extra:
+        with open(os.path.join(folder, n + ".md")) as f:
+            body = f.read().strip()
+        parts.append(f'\n<a id="{n.replace("_", "-")}"></a>\n\n{_demote(body)}\n')
+    with open(os.path.join(root, "docs", "BENCHMARKS.md"), "w") as f:
+        f.write("\n".join(parts) + "\n")
+    print(f"wrote docs/BENCHMARKS.md from {len(found + extra)} reports")
+
+
+def _demote(text: str) -> str:
+    """Turn each report's top-level headings into second-level ones."""
+    return "\n".join("#" + line if line.startswith("#") else line for line in text.splitlines())
+
+
+if __name__ == "__main__":
+    main()

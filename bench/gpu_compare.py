@@ -1,0 +1,143 @@
+"""Compiled (rpcompile, 1 GPU) vs eager PyTorch on one CUDA GPU: tokens/s and peak memory (issue #8.5).
+
+    python bench/gpu_compare.py                 # ~1.1B Llama, bf16, seq 2048, batch 4, 3 timed steps
+    python bench/gpu_compare.py --seq 1024 --steps 2
+
+Eager: the model in bf16 on the GPU, torch.utils.checkpoint per decoder layer (non-reentrant),
+gradient accumulation over the same microbatches, torch.optim.AdamW(fused=True) on the GPU (all state
+resident: the upper bound when the model fits). Compiled: rpcompile.compile(gpus=1, dtype=bf16,
+staleness 1): weights, fp32 master and Adam state on the host, one stage streamed at a time. Peak memory
+is torch.cuda.max_memory_allocated() of each run (reset in between). Installs nothing; exits 0 without CUDA.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+
+def build(seed: int = 0):
+    """A ~1.1B Llama-style causal LM (hidden 2048, 22 layers, GQA 4 KV heads, vocab 32000), fp32 on the CPU."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                      num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=4096,
+                      attn_implementation="sdpa", use_cache=False)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).train()
+
+
+def batches(n: int, batch: int, seq: int, vocab: int = 32000) -> list[dict]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, vocab, (batch, seq), generator=g)
+        out.append({"input_ids": ids, "labels": ids.clone()})
+    return out
+
+
+def run_eager(bs: list[dict], mbs: int, warmup: int) -> tuple[list[float], int, list[float]]:
+    """(step seconds, peak bytes, losses) of the eager loop."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Ckpt(torch.nn.Module):
+        def __init__(self, layer):
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, *a, **kw):
+            return checkpoint(self.layer, *a, use_reentrant=False, **kw)
+
+        def __getattr__(self, name):
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                return getattr(self._modules["layer"], name)
+
+    model = build().to("cuda", torch.bfloat16)
+    for i in range(len(model.model.layers)):
+        model.model.layers[i] = Ckpt(model.model.layers[i])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    for k, b in enumerate(bs):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        total = 0.0
+        for ids, lab in zip(b["input_ids"].chunk(mbs), b["labels"].chunk(mbs)):
+            loss = model(input_ids=ids.cuda(non_blocking=True), labels=lab.cuda(non_blocking=True)).loss / mbs
+            loss.backward()
+            total += loss.detach()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(total))
+        torch.cuda.synchronize()
+        if k >= warmup:
+            times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated()
+    del model, opt
+    torch.cuda.empty_cache()
+    return times, peak, losses
+
+
+def run_compiled(bs: list[dict], mbs: int, warmup: int) -> tuple[list[float], int, list[float], str]:
+    """(step seconds, peak bytes, losses, plan) of rpcompile on one GPU."""
+    import rpcompile
+    model = build()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    c = rpcompile.compile(model, gpus=1, example=bs[0], microbatches=mbs, staleness=1,
+                          optimizer=rpcompile.AdamW(lr=1e-5), dtype=torch.bfloat16, hardware="rtx4090")
+    print(f"compiled in {time.perf_counter() - t0:.1f} s; plan {c.plan.to_str()}", flush=True)
+    torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    try:
+        for k, b in enumerate(bs):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            losses.append(c.step(b))
+            torch.cuda.synchronize()
+            if k >= warmup:
+                times.append(time.perf_counter() - t0)
+        plan = c.plan.to_str()
+    finally:
+        c.close()
+    return times, torch.cuda.max_memory_allocated(), losses, plan
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=4, help="sequences per step")
+    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps (after 1 warm-up)")
+    ap.add_argument("--only", choices=["eager", "compiled"], default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_compare: no CUDA device; nothing to do")
+        return 0
+    bs = batches(1 + args.steps, args.batch, args.seq)
+    tokens = args.batch * args.seq
+    print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}; Llama ~1.1B bf16, batch {args.batch} x seq "
+          f"{args.seq}, {args.microbatches} microbatches, {args.steps} timed steps after 1 warm-up", flush=True)
+    rows = []
+    if args.only in (None, "eager"):
+        t, peak, losses = run_eager(bs, args.microbatches, 1)
+        rows.append(("eager (ckpt per layer, AdamW fused on GPU)", statistics.median(t), peak, losses))
+    if args.only in (None, "compiled"):
+        t, peak, losses, plan = run_compiled(bs, args.microbatches, 1)
+        rows.append((f"rpcompile gpus=1 ({plan})", statistics.median(t), peak, losses))
+    print(f"{'run':58s} {'step s':>8s} {'tokens/s':>10s} {'peak GiB':>9s}  losses")
+    for name, t, peak, losses in rows:
+        print(f"{name[:58]:58s} {t:8.3f} {tokens / t:10,.0f} {peak / 2**30:9.2f}  "
+              + " ".join(f"{x:.3f}" for x in losses))
+    if len(rows) == 2:
+        print(f"compiled / eager tokens/s = {rows[0][1] / rows[1][1]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
