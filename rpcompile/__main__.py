@@ -78,7 +78,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m rpcompile", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="train a tiny Llama on this repository's text (2 workers)")
-    d.add_argument("--steps", type=int, default=60)
+    d.add_argument("--steps", type=int, default=200)
     d.add_argument("--out", default="rpcompile-demo")
     d.set_defaults(func=cmd_demo)
     from rpcompile.presets import MODELS

@@ -218,14 +218,20 @@ class Compiled:
         return self._dist.average(loss, "evaluate loss") if self._dist else loss
 
     def simulate(self, hardware: Hardware | str = "rtx4090", iterations: int = 1, *, example: Any = None):
-        """Simulate this program on `hardware` with costs predicted for it; returns a Timeline."""
+        """Simulate this program on `hardware`, with layer costs predicted for that hardware.
+
+        Args:
+            hardware: a Hardware or preset name ("rtx4090", ...).
+            iterations: back-to-back iterations (staleness 1: the steady state needs several).
+            example: the batch to cost (default: the one the program was compiled for).
+        Returns:
+            A Timeline (iteration time, bubble, exposed communication, peak memory per worker).
+        """
         from rpcompile import passes
         from rpcompile.runtime import simulate
         hw = Hardware.preset(hardware) if isinstance(hardware, str) else hardware
-        costs = self.costs
-        if example is not None:
-            costs = passes.estimate_costs(self.graph, example, mode="predict", hardware=hw,
-                                          microbatches=self.microbatches)
+        costs = passes.estimate_costs(self.graph, self._example if example is None else example, mode="predict",
+                                      hardware=hw, microbatches=self.microbatches, progress=False)
         return simulate(self.program, costs, hw, iterations=iterations)
 
     # -- state ------------------------------------------------------------------------------

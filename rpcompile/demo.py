@@ -20,7 +20,7 @@ import torch
 class DemoConfig:
     """What the demo trains and for how long."""
 
-    steps: int = 60            # training iterations
+    steps: int = 200           # training iterations
     batch: int = 8             # sequences per iteration
     seq: int = 128             # bytes per sequence
     gpus: int = 2              # workers (host threads without CUDA)

@@ -140,3 +140,11 @@ def test_a_script_that_forgets_close_exits_cleanly():
     r = subprocess.run([sys.executable, "-c", script], cwd=root, timeout=300, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "stepped" in r.stdout
+
+
+def test_simulate_predicts_costs_for_the_target_hardware():
+    with make() as c:
+        fast = c.simulate("h100")
+        slow = c.simulate("rtx4090")
+        assert 0 < fast.iteration_time < slow.iteration_time
+        assert len(fast.peak_memory) == 2
