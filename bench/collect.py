@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-ORDER = ("trace", "costs", "partition", "schedules_sim", "schedules", "runtime_cpu", "optimizer",
+ORDER = ("trace", "costs", "partition", "schedules_sim", "schedules", "plan_cli", "runtime_cpu", "optimizer",
          "distributed", "gpu")
 TITLES = {
     "trace": "Trace time (issue 2)", "costs": "Cost model: predicted vs measured (issue 3)",
@@ -19,7 +19,7 @@ TITLES = {
     "schedules": "The five paper models on 8x RTX 4090, simulated (issue 8)",
     "runtime_cpu": "Runtime on this CPU: compiled vs eager, measured vs simulated bubble (issue 6)",
     "optimizer": "CPU optimizer throughput (issue 6)", "distributed": "Data parallelism across processes (issue 9)",
-    "gpu": "GPU run (bench/gpu.sh)",
+    "gpu": "GPU run (bench/gpu.sh)", "plan_cli": "The plan command on the paper models (issue 7)",
 }
 
 

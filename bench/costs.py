@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import platform
+import os
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import cpu_model  # noqa: E402
 from tabulate import tabulate
 
 from rpcompile.hardware import Hardware
@@ -31,18 +35,6 @@ def llama_134m(ffn: int = 2048) -> torch.nn.Module:
                       num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=2048,
                       attn_implementation="eager")
     return LlamaForCausalLM(cfg).train()
-
-
-def _cpu_model() -> str:
-    """CPU model name from /proc/cpuinfo (or platform)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _measure_hw(when: str) -> Hardware:
@@ -73,7 +65,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    print(f"date {datetime.date.today()}, CPU {_cpu_model()}, {torch.get_num_threads()} threads, "
+    print(f"date {datetime.date.today()}, CPU {cpu_model()}, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}")
     before = _measure_hw("before")
     model = llama_134m(args.ffn)

@@ -21,6 +21,9 @@ import time
 from collections.abc import Callable
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import cpu_model  # noqa: E402
 from tabulate import tabulate
 
 import rpcompile
@@ -72,18 +75,6 @@ def ours_case(total: int, layers: int, impl: str, copy: bool) -> Callable[[], fl
                 state.copy(l)
         return time.perf_counter() - t
     return run
-
-
-def cpu_model() -> str:
-    """The CPU's model name."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main(argv: list[str] | None = None) -> str:
