@@ -107,8 +107,13 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one sub-command; bad input is one line on stderr and exit status 2, not a traceback."""
     args = parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (ValueError, ImportError, FileNotFoundError) as exc:
+        print(f"python -m rpcompile {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

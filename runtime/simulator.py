@@ -184,7 +184,7 @@ def simulate(program: Program, costs: CostTable, hardware, *, iterations: int = 
     Returns:
         A Timeline. With iterations > 1 the steady time is (C[K-1] - C[K-1-P]) / P over the
         last P iterations, (K, P) = steady_state_window(gpus, stages, rounds), when
-        iterations >= K; else the mean over the last half.
+        iterations >= K; else C[-1] / iterations (the mean from time 0, fill included).
 
     >>> hw = type("HW", (), dict(h2d_bandwidth=1e9, d2h_bandwidth=1e9, optimizer_bytes_per_s=1e9))()
     >>> from rpcompile import CostTable, StagePlan
@@ -338,8 +338,8 @@ def _steady(ends: list[float], program: Program, makespan: float) -> float:
     if it == 1:
         return makespan
     k, p = steady_state_window(program.gpus, program.plan.num_stages, program.rounds)
-    if it < k:
-        p = max(1, it // 2)
+    if it < k:  # too few for the window (early iterations overlap unevenly): average from time 0
+        return ends[-1] / it
     return (ends[-1] - ends[-1 - p]) / p
 
 

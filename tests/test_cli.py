@@ -1,0 +1,44 @@
+"""The command line: train (with resume), plan --save-program, simulate from the saved files."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cli(*args, cwd):
+    r = subprocess.run([sys.executable, "-m", "rpcompile", *args], cwd=cwd, capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
+def test_train_saves_and_resumes(tmp_path):
+    (tmp_path / "corpus.txt").write_bytes(open(os.path.join(ROOT, "README.md"), "rb").read() * 4)
+    cfg = dict(text="corpus.txt", steps=2, gpus=2, microbatches=2, batch=4, seq=32, dim=32, layers=2,
+               save="run.ckpt")
+    (tmp_path / "run.json").write_text(json.dumps(cfg))
+    out = cli("train", "--config", "run.json", cwd=tmp_path)
+    assert "step 2: loss" in out and (tmp_path / "run.ckpt").exists()
+    (tmp_path / "run.json").write_text(json.dumps({**cfg, "steps": 3, "resume": True}))
+    out = cli("train", "--config", "run.json", cwd=tmp_path)
+    assert "resumed run.ckpt at step 2" in out and "step 3: loss" in out and "step 2:" not in out
+
+
+def test_plan_then_simulate_the_saved_program(tmp_path):
+    pytest.importorskip("transformers")
+    out = cli("plan", "--model", "qwen3-1.7b", "--gpus", "4", "--seq", "256", "--microbatches", "4",
+              "--save-program", "p.csv", cwd=tmp_path)
+    assert "rpcompile (RoundPipe)" in out and "GPipe" in out and "max_seq_len" in out
+    out = cli("simulate", "--program", "p.csv", "--iterations", "2", "--trace", "t.json", cwd=tmp_path)
+    assert out.startswith("Timeline(gpus=4, iterations=2)")
+    assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+
+
+def test_unknown_model_lists_the_presets(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "rpcompile", "plan", "--model", "gpt-5"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode == 2 and "qwen3-1.7b" in r.stderr and "gpt-5" in r.stderr and "Traceback" not in r.stderr
