@@ -84,12 +84,11 @@ def measured(world: int) -> dict:
 def simulated() -> list[list]:
     """Steady tokens/s of llama3.1-8b on k x 8 x RTX 4090 for a few networks."""
     from rpcompile.hardware import Hardware
-    from rpcompile.passes.timing import default_round_size, steady_state_window
     from rpcompile.planning import plan_model
-    from rpcompile.runtime import simulate
+    from rpcompile.runtime import simulate, steady_iterations
     hw = Hardware.preset("rtx4090")
     r = plan_model("llama3.1-8b", gpus=8, hardware=hw, seq=2048, microbatches=16)
-    k, _ = steady_state_window(8, r.plan.num_stages, 16 // default_round_size(8, 16))
+    k = steady_iterations(r.program)
     base = None
     rows = []
     for nodes, net, bw in ((1, "-", 12.5e9), (2, "100 Gb/s (12.5 GB/s)", 12.5e9), (2, "25 GB/s (200 Gb/s)", 25e9),

@@ -120,9 +120,8 @@ def plan_frozen(model: str, hw: Hardware) -> tuple[list[Row], str]:
     """Our schedule for `model` with everything frozen except the norm weights (a LoRA-sized trainable set)."""
     from rpcompile import passes
     from rpcompile.api import Options, plan_pipeline
-    from rpcompile.passes.timing import default_round_size, steady_state_window
     from rpcompile.presets import build_meta, example_batch
-    from rpcompile.runtime import simulate
+    from rpcompile.runtime import simulate, steady_iterations
 
     net = build_meta(model)
     trainable = 0
@@ -134,13 +133,9 @@ def plan_frozen(model: str, hw: Hardware) -> tuple[list[Row], str]:
                    loss_fn=None, layers=None, lm_head_shards="auto", hardware=hw, memory_budget=None,
                    backend="host", seed=0)
     graph, costs, plan, program, m = plan_pipeline(net, example, opts, mode="predict")
-    # The simulator charges a host step per layer for param_bytes (it assumes every parameter is trained);
-    # scale the CPU optimizer rate so the summed step time equals that of the trainable bytes only.
-    scale = sum(costs.param_bytes) / max(sum(costs.grad_bytes), 1)
-    hw_sim = hw.replace(optimizer_bytes_per_s=hw.optimizer_bytes_per_s * scale)
-    k, _ = steady_state_window(GPUS, plan.num_stages, m // default_round_size(GPUS, m))
-    sync = simulate(passes.emit(plan, gpus=GPUS, microbatches=m, staleness=0, costs=costs), costs, hw_sim)
-    ours = simulate(program, costs, hw_sim, iterations=k)
+    sync = simulate(passes.emit(plan, gpus=GPUS, microbatches=m, round_size=program.round_size, staleness=0,
+                                costs=costs), costs, hw)
+    ours = simulate(program, costs, hw, iterations=steady_iterations(program))
     tokens = MICROBATCHES * SEQ
     name = f"{model} (frozen, norms trained)"
     rows = [Row(name, "rpcompile (RoundPipe) (s=1 steady)", ours.steady_iteration_time,
@@ -151,9 +146,7 @@ def plan_frozen(model: str, hw: Hardware) -> tuple[list[Row], str]:
             f"weights: {trainable / 1e6:.2f} M trainable parameters, fewer than a rank-8 LoRA on q/k/v/o "
             f"(~25 M for Qwen3-235B) and, like it, negligible for the "
             f"optimizer and PCIe; the frozen base still streams over PCIe for every F and B stage and the "
-            f"backward skips weight gradients. Simulator workaround: it prices a host step by a layer's "
-            f"param_bytes, so the CPU optimizer rate is scaled by {scale:,.0f} (= all bytes / trainable bytes) "
-            f"to charge only the trainable bytes. Bound-stage baselines are not listed: their bf16 weights "
+            f"backward skips weight gradients; the simulator charges host steps for trainable bytes only. Bound-stage baselines are not listed: their bf16 weights "
             f"alone are {sum(costs.param_bytes) / GPUS / 1e9:.0f} GB per GPU (> 24 GB).")
     return rows, note
 
@@ -161,12 +154,10 @@ def plan_frozen(model: str, hw: Hardware) -> tuple[list[Row], str]:
 def _one_round(res, hw: Hardware, gpus: int) -> tuple[float, float]:
     """(tokens/s, peak bytes) of res.plan re-emitted with round size R = M (parameters uploaded once per slot)."""
     from rpcompile.passes import emit
-    from rpcompile.passes.timing import steady_state_window
-    from rpcompile.runtime import simulate
+    from rpcompile.runtime import simulate, steady_iterations
     prog = emit(res.plan, gpus=gpus, microbatches=MICROBATCHES, round_size=MICROBATCHES, staleness=1,
                 costs=res.costs)
-    k, _ = steady_state_window(gpus, res.plan.num_stages, prog.rounds)
-    tl = simulate(prog, res.costs, hw, iterations=k)
+    tl = simulate(prog, res.costs, hw, iterations=steady_iterations(prog))
     return MICROBATCHES * SEQ / tl.steady_iteration_time, max(tl.peak_memory)
 
 

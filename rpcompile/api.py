@@ -18,8 +18,6 @@ from rpcompile.costs import CostTable
 from rpcompile.graph import LayerGraph
 from rpcompile.hardware import Hardware
 from rpcompile.optim import SGD, AdamW
-from rpcompile.plan import StagePlan
-from rpcompile.program import Program
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,15 +110,40 @@ def plan_pipeline(model: torch.nn.Module, example: Any, opts: Options, *, mode: 
     if sharded is not graph:
         graph = sharded
         costs = passes.estimate_costs(graph, example, mode=mode, hardware=opts.hardware, microbatches=m)
-    # 4. choose the asymmetric forward / fused / backward stage grouping
-    plan = passes.partition(costs, gpus=opts.gpus, microbatches=m, memory_budget=budget,
-                            staleness=opts.staleness)
-    # 5. emit the static round-robin program for one iteration
-    program = passes.emit(plan, gpus=opts.gpus, microbatches=m, staleness=opts.staleness, costs=costs,
-                          readers=_shared_readers(graph))
+    # 4-5. choose the stage grouping (and, for a hardware target, the round size) and emit the program
+    plan, program = _plan_and_emit(graph, costs, opts, m, budget)
     # 6. check it: dependencies, coverage, the per-layer rules R1-R5, memory
     passes.verify(program, costs=costs, memory_budget=budget)
     return graph, costs, plan, program, m
+
+
+def _plan_and_emit(graph: LayerGraph, costs: CostTable, opts: Options, m: int, budget: int | None):
+    """partition + emit; with a hardware target, also pick the round size by simulating each candidate.
+
+    Note: the partitioner's objective is the compute-only schedule time. On a target whose PCIe
+    traffic matters, one round of all M microbatches uploads every stage's parameters once per
+    iteration instead of M / R times, so both round sizes are emitted and the simulated faster one
+    (with transfers and the CPU optimizer) wins.
+    """
+    from rpcompile import passes
+    from rpcompile.passes.timing import default_round_size
+    from rpcompile.runtime import simulate, steady_iterations
+    sizes = [default_round_size(opts.gpus, m)]
+    if opts.hardware is not None and m not in sizes:
+        sizes.append(m)
+    best = None
+    for r in sizes:
+        plan = passes.partition(costs, gpus=opts.gpus, microbatches=m, round_size=r, memory_budget=budget,
+                                staleness=opts.staleness)
+        program = passes.emit(plan, gpus=opts.gpus, microbatches=m, round_size=r, staleness=opts.staleness,
+                              costs=costs, readers=_shared_readers(graph))
+        if len(sizes) == 1:
+            return plan, program
+        k = steady_iterations(program) if opts.staleness else 1
+        t = simulate(program, costs, opts.hardware, iterations=k).steady_iteration_time
+        if best is None or t < best[0]:
+            best = (t, plan, program)
+    return best[1], best[2]
 
 
 def _shard_head(graph: LayerGraph, shards: int | str, costs: CostTable) -> LayerGraph:

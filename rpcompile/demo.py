@@ -79,8 +79,7 @@ def run(cfg: DemoConfig = DemoConfig()) -> float:
     import rpcompile
     from rpcompile.api import Options, plan_pipeline
     from rpcompile.gantt import compute_bubble
-    from rpcompile.passes.timing import default_round_size, steady_state_window
-    from rpcompile.runtime import simulate
+    from rpcompile.runtime import simulate, steady_iterations
     from rpcompile.zoo import LlamaConfig, TinyLlama
 
     torch.manual_seed(cfg.seed)
@@ -114,8 +113,7 @@ def run(cfg: DemoConfig = DemoConfig()) -> float:
                    hardware=rpcompile.Hardware.preset("rtx4090"), memory_budget=None, backend="host", seed=0)
     big = {k: v.repeat(2, 1) for k, v in example.items()}
     _, costs8, plan8, program8, _ = plan_pipeline(model, big, opts, mode="predict")
-    k, _ = steady_state_window(8, plan8.num_stages, 16 // default_round_size(8, 16))
-    sim = simulate(program8, costs8, opts.hardware, iterations=k)
+    sim = simulate(program8, costs8, opts.hardware, iterations=steady_iterations(program8))
     _charts(cfg, measured, sim)
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     print(f"\nloss {first:.3f} -> {last:.3f} (mean of the first and last 5 steps)")

@@ -50,9 +50,8 @@ def plan_model(model: str, *, gpus: int = 8, hardware: str | Hardware = "rtx4090
     from rpcompile import passes
     from rpcompile.api import Options, plan_pipeline
     from rpcompile.presets import build_meta, example_batch
-    from rpcompile.runtime import simulate
+    from rpcompile.runtime import simulate, steady_iterations
     from rpcompile.runtime.baselines import baselines
-    from rpcompile.passes.timing import steady_state_window, default_round_size
 
     hw = Hardware.preset(hardware) if isinstance(hardware, str) else hardware
     net = build_meta(model)
@@ -65,10 +64,10 @@ def plan_model(model: str, *, gpus: int = 8, hardware: str | Hardware = "rtx4090
                    lm_head_shards="auto", hardware=hw, memory_budget=None, backend="host", seed=0)
     graph, costs, plan, program, m = plan_pipeline(net, example, opts, mode="predict")
     tokens = microbatches * seq
-    k, _ = steady_state_window(gpus, plan.num_stages, m // default_round_size(gpus, m))
     rows = []
-    ours_sync = simulate(passes.emit(plan, gpus=gpus, microbatches=m, staleness=0, costs=costs), costs, hw)
-    ours = simulate(program, costs, hw, iterations=k)
+    ours_sync = simulate(passes.emit(plan, gpus=gpus, microbatches=m, round_size=program.round_size,
+                                      staleness=0, costs=costs), costs, hw)
+    ours = simulate(program, costs, hw, iterations=steady_iterations(program))
     rows.append(("rpcompile (RoundPipe)", ours.steady_iteration_time, tokens / ours.steady_iteration_time,
                  ours_sync.bubble_ratio, ours.steady_bubble, max(ours.peak_memory) / 2**30,
                  _fits(ours, hw)))

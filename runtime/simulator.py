@@ -22,10 +22,10 @@ slot's saved input (`saved_bytes` of its first layer) or, with `grad`, the
 output gradient (`act_bytes` of its last layer). D moves an F stage's output
 plus the saved inputs of B stages that start strictly inside it, or a
 backward's input gradient. A transfer takes link_latency + bytes / bandwidth.
-A host step O takes MASTER_PER_PARAM_BYTE * param_bytes / optimizer_bytes_per_s
-(an fp32 master of a 16-bit training copy), plus with `nodes` k > 1 the ring
+A host step O takes MASTER_PER_PARAM_BYTE * grad_bytes / optimizer_bytes_per_s
+(an fp32 master of a 16-bit training copy; frozen parameters have none), plus with `nodes` k > 1 the ring
 all-reduce of its fp32 gradient (`ring_allreduce_time` over `net_bandwidth`,
-`net_latency`: data parallelism, issue #9); a copy C takes param_bytes /
+`net_latency`: data parallelism, issue #9); a copy C takes grad_bytes /
 host_memcpy_bandwidth (0 without one). An O on a GPU worker (the bound-stage
 baselines) takes fp32 master bytes / device_optimizer_bytes_per_s (default
 mem_bandwidth * ADAM_MASTER_SHARE, as Adam is memory-bound; 0 without
@@ -301,7 +301,7 @@ def _duration(i: Instr, program: Program, costs: CostTable, bw: _Bandwidths) -> 
     if op is Op.RELEASE:
         return 0.0
     if op in (Op.STEP, Op.COPY):
-        pb = costs.param_bytes[i.layer]
+        pb = costs.grad_bytes[i.layer]  # trainable bytes: frozen parameters are never stepped or copied
         if op is Op.COPY:
             return pb / bw.memcpy
         net = ring_allreduce_time(MASTER_PER_PARAM_BYTE * pb, bw.nodes, bw.net, bw.net_latency) if pb else 0.0
@@ -330,6 +330,11 @@ def transfer_bytes(i: Instr, program: Program, costs: CostTable) -> int:
                     if s.kind is StageKind.B and first < s.layers.start <= last)
         return costs.act_bytes[last] + inner
     return costs.act_bytes[first - 1] if first > 0 else 0
+
+
+def steady_iterations(program: Program) -> int:
+    """How many back-to-back iterations `simulate` needs for the steady state of `program` (staleness 1)."""
+    return steady_state_window(program.gpus, program.plan.num_stages, program.rounds)[0]
 
 
 def _steady(ends: list[float], program: Program, makespan: float) -> float:

@@ -90,7 +90,7 @@ def test_memory_shows_resident_state_and_in_flight_activations():
 
 
 def test_real_transfers_and_the_gpu_optimizer_cost_time():
-    c = uniform(9, fwd=1e-3, bwd=2e-3, param_bytes=[4 * 10**8] * 9, act_bytes=[10**8] * 9)
+    c = uniform(9, fwd=1e-3, bwd=2e-3, param_bytes=[4 * 10**8] * 9, grad_bytes=[4 * 10**8] * 9, act_bytes=[10**8] * 9)
     p = one_f_one_b(c, gpus=4, microbatches=8)
     free = simulate(p, c, FREE)
     real = simulate(p, c, HW(h2d=32e9, d2h=32e9, opt=20e9, latency=1e-5, mem=1e12))

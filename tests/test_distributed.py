@@ -141,7 +141,7 @@ def test_simulator_adds_the_ring_all_reduce_to_each_host_step():
     from rpcompile.passes import emit
     from rpcompile.runtime import simulate
     hw = Hardware.preset("rtx4090", net_bandwidth=1e9, net_latency=1e-3)
-    c = CostTable.from_lists(fwd=[1e-3] * 4, bwd=[2e-3] * 4, param_bytes=[10**8] * 4)
+    c = CostTable.from_lists(fwd=[1e-3] * 4, bwd=[2e-3] * 4, param_bytes=[10**8] * 4, grad_bytes=[10**8] * 4)
     prog = emit(StagePlan.from_str("2,1|1|1,2"), gpus=2, microbatches=2, staleness=0)
     one, two = simulate(prog, c, hw), simulate(prog, c, hw, nodes=2)
     per_layer = ring_allreduce_time(2 * 10**8, 2, 1e9, 1e-3)

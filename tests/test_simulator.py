@@ -125,7 +125,7 @@ def test_every_worker_is_busy_in_the_steady_state(n, r):
 
 def test_slow_pcie_is_exposed_and_costs_time():
     plan, n, m = StagePlan.from_str("2,2|1|1,1,1,1"), 2, 4
-    c = uniform(5, fwd=1e-3, bwd=2e-3, param_bytes=[10**9] * 5, act_bytes=[10**8] * 5, saved_bytes=[10**8] * 5)
+    c = uniform(5, fwd=1e-3, bwd=2e-3, param_bytes=[10**9] * 5, grad_bytes=[10**9] * 5, act_bytes=[10**8] * 5, saved_bytes=[10**8] * 5)
     p = emit(plan, gpus=n, microbatches=m, staleness=0, costs=c)
     free, slow = simulate(p, c, FREE), simulate(p, c, HW(h2d=16e9, d2h=16e9, opt=20e9))
     assert slow.makespan > free.makespan + 0.05 and slow.exposed_comm > 0.05
