@@ -1,29 +1,23 @@
 """The runtime interpreter: a Program run on workers, one short handler per Op (DESIGN.md ideas 1-7).
 
-    >>> rt = Runtime(graph, emit(plan, gpus=2, microbatches=4), HostState.from_graph(graph, optimizer=AdamW()))
-    >>> loss = rt.step(batch); rt.flush(); rt.close()
+    >>> with Runtime(graph, emit(plan, gpus=2, microbatches=4), HostState.from_graph(graph, optimizer=AdamW())) as rt:
+    ...     loss = rt.step(batch)
 
-Note: iterations and staleness. `step` runs iteration t (t counts calls): its
-instructions go to the lanes of the physical workers (the template's workers
-shifted by t * program.shift) and `step` returns once every device instruction
-of t is done (all microbatch losses and gradient downloads). With staleness 1
-the optimizer steps and copies of t run on in the background (the next `step`
-continues the rotation); with staleness 0 `step` also waits for them.
+Note: iterations and staleness. `step` runs iteration t (t counts calls) on the
+template's workers shifted by t * program.shift, and returns once every device
+instruction of t is done. With staleness 1 the optimizer steps and copies of t
+run on in the background (the next `step` continues the rotation); with
+staleness 0 `step` also waits for them.
 
-Note: failures. The first exception in any lane (worker, transfer, optimizer) or
-a dependency wait longer than `timeout` abandons its iteration u and every later
-one; the caller's `step`/`flush` drains the lanes (instructions of iterations
-< u still run to completion), undoes iteration u and re-raises a
-`RuntimeFailure` naming the instruction, with the grid. The LAST COMPLETED
-STEP is the last `step` call that returned: its gradients are complete, so
-its optimizer steps always finish. After a failure the HostState equals what
-`flush()` right after that step would give: masters and optimizer state with
-every returned iteration applied (no step of iteration u ran: each iteration's
-first STEP waits for all its gradient downloads), compute copies as that
-iteration left them (copies iteration u made are restored from backups),
-gradient buffers zero. The next `step` re-runs iteration u. Exception: a
-failure inside the optimizer itself leaves the groups that already stepped in
-that iteration stepped (no undo log for the fp32 state).
+Note: failures. The first exception in any lane or a dependency wait longer
+than `timeout` abandons its iteration u and every later one; the caller's
+`step`/`flush` drains the lanes (earlier iterations finish), undoes u and
+re-raises a `RuntimeFailure` naming the instruction, with the grid. The state
+is then that of the LAST COMPLETED STEP (the last `step` that returned), as
+`flush()` would leave it: its optimizer steps applied (none of u's ran: an
+iteration's first STEP waits for all its gradient downloads), compute copies
+u overwrote restored from backups, gradients discarded; the next `step`
+re-runs u. An optimizer failure leaves groups already stepped stepped (no undo log).
 """
 from __future__ import annotations
 
@@ -261,9 +255,8 @@ class Runtime:
                     bak.setdefault(n, self.state.read(n).clone())
         self.state.copy(ins.layer)
 
-    # -- handler helpers --------------------------------------------------------------------------
     def _count_grads(self, dev, t: int, ins, params: dict) -> None:
-        """Account the slot's parameter gradients once they exist."""
+        """Handler helper: account the slot's parameter gradients once they exist."""
         key = ("pg", t, ins.stage, ins.mb // self.program.round_size)
         if not dev.store.has(key):
             dev.store.put(key, None, nbytes=sum(tensor_bytes(p) for n, p in params.items() if n in self.state.master))
@@ -340,7 +333,7 @@ class Runtime:
     def __enter__(self) -> "Runtime":  # noqa: D105
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: Any) -> None:  # noqa: D105
         self.close()
 
     def peak_memory(self) -> list[int]:

@@ -16,13 +16,9 @@ Note:
     one lock per group: worker threads and the optimizer thread may call it.
 
 Note:
-    Determinism. Float addition is not associative: bit-identical results need
-    the `accumulate_grad` calls of an iteration in a fixed order (the program
-    order). Then `step` equals eager torch: the same torch optimizer runs on
-    each group, and its per-parameter update does not depend on the grouping.
-    `step` zeroes the buffers logically (the next first write overwrites); a
-    parameter not written in an iteration is left out of that update, as eager
-    torch with `zero_grad(set_to_none=True)`.
+    Determinism. Bit-identical results need a fixed `accumulate_grad` order (the
+    program's). `step` then equals eager torch (the same torch optimizer per
+    group); buffers are zeroed logically (the next first write overwrites).
 
 Note:
     Global statistics. Clipping by global norm (`max_grad_norm`) and dynamic
