@@ -33,8 +33,22 @@ class RuntimeFailure(RuntimeError):
         self.instr, self.iteration = instr, iteration
 
 
+class _Waiter:
+    """One blocked `wait`: how many of its keys are still missing, and the event that wakes it."""
+
+    __slots__ = ("missing", "event")
+
+    def __init__(self, missing: int) -> None:
+        self.missing = missing
+        self.event = threading.Event()
+
+
 class Board:
     """Completion events of instruction instances `(iteration, template name)`, and the first failure.
+
+    A waiter is woken only by the completions it waits for (or a failure), not by every
+    completion: with many lanes and instructions a shared condition variable would make each
+    `finish` wake and re-check every blocked thread.
 
     Args:
         timeout: seconds an instruction may wait for its dependencies before the board
@@ -43,26 +57,50 @@ class Board:
 
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._done: set[tuple[int, str]] = set()
+        self._waiters: dict[tuple[int, str], list[_Waiter]] = {}  # missing key -> who waits for it
+        self._blocked: set[_Waiter] = set()  # every waiter not yet woken (a failure wakes them all)
         self.failed_from: int | None = None  # iterations >= this are abandoned after a failure
         self.error: tuple[BaseException, str, int, str] | None = None  # (exception, instr, iteration, traceback)
 
     def finish(self, key: tuple[int, str]) -> None:
-        """Mark one instruction instance complete."""
-        with self._cond:
+        """Mark one instruction instance complete and wake whoever waited only for it."""
+        with self._lock:
             self._done.add(key)
-            self._cond.notify_all()
+            for w in self._waiters.pop(key, ()):
+                w.missing -= 1
+                if w.missing == 0:
+                    self._blocked.discard(w)
+                    w.event.set()
 
     def is_done(self, key: tuple[int, str]) -> bool:
         """True if the instance completed."""
-        with self._cond:
+        with self._lock:
             return key in self._done
 
     def abandoned(self, t: int) -> bool:
         """True if iteration t is abandoned (a failure in it or an earlier iteration)."""
-        with self._cond:
+        with self._lock:
             return self.failed_from is not None and t >= self.failed_from
+
+    def _block(self, keys: list[tuple[int, str]], timeout: float, give_up: Callable[[], bool]) -> bool:
+        """Wait until every key completed (True), or `give_up()` holds (checked under the lock), a
+        failure wakes us, or `timeout` passes (False)."""
+        with self._lock:
+            missing = [k for k in keys if k not in self._done]
+            if not missing:
+                return True
+            if give_up():
+                return False
+            w = _Waiter(len(missing))
+            for k in missing:
+                self._waiters.setdefault(k, []).append(w)
+            self._blocked.add(w)
+        w.event.wait(timeout)
+        with self._lock:
+            self._blocked.discard(w)
+            return all(k in self._done for k in keys)
 
     def wait(self, keys: list[tuple[int, str]], t: int, what: str = "") -> bool:
         """Block until all `keys` completed (True) or iteration t is abandoned (False).
@@ -70,41 +108,44 @@ class Board:
         Raises:
             TimeoutError: the dependencies did not complete within `timeout` (names the missing ones).
         """
-        def ready() -> bool:
-            return (self.failed_from is not None and t >= self.failed_from) or all(k in self._done for k in keys)
-
-        with self._cond:
-            if not self._cond.wait_for(ready, timeout=self.timeout):
-                missing = [f"{n} (iteration {i})" for i, n in keys if (i, n) not in self._done]
+        deadline = time.monotonic() + self.timeout
+        while True:
+            done = self._block(keys, max(0.0, deadline - time.monotonic()),
+                               lambda: self.failed_from is not None and t >= self.failed_from)
+            if self.abandoned(t):
+                return False
+            if done:
+                return True
+            if time.monotonic() >= deadline:  # else a failure in a later iteration woke us: wait on
+                with self._lock:
+                    missing = [f"{n} (iteration {i})" for i, n in keys if (i, n) not in self._done]
                 raise TimeoutError(f"{what} waited {self.timeout:.0f}s for {', '.join(missing)}")
-            return not (self.failed_from is not None and t >= self.failed_from)
 
     def wait_all(self, keys: list[tuple[int, str]], t: int, timeout: float | None = None) -> bool:
         """Like `wait`, for the caller's thread; also returns False when any failure is recorded."""
-        def ready() -> bool:
-            return self.error is not None or all(k in self._done for k in keys)
-
-        with self._cond:
-            self._cond.wait_for(ready, timeout=self.timeout if timeout is None else timeout)
-            return self.error is None and all(k in self._done for k in keys)
+        done = self._block(keys, self.timeout if timeout is None else timeout, lambda: self.error is not None)
+        return done and self.error is None
 
     def fail(self, t: int, name: str, exc: BaseException) -> None:
         """Record a failure of instance (t, name); abandons iteration t and later (first failure wins)."""
-        with self._cond:
+        with self._lock:
             if self.error is None:
                 self.error = (exc, name, t, "".join(traceback.format_exception(exc)))
             self.failed_from = t if self.failed_from is None else min(self.failed_from, t)
-            self._cond.notify_all()
+            for w in self._blocked:
+                w.event.set()
+            self._blocked.clear()
 
     def reset(self, keep_below: int) -> None:
-        """Forget the failure and every completion of iterations >= keep_below."""
-        with self._cond:
+        """Forget the failure and every completion (and waiter) of iterations >= keep_below."""
+        with self._lock:
             self._done = {k for k in self._done if k[0] < keep_below}
+            self._waiters = {k: v for k, v in self._waiters.items() if k[0] < keep_below}
             self.failed_from, self.error = None, None
 
     def forget_before(self, t: int) -> None:
         """Drop completion records of iterations < t (no Ref can reach them any more)."""
-        with self._cond:
+        with self._lock:
             self._done = {k for k in self._done if k[0] >= t}
 
 
