@@ -11,6 +11,7 @@ from rpcompile.passes.codegen import pack_chunks
 from rpcompile.passes.timing import default_round_size, schedule
 from rpcompile.plan import StageKind
 from rpcompile.program import COMPUTE_OPS, Ref
+from tests.strategies import plans
 
 
 def longest_path(prog, costs, iterations=1):
@@ -35,19 +36,9 @@ def longest_path(prog, costs, iterations=1):
 
 
 @st.composite
-def compositions(draw, n):
-    cuts = sorted(draw(st.sets(st.integers(1, n - 1), max_size=n - 1))) if n > 1 else []
-    edges = [0] + cuts + [n]
-    return [b - a for a, b in zip(edges, edges[1:])]
-
-
-@st.composite
 def cases(draw):
     layers = draw(st.integers(2, 12))
-    fused = draw(st.integers(1, layers))
-    rest = layers - fused
-    plan = StagePlan.from_sizes(draw(compositions(rest)) if rest else [], fused,
-                                draw(compositions(rest)) if rest else [])
+    plan = draw(plans(layers))
     n = draw(st.integers(1, 8))
     m = draw(st.integers(n, 4 * n))
     times = st.sampled_from([0.0, 0.01, 0.5, 1.0, 2.0, 3.3, 17.0])

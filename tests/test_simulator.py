@@ -12,6 +12,7 @@ from rpcompile.passes.timing import default_round_size, iteration_time, steady_s
 from rpcompile.program import Instr, Op, Program, Ref
 from rpcompile.runtime import Timeline, simulate
 from rpcompile.runtime.sim_events import Job, StuckError, peak_usage, run_jobs
+from tests.strategies import plans
 
 INF = float("inf")
 
@@ -33,20 +34,10 @@ def uniform(layers, fwd=1.0, bwd=2.0, **kw):
 
 
 @st.composite
-def sizes(draw, n):
-    """A random composition of n into positive parts."""
-    cuts = sorted(draw(st.sets(st.integers(1, n - 1), max_size=n - 1))) if n > 1 else []
-    bounds = [0] + cuts + [n]
-    return [b - a for a, b in zip(bounds, bounds[1:])]
-
-
-@st.composite
 def cases(draw):
     """(plan, costs, N, M): 2..12 layers, any valid plan, N in 1..8, M in N..4N."""
     layers = draw(st.integers(2, 12))
-    fused = draw(st.integers(1, layers))
-    rest = layers - fused
-    plan = StagePlan.from_sizes(draw(sizes(rest)) if rest else [], fused, draw(sizes(rest)) if rest else [])
+    plan = draw(plans(layers))
     times = st.integers(1, 40).map(lambda x: x / 8)
     costs = CostTable.from_lists(fwd=draw(st.lists(times, min_size=layers, max_size=layers)),
                                  bwd=draw(st.lists(times, min_size=layers, max_size=layers)),
