@@ -116,7 +116,7 @@ def drive(state: HostState, grads_fn: GradsFn, iterations: int, staleness: int) 
 
 
 CONFIGS = [rpcompile.AdamW(lr=0.05, impl="foreach"), rpcompile.AdamW(lr=0.05, impl="single"),
-           rpcompile.SGD(lr=0.3, momentum=0.9, weight_decay=0.01, nesterov=True, impl="fused"),
+           rpcompile.SGD(lr=0.3, momentum=0.9, weight_decay=0.01, nesterov=True, impl="foreach"),
            rpcompile.AdamW(lr=0.05, max_grad_norm=0.05, impl="foreach")]
 
 
@@ -141,11 +141,14 @@ def test_drive_matches_oracle_exactly(cfg, staleness):
         assert not torch.equal(seen[2]["lora_a"], seen[0]["lora_a"])
 
 
-def test_fused_adamw_close_to_eager():
+@pytest.mark.parametrize("cfg", [rpcompile.AdamW(lr=0.05),
+                                 rpcompile.SGD(lr=0.3, momentum=0.9, weight_decay=0.01, nesterov=True)],
+                         ids=["adamw", "sgd-nesterov"])
+def test_fused_close_to_eager(cfg):
+    """The fused CPU kernels vectorise differently per CPU (FMA in the tail): close, not bit-equal."""
     data = batches(5)
-    _, final = reference_train(make(), data, optimizer=rpcompile.AdamW(lr=0.05), staleness=1,
-                               loss_fn=lambda m, b: m(*b))
-    state = host(make(), rpcompile.AdamW(lr=0.05))
+    _, final = reference_train(make(), data, optimizer=cfg, staleness=1, loss_fn=lambda m, b: m(*b))
+    state = host(make(), cfg)
     drive(state, model_grads(data), len(data), 1)
     for n, p in state.parameters_fp32().items():
         torch.testing.assert_close(p, final[n], rtol=1e-6, atol=1e-6)
