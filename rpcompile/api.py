@@ -181,7 +181,8 @@ class Compiled:
         self._model, self.options, self._example = model, opts, example
         self.graph, self.costs, self.plan, self.program, self.microbatches = plan_pipeline(model, example, opts)
         self._shape = _shape_key(example)
-        self.state = HostState.from_graph(self.graph, optimizer=opts.optimizer, dtype=opts.dtype)
+        self.state = HostState.from_graph(self.graph, optimizer=opts.optimizer, dtype=opts.dtype,
+                                          pin_memory=opts.backend != "host")  # pinned only where CUDA is
         # data parallel (issue #9): rank 0's weights everywhere; each group's gradient averaged before its step
         self._dist = _data_parallel(self.state, dist, process_group)
         self.rank, self.world_size = (self._dist.rank, self._dist.world) if self._dist else (0, 1)
@@ -221,8 +222,26 @@ class Compiled:
             if self._dist:
                 self._dist.fail(exc)
             raise
-        self.steps += 1
+        finally:
+            self.steps = self._runtime.t  # a failure rolls the run back to the iteration that failed
         return self._dist.average(loss) if self._dist else loss  # data parallel: mean over processes
+
+    def stats(self) -> dict[str, Any]:
+        """What the last step cost: host waits, allocations, bytes each way and busy seconds per lane.
+
+        Waits for the step's remaining work first (`flush`), so the numbers are complete.
+
+        Returns:
+            {"host_waits": times the host blocked on device work, "issue_waits": times an issuing
+            thread blocked on host work, "host_allocations" / "device_allocations": new buffers
+            (not pool hits), "bytes_to_device", "bytes_to_host", "busy_s": {lane: seconds}}.
+
+        Example:
+            >>> c.step(batch); c.stats()["device_allocations"]   # doctest: +SKIP
+            0
+        """
+        self._runtime.flush()
+        return self._runtime.stats()
 
     @property
     def last_timeline(self) -> list:

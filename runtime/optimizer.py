@@ -42,13 +42,10 @@ import torch
 from torch import Tensor
 
 from rpcompile.optim import SGD, AdamW, DynamicLossScale, make_torch_optimizer
+from rpcompile.runtime.layout import host_blocks, view
+from rpcompile.runtime.state_io import StateIO
 
 __all__ = ["HostState", "make_torch_optimizer"]
-
-
-def _clone(v: Any) -> Any:
-    """A detached copy of a tensor; other values unchanged."""
-    return v.detach().clone() if isinstance(v, Tensor) else v
 
 
 @dataclass(slots=True)
@@ -63,7 +60,7 @@ class _IterStats:
     stepped: int = 0  # groups that have stepped this iteration
 
 
-class HostState:
+class HostState(StateIO):
     """Compute copies, fp32 masters, optimizer state and gradient buffers on the host.
 
     Args:
@@ -76,7 +73,7 @@ class HostState:
         dtype: training dtype of the compute copies; None keeps each parameter's dtype.
         tied: alias -> canonical name; aliases are accepted by `read`/`accumulate_grad`.
         loss_scale: None, a constant float, or a `DynamicLossScale` (fp16).
-        pin_memory: pin compute copies and grad buffers (only if CUDA is available).
+        pin_memory: pin the compute-copy blocks (only if CUDA is available).
         timeout_s: how long `step` waits for the global statistics before raising.
 
     Note:
@@ -109,7 +106,6 @@ class HostState:
         self.owners = {n: tuple(sorted(set(owners.get(n, ())))) for n in params}  # canonical -> layers
         self.timeout_s = timeout_s
         pin = pin_memory and torch.cuda.is_available()
-        self.compute: dict[str, Tensor] = {}  # canonical -> compute copy (training dtype)
         self.master: dict[str, Tensor] = {}  # trainable canonical -> fp32 master (its .grad is the buffer)
         self.grad: dict[str, Tensor] = {}  # trainable canonical -> fp32 buffer (valid if written this iteration)
         groups: list[list[str]] = [[] for _ in range(num_layers)]
@@ -117,14 +113,17 @@ class HostState:
             bad = [l for l in self.owners[name] if not 0 <= l < num_layers]
             if bad:
                 raise ValueError(f"parameter {name!r}: owner layers {bad} outside [0, {num_layers})")
-            c = p.detach().to(dtype or p.dtype, copy=True)
-            self.compute[name] = c.pin_memory() if pin else c
             if p.requires_grad and self.owners[name]:
                 m = p.detach().to(torch.float32, copy=True)
-                g = torch.zeros_like(m)
-                m.grad = g.pin_memory() if pin else g
+                m.grad = torch.zeros_like(m)
                 self.master[name], self.grad[name] = m, m.grad
                 groups[self.owners[name][0]].append(name)
+        # compute copies: views into one block per (lowest owner layer, dtype), pinned with CUDA (uploads read them)
+        layer_of = {n: self.owners[n][0] if self.owners[n] else 0 for n in params}
+        self.blocks, self.where = host_blocks({n: p.detach().to(dtype or p.dtype) for n, p in params.items()},
+                                              layer_of, pin=pin)
+        self.compute: dict[str, Tensor] = {n: view(self.blocks, self.where[n], tuple(p.shape))  # training dtype
+                                           for n, p in params.items()}
         self.groups: tuple[tuple[str, ...], ...] = tuple(tuple(g) for g in groups)  # layer -> names stepped there
         self.group_of = {n: l for l, g in enumerate(self.groups) for n in g}  # trainable canonical -> group
         self._optims = [make_torch_optimizer(optimizer, [self.master[n] for n in g]) if g else None
@@ -346,54 +345,3 @@ class HostState:
         with self._locks[layer]:
             for n in self.groups[layer]:
                 self.compute[n].copy_(self.master[n])
-
-    # -- state ---------------------------------------------------------------------------------
-    def parameters_fp32(self) -> dict[str, Tensor]:
-        """Current weights in fp32: masters, or compute copies for frozen parameters (fresh tensors)."""
-        return {n: self.master[n].detach().clone() if n in self.master else c.to(torch.float32, copy=True)
-                for n, c in self.compute.items()}
-
-    def state_dict(self) -> dict[str, Any]:
-        """A snapshot (cloned tensors) of compute copies, masters, optimizer state, step counts and loss scale.
-
-        Take it between iterations (no gradient partially accumulated); with
-        staleness 1 the masters are one step ahead of the compute copies and
-        both are saved, so a resumed run continues bit for bit.
-        """
-        clone = _clone
-        optim = {n: {k: clone(v) for k, v in self._optims[l].state[self.master[n]].items()}
-                 for l, g in enumerate(self.groups) for n in g if self.master[n] in self._optims[l].state}
-        return {"compute": {n: clone(t) for n, t in self.compute.items()},
-                "master": {n: clone(t) for n, t in self.master.items()},
-                "optim": optim, "steps": list(self._stepped),
-                "loss_scale": {"scale": self.loss_scale, "good": self._good, "skipped": list(self.skipped)}}
-
-    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
-        """Restore a `state_dict()` in place (same names, shapes and groups), between iterations."""
-        for key, ours in (("compute", self.compute), ("master", self.master)):
-            if set(sd[key]) != set(ours):
-                raise ValueError(f"load_state_dict: {key} names differ: missing {sorted(set(ours) - set(sd[key]))}"
-                                 f", unexpected {sorted(set(sd[key]) - set(ours))}")
-            for n, t in sd[key].items():
-                if t.shape != ours[n].shape:
-                    raise ValueError(f"load_state_dict: {key}[{n!r}] has shape {tuple(t.shape)}, "
-                                     f"expected {tuple(ours[n].shape)}")
-                ours[n].copy_(t)
-        if len(sd["steps"]) != len(self.groups):
-            raise ValueError(f"load_state_dict: {len(sd['steps'])} groups, expected {len(self.groups)}")
-        for l, g in enumerate(self.groups):
-            if g:
-                opt = self._optims[l]
-                opt.state.clear()
-                for n in g:
-                    if n in sd["optim"]:
-                        opt.state[self.master[n]] = {k: _clone(v) for k, v in sd["optim"][n].items()}
-        with self._cond:
-            self._stepped, self._done = list(sd["steps"]), list(sd["steps"])
-            self._stats.clear()
-            self._scale_of.clear()
-            self._begun = min((s for s, g in zip(self._stepped, self.groups) if g), default=0)
-            ls = sd["loss_scale"]
-            self.loss_scale, self._good, self.skipped = ls["scale"], ls["good"], list(ls["skipped"])
-        for fresh in self._fresh:
-            fresh.clear()

@@ -3,19 +3,19 @@
 `StageIO` says, per stage of a plan, which values a stage reads, downloads and
 which gradients it receives and sends (DESIGN.md idea 3). `LayerRunner` runs
 layers on one worker with parameters given by name, with per-(iteration,
-microbatch, layer) seeded randomness so that a B stage's recompute reproduces
-the dropout masks of the F stage that ran the same layer earlier.
+microbatch, layer) seeded randomness on the worker's own generator
+(`runtime/rng.py`) so that a B stage's recompute reproduces the dropout masks
+of the F stage that ran the same layer earlier.
 
 Note:
     `torch.func.functional_call` swaps a module's parameters in place while it
     runs, so two threads may not call it on one module. Each worker gets its own
-    copies of the layer modules (parameters on the meta device, never used;
-    buffers on the worker's device).
+    copies of the layer modules, built without copying a parameter (they stay
+    on the meta device and are never used); buffers move to the worker's device.
 """
 from __future__ import annotations
 
 import copy
-import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +23,7 @@ import torch
 
 from rpcompile.graph import LayerGraph
 from rpcompile.plan import StageKind, StagePlan
+from rpcompile.runtime.rng import WorkerRandom, layer_seed
 
 __all__ = ["StageIO", "stage_io", "LayerRunner", "layer_seed", "split_batch", "has_random_ops", "flat_ranges",
            "up_keys", "count_readers", "chunk_elements", "grads_of"]
@@ -97,18 +98,6 @@ def flat_ranges(sizes: list[int], lo: int, hi: int) -> list[tuple[int, int, int]
     return out
 
 
-def layer_seed(seed: int, iteration: int, mb: int, layer: int) -> int:
-    """The RNG seed of one layer's forward (and its recompute) for one microbatch.
-
-    >>> layer_seed(0, 1, 2, 3) == layer_seed(0, 1, 2, 3)
-    True
-    """
-    x = seed & 0xFFFFFFFF
-    for v in (iteration, mb, layer):
-        x = (x * 0x9E3779B97F4A7C15 + (v & 0xFFFFFFFF) + 0x632BE59BD9B4E019) % (1 << 61)
-    return x
-
-
 def has_random_ops(graph: LayerGraph) -> bool:
     """True if a layer may draw random numbers (dropout p > 0, attention dropout, rand* in glue)."""
     for lay in graph.layers:
@@ -151,36 +140,35 @@ def split_batch(graph: LayerGraph, batch: Any, microbatches: int) -> list[dict[s
 
 
 class LayerRunner:
-    """Runs the graph's layers on one device with parameters passed by name.
+    """Runs the graph's layers on one worker's device with parameters passed by name.
 
     Args:
         graph: the traced model.
         device: where the worker's tensors live.
         seed: base seed of the per-layer RNG.
-        rng_lock: lock guarding torch's global RNG, or None when the graph draws no random numbers.
+        generator: the worker's generator, or None when the graph draws no random numbers.
     """
 
-    def __init__(self, graph: LayerGraph, device: torch.device, seed: int, rng_lock: threading.Lock | None) -> None:
-        self.graph, self.device, self.seed, self.rng_lock = graph, device, seed, rng_lock
+    def __init__(self, graph: LayerGraph, device: torch.device, seed: int,
+                 generator: torch.Generator | None) -> None:
+        self.graph, self.device, self.seed, self.generator = graph, device, seed, generator
         self.modules = []
         for lay in graph.layers:
             memo = {id(p): torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
                     for p in lay.module.parameters()}
-            mod = copy.deepcopy(lay.module, memo)
-            self.modules.append(mod.to(device) if device.type != "cpu" else mod)
+            self.modules.append(_buffers_to(copy.deepcopy(lay.module, memo), device))
 
     def run_layer(self, index: int, params: dict[str, torch.Tensor], env: dict[str, Any], iteration: int,
                   mb: int) -> None:
         """Run layer `index` reading and extending `env`, randomness seeded by (iteration, mb, layer)."""
         lay = self.graph.layers[index]
-        args = [env[n] for n in lay.inputs]
+        args = tuple(env[n] for n in lay.inputs)
         mine = {p: params[p] for p in lay.params}
-        if self.rng_lock is None:
-            outs = torch.func.functional_call(self.modules[index], mine, tuple(args))
+        if self.generator is None:
+            outs = torch.func.functional_call(self.modules[index], mine, args)
         else:
-            with self.rng_lock:
-                torch.manual_seed(layer_seed(self.seed, iteration, mb, index))
-                outs = torch.func.functional_call(self.modules[index], mine, tuple(args))
+            with WorkerRandom(self.generator, layer_seed(self.seed, iteration, mb, index)):
+                outs = torch.func.functional_call(self.modules[index], mine, args)
         if not isinstance(outs, (tuple, list)):
             outs = (outs,)
         if len(outs) != len(lay.outputs):
@@ -199,6 +187,20 @@ class LayerRunner:
         for i in layers:
             self.run_layer(i, params, env, iteration, mb)
         return env
+
+
+def _buffers_to(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """Move a module's buffers and tensor constants (not its meta parameters) to `device`, in place."""
+    if device.type == "cpu":
+        return module
+    for m in module.modules():
+        for k, b in list(m._buffers.items()):
+            if b is not None:
+                m._buffers[k] = b.to(device)
+        for k, v in list(vars(m).items()):
+            if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter):
+                setattr(m, k, v.to(device))
+    return module
 
 
 def up_keys(io: list[StageIO], i) -> list[tuple]:

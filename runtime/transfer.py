@@ -1,15 +1,15 @@
-"""Lanes and the completion board: how instructions wait for each other (DESIGN.md ideas 5, 6).
+"""The runtime's threads, failures, test delays and the protocol's extra dependencies (DESIGN.md ideas 5, 6).
 
-Every (worker, lane) of a Program is a `LaneThread` that runs its instructions
-one at a time in program order, iteration t before t+1: per worker a compute
-lane, a high-priority activation upload and download lane and a low-priority
-parameter upload and gradient download lane (the split into separate lanes is
-the priority: a long parameter chunk never queues in front of an activation);
-the host has an optimizer and a copy lane. An instruction starts once every
-dependency has completed on the `Board` (per-layer events: no global barrier).
+- `LaneThread`: a FIFO of work items on one thread. Each worker's issuer and
+  each host lane (gradient accumulation, optimizer, copy) is one.
+- `RuntimeFailure`: what the caller sees when an instruction failed.
+- `make_delay`: the test hook's random per-(worker, lane) delays, slept inside
+  the host streams before each item.
+- `protocol_deps`: the program's dependencies plus the per-layer rules the
+  executor adds (tied parameters, a fixed gradient accumulation order, the
+  commit point of an iteration).
 
-    >>> b = Board(timeout=1.0)
-    >>> b.finish((0, "w0 F0.m0")); b.wait([(0, "w0 F0.m0")], 0)
+    >>> f = make_delay(3); 0.0 <= f(0, "compute", "w0 F0.m0") <= 0.002
     True
 """
 from __future__ import annotations
@@ -17,12 +17,10 @@ from __future__ import annotations
 import queue
 import random
 import threading
-import time
-import traceback
 import zlib
 from typing import Any, Callable
 
-__all__ = ["Board", "LaneThread", "make_delay", "RuntimeFailure", "protocol_deps", "sleep_for"]
+__all__ = ["LaneThread", "make_delay", "RuntimeFailure", "protocol_deps"]
 
 
 class RuntimeFailure(RuntimeError):
@@ -31,122 +29,6 @@ class RuntimeFailure(RuntimeError):
     def __init__(self, message: str, instr: str, iteration: int) -> None:
         super().__init__(message)
         self.instr, self.iteration = instr, iteration
-
-
-class _Waiter:
-    """One blocked `wait`: how many of its keys are still missing, and the event that wakes it."""
-
-    __slots__ = ("missing", "event")
-
-    def __init__(self, missing: int) -> None:
-        self.missing = missing
-        self.event = threading.Event()
-
-
-class Board:
-    """Completion events of instruction instances `(iteration, template name)`, and the first failure.
-
-    A waiter is woken only by the completions it waits for (or a failure), not by every
-    completion: with many lanes and instructions a shared condition variable would make each
-    `finish` wake and re-check every blocked thread.
-
-    Args:
-        timeout: seconds an instruction may wait for its dependencies before the board
-            declares a hang (a failure naming the instruction and what it waits for).
-    """
-
-    def __init__(self, timeout: float) -> None:
-        self.timeout = timeout
-        self._lock = threading.Lock()
-        self._done: set[tuple[int, str]] = set()
-        self._waiters: dict[tuple[int, str], list[_Waiter]] = {}  # missing key -> who waits for it
-        self._blocked: set[_Waiter] = set()  # every waiter not yet woken (a failure wakes them all)
-        self.failed_from: int | None = None  # iterations >= this are abandoned after a failure
-        self.error: tuple[BaseException, str, int, str] | None = None  # (exception, instr, iteration, traceback)
-
-    def finish(self, key: tuple[int, str]) -> None:
-        """Mark one instruction instance complete and wake whoever waited only for it."""
-        with self._lock:
-            self._done.add(key)
-            for w in self._waiters.pop(key, ()):
-                w.missing -= 1
-                if w.missing == 0:
-                    self._blocked.discard(w)
-                    w.event.set()
-
-    def is_done(self, key: tuple[int, str]) -> bool:
-        """True if the instance completed."""
-        with self._lock:
-            return key in self._done
-
-    def abandoned(self, t: int) -> bool:
-        """True if iteration t is abandoned (a failure in it or an earlier iteration)."""
-        with self._lock:
-            return self.failed_from is not None and t >= self.failed_from
-
-    def _block(self, keys: list[tuple[int, str]], timeout: float, give_up: Callable[[], bool]) -> bool:
-        """Wait until every key completed (True), or `give_up()` holds (checked under the lock), a
-        failure wakes us, or `timeout` passes (False)."""
-        with self._lock:
-            missing = [k for k in keys if k not in self._done]
-            if not missing:
-                return True
-            if give_up():
-                return False
-            w = _Waiter(len(missing))
-            for k in missing:
-                self._waiters.setdefault(k, []).append(w)
-            self._blocked.add(w)
-        w.event.wait(timeout)
-        with self._lock:
-            self._blocked.discard(w)
-            return all(k in self._done for k in keys)
-
-    def wait(self, keys: list[tuple[int, str]], t: int, what: str = "") -> bool:
-        """Block until all `keys` completed (True) or iteration t is abandoned (False).
-
-        Raises:
-            TimeoutError: the dependencies did not complete within `timeout` (names the missing ones).
-        """
-        deadline = time.monotonic() + self.timeout
-        while True:
-            done = self._block(keys, max(0.0, deadline - time.monotonic()),
-                               lambda: self.failed_from is not None and t >= self.failed_from)
-            if self.abandoned(t):
-                return False
-            if done:
-                return True
-            if time.monotonic() >= deadline:  # else a failure in a later iteration woke us: wait on
-                with self._lock:
-                    missing = [f"{n} (iteration {i})" for i, n in keys if (i, n) not in self._done]
-                raise TimeoutError(f"{what} waited {self.timeout:.0f}s for {', '.join(missing)}")
-
-    def wait_all(self, keys: list[tuple[int, str]], t: int, timeout: float | None = None) -> bool:
-        """Like `wait`, for the caller's thread; also returns False when any failure is recorded."""
-        done = self._block(keys, self.timeout if timeout is None else timeout, lambda: self.error is not None)
-        return done and self.error is None
-
-    def fail(self, t: int, name: str, exc: BaseException) -> None:
-        """Record a failure of instance (t, name); abandons iteration t and later (first failure wins)."""
-        with self._lock:
-            if self.error is None:
-                self.error = (exc, name, t, "".join(traceback.format_exception(exc)))
-            self.failed_from = t if self.failed_from is None else min(self.failed_from, t)
-            for w in self._blocked:
-                w.event.set()
-            self._blocked.clear()
-
-    def reset(self, keep_below: int) -> None:
-        """Forget the failure and every completion (and waiter) of iterations >= keep_below."""
-        with self._lock:
-            self._done = {k for k in self._done if k[0] < keep_below}
-            self._waiters = {k: v for k, v in self._waiters.items() if k[0] < keep_below}
-            self.failed_from, self.error = None, None
-
-    def forget_before(self, t: int) -> None:
-        """Drop completion records of iterations < t (no Ref can reach them any more)."""
-        with self._lock:
-            self._done = {k for k in self._done if k[0] >= t}
 
 
 class LaneThread(threading.Thread):
@@ -206,14 +88,6 @@ def make_delay(spec: Any) -> Callable[[int, str, str], float] | None:
             return g.random() * 0.002
 
     return delay
-
-
-def sleep_for(delay: Callable[[int, str, str], float] | None, worker: int, lane: str, instr: str) -> None:
-    """Sleep for the injected delay of this instruction, if any."""
-    if delay is not None:
-        s = delay(worker, lane, instr)
-        if s > 0:
-            time.sleep(s)
 
 
 def protocol_deps(program: Any, touches: dict[int, set[int]]) -> dict[str, tuple[Any, ...]]:

@@ -39,12 +39,22 @@ def _graph():
     return trace(models.llama(), models.lm_batch(batch=4, seq=8))
 
 
-def _inject(rt: Runtime, layer: int) -> None:
-    """Route `layer`'s outputs through Boom on every worker (the workers run their own module copies)."""
-    def hook(mod, args, out):
-        return tuple(Boom.apply(o) if isinstance(o, torch.Tensor) and o.requires_grad else o for o in out)
+def _inject(rt: Runtime, layer: int, iteration: int) -> None:
+    """Route `layer`'s outputs in `iteration` through Boom on every worker (each runs its own module copies).
+
+    Keyed by iteration, not by time: `step` returns with the loss while the previous iteration's backward
+    stages may still run, so a global switch would also hit them.
+    """
     for runner in rt.runners:
-        runner.modules[layer].register_forward_hook(hook)
+        def run_layer(index, params, env, it, mb, orig=runner.run_layer, graph=runner.graph):
+            orig(index, params, env, it, mb)
+            if index == layer and it == iteration:
+                lay = graph.layers[index]
+                for n in lay.outputs:
+                    v = env[n]
+                    if isinstance(v, torch.Tensor) and v.requires_grad:
+                        env[n] = Boom.apply(v)
+        runner.run_layer = run_layer
 
 
 def _snapshot(state: HostState) -> dict:
@@ -88,14 +98,15 @@ def test_backward_fault_keeps_last_completed_step(staleness):
         clean.flush()
         final = _snapshot(s_clean)
     rt, state = _runtime(g, staleness, lane_delay=5)
-    _inject(rt, 2)
+    _inject(rt, 2, iteration=2)
     with rt:
         rt.step(BATCHES[0]), rt.step(BATCHES[1])  # no flush: iteration 1's steps may still be in flight
         Boom.armed["on"] = True
         t0 = time.perf_counter()
         try:
-            with pytest.raises(RuntimeFailure) as err:
-                rt.step(BATCHES[2])
+            with pytest.raises(RuntimeFailure) as err:  # step returns with the loss: the backward tail may
+                rt.step(BATCHES[2])                     # fail after it; the next call raises it
+                rt.flush()
         finally:
             Boom.armed["on"] = False
         assert time.perf_counter() - t0 < 5.0
@@ -117,15 +128,16 @@ def test_lane_fault_in_transfer():
         orig = rt.handlers[Op.GRAD_DOWN]
         calls = {"n": 0}
 
-        def bad(t, ins, dev):
+        def bad(t, ins, w):
             calls["n"] += 1
             if calls["n"] == 2:
                 raise OSError("link down")
-            return orig(t, ins, dev)
+            return orig(t, ins, w)
 
         rt.handlers[Op.GRAD_DOWN] = bad
         with pytest.raises(RuntimeFailure, match=r"G\d\.r\d\.c\d.*link down"):
             rt.step(BATCHES[1])
+            rt.flush()
         rt.handlers[Op.GRAD_DOWN] = orig
         rt.step(BATCHES[1])
         rt.flush()
@@ -162,10 +174,10 @@ def test_hang_is_reported_not_deadlocked():
     with Runtime(g, prog, state, backend="host", timeout=1.0) as rt:
         orig = rt.handlers[Op.ACT_DOWN]
 
-        def slow(t, ins, dev):
+        def slow(t, ins, w):
             if ins.stage == 0 and ins.mb == 1:
                 time.sleep(2.0)
-            return orig(t, ins, dev)
+            return orig(t, ins, w)
 
         rt.handlers[Op.ACT_DOWN] = slow
         with pytest.raises(RuntimeFailure, match="waited"):

@@ -55,7 +55,7 @@ def test_cuda_fault_recovers():
         from rpcompile.program import Op
         orig = rt.handlers[Op.BACKWARD]
 
-        def bad(t, ins, dev):
+        def bad(t, ins, w):
             raise RuntimeError("cuda fault")
         rt.handlers[Op.BACKWARD] = bad
         with pytest.raises(RuntimeFailure, match="cuda fault"):

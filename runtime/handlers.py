@@ -1,0 +1,329 @@
+"""Issue handlers: one per Op, each queues its instruction's work on its worker's stream (DESIGN.md 3a).
+
+A handler runs in the issuing thread of its worker once the instruction's
+producers are issued and its stream waits on their events. It submits one
+closure to the stream, records the stream's event after it and returns the
+events for the board. Everything a closure reads comes from `Cell`s and pool
+`Handle`s, which are filled when their producer *runs*: at once on CUDA
+(submit launches the work), later on a host stream thread. A buffer's release
+(`pool.give`) happens at issue time, with the events of its last users, as the
+host does with a GPU; the pool makes the next user's stream wait for them.
+
+The per-iteration tables (`slots`, `inputs`, `outs`, `rc`, `hostvals`) are
+keyed by (iteration, stage, microbatch or round); the Runtime owns them.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rpcompile.program import Op
+from rpcompile.runtime.devices import saved_tensors_bytes, tensor_bytes
+from rpcompile.runtime.stage_exec import grads_of, up_keys
+
+__all__ = ["Cell", "HostVal", "ParamSlot", "IssueHandlers"]
+
+
+class Cell:
+    """A value produced by a stream item, read by later items (after waiting for its event)."""
+
+    __slots__ = ("value", "ready")
+
+    def __init__(self) -> None:
+        self.value, self.ready = None, False
+
+    def set(self, value: Any) -> None:
+        self.value, self.ready = value, True
+
+    def get(self) -> Any:
+        if not self.ready:
+            raise RuntimeError("read a value before its producer ran (a missing dependency)")
+        return self.value
+
+
+class HostVal:
+    """A value on the host that uploads read: a batch tensor, or a pool handle a download fills."""
+
+    __slots__ = ("tensor", "handle", "event", "left", "events")
+
+    def __init__(self, tensor=None, handle=None, event=None, readers: int = 0) -> None:
+        self.tensor, self.handle, self.event = tensor, handle, event
+        self.left, self.events = readers, []  # uploads still to issue; their events
+
+    def get(self) -> torch.Tensor:
+        return self.tensor if self.tensor is not None else self.handle.get()
+
+
+class ParamSlot:
+    """A stage slot's device parameters (views into flat pool buffers per dtype) and gradient buffers."""
+
+    __slots__ = ("flat", "params", "grad_flat", "grads_ready", "last")
+
+    def __init__(self) -> None:
+        self.flat: dict = {}  # dtype -> Handle of the flat parameter buffer
+        self.params: dict[str, torch.Tensor] = {}  # name -> view (trainable: a leaf that requires grad)
+        self.grad_flat: dict = {}  # dtype -> Handle of the flat gradient buffer (FB/B stages)
+        self.grads_ready = False
+        self.last: dict[str, Any] = {}  # lane -> the last event of this slot on it (for the release)
+
+
+class IssueHandlers:
+    """The per-Op issue handlers of `Runtime` (a mixin; see runtime/executor.py for the state)."""
+
+    # -- helpers -----------------------------------------------------------------------------------
+    def _slot(self, t: int, stage: int, rnd: int, w: int, stream: Any) -> ParamSlot:
+        """The slot's parameter buffers, taken from the pool by their first user (on `stream`)."""
+        key = (t, stage, rnd)
+        slot = self.slots.get(key)
+        if slot is not None:
+            return slot
+        slot, lay, pool = ParamSlot(), self.layouts[stage], self.workers[w].pool
+        for d, n in lay.sizes.items():
+            slot.flat[d] = pool.take((n,), d, stream, t, flat=True)
+        for name, s in lay.params.items():
+            v = slot.flat[s.dtype].tensor[s.offset:s.offset + s.numel].view(s.shape).detach()
+            slot.params[name] = v.requires_grad_(name in lay.grads)
+        self.slots[key] = slot
+        return slot
+
+    def _grads(self, t: int, ins, w: int, slot: ParamSlot, stream: Any) -> None:
+        """Give the slot's trainable parameters zeroed gradient views (first backward of the slot)."""
+        if slot.grads_ready:
+            return
+        lay, pool = self.layouts[ins.stage], self.workers[w].pool
+        for d, n in lay.grad_sizes.items():
+            slot.grad_flat[d] = pool.take((n,), d, stream, t, flat=True)
+        bufs = [h.tensor for h in slot.grad_flat.values()]
+        stream.submit(lambda: [b.zero_() for b in bufs], "zero grads", t)
+        for name, s in lay.grads.items():
+            slot.params[name].grad = slot.grad_flat[s.dtype].tensor[s.offset:s.offset + s.numel].view(s.shape)
+        slot.grads_ready = True
+
+    def _take_inputs(self, t: int, ins, grad: bool = False) -> dict:
+        return self.inputs.pop((t, ins.stage, ins.mb, grad))
+
+    def _give(self, pool: Any, handles, events: list) -> None:
+        """Release pool handles after `events` (test switch "reader>release" drops the events)."""
+        evs = [] if "reader>release" in self.drop else events
+        for h in handles:
+            pool.give(h, evs)
+
+    def _compute(self, t: int, ins, w: int, fn, label: str) -> tuple:
+        """Submit compute `fn` on the worker's compute stream; returns its event."""
+        cs = self.workers[w].streams["compute"]
+        cs.submit(fn, label, t)
+        ev = cs.record(t, label)
+        self.slots[(t, ins.stage, ins.mb // self.program_of(t).round_size)].last["compute"] = ev
+        return ev
+
+    # -- handlers: one per Op ----------------------------------------------------------------------
+    def _param_up(self, t: int, ins, w: int) -> tuple:
+        """P: copy one chunk of the stage's compute copies (pinned host blocks) into the slot's flat buffers."""
+        pu = self.workers[w].streams["param_up"]
+        slot = self._slot(t, ins.stage, ins.round, w, pu)
+        copies, blocks, flat = self.layouts[ins.stage].uploads[ins.chunk], self.state.blocks, slot.flat
+
+        def run() -> None:
+            for c in copies:
+                flat[c.dtype].get()[c.dst:c.dst + c.numel].copy_(blocks[c.src_block][c.src:c.src + c.numel],
+                                                                   non_blocking=True)
+        label = self.label(t, ins, w)
+        pu.submit(run, label, t)
+        ev = pu.record(t, label)
+        slot.last["param_up"] = ev
+        self.ctx.stats.add(t, "bytes_to_device", sum(c.numel * _size(c.dtype) for c in copies))
+        return (ev,)
+
+    def _act_up(self, t: int, ins, w: int) -> tuple:
+        """U: upload a microbatch's stage input, a B stage's saved input, or ("g") its output gradient."""
+        worker = self.workers[w]
+        au, pool = worker.streams["act_up"], worker.pool
+        vals = {k[-1]: (k, self.hostvals[(t,) + k]) for k in up_keys(self.io, ins)}
+        dst = {n: pool.handle() for n in vals}
+        for n, (k, hv) in vals.items():  # bind now when the shape is known (a batch input, or seen before)
+            shape = (tuple(hv.tensor.shape), hv.tensor.dtype) if hv.tensor is not None else self.shapes.get(k)
+            if shape is not None:
+                pool.bind(dst[n], shape[0], shape[1], au, t)
+
+        def run() -> None:
+            for n, (k, hv) in vals.items():
+                src = hv.get()
+                if dst[n].tensor is None:
+                    pool.bind(dst[n], tuple(src.shape), src.dtype, au, t)
+                dst[n].get().copy_(src, non_blocking=True)
+                self.ctx.stats.add(t, "bytes_to_device", tensor_bytes(src))
+        label = self.label(t, ins, w)
+        au.submit(run, label, t)
+        ev = au.record(t, label)
+        for _, hv in vals.values():
+            hv.left -= 1
+            hv.events.append(ev)
+            if hv.left == 0 and hv.handle is not None:
+                self._give(self.host_pool, [hv.handle], hv.events)
+        self.inputs[(t, ins.stage, ins.mb, ins.grad)] = dst
+        return (ev,)
+
+    def _forward(self, t: int, ins, w: int) -> tuple:
+        """F: forward of the stage's layers (no autograd); what the download sends goes to a Cell.
+
+        On the fused stage of a forward-only program (evaluation) it runs through the loss.
+        """
+        io, worker = self.io[ins.stage], self.workers[w]
+        inputs, cell = self._take_inputs(t, ins), Cell()
+        slot = self._slot(t, ins.stage, ins.mb // self.program_of(t).round_size, w, worker.streams["compute"])
+        runner, loss_only = self.runners[w], io.kind.value == "FB"
+
+        def run() -> None:
+            env_in = {n: h.get() for n, h in inputs.items()}
+            with torch.no_grad():
+                env = runner.forward(io.layers, slot.params, env_in, t, ins.mb)
+            out = {"loss": env[self.graph.loss]} if loss_only else {"vals": {n: env[n] for n in io.down}}
+            worker.store.add(tensor_bytes(out))
+            cell.set(out)
+        ev = self._compute(t, ins, w, run, self.label(t, ins, w))
+        self._give(worker.pool, inputs.values(), [ev])
+        self.outs[(t, ins.stage, ins.mb)] = cell
+        return (ev,)
+
+    def _fused(self, t: int, ins, w: int) -> tuple:
+        """X: forward through the loss and backward (grad_output = scale / M); input grads and loss to a Cell."""
+        io, worker = self.io[ins.stage], self.workers[w]
+        cs = worker.streams["compute"]
+        inputs, cell = self._take_inputs(t, ins), Cell()
+        slot = self._slot(t, ins.stage, ins.mb // self.program_of(t).round_size, w, cs)
+        self._grads(t, ins, w, slot, cs)
+        runner, scale = self.runners[w], self.scales[t] / self.program_of(t).microbatches
+
+        def run() -> None:
+            env_in = {n: h.get() for n, h in inputs.items()}
+            with torch.enable_grad(), saved_tensors_bytes(worker.store, slot.params, env_in) as ws:
+                env = runner.forward(io.layers, slot.params, env_in, t, ins.mb, grad_of=io.grad_out)
+                loss = env[self.graph.loss]
+                loss.backward(torch.full_like(loss, scale))
+            worker.store.add(-ws[0])
+            out = {"grads": grads_of(env, io.grad_out, {}), "loss": loss.detach()}  # noqa: E501
+            worker.store.add(tensor_bytes(out))
+            cell.set(out)
+        ev = self._compute(t, ins, w, run, self.label(t, ins, w))
+        self._give(worker.pool, inputs.values(), [ev])
+        self.outs[(t, ins.stage, ins.mb)] = cell
+        return (ev,)
+
+    def _recompute(self, t: int, ins, w: int) -> tuple:
+        """R: forward again from the saved input, same RNG seeds as the forward; the graph goes to a Cell."""
+        io, worker = self.io[ins.stage], self.workers[w]
+        inputs, cell = self._take_inputs(t, ins), Cell()
+        slot = self._slot(t, ins.stage, ins.mb // self.program_of(t).round_size, w, worker.streams["compute"])
+        runner = self.runners[w]
+
+        def run() -> None:
+            env_in = {n: h.get() for n, h in inputs.items()}
+            with torch.enable_grad(), saved_tensors_bytes(worker.store, slot.params, env_in) as ws:
+                env = runner.forward(io.layers, slot.params, env_in, t, ins.mb, grad_of=io.grad_out)
+            cell.set((env, ws[0]))
+        ev = self._compute(t, ins, w, run, self.label(t, ins, w))
+        self.rc[(t, ins.stage, ins.mb)] = (cell, inputs)
+        return (ev,)
+
+    def _backward(self, t: int, ins, w: int) -> tuple:
+        """B: backward from the received output gradients; parameter grads accumulate in the slot's buffers."""
+        io, worker = self.io[ins.stage], self.workers[w]
+        cs = worker.streams["compute"]
+        (rc, saved), gin = self.rc.pop((t, ins.stage, ins.mb)), self._take_inputs(t, ins, grad=True)
+        slot = self._slot(t, ins.stage, ins.mb // self.program_of(t).round_size, w, cs)
+        self._grads(t, ins, w, slot, cs)
+        cell = Cell()
+
+        def run() -> None:
+            env, ws = rc.get()
+            g = {n: h.get() for n, h in gin.items()}
+            outs = [(env[n], g[n]) for n in io.grad_in if n in env and env[n].requires_grad]
+            if outs:
+                torch.autograd.backward([o for o, _ in outs], [x for _, x in outs])
+            worker.store.add(-ws)
+            out = {"grads": grads_of(env, io.grad_out, g)}
+            worker.store.add(tensor_bytes(out))
+            cell.set(out)
+        ev = self._compute(t, ins, w, run, self.label(t, ins, w))
+        self._give(worker.pool, list(saved.values()) + list(gin.values()), [ev])
+        self.outs[(t, ins.stage, ins.mb)] = cell
+        return (ev,)
+
+    def _act_down(self, t: int, ins, w: int) -> tuple:
+        """D: download an F stage's outputs, or a backward's input gradients (and the loss), to host buffers."""
+        worker, info, io = self.workers[w], self.info_of(t), self.io[ins.stage]
+        ad, pool = worker.streams["act_down"], self.host_pool
+        cell = self.outs.pop((t, ins.stage, ins.mb))
+        if io.kind.value == "F":
+            keys = {n: ("a", ins.mb, n) for n in io.down}
+        else:
+            keys = {} if info.forward_only else {n: ("g", ins.mb, io.layers.start - 1, n) for n in io.grad_out}
+        keys = {n: k for n, k in keys.items() if info.readers.get(k, 0)}
+        loss = io.kind.value == "FB"
+        dst = {k: pool.handle() for k in keys.values()}
+        if loss:
+            dst[("loss", ins.mb)] = pool.handle()
+        tag = "e" if info.forward_only else "t"  # one persistent host buffer per value, apart for evaluation
+        for k, h in dst.items():
+            if k in self.shapes:
+                pool.bind(h, *self.shapes[k], ad, t, key=(tag,) + k)
+        cuda = worker.kind == "cuda"
+
+        def run() -> None:
+            out = cell.get()
+            vals = out.get("vals", out.get("grads", {}))
+            items = [(k, vals[n]) for n, k in keys.items()] + ([(("loss", ins.mb), out["loss"])] if loss else [])
+            for k, v in items:
+                h = dst[k]
+                if h.tensor is None:
+                    self.shapes[k] = (tuple(v.shape), v.dtype)
+                    pool.bind(h, tuple(v.shape), v.dtype, ad, t)  # warm-up: not keyed (see BufferPool.bind)
+                if cuda:
+                    v.record_stream(ad.stream)
+                h.get().copy_(v, non_blocking=True)
+                self.ctx.stats.add(t, "bytes_to_host", tensor_bytes(v))
+            worker.store.add(-tensor_bytes(out))
+        label = self.label(t, ins, w)
+        ad.submit(run, label, t)
+        ev = ad.record(t, label)
+        for k in keys.values():
+            self.hostvals[(t,) + k] = HostVal(handle=dst[k], event=ev, readers=info.readers[k])
+        if loss:
+            self.losses[t][ins.mb] = (dst[("loss", ins.mb)], ev)
+        return (ev,)
+
+    def _grad_down(self, t: int, ins, w: int) -> tuple:
+        """G: download a chunk of the slot's gradient buffers into the stage's pinned staging buffers."""
+        gd = self.workers[w].streams["grad_down"]
+        slot = self.slots[(t, ins.stage, ins.round)]
+        staging = self.staging_for(t, ins, gd)
+        ranges, grad_flat = self.layouts[ins.stage].downloads[ins.chunk], slot.grad_flat
+
+        def run() -> None:
+            for d, lo, hi in ranges:
+                staging[d][lo:hi].copy_(grad_flat[d].get()[lo:hi], non_blocking=True)
+        label = self.label(t, ins, w)
+        gd.submit(run, label, t)
+        ev = gd.record(t, label)
+        slot.last["grad_down"] = ev
+        self.ctx.stats.add(t, "bytes_to_host", sum((hi - lo) * _size(d) for d, lo, hi in ranges))
+        return (ev,)
+
+    def _release(self, t: int, ins, w: int) -> tuple:
+        """E: return the slot's parameter and gradient buffers to the pool, after their last users."""
+        slot = self.slots.pop((t, ins.stage, ins.round), None) or ParamSlot()
+        pool = self.workers[w].pool
+        self.workers[w].streams["compute"].submit(lambda: None, self.label(t, ins, w), t)  # its place in the timeline
+        self._give(pool, slot.flat.values(), [slot.last.get(k) for k in ("param_up", "compute")])
+        self._give(pool, slot.grad_flat.values(), [slot.last.get(k) for k in ("compute", "grad_down")])
+        return tuple(e for e in slot.last.values() if e is not None)
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+HANDLER_NAMES = {Op.PARAM_UP: "_param_up", Op.ACT_UP: "_act_up", Op.FORWARD: "_forward", Op.FUSED: "_fused",
+                 Op.RECOMPUTE: "_recompute", Op.BACKWARD: "_backward", Op.ACT_DOWN: "_act_down",
+                 Op.GRAD_DOWN: "_grad_down", Op.RELEASE: "_release"}

@@ -1,0 +1,182 @@
+"""The host's lanes: gradient accumulation, optimizer steps and copies, in program order (DESIGN.md idea 6).
+
+Three threads per runtime, each walking one iteration's host work in the
+program's order (which makes the fp32 gradient sums bit-reproducible):
+
+- accumulate: once a round's gradient downloads (G chunks) are done (one host
+  wait per round), add each slot's pinned staging buffer into the fp32
+  gradients, once per parameter, and free it for the stage's next slot;
+- optimizer: STEP.l after every gradient of group l is accumulated (R3, the
+  first step of an iteration after all of them: its commit point);
+- copy: COPY.l after the uploads that read the old version (R1, one host wait)
+  and the step that made the new one; with staleness 1 the overwritten copy
+  is backed up until the iteration commits, so a failure can be undone.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+from rpcompile.program import Op
+from rpcompile.runtime.pool import poison
+from rpcompile.runtime.streams import Abort, HostEvent, wait_all
+
+__all__ = ["HostLanes", "naming"]
+
+
+@contextlib.contextmanager
+def naming(name: str) -> Iterator[None]:
+    """Tag an exception raised in the block with the instruction it happened in (for RuntimeFailure)."""
+    try:
+        yield
+    except Abort:
+        raise
+    except BaseException as exc:
+        if getattr(exc, "rp_instr", None) is None:
+            try:
+                exc.rp_instr = name
+            except AttributeError:  # exceptions without a __dict__
+                pass
+        raise
+
+
+class HostLanes:
+    """Host-lane bodies of `Runtime` (a mixin; see runtime/executor.py for the state)."""
+
+    def _host_events(self, t: int, info: Any) -> None:
+        """Create iteration t's host events: each STEP and COPY, each G's accumulation, each staging slot."""
+        for i in info.program.instrs:
+            if i.is_host or i.op is Op.GRAD_DOWN:
+                self.hev[(t, i.name)] = HostEvent(self.ctx, t, f"{i.name} (iteration {t})")
+        for stage, rnd in info.grad_slots:
+            self.hev[(t, f"free {stage}.{rnd}")] = HostEvent(self.ctx, t, f"staging of stage {stage} round {rnd}")
+
+    def staging_for(self, t: int, ins, stream: Any) -> dict:
+        """The stage's pinned gradient staging buffers; the first chunk of a slot waits for the previous slot."""
+        bufs = self._staging.get(ins.stage)
+        if bufs is None:
+            lay = self.layouts[ins.stage]
+            bufs = {d: torch.empty(n, dtype=d, pin_memory=self.pin) for d, n in lay.grad_sizes.items()}
+            if self.poison:
+                for b in bufs.values():
+                    poison(b)
+            self.ctx.stats.add(t, "host_allocations", len(bufs))
+            self._staging[ins.stage] = bufs
+        info = self.info_of(t)
+        if ins.chunk == info.first_chunk[ins.stage]:
+            prev = (t, ins.round - 1) if ins.round > 0 else (t - 1, info.program.rounds - 1)
+            ev = self.hev.get((prev[0], f"free {ins.stage}.{prev[1]}")) if prev[0] >= self.first else None
+            stream.wait(ev, t)
+        return bufs
+
+    def _lane_accumulate(self, t: int) -> None:
+        """Accumulate iteration t's gradients into the fp32 buffers: round by round, slots in program order.
+
+        One host wait per round: for every gradient download of the round (their slots end at
+        different times on different workers; the optimizer needs all of them anyway).
+        """
+        info = self.info_of(t)
+        for rnd in range(info.program.rounds):
+            gs = [g for g in info.grads if g.round == rnd]
+            events = []
+            for g in gs:
+                with naming(self.label(t, g, self.worker_of(t, g))):
+                    events += list(self.board.get((t, g.name), t, f"h accumulate {g.short}"))
+                    for key in self.keys(t, g, info):
+                        if info.by_name[key[1]].is_host:  # R4: the optimizer took the last iteration's gradient
+                            self.hev[key].wait()
+            if "grad_down>step" not in self.drop:
+                wait_all(events, self.ctx, t)
+            slot: list[str] = []
+            for g in gs:
+                slot.append(g.name)
+                if g.name in info.last_chunk:
+                    with naming(self.label(t, g, self.worker_of(t, g))):
+                        self._accumulate_slot(t, g, slot)
+                    slot = []
+
+    def _accumulate_slot(self, t: int, g, names: list[str]) -> None:
+        """Add one slot's staging buffers into the fp32 gradients; free the staging for the next slot."""
+        bufs, lay = self._staging[g.stage], self.layouts[g.stage]
+        for name, s in lay.grads.items():
+            self.state.accumulate_grad(name, bufs[s.dtype][s.offset:s.offset + s.numel].view(s.shape))
+        if self.poison:
+            for b in bufs.values():
+                poison(b)
+        self.hev[(t, f"free {g.stage}.{g.round}")]._set()
+        for name in names:
+            self.hev[(t, name)]._set()
+
+    def _lane_optimizer(self, t: int) -> None:
+        """Run iteration t's optimizer steps (layers descending)."""
+        info = self.info_of(t)
+        for o in info.host[Op.STEP]:
+            with naming(o.name):
+                self._step_one(t, o, info)
+
+    def _step_one(self, t: int, o, info: Any) -> None:
+        """One STEP of the optimizer lane."""
+        self._host_deps(t, o, info)
+        if self._committed <= t:  # the first step: every gradient of t is in, t can no longer fail
+            with self._lock:
+                self._committed = t + 1
+                self._backups.pop(t, None)
+        if self.state.needs_global:  # clipping / dynamic loss scale: the global statistics need all groups
+            self.state.grads_complete_all()
+        self.state.step(o.layer)
+        self.hev[(t, o.name)]._set()
+
+    def _lane_copy(self, t: int) -> None:
+        """Run iteration t's master -> compute copies."""
+        info = self.info_of(t)
+        for c in info.host[Op.COPY]:
+            with naming(c.name):
+                self._copy_one(t, c, info)
+
+    def _copy_one(self, t: int, c, info: Any) -> None:
+        """One COPY of the copy lane."""
+        self._host_deps(t, c, info)
+        with self._lock:
+            if info.program.staleness == 1 and t >= self._committed:
+                bak = self._backups.setdefault(t, {})
+                for key, block in self.state.blocks.items():
+                    if key[0] == c.layer and key not in bak:
+                        bak[key] = self._backup_buffer(key, block, t)
+        self.state.copy(c.layer)
+        self.hev[(t, c.name)]._set()
+
+    def _backup_buffer(self, key: tuple, block: torch.Tensor, t: int) -> torch.Tensor:
+        """A copy of a host block in a persistent buffer (two per block: iterations t and t+1 may both copy)."""
+        bufs = self._backup_bufs.setdefault(key, [])
+        used = {id(b) for bak in self._backups.values() for b in bak.values()}
+        free = [b for b in bufs if id(b) not in used]
+        if not free:
+            free = [torch.empty_like(block)]
+            bufs.append(free[0])
+            self.ctx.stats.add(t, "host_allocations")
+        free[0].copy_(block)
+        return free[0]
+
+    def _host_deps(self, t: int, ins, info: Any) -> None:
+        """Wait for a host instruction's dependencies: host events, accumulations, device events (one wait)."""
+        device = []
+        for key in self.keys(t, ins, info):
+            prod = info.by_name[key[1]]
+            if prod.is_host or prod.op is Op.GRAD_DOWN:
+                self.hev[key].wait()
+            else:
+                device += list(self.board.get(key, t, ins.name))
+        wait_all(device, self.ctx, t)
+
+    def _run_lane(self, body, t: int) -> None:
+        """Run one lane body for iteration t; a failure is recorded, an abandoned iteration skipped."""
+        if self.ctx.failure.abandoned(t):
+            return
+        try:
+            body(t)
+        except Abort:
+            pass
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            self.ctx.failure.fail(t, getattr(exc, "rp_instr", None) or body.__name__.replace("_lane_", "h "), exc)

@@ -1,0 +1,143 @@
+"""Flat memory layouts: host blocks per layer group, device slots per stage, chunk copy plans.
+
+Host: the compute copies of one layer group (per dtype) are views into one
+block, so pinning costs one allocation per group (`pin_memory` rounds every
+allocation up). Device: a stage's parameters are views into one flat buffer
+per dtype, and its trainable parameters' gradients into another; a P or G
+chunk is then a few contiguous range copies instead of one per tensor.
+
+    >>> blocks, where = host_blocks({"a": torch.ones(2, 2), "b": torch.ones(3)}, {"a": 0, "b": 0})
+    >>> [tuple(t.shape) for t in blocks.values()], where["b"]
+    ([(7,)], ((0, torch.float32), 4))
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Slot", "StageLayout", "host_blocks", "stage_layouts"]
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """Where one parameter lives in a flat layout."""
+
+    dtype: torch.dtype
+    offset: int  # element offset in the flat buffer of its dtype
+    numel: int
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Copy:
+    """One contiguous host -> device range of a P chunk."""
+
+    dtype: torch.dtype
+    dst: int  # element offset in the stage's flat parameter buffer of `dtype`
+    src_block: tuple  # key of the host block it reads
+    src: int  # element offset in that block
+    numel: int
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """A stage's device layout and the copies of each of its chunks."""
+
+    params: dict[str, Slot]  # every parameter the stage reads
+    sizes: dict[torch.dtype, int]  # flat parameter elements per dtype
+    grads: dict[str, Slot]  # trainable parameters: where their gradient accumulates
+    grad_sizes: dict[torch.dtype, int]
+    uploads: dict[int, tuple[Copy, ...]]  # chunk -> its host -> device ranges
+    downloads: dict[int, tuple[tuple[torch.dtype, int, int], ...]]  # chunk -> (dtype, lo, hi) gradient ranges
+
+
+def host_blocks(tensors: Mapping[str, torch.Tensor], layer_of: Mapping[str, int], *, pin: bool = False
+                ) -> tuple[dict[tuple, torch.Tensor], dict[str, tuple[tuple, int]]]:
+    """One flat block per (layer, dtype) holding copies of `tensors`.
+
+    Args:
+        tensors: name -> tensor (copied in; the blocks do not alias them).
+        layer_of: name -> the layer group whose block holds it.
+        pin: allocate pinned memory.
+    Returns:
+        (blocks, where): (layer, dtype) -> flat block; name -> ((layer, dtype), element offset).
+    """
+    sizes: dict[tuple, int] = {}
+    where: dict[str, tuple[tuple, int]] = {}
+    for n, t in tensors.items():
+        key = (layer_of[n], t.dtype)
+        where[n] = (key, sizes.get(key, 0))
+        sizes[key] = sizes.get(key, 0) + t.numel()
+    blocks = {k: torch.empty(n, dtype=k[1], pin_memory=pin) for k, n in sizes.items()}
+    for n, t in tensors.items():
+        key, off = where[n]
+        blocks[key][off:off + t.numel()].copy_(t.detach().reshape(-1))
+    return blocks, where
+
+
+def view(blocks: Mapping[tuple, torch.Tensor], where: tuple[tuple, int], shape: tuple) -> torch.Tensor:
+    """The tensor of `shape` at `where` inside `blocks`."""
+    key, off = where
+    n = 1
+    for s in shape:
+        n *= s
+    return blocks[key][off:off + n].view(shape)
+
+
+def _flat(names, shape_of, dtype_of) -> tuple[dict[str, Slot], dict[torch.dtype, int]]:
+    slots, sizes = {}, {}
+    for n in names:
+        d, shape = dtype_of(n), tuple(shape_of(n))
+        numel = 1
+        for s in shape:
+            numel *= s
+        slots[n] = Slot(d, sizes.get(d, 0), numel, shape)
+        sizes[d] = sizes.get(d, 0) + numel
+    return slots, sizes
+
+
+def stage_layouts(program, io, state, chunk_elems) -> dict[int, StageLayout]:
+    """The StageLayout of every stage of `program`.
+
+    Args:
+        program: the Program (its chunks).
+        io: `stage_io` of the program's plan.
+        state: the HostState (`read(name)` gives shape and dtype, `where` the host block, `master` trainables).
+        chunk_elems: (stage, chunk) -> [(param, start, stop)] element ranges (`chunk_elements`).
+    """
+    out = {}
+    for st in io:
+        names = st.params
+        params, sizes = _flat(names, lambda n: state.read(n).shape, lambda n: state.read(n).dtype)
+        trainable = [n for n in names if state.canonical(n) in state.master]
+        grads, grad_sizes = _flat(trainable, lambda n: state.read(n).shape, lambda n: state.read(n).dtype)
+        uploads, downloads = {}, {}
+        for c in program.stage_chunks(st.index):
+            ups: list[Copy] = []
+            downs: list[tuple[torch.dtype, int, int]] = []
+            for n, a, b in chunk_elems[(st.index, c.index)]:
+                p = params[n]
+                key, off = state.where[state.canonical(n)]
+                _append(ups, Copy(p.dtype, p.offset + a, key, off + a, b - a))
+                if n in grads:
+                    g = grads[n]
+                    lo, hi = g.offset + a, g.offset + b
+                    if downs and downs[-1][0] == g.dtype and downs[-1][2] == lo:
+                        downs[-1] = (g.dtype, downs[-1][1], hi)
+                    else:
+                        downs.append((g.dtype, lo, hi))
+            uploads[c.index], downloads[c.index] = tuple(ups), tuple(downs)
+        out[st.index] = StageLayout(params, sizes, grads, grad_sizes, uploads, downloads)
+    return out
+
+
+def _append(copies: list[Copy], c: Copy) -> None:
+    """Add `c`, merged into the previous copy when both ranges continue it."""
+    if copies:
+        p = copies[-1]
+        if p.dtype == c.dtype and p.src_block == c.src_block and p.dst + p.numel == c.dst and p.src + p.numel == c.src:
+            copies[-1] = Copy(p.dtype, p.dst, p.src_block, p.src, p.numel + c.numel)
+            return
+    copies.append(c)

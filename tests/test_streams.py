@@ -1,0 +1,187 @@
+"""The stream/event execution model (DESIGN.md 3a): streams, pools, poison mode and each dependency kind.
+
+The host backend runs every stream on its own thread, so a missing dependency
+shows up on the CPU as it would on a GPU: poison mode fills pool buffers with
+NaN when handed out (host buffers when released) and random delays reorder the
+streams. Each test that drops one kind of dependency proves that the poison
+test can fail.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import models  # noqa: E402
+from rpcompile import AdamW, CostTable, StagePlan  # noqa: E402
+from rpcompile.passes import emit, trace  # noqa: E402
+from rpcompile.runtime.executor import DEP_KINDS, Runtime, RuntimeFailure  # noqa: E402
+from rpcompile.runtime.optimizer import HostState  # noqa: E402
+from rpcompile.runtime.pool import BufferPool  # noqa: E402
+from rpcompile.runtime.streams import Abort, HostEvent, HostStream, StreamContext  # noqa: E402
+
+OPT = AdamW(lr=1e-2, eps=1e-4, impl="foreach")
+PLAN3 = "2,2|1|1,1,1,1"  # llama, 5 layers, 3 workers: several slots per worker, tied-free
+
+
+def _batch(seed: int, n: int) -> dict:
+    return models.lm_batch(batch=n, seq=8, seed=seed)
+
+
+def _graph():
+    return trace(models.llama(), _batch(0, 4))
+
+
+def _program(graph, plan: str, gpus: int, mbs: int, staleness: int, round_size: int | None = None):
+    """A program whose P/G transfers are cut into several chunks (costs carry the real parameter bytes)."""
+    pb = [sum(graph.params[p].bytes for p in lay.params) for lay in graph.layers]
+    costs = CostTable.from_lists(fwd=[1e-3] * len(pb), bwd=[2e-3] * len(pb), param_bytes=pb, grad_bytes=pb)
+    return emit(StagePlan.from_str(plan), gpus=gpus, microbatches=mbs, round_size=round_size,
+                staleness=staleness, costs=costs)
+
+
+def _train(graph, prog, steps: int, mbs: int, **kw) -> dict:
+    state = HostState.from_graph(graph, optimizer=OPT)
+    with Runtime(graph, prog, state, backend="host", timeout=20, **kw) as rt:
+        for s in range(steps):
+            rt.step(_batch(s, mbs))
+        rt.flush()
+    return state.parameters_fp32()
+
+
+# -- the building blocks ---------------------------------------------------------------------------------
+def test_host_stream_defers_work_and_orders_it():
+    ctx = StreamContext(timeout=5.0)
+    a, b = HostStream("a", ctx), HostStream("b", ctx)
+    gate, out = threading.Event(), []
+    try:
+        a.submit(gate.wait, "block", 0)
+        a.submit(lambda: out.append("a1"), "a1", 0)
+        ev = a.record(0)
+        b.wait(ev, 0)  # b's later work waits for a's event without blocking the host
+        b.submit(lambda: out.append("b1"), "b1", 0)
+        time.sleep(0.05)
+        assert out == [] and not ev.query()  # nothing ran yet: submit returned at once
+        gate.set()
+        b.synchronize()
+        assert out == ["a1", "b1"] and ev.query()
+    finally:
+        a.close(), b.close()
+
+
+def test_a_failure_releases_every_waiter():
+    ctx = StreamContext(timeout=30.0)
+    s = HostStream("s", ctx)
+    ev = HostEvent(ctx, 3, "never set")
+    try:
+        s.wait(ev, 3)
+        s.submit(lambda: None, "after", 3)
+        done = s.record(3)
+        t0 = time.perf_counter()
+        threading.Timer(0.1, lambda: ctx.failure.fail(2, "w0 F0.m0", RuntimeError("boom"))).start()
+        with pytest.raises(Abort):
+            done.wait()
+        assert time.perf_counter() - t0 < 5 and ev.aborted
+    finally:
+        s.close()
+
+
+def test_pool_reuses_after_the_last_users_and_poisons():
+    ctx = StreamContext(timeout=5.0)
+    s = HostStream("s", ctx)
+    pool = BufferPool("w0", ctx, poison="take")
+    try:
+        h = pool.take((2, 3), torch.float32, s, 0)
+        s.submit(lambda: h.get().fill_(1.0), "write", 0)
+        user = s.record(0)
+        pool.give(h, [user])
+        h2 = pool.take((2, 3), torch.float32, s, 1)  # same buffer, handed out again: poisoned on s
+        s.synchronize()
+        assert h2.tensor.data_ptr() == h.tensor.data_ptr() and torch.isnan(h2.tensor).all()
+        assert ctx.stats.get(1)["device_allocations"] == 0 and ctx.stats.get(0)["device_allocations"] == 1
+        flat = BufferPool("w1", ctx, flat_capacity={torch.float32: 10})
+        f = flat.take((4,), torch.float32, s, 2, flat=True)
+        flat.give(f, [])
+        g = flat.take((10,), torch.float32, s, 3, flat=True)  # any stage fits a flat buffer sized by the plan
+        assert g.base is f.base and ctx.stats.get(3)["device_allocations"] == 0
+    finally:
+        s.close()
+
+
+# -- the runtime in poison mode ----------------------------------------------------------------------------
+@pytest.mark.parametrize("gpus,plan,mbs,staleness", [(2, "2,2|1|1,3", 4, 1), (3, PLAN3, 6, 0),
+                                                      (4, "1,1,1,1|1|1,1,1,1", 8, 1)])
+def test_poison_with_random_delays_is_bit_identical_and_finite(gpus, plan, mbs, staleness):
+    """20 runs (poison on, random stream delays, multi-chunk transfers): the same bits every time, all finite."""
+    graph = _graph()
+    prog = _program(graph, plan, gpus, mbs, staleness)
+    assert max(sum(1 for c in prog.chunks if c.stage == s.index) for s in prog.plan.stages) > 1
+    ref = _train(graph, prog, 3, mbs)
+    runs = 20 if gpus == 3 else 5
+    for k in range(runs):
+        got = _train(graph, prog, 3, mbs, poison=True, lane_delay=k)
+        for n in ref:
+            assert torch.isfinite(got[n]).all(), f"run {k}: {n} not finite"
+            assert torch.equal(got[n], ref[n]), f"run {k}: {n} differs"
+
+
+@pytest.mark.parametrize("kind", DEP_KINDS)
+def test_each_dropped_dependency_is_detected(kind):
+    """With one kind of dependency dropped, poison mode plus delays sees it within 20 runs."""
+    graph = _graph()
+    prog = _program(graph, PLAN3, 3, 6, 0)
+    ref = _train(graph, prog, 3, 6)
+    for k in range(20):
+        try:
+            got = _train(graph, prog, 3, 6, poison=True, lane_delay=100 + k, drop=(kind,))
+        except RuntimeFailure:
+            return  # e.g. a value read before its producer ran
+        if any(not torch.equal(got[n], ref[n]) for n in ref):
+            return
+    pytest.fail(f"dropping {kind!r} went unnoticed in 20 runs")
+
+
+def test_unknown_dependency_kind_is_refused():
+    graph = _graph()
+    with pytest.raises(ValueError, match="act_up>compute"):
+        Runtime(graph, _program(graph, PLAN3, 3, 6, 0), HostState.from_graph(graph, optimizer=OPT),
+                backend="host", drop=("upload",))
+
+
+# -- the host waits on work, not on instructions; nothing is allocated in the steady state ------------------
+def _stats(graph, prog, mbs: int, steps: int = 4) -> list[dict]:
+    state = HostState.from_graph(graph, optimizer=OPT)
+    with Runtime(graph, prog, state, backend="host", timeout=20, lane_delay=1) as rt:
+        out = []
+        for s in range(steps):
+            rt.step(_batch(s, mbs))
+            rt.flush()
+            out.append(rt.stats())
+    return out
+
+
+def test_host_waits_scale_with_microbatches_not_instructions():
+    """M = 4 -> 16 (about 4x the instructions): host waits per step grow by at most 12 plus a constant (2)."""
+    graph = _graph()
+    small, big = _program(graph, "1,1,1,1|1|1,1,1,1", 4, 4, 1), _program(graph, "1,1,1,1|1|1,1,1,1", 4, 16, 1)
+    assert len(big.instrs) > 3.5 * len(small.instrs)
+    w4, w16 = _stats(graph, small, 4)[-1]["host_waits"], _stats(graph, big, 16)[-1]["host_waits"]
+    assert 0 < w16 <= w4 + (16 - 4) + 2, (w4, w16)
+    assert w16 < len(big.instrs) / 20  # the old executor synchronised the host after every instruction
+
+
+def test_no_allocation_after_two_warm_up_steps():
+    graph = _graph()
+    for prog, mbs in ((_program(graph, PLAN3, 3, 6, 1), 6), (_program(graph, "2,2|1|1,3", 2, 4, 0), 4)):
+        stats = _stats(graph, prog, mbs, steps=5)
+        assert stats[0]["device_allocations"] > 0 and stats[0]["host_allocations"] > 0
+        for k, st in enumerate(stats[2:], 2):
+            assert st["device_allocations"] == 0 and st["host_allocations"] == 0, (k, st)
+        last = stats[-1]
+        assert last["bytes_to_device"] > 0 and last["bytes_to_host"] > 0
+        assert {"w0/compute", "w0/param_up", "w0/act_up", "w0/act_down", "w0/grad_down"} <= set(last["busy_s"])
