@@ -1,13 +1,14 @@
-"""Compiled (rpcompile, 1 GPU) vs eager PyTorch on one CUDA GPU: tokens/s and peak memory (issue #8.5).
+"""rpcompile vs eager PyTorch on one CUDA GPU: tokens/s, memory, host waits, PCIe bytes (issues 8, 12).
 
     python bench/gpu_compare.py                 # ~1.1B Llama, bf16, seq 2048, batch 4, 3 timed steps
-    python bench/gpu_compare.py --seq 1024 --steps 2
+    python bench/gpu_compare.py --seq 1024 --steps 2 --workers 1 2 4
 
 Eager: the model in bf16 on the GPU, torch.utils.checkpoint per decoder layer (non-reentrant),
 gradient accumulation over the same microbatches, torch.optim.AdamW(fused=True) on the GPU (all state
-resident: the upper bound when the model fits). Compiled: rpcompile.compile(gpus=1, dtype=bf16,
-staleness 1): weights, fp32 master and Adam state on the host, one stage streamed at a time. Peak memory
-is torch.cuda.max_memory_allocated() of each run (reset in between). Installs nothing; exits 0 without CUDA.
+resident: the upper bound when the model fits). Compiled: rpcompile.compile(gpus=N, dtype=bf16,
+staleness 1) planned for `Hardware.measure()` of this GPU: weights, fp32 master and Adam state on the
+host, stages streamed through N workers that share the one GPU (N > 1 runs the multi-worker protocol on
+real streams). Each row prints as soon as it is measured. Installs nothing; exits 0 without CUDA.
 """
 from __future__ import annotations
 
@@ -83,29 +84,44 @@ def run_eager(bs: list[dict], mbs: int, warmup: int) -> tuple[list[float], int, 
     return times, peak, losses
 
 
-def run_compiled(bs: list[dict], mbs: int, warmup: int) -> tuple[list[float], int, list[float], str]:
-    """(step seconds, peak bytes, losses, plan) of rpcompile on one GPU."""
+def run_compiled(bs: list[dict], mbs: int, warmup: int, gpus: int, hw) -> tuple:
+    """(step seconds, peak allocated, peak reserved, losses, plan, stats per timed step) of rpcompile.
+
+    `gpus` workers share the one GPU (gpus > 1 exercises the multi-worker protocol on real streams).
+    """
     import rpcompile
     model = build()
-    torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    c = rpcompile.compile(model, gpus=1, example=bs[0], microbatches=mbs, staleness=1,
-                          optimizer=rpcompile.AdamW(lr=1e-5), dtype=torch.bfloat16, hardware="rtx4090")
-    print(f"compiled in {time.perf_counter() - t0:.1f} s; plan {c.plan.to_str()}", flush=True)
+    c = rpcompile.compile(model, gpus=gpus, example=bs[0], microbatches=mbs, staleness=1,
+                          optimizer=rpcompile.AdamW(lr=1e-5), dtype=torch.bfloat16, hardware=hw)
+    print(f"  gpus={gpus}: compiled in {time.perf_counter() - t0:.1f} s; plan {c.plan.to_str()}, "
+          f"{len(c.program.instrs)} instructions per iteration", flush=True)
+    torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    times, losses = [], []
+    times, losses, stats = [], [], []
     try:
         for k, b in enumerate(bs):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             losses.append(c.step(b))
+            c._runtime.flush()  # the staleness-1 tail belongs to this step's time
             torch.cuda.synchronize()
             if k >= warmup:
                 times.append(time.perf_counter() - t0)
+                stats.append(c.stats())
         plan = c.plan.to_str()
     finally:
         c.close()
-    return times, torch.cuda.max_memory_allocated(), losses, plan
+    return times, torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved(), losses, plan, stats
+
+
+def _row(name: str, t: float, tokens: int, alloc: int, reserved: int, losses: list[float], stats=None) -> str:
+    waits = "-" if not stats else f"{statistics.median(s['host_waits'] for s in stats):.0f}"
+    moved = "-" if not stats else \
+        f"{statistics.median(s['bytes_to_device'] + s['bytes_to_host'] for s in stats) / 2**30:.2f}"
+    allocs = "-" if not stats else f"{max(s['device_allocations'] + s['host_allocations'] for s in stats)}"
+    return (f"{name[:44]:44s} {t:8.3f} {tokens / t:10,.0f} {alloc / 2**30:9.2f} {reserved / 2**30:9.2f} "
+            f"{waits:>6s} {allocs:>6s} {moved:>8s}  " + " ".join(f"{x:.3f}" for x in losses))
 
 
 def main() -> int:
@@ -115,6 +131,8 @@ def main() -> int:
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--steps", type=int, default=3, help="timed steps (after 1 warm-up)")
     ap.add_argument("--only", choices=["eager", "compiled"], default=None)
+    ap.add_argument("--workers", type=int, nargs="+", default=[1, 4],
+                    help="rpcompile runs: workers sharing the one GPU")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("gpu_compare: no CUDA device; nothing to do")
@@ -123,19 +141,27 @@ def main() -> int:
     tokens = args.batch * args.seq
     print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}; Llama ~1.1B bf16, batch {args.batch} x seq "
           f"{args.seq}, {args.microbatches} microbatches, {args.steps} timed steps after 1 warm-up", flush=True)
-    rows = []
+    header = (f"{'run':44s} {'step s':>8s} {'tokens/s':>10s} {'alloc GiB':>9s} {'resv GiB':>9s} "
+              f"{'waits':>6s} {'allocs':>6s} {'PCIe GiB':>8s}  losses")
+    print("columns: peak torch.cuda.max_memory_allocated / max_memory_reserved; host waits, new buffers and "
+          "bytes over PCIe per step (rpcompile's Compiled.stats())", flush=True)
+    eager_t = None
     if args.only in (None, "eager"):
         t, peak, losses = run_eager(bs, args.microbatches, 1)
-        rows.append(("eager (ckpt per layer, AdamW fused on GPU)", statistics.median(t), peak, losses))
+        eager_t = statistics.median(t)
+        print(header, _row("eager (ckpt per layer, AdamW fused on GPU)", eager_t, tokens, peak,
+                           torch.cuda.max_memory_reserved(), losses), sep="\n", flush=True)
     if args.only in (None, "compiled"):
-        t, peak, losses, plan = run_compiled(bs, args.microbatches, 1)
-        rows.append((f"rpcompile gpus=1 ({plan})", statistics.median(t), peak, losses))
-    print(f"{'run':58s} {'step s':>8s} {'tokens/s':>10s} {'peak GiB':>9s}  losses")
-    for name, t, peak, losses in rows:
-        print(f"{name[:58]:58s} {t:8.3f} {tokens / t:10,.0f} {peak / 2**30:9.2f}  "
-              + " ".join(f"{x:.3f}" for x in losses))
-    if len(rows) == 2:
-        print(f"compiled / eager tokens/s = {rows[0][1] / rows[1][1]:.2f}")
+        from rpcompile.hardware import Hardware
+        hw = Hardware.measure("cuda", gpus=1)
+        print(f"Hardware.measure(): bf16 {hw.flops('bfloat16') / 1e12:.0f} TFLOP/s, h2d {hw.h2d_bandwidth / 1e9:.0f} "
+              f"GB/s, d2h {hw.d2h_bandwidth / 1e9:.0f} GB/s, {hw.device_memory / 2**30:.0f} GiB", flush=True)
+        for gpus in args.workers:
+            t, alloc, resv, losses, plan, stats = run_compiled(bs, args.microbatches, 1, gpus, hw.replace(gpus=gpus))
+            med = statistics.median(t)
+            ratio = "" if eager_t is None else f"   ({eager_t / med:.2f}x eager tokens/s)"
+            print(_row(f"rpcompile gpus={gpus} ({plan})", med, tokens, alloc, resv, losses, stats) + ratio,
+                  flush=True)
     return 0
 
 

@@ -96,9 +96,12 @@ class Runtime(IssueHandlers, HostLanes, Recovery):
         self.chunk_elems, _ = chunk_elements(program, self.io, state)
         self.layouts = stage_layouts(program, self.io, state, self.chunk_elems)
         largest: dict = {}  # the pools' flat buffers fit the plan's largest stage: any slot fits any of them
+        self.grad_capacity: dict = {}  # and the one gradient buffer per worker its largest trainable stage
         for lay in self.layouts.values():
             for d, n in lay.sizes.items():
                 largest[d] = max(largest.get(d, 0), n)
+            for d, n in lay.grad_sizes.items():
+                self.grad_capacity[d] = max(self.grad_capacity.get(d, 0), n)
         for w in self.workers:
             w.pool.flat_capacity = largest
         self.handlers = {op: getattr(self, name) for op, name in HANDLER_NAMES.items()}

@@ -92,8 +92,9 @@ class IssueHandlers:
         if slot.grads_ready:
             return
         lay, pool = self.layouts[ins.stage], self.workers[w].pool
-        for d, n in lay.grad_sizes.items():
-            slot.grad_flat[d] = pool.take((n,), d, stream, t, flat=True)
+        for d, n in lay.grad_sizes.items():  # one gradient buffer per worker: the next slot's backward reuses it
+            slot.grad_flat[d] = pool.take((n,), d, stream, t, flat=True, key=("grad", d),  # once the downloads
+                                          capacity=self.grad_capacity.get(d, n))            # of the last are done
         bufs = [h.tensor for h in slot.grad_flat.values()]
         stream.submit(lambda: [b.zero_() for b in bufs], "zero grads", t)
         for name, s in lay.grads.items():

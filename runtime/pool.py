@@ -112,14 +112,14 @@ class BufferPool:
             return Handle(next(self._seq))
 
     def take(self, shape: tuple, dtype: torch.dtype, stream: Any, it: int | None, flat: bool = False,
-             key: Any = None) -> Handle:
+             key: Any = None, capacity: int = 0) -> Handle:
         """A bound handle: a free buffer (`stream` waits for its last users) or a new one."""
         h = self.handle()
-        self.bind(h, shape, dtype, stream, it, flat, key)
+        self.bind(h, shape, dtype, stream, it, flat, key, capacity)
         return h
 
     def bind(self, h: Handle, shape: tuple, dtype: torch.dtype, stream: Any, it: int | None,
-             flat: bool = False, key: Any = None) -> torch.Tensor:
+             flat: bool = False, key: Any = None, capacity: int = 0) -> torch.Tensor:
         """Give handle `h` a buffer of (shape, dtype) for `stream` (called at issue, or inside the producer).
 
         Only a buffer released before `h` was created qualifies: its last users were issued
@@ -127,6 +127,7 @@ class BufferPool:
         (a 1-D request) any free flat buffer of that dtype at least as long serves (a prefix).
         With `key`, the key has one buffer: while it is handed out, `bind` waits (on the host)
         until its holder gives it back; the pool then never grows however far issue runs ahead.
+        A new flat buffer holds max(request, `capacity` or the pool's `flat_capacity`) elements.
         """
         shape = tuple(shape)
         n = _numel(shape)
@@ -151,7 +152,7 @@ class BufferPool:
                     k = min(fits, key=lambda k: (free[k][0].numel(), -k)) if flat else fits[-1]
                     buf, events, _ = free.pop(k)
         if buf is None:
-            size = (max(n, self.flat_capacity.get(dtype, 0)),) if flat else shape
+            size = (max(n, capacity or self.flat_capacity.get(dtype, 0)),) if flat else shape
             buf = torch.empty(size, dtype=dtype, device=self.device, pin_memory=self.pin)
             self.ctx.stats.add(it, self.counter)
             with self._lock:

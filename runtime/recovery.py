@@ -81,6 +81,7 @@ class Recovery:
                     del d[t]
         for w in self.workers:
             w.store.bytes = 0
+            w.pool.forget_keys()
         self.host_pool.forget_keys()
         self.board.forget(lambda it: it < u)
         self.ctx.failure.reset()
