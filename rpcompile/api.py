@@ -6,44 +6,21 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
 from rpcompile import checkpoint
-from rpcompile.batch import batch_size, check_batch
-from rpcompile.costs import CostTable
+from rpcompile.batch import check_batch
 from rpcompile.graph import LayerGraph
 from rpcompile.hardware import Hardware
 from rpcompile.optim import SGD, AdamW
+from rpcompile.options import Options, check_model, default_microbatches, options
+from rpcompile.pipeline import Frozen, frozen_of, plan_pipeline
 
-
-@dataclass(frozen=True, slots=True)
-class Options:
-    """Everything compile() was asked for, so a re-plan can repeat it."""
-
-    gpus: int                                  # workers N (GPUs, or host workers without CUDA)
-    microbatches: int | None                   # M per iteration; None: smallest divisor of the batch >= gpus
-    staleness: int                             # 0 synchronous, 1 RoundPipe (optimizer one step behind)
-    optimizer: AdamW | SGD                     # CPU optimizer config
-    dtype: torch.dtype | None                  # training dtype of compute copies; None keeps the model's
-    loss_fn: Callable | None                   # loss_fn(output, example) when the model does not return its loss
-    layers: Sequence[str] | None               # layer patterns overriding detection
-    lm_head_shards: int | str                  # vocabulary shards of the LM head ("auto" from costs)
-    hardware: Hardware | None                  # target for predicted costs and the memory budget
-    memory_budget: int | None                  # device bytes per worker; None: 90% of hardware memory
-    backend: str                               # runtime backend: "auto", "host" or "cuda"
-    seed: int                                  # base seed of per-(iteration, microbatch, layer) randomness
-
-
-def default_microbatches(batch: int, gpus: int) -> int:
-    """The smallest divisor of the batch size that is >= gpus (the batch size itself if none)."""
-    for m in range(min(gpus, batch), batch + 1):
-        if batch % m == 0 and m >= min(gpus, batch):
-            return m
-    return batch
+__all__ = ["compile", "Compiled", "load", "Options", "default_microbatches", "plan_pipeline"]
 
 
 def compile(model: torch.nn.Module, gpus: int = 8, *, example: Any, microbatches: int | None = None,
@@ -51,7 +28,7 @@ def compile(model: torch.nn.Module, gpus: int = 8, *, example: Any, microbatches
             loss_fn: Callable | None = None, layers: Sequence[str] | None = None,
             lm_head_shards: int | str = "auto", hardware: Hardware | str | None = None,
             memory_budget: int | None = None, backend: str = "auto", seed: int = 0,
-            dist: Any = False, process_group: Any = None) -> "Compiled":
+            on_nonfinite: str = "raise", dist: Any = False, process_group: Any = None) -> "Compiled":
     """Compile `model` for RoundPipe training on `gpus` workers.
 
     Args:
@@ -69,6 +46,10 @@ def compile(model: torch.nn.Module, gpus: int = 8, *, example: Any, microbatches
         memory_budget: device bytes per worker (default: 90% of the hardware's device memory).
         backend: "auto" (CUDA if available, else host workers), "host" or "cuda".
         seed: base seed for dropout and other randomness.
+        on_nonfinite: a NaN/inf loss or gradient is caught before the optimizer applies it: "raise"
+            (FloatingPointError naming the step and the first layer group; the weights and optimizer
+            state stay those of the last good step) or "skip" (the step is skipped and counted in
+            `Compiled.skipped_steps`). fp16 dynamic loss scaling keeps its own skip-and-lower rule.
         dist: data parallelism across processes: True or a `rpcompile.runtime.distributed.DistConfig`.
             `example` and `step`'s batches are then this process's shard (see DistConfig, `shard`).
         process_group: the torch.distributed group to train over (implies dist; default: the
@@ -76,96 +57,11 @@ def compile(model: torch.nn.Module, gpus: int = 8, *, example: Any, microbatches
     Returns:
         A `Compiled` handle: `.plan`, `.program`, `.step(batch)`, `.simulate()`, `.save()`...
     """
-    if isinstance(hardware, str):
-        hardware = Hardware.preset(hardware)
-    opts = Options(gpus=gpus, microbatches=microbatches, staleness=staleness,
-                   optimizer=optimizer or AdamW(lr=1e-4), dtype=dtype, loss_fn=loss_fn, layers=layers,
-                   lm_head_shards=lm_head_shards, hardware=hardware, memory_budget=memory_budget,
-                   backend=backend, seed=seed)
+    opts = options(gpus=gpus, microbatches=microbatches, staleness=staleness, optimizer=optimizer, dtype=dtype,
+                   loss_fn=loss_fn, layers=layers, lm_head_shards=lm_head_shards, hardware=hardware,
+                   memory_budget=memory_budget, backend=backend, seed=seed, on_nonfinite=on_nonfinite)
+    check_model(model)
     return Compiled(model, opts, example, dist=dist, process_group=process_group)
-
-
-def plan_pipeline(model: torch.nn.Module, example: Any, opts: Options, *, mode: str = "measure"):
-    """The compiler proper: trace -> shard_lm_head -> estimate_costs -> partition -> emit -> verify.
-
-    Returns:
-        (graph, costs, plan, program, microbatches)
-    """
-    from rpcompile import passes
-    m = opts.microbatches or default_microbatches(batch_size(example), opts.gpus)
-    check_batch(example, m)
-    budget = opts.memory_budget
-    if budget is None and opts.hardware is not None:
-        budget = int(0.9 * opts.hardware.device_memory)
-    # 1. trace the model into layers with explicit values across every cut
-    graph = passes.trace(model, example, loss_fn=opts.loss_fn, layers=opts.layers)
-    if not any(v.requires_grad for v in graph.params.values()):
-        raise ValueError(f"{type(model).__name__} has no trainable parameter (requires_grad is False for all "
-                         f"{len(graph.params)}): nothing to train; unfreeze some (e.g. LoRA adapters)")
-    # 2. measure (or predict) per-layer time and memory for one microbatch
-    costs = passes.estimate_costs(graph, example, mode=mode, hardware=opts.hardware, microbatches=m)
-    # 3. cut the LM head + loss into vocabulary shards so no layer dominates, and cost the shards
-    shards = opts.lm_head_shards
-    sharded = _shard_head(graph, shards, costs)
-    if sharded is not graph:
-        graph = sharded
-        costs = passes.estimate_costs(graph, example, mode=mode, hardware=opts.hardware, microbatches=m)
-    # 4-5. choose the stage grouping (and, for a hardware target, the round size) and emit the program
-    plan, program = _plan_and_emit(graph, costs, opts, m, budget)
-    # 6. check it: dependencies, coverage, the per-layer rules R1-R5, memory
-    passes.verify(program, costs=costs, memory_budget=budget)
-    return graph, costs, plan, program, m
-
-
-def _plan_and_emit(graph: LayerGraph, costs: CostTable, opts: Options, m: int, budget: int | None):
-    """partition + emit; with a hardware target, also pick the round size by simulating each candidate.
-
-    Note: the partitioner's objective is the compute-only schedule time. On a target whose PCIe
-    traffic matters, one round of all M microbatches uploads every stage's parameters once per
-    iteration instead of M / R times, so both round sizes are emitted and the simulated faster one
-    (with transfers and the CPU optimizer) wins.
-    """
-    from rpcompile import passes
-    from rpcompile.passes.timing import default_round_size
-    from rpcompile.runtime import simulate, steady_iterations
-    sizes = [default_round_size(opts.gpus, m)]
-    if opts.hardware is not None and m not in sizes:
-        sizes.append(m)
-    best = None
-    for r in sizes:
-        plan = passes.partition(costs, gpus=opts.gpus, microbatches=m, round_size=r, memory_budget=budget,
-                                staleness=opts.staleness)
-        program = passes.emit(plan, gpus=opts.gpus, microbatches=m, round_size=r, staleness=opts.staleness,
-                              costs=costs, readers=_shared_readers(graph))
-        if len(sizes) == 1:
-            return plan, program
-        k = steady_iterations(program) if opts.staleness else 1
-        t = simulate(program, costs, opts.hardware, iterations=k).steady_iteration_time
-        if best is None or t < best[0]:
-            best = (t, plan, program)
-    return best[1], best[2]
-
-
-def _shard_head(graph: LayerGraph, shards: int | str, costs: CostTable) -> LayerGraph:
-    """shard_lm_head when the graph ends in a supported LM head; the graph itself otherwise."""
-    from rpcompile import passes
-    if shards == 1:
-        return graph
-    try:
-        return passes.shard_lm_head(graph, shards=shards, costs=costs)
-    except ValueError:
-        if shards == "auto":  # no recognised LM head (e.g. a plain Sequential): nothing to shard
-            return graph
-        raise
-
-
-def _shared_readers(graph: LayerGraph) -> dict[int, tuple[int, ...]]:
-    """For tied parameters: optimizer layer (lowest owner) -> every layer that uses them."""
-    out: dict[int, set[int]] = {}
-    for owners in graph.param_owners().values():
-        if len(owners) > 1:
-            out.setdefault(min(owners), set()).update(owners)
-    return {k: tuple(sorted(v)) for k, v in out.items()}
 
 
 class Compiled:
@@ -176,41 +72,74 @@ class Compiled:
     """
 
     def __init__(self, model: torch.nn.Module, opts: Options, example: Any, *, dist: Any = False,
-                 process_group: Any = None) -> None:
+                 process_group: Any = None, frozen: Frozen | None = None) -> None:
         from rpcompile.runtime.optimizer import HostState
         self._model, self.options, self._example = model, opts, example
-        self.graph, self.costs, self.plan, self.program, self.microbatches = plan_pipeline(model, example, opts)
+        self.graph, self.costs, self.plan, self.program, self.microbatches = plan_pipeline(model, example, opts,
+                                                                                           frozen=frozen)
         self._shape = _shape_key(example)
         self.state = HostState.from_graph(self.graph, optimizer=opts.optimizer, dtype=opts.dtype,
                                           pin_memory=opts.backend != "host")  # pinned only where CUDA is
         # data parallel (issue #9): rank 0's weights everywhere; each group's gradient averaged before its step
         self._dist = _data_parallel(self.state, dist, process_group)
         self.rank, self.world_size = (self._dist.rank, self._dist.world) if self._dist else (0, 1)
-        self.steps = 0
-        self._runtime = self._new_runtime()
+        self.closed = False
+        self._runtime = self._new_runtime(0)
 
-    def _new_runtime(self):
+    @property
+    def steps(self) -> int:
+        """Iterations completed (a failure rolls it back to the iteration that failed)."""
+        return self._runtime.t
+
+    @property
+    def skipped_steps(self) -> list[int]:
+        """Iterations skipped for a non-finite loss or gradient (on_nonfinite="skip")."""
+        return list(self._runtime.skipped)
+
+    def _new_runtime(self, start: int, graph: LayerGraph | None = None, program: Any = None):
         from rpcompile.runtime.executor import Runtime
-        rt = Runtime(self.graph, self.program, self.state, backend=self.options.backend,
-                     seed=self.options.seed + self.rank, start_iteration=self.steps)  # per-rank dropout
+        rt = Runtime(graph or self.graph, program or self.program, self.state, backend=self.options.backend,
+                     seed=self.options.seed + self.rank, start_iteration=start,  # per-rank dropout
+                     on_nonfinite=self.options.on_nonfinite)
         if self._dist:
             self._dist.attach(rt)  # counts the gradient writes that complete each layer group
         return rt
 
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this Compiled handle is closed (close() or leaving `with`); compile again")
+
     def _replan(self, batch: Any) -> None:
-        """Re-plan for a batch of a new shape (e.g. a longer sequence), keeping the training state."""
+        """Re-plan for a batch of a new shape (e.g. a longer sequence), keeping the training state.
+
+        The new plan is built before the old runtime stops: if planning fails (a bad batch), the
+        handle goes on as before and the error is raised.
+        """
         self._runtime.flush()
+        head = frozen_of(self.graph, self.costs, self.program).head  # keep the layers: the state's groups
+        opts = dataclasses.replace(self.options, lm_head_shards=head["shards"] if head else 1)
+        new = plan_pipeline(self._model, batch, opts)
+        if len(new[0].layers) != len(self.graph.layers):
+            raise ValueError(f"re-planning for batch shape {_shape_key(batch)} split the model into "
+                             f"{len(new[0].layers)} layers instead of {len(self.graph.layers)}; compile again")
+        old, start = self.plan.to_str(), self._runtime.t
         self._runtime.close()
-        old = self.plan.to_str()
-        self.graph, self.costs, self.plan, self.program, self.microbatches = plan_pipeline(
-            self._model, batch, self.options)
+        self.graph, self.costs, self.plan, self.program, self.microbatches = new
         self._shape, self._example = _shape_key(batch), batch
         print(f"rpcompile: batch shape changed to {self._shape}; re-planned {old} -> {self.plan.to_str()}",
               file=sys.stderr)
-        self._runtime = self._new_runtime()
+        self._runtime = self._new_runtime(start)
 
     def step(self, batch: Any) -> float:
-        """One training iteration (forward, backward, optimizer); returns the mean microbatch loss."""
+        """One training iteration (forward, backward, optimizer); returns the mean microbatch loss.
+
+        Raises:
+            ValueError: the batch does not fit the compiled model (names the value).
+            RuntimeFailure: an instruction failed; the state is that before the failed iteration.
+            FloatingPointError: a non-finite loss or gradient (on_nonfinite="raise"); nothing applied.
+            RuntimeError: the handle is closed.
+        """
+        self._check_open()
         check_batch(batch, self.microbatches, like=self.graph)
         if _shape_key(batch) != self._shape:
             self._replan(batch)
@@ -222,8 +151,6 @@ class Compiled:
             if self._dist:
                 self._dist.fail(exc)
             raise
-        finally:
-            self.steps = self._runtime.t  # a failure rolls the run back to the iteration that failed
         return self._dist.average(loss) if self._dist else loss  # data parallel: mean over processes
 
     def stats(self) -> dict[str, Any]:
@@ -240,8 +167,31 @@ class Compiled:
             >>> c.step(batch); c.stats()["device_allocations"]   # doctest: +SKIP
             0
         """
+        self._check_open()
         self._runtime.flush()
         return self._runtime.stats()
+
+    def set_lr(self, lr: float) -> None:
+        """Set the CPU optimizer's learning rate, from the update made with the next `step`'s gradient on.
+
+        The change is queued on the runtime's optimizer lane behind the updates of
+        the iterations already run, so it never races with them: the update of
+        iteration `c.steps` (the next `step(batch)`) and every later one use `lr`;
+        an earlier one still running in the background keeps its own lr. No wait.
+
+        Note:
+            Which weights an lr reaches. With staleness 0, the update from step t's
+            gradient gives the weights step t+1 reads. With staleness 1 (RoundPipe),
+            it runs on the CPU while step t+1 computes with the weights of step t-1's
+            update, so an lr set before step t first shows in what step t+2 reads.
+
+        Example:
+            >>> c.set_lr(1e-5); loss = c.step(batch)   # this batch's update uses lr 1e-5   # doctest: +SKIP
+        """
+        self._check_open()
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 <= lr < float("inf"):
+            raise ValueError(f"set_lr: lr must be a finite number >= 0, got {lr!r}")
+        self._runtime.lanes["optimizer"].submit(lambda: self.state.set_lr(float(lr)))
 
     @property
     def last_timeline(self) -> list:
@@ -253,6 +203,7 @@ class Compiled:
 
     def evaluate(self, batch: Any) -> float:
         """Forward only with the weights the next step would read; returns the mean microbatch loss."""
+        self._check_open()
         check_batch(batch, self.microbatches, like=self.graph)
         if _shape_key(batch) != self._shape:
             self._replan(batch)
@@ -279,23 +230,29 @@ class Compiled:
     # -- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Full training state: weights, masters, optimizer state (incl. a pending update), step, RNG."""
+        self._check_open()
         self._runtime.flush()
-        from dataclasses import asdict
-        opts = {k: v for k, v in asdict(self.options).items() if k != "loss_fn"}
+        opts = {k: v for k, v in dataclasses.asdict(self.options).items() if k != "loss_fn"}
         opts["optimizer"], opts["hardware"] = self.options.optimizer, self.options.hardware
         return {"format": checkpoint.FORMAT, "steps": self.steps, "plan": self.plan.to_str(),
+                "frozen": dataclasses.asdict(frozen_of(self.graph, self.costs, self.program)),
                 "host": self.state.state_dict(), "options": opts, "example": self._example,
                 "rng": torch.get_rng_state()}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Resume from `state_dict()`: the next step continues the run bit for bit."""
+        """Resume from `state_dict()`: the next step continues the run bit for bit.
+
+        Everything is checked before anything changes: a state dict of another model or plan raises
+        ValueError and leaves this handle as it was.
+        """
+        self._check_open()
         checkpoint.check(sd)
         self._runtime.flush()
+        self.state.check_state_dict(sd["host"])
         self._runtime.close()
         self.state.load_state_dict(sd["host"])
-        self.steps = int(sd["steps"])
         torch.set_rng_state(sd["rng"])
-        self._runtime = self._new_runtime()
+        self._runtime = self._new_runtime(int(sd["steps"]))
 
     def save(self, path: str) -> None:
         """Write `state_dict()` atomically (temporary file in the same folder, then rename); data parallel: rank 0 only."""
@@ -304,18 +261,28 @@ class Compiled:
 
     def model(self) -> torch.nn.Module:
         """The user's module with the current weights (every update applied, a pending one too)."""
+        self._check_open()
         self._runtime.flush()
         masters = self.state.parameters_fp32()
         with torch.no_grad():
             for name, p in self.graph.parameters().items():
                 p.copy_(masters[name].to(p.dtype))
+            buffers = dict(self._model.named_buffers())
+            for name, b in self.state.buffers.items():  # running statistics, updated once per microbatch
+                if name in buffers:
+                    buffers[name].copy_(b)
         return self._model
 
     def close(self) -> None:
-        """Stop the runtime's threads (and the data-parallel reducer)."""
-        self._runtime.close()
-        if self._dist:
-            self._dist.close()
+        """Stop the runtime's threads (and the data-parallel reducer); later calls raise RuntimeError."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._runtime.close()
+        finally:
+            if self._dist:
+                self._dist.close()
 
     def __enter__(self) -> "Compiled":
         return self
@@ -332,9 +299,10 @@ def load(path: str, model: torch.nn.Module, *, loss_fn: Callable | None = None, 
          process_group: Any = None) -> Compiled:
     """Load a checkpoint written by `Compiled.save` and continue training `model` from it.
 
-    The checkpoint records the compile options and the example batch, so the
-    same plan and program are rebuilt; only `loss_fn` (code, not data) must be
-    passed again if the run used one.
+    The checkpoint records the compile options, the example batch and the
+    compiler's measured decisions (head sharding, costs, plan, round size), so
+    the same program is rebuilt without measuring anything; only `loss_fn`
+    (code, not data) must be passed again if the run used one.
 
     Args:
         path: the checkpoint file.
@@ -346,7 +314,8 @@ def load(path: str, model: torch.nn.Module, *, loss_fn: Callable | None = None, 
     """
     sd = checkpoint.load(path)
     opts = Options(**{**sd["options"], "loss_fn": loss_fn})
-    c = Compiled(model, opts, sd["example"], dist=dist, process_group=process_group)
+    frozen = Frozen(**sd["frozen"]) if "frozen" in sd else None  # the saved plan, not a re-measured one
+    c = Compiled(model, opts, sd["example"], dist=dist, process_group=process_group, frozen=frozen)
     c.load_state_dict(sd)
     return c
 

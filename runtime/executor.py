@@ -44,7 +44,8 @@ from rpcompile.runtime.layout import stage_layouts
 from rpcompile.runtime.pool import BufferPool
 from rpcompile.runtime.program_info import EVAL_BASE, ProgramInfo, dep_kind, forward_only
 from rpcompile.runtime.recovery import Recovery
-from rpcompile.runtime.stage_exec import LayerRunner, chunk_elements, has_random_ops, split_batch, stage_io
+from rpcompile.runtime.stage_exec import (LayerRunner, chunk_elements, has_random_ops, split_batch, stage_io,
+                                          tracked_buffers)
 from rpcompile.runtime.streams import Abort, StreamContext, wait_all
 from rpcompile.runtime.transfer import LaneThread, RuntimeFailure, make_delay, protocol_deps
 
@@ -71,22 +72,33 @@ class Runtime(IssueHandlers, HostLanes, Recovery):
             iterations count as complete, so their refs are satisfied).
         poison: test mode: pool buffers are NaN when handed out, host buffers when released.
         drop: test switch: dependency kinds (names in DEP_KINDS) the runtime does NOT wait for.
+        on_nonfinite: a NaN/inf loss or gradient, caught at an iteration's commit point (before any
+            of its optimizer steps): "raise" (NonFiniteError, a FloatingPointError, from the next
+            call; the iteration is undone) or "skip" (its steps apply nothing; listed in `skipped`).
+            Not checked with fp16 dynamic loss scaling, which skips such iterations itself.
     """
 
     def __init__(self, graph, program, state, *, backend: str = "auto", devices=None, seed: int = 0,
                  lane_delay=None, timeout: float = 60.0, start_iteration: int = 0, poison: bool = False,
-                 drop: tuple[str, ...] = ()) -> None:
+                 drop: tuple[str, ...] = (), on_nonfinite: str = "raise") -> None:
         bad = set(drop) - set(DEP_KINDS)
         if bad:
             raise ValueError(f"drop: unknown dependency kinds {sorted(bad)}; choose from {DEP_KINDS}")
         self.graph, self.program, self.state, self.seed = graph, program, state, seed
         self.poison, self.drop = poison, frozenset(drop)
+        if on_nonfinite not in ("raise", "skip"):
+            raise ValueError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
+        self.on_nonfinite = on_nonfinite
+        self.skipped: list[int] = []  # iterations skipped for a non-finite loss or gradient
+        self._bad: dict[int, int] = {}  # iteration -> lowest layer group with a non-finite gradient
         self.ctx = StreamContext(timeout=timeout, delay=make_delay(lane_delay))
         self.workers = make_workers(program.gpus, self.ctx, backend, devices, poison)
         self.pin = self.workers[0].kind == "cuda"
         self.host_pool = BufferPool("host", self.ctx, pin=self.pin, poison="release" if poison else None,
                                   counter="host_allocations")
         self.io = stage_io(graph, program.plan)
+        self.tracked = {l: {n: state.buffers[n] for n in bufs}  # layer -> host copies of its running statistics
+                        for l, bufs in tracked_buffers(graph).items()}
         random = has_random_ops(graph)
         self.runners = [LayerRunner(graph, w.device, seed, w.generator if random else None) for w in self.workers]
         touches = {l.index: {state.group_of[state.canonical(p)] for p in l.params
@@ -187,10 +199,14 @@ class Runtime(IssueHandlers, HostLanes, Recovery):
                 stream.wait(ev, t)
         self.board.publish((t, ins.name), self.handlers[ins.op](t, ins, w))
 
-    def _submit(self, t: int, info: ProgramInfo, mbs: list[dict]) -> None:
-        """Stage iteration t's microbatch inputs and queue its work on every issuer (and host lane)."""
+    def _submit(self, t: int, info: ProgramInfo, mbs: list[dict]) -> list:
+        """Stage iteration t's microbatch inputs and queue its work on every issuer (and host lane).
+
+        Returns:
+            The list the loss downloads fill with (host buffer, event) per microbatch.
+        """
         self._info[t] = info
-        self.losses[t] = [None] * len(mbs)
+        losses = self.losses[t] = [None] * len(mbs)
         for j, inputs in enumerate(mbs):
             for n, v in inputs.items():
                 readers = info.readers.get(("a", j, n), 0)
@@ -206,16 +222,21 @@ class Runtime(IssueHandlers, HostLanes, Recovery):
             for name, body in (("accumulate", self._lane_accumulate), ("optimizer", self._lane_optimizer),
                                ("copy", self._lane_copy)):
                 self.lanes[name].submit(lambda t=t, body=body: self._run_lane(body, t))
+        return losses
 
-    def _losses(self, t: int, info: ProgramInfo) -> float:
-        """Wait (one host wait) for iteration t's microbatch losses; their mean."""
+    def _losses(self, t: int, info: ProgramInfo, pairs: list) -> float:
+        """Wait (one host wait) for iteration t's microbatch losses; their mean.
+
+        In training the commit check (`_check_finite`) reads them too and frees their buffers.
+        """
         for name in info.loss_downs:
             self.board.get((t, name), t, "step")
-        pairs = self.losses.pop(t)
         wait_all([ev for _, ev in pairs], self.ctx, t)
         values = [float(h.get()) for h, _ in pairs]
-        for h, _ in pairs:
-            self.host_pool.give(h, [])
+        if info.forward_only:
+            self.losses.pop(t, None)
+            for h, _ in pairs:
+                self.host_pool.give(h, [])
         return sum(values) / len(values)
 
     # -- the public calls -------------------------------------------------------------------------------
@@ -232,9 +253,9 @@ class Runtime(IssueHandlers, HostLanes, Recovery):
             self._recover()
         t = self.t
         mbs = split_batch(self.graph, batch, self.program.microbatches)  # a bad batch raises before anything runs
-        self._submit(t, self.train_info, mbs)
+        pairs = self._submit(t, self.train_info, mbs)
         self.t = t + 1
-        loss = self._guard(lambda: self._losses(t, self.train_info), t)
+        loss = self._guard(lambda: self._losses(t, self.train_info, pairs), t)
         self._prune()
         return loss
 
@@ -251,8 +272,8 @@ class Runtime(IssueHandlers, HostLanes, Recovery):
         mbs = split_batch(self.graph, batch, self.program.microbatches)
         t = EVAL_BASE + self._evals
         self._evals += 1
-        self._submit(t, self.eval_info, mbs)
-        loss = self._guard(lambda: self._losses(t, self.eval_info), t)
+        pairs = self._submit(t, self.eval_info, mbs)
+        loss = self._guard(lambda: self._losses(t, self.eval_info, pairs), t)
         self.flush()
         self._info.pop(t, None)
         return loss

@@ -118,6 +118,31 @@ class IssueHandlers:
         self.slots[(t, ins.stage, ins.mb // self.program_of(t).round_size)].last["compute"] = ev
         return ev
 
+    def _chain(self, t: int, ins, w: int) -> dict:
+        """The tracked buffers (running statistics) of the stage's layers, for a forward that updates them.
+
+        Each such layer's forwards form a chain in eager order (microbatch by microbatch, iteration by
+        iteration): this one's stream waits for the previous one, which wrote the host copies back.
+        Evaluation reads them without writing back, and needs no chain.
+        """
+        layers = [l for l in self.io[ins.stage].layers if l in self.tracked]
+        if not layers or self.info_of(t).forward_only:
+            return {l: self.tracked[l] for l in layers}
+        cs, m = self.workers[w].streams["compute"], self.program_of(t).microbatches
+        prev = (t, ins.mb - 1) if ins.mb > 0 else (t - 1, m - 1)
+        for l in layers:
+            if prev[0] >= self.first:
+                for ev in self.board.get((prev[0], f"chain {l}.m{prev[1]}"), t, self.label(t, ins, w)):
+                    cs.wait(ev, t)
+        return {l: self.tracked[l] for l in layers}
+
+    def _chained(self, t: int, ins, ev) -> None:
+        """Publish this forward as the tracked-buffer chain's latest member."""
+        if not self.info_of(t).forward_only:
+            for l in self.io[ins.stage].layers:
+                if l in self.tracked:
+                    self.board.publish((t, f"chain {l}.m{ins.mb}"), (ev,))
+
     # -- handlers: one per Op ----------------------------------------------------------------------
     def _param_up(self, t: int, ins, w: int) -> tuple:
         """P: copy one chunk of the stage's compute copies (pinned host blocks) into the slot's flat buffers."""
@@ -174,15 +199,17 @@ class IssueHandlers:
         inputs, cell = self._take_inputs(t, ins), Cell()
         slot = self._slot(t, ins.stage, ins.mb // self.program_of(t).round_size, w, worker.streams["compute"])
         runner, loss_only = self.runners[w], io.kind.value == "FB"
+        bufs, keep = self._chain(t, ins, w), not self.info_of(t).forward_only
 
         def run() -> None:
             env_in = {n: h.get() for n, h in inputs.items()}
             with torch.no_grad():
-                env = runner.forward(io.layers, slot.params, env_in, t, ins.mb)
+                env = runner.forward(io.layers, slot.params, env_in, t, ins.mb, buffers=bufs, keep=keep)
             out = {"loss": env[self.graph.loss]} if loss_only else {"vals": {n: env[n] for n in io.down}}
             worker.store.add(tensor_bytes(out))
             cell.set(out)
         ev = self._compute(t, ins, w, run, self.label(t, ins, w))
+        self._chained(t, ins, ev)
         self._give(worker.pool, inputs.values(), [ev])
         self.outs[(t, ins.stage, ins.mb)] = cell
         return (ev,)
@@ -195,18 +222,20 @@ class IssueHandlers:
         slot = self._slot(t, ins.stage, ins.mb // self.program_of(t).round_size, w, cs)
         self._grads(t, ins, w, slot, cs)
         runner, scale = self.runners[w], self.scales[t] / self.program_of(t).microbatches
+        bufs = self._chain(t, ins, w)
 
         def run() -> None:
             env_in = {n: h.get() for n, h in inputs.items()}
             with torch.enable_grad(), saved_tensors_bytes(worker.store, slot.params, env_in) as ws:
-                env = runner.forward(io.layers, slot.params, env_in, t, ins.mb, grad_of=io.grad_out)
+                env = runner.forward(io.layers, slot.params, env_in, t, ins.mb, grad_of=io.grad_out, buffers=bufs)
                 loss = env[self.graph.loss]
                 loss.backward(torch.full_like(loss, scale))
             worker.store.add(-ws[0])
-            out = {"grads": grads_of(env, io.grad_out, {}), "loss": loss.detach()}  # noqa: E501
+            out = {"grads": grads_of(env, io.grad_out, {}), "loss": loss.detach()}
             worker.store.add(tensor_bytes(out))
             cell.set(out)
         ev = self._compute(t, ins, w, run, self.label(t, ins, w))
+        self._chained(t, ins, ev)
         self._give(worker.pool, inputs.values(), [ev])
         self.outs[(t, ins.stage, ins.mb)] = cell
         return (ev,)

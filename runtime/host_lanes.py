@@ -15,6 +15,7 @@ program's order (which makes the fp32 gradient sums bit-reproducible):
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Iterator
 
 import torch
@@ -22,6 +23,7 @@ import torch
 from rpcompile.program import Op
 from rpcompile.runtime.pool import poison
 from rpcompile.runtime.streams import Abort, HostEvent, wait_all
+from rpcompile.runtime.transfer import NonFiniteError
 
 __all__ = ["HostLanes", "naming"]
 
@@ -100,8 +102,13 @@ class HostLanes:
     def _accumulate_slot(self, t: int, g, names: list[str]) -> None:
         """Add one slot's staging buffers into the fp32 gradients; free the staging for the next slot."""
         bufs, lay = self._staging[g.stage], self.layouts[g.stage]
+        check = self.state.scaler is None  # fp16 dynamic loss scaling handles inf/nan itself
         for name, s in lay.grads.items():
-            self.state.accumulate_grad(name, bufs[s.dtype][s.offset:s.offset + s.numel].view(s.shape))
+            part = bufs[s.dtype][s.offset:s.offset + s.numel].view(s.shape)
+            if check and not bool(torch.isfinite(part).all()):
+                grp = self.state.group_of[self.state.canonical(name)]
+                self._bad[t] = min(self._bad.get(t, grp), grp)
+            self.state.accumulate_grad(name, part)
         if self.poison:
             for b in bufs.values():
                 poison(b)
@@ -120,6 +127,7 @@ class HostLanes:
         """One STEP of the optimizer lane."""
         self._host_deps(t, o, info)
         if self._committed <= t:  # the first step: every gradient of t is in, t can no longer fail
+            self._check_finite(t)
             with self._lock:
                 self._committed = t + 1
                 self._backups.pop(t, None)
@@ -127,6 +135,29 @@ class HostLanes:
             self.state.grads_complete_all()
         self.state.step(o.layer)
         self.hev[(t, o.name)]._set()
+
+    def _check_finite(self, t: int) -> None:
+        """The commit point's check: a NaN/inf loss or gradient of iteration t raises or skips the iteration."""
+        pairs = self.losses.pop(t, [])
+        wait_all([ev for _, ev in pairs], self.ctx, t)
+        losses = [float(h.get()) for h, _ in pairs]
+        for h, _ in pairs:
+            self.host_pool.give(h, [])
+        bad, group = self._bad.pop(t, None), None
+        if self.state.scaler is not None or (bad is None and all(map(math.isfinite, losses))):
+            return
+        if bad is not None:
+            group = bad
+            what = f"a non-finite gradient, first in layer group {bad} ({self.graph.layers[bad].name})"
+        else:
+            what = f"a non-finite loss ({[x for x in losses if not math.isfinite(x)][0]})"
+        if self.on_nonfinite == "skip":
+            self.state.skip_iteration()
+            self.skipped.append(t)
+            return
+        raise NonFiniteError(f"step {t} (iteration {t}) has {what}; the update was not applied: weights and "
+                             f"optimizer state are those of the last good step. Check the batch for NaN/inf, "
+                             f"lower the learning rate, or compile with on_nonfinite='skip'", t, group)
 
     def _lane_copy(self, t: int) -> None:
         """Run iteration t's master -> compute copies."""

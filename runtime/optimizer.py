@@ -75,6 +75,8 @@ class HostState(StateIO):
         loss_scale: None, a constant float, or a `DynamicLossScale` (fp16).
         pin_memory: pin the compute-copy blocks (only if CUDA is available).
         timeout_s: how long `step` waits for the global statistics before raising.
+        buffers: name -> tensor of the buffers the forward updates (BatchNorm running statistics);
+            the runtime applies each microbatch's update to these host copies, in microbatch order.
 
     Note:
         The per-layer order that gives DESIGN.md idea 7's semantics (what
@@ -99,8 +101,12 @@ class HostState(StateIO):
     def __init__(self, params: Mapping[str, Tensor], owners: Mapping[str, Sequence[int]], num_layers: int, *,
                  optimizer: AdamW | SGD, dtype: torch.dtype | None = None, tied: Mapping[str, str] | None = None,
                  loss_scale: float | DynamicLossScale | None = None, pin_memory: bool = False,
-                 timeout_s: float = 600.0) -> None:
+                 timeout_s: float = 600.0, buffers: Mapping[str, Tensor] | None = None) -> None:
         self.config = optimizer  # the optimizer config
+        pin_b = pin_memory and torch.cuda.is_available()
+        # buffers the forward updates (running statistics): the canonical host copies, changed once per microbatch
+        self.buffers: dict[str, Tensor] = {n: (b.detach().clone().pin_memory() if pin_b else b.detach().clone())
+                                           for n, b in (buffers or {}).items()}
         self.dtype = dtype  # training dtype of the compute copies (None = per-parameter dtype)
         self.tied = dict(tied or {})  # alias -> canonical
         self.owners = {n: tuple(sorted(set(owners.get(n, ())))) for n in params}  # canonical -> layers
@@ -142,6 +148,7 @@ class HostState(StateIO):
         self._fresh: list[set[str]] = [set() for _ in range(num_layers)]  # grads written this iteration
         self._scale_of: dict[int, float] = {}  # iteration -> scale its loss was multiplied by
         self.skipped: list[int] = []  # iterations skipped for inf/nan gradients
+        self._skips: set[int] = set()  # iterations whose steps apply nothing (`skip_iteration`)
         self.on_grad = self.on_complete = lambda layer: None  # data-parallel hooks (runtime/distributed.py)
 
     @classmethod
@@ -152,6 +159,8 @@ class HostState(StateIO):
             >>> HostState.from_graph(g, optimizer=rpcompile.AdamW(), dtype=torch.bfloat16).groups[0]
             ('model.embed_tokens.weight',)
         """
+        from rpcompile.runtime.stage_exec import tracked_buffers
+        kwargs.setdefault("buffers", {n: b for _, bufs in tracked_buffers(graph).items() for n, b in bufs.items()})
         return cls(graph.parameters(), graph.param_owners(), len(graph.layers), tied=graph.tied, **kwargs)
 
     @property
@@ -325,7 +334,7 @@ class HostState(StateIO):
         st = self._wait(u) if self.needs_global else None
         with self._locks[layer]:
             fresh = self._fresh[layer]
-            if fresh and (st is None or not st.found_inf):
+            if fresh and (st is None or not st.found_inf) and u not in self._skips:
                 for n in group:
                     self.master[n].grad = self.grad[n] if n in fresh else None
                 if st is not None and st.coef is not None:
@@ -339,6 +348,34 @@ class HostState(StateIO):
                 if st.stepped == self._n_trainable:
                     del self._stats[u]
                     self._scale_of.pop(u, None)
+
+    def skip_iteration(self) -> int:
+        """Make the oldest iteration not yet stepped a no-op for every group (a non-finite step); returns it.
+
+        Its gradients are discarded as each group steps; masters and optimizer state do not change.
+        """
+        with self._cond:
+            u = min((s for s, g in zip(self._stepped, self.groups) if g), default=0)
+            self._skips.add(u)
+            return u
+
+    def set_lr(self, lr: float) -> None:
+        """Set the learning rate of every group's torch optimizer; each group's next `step` uses it.
+
+        Each group changes under its own lock, so a step never sees half a change;
+        which iteration's steps come next is the caller's to order (`Compiled.set_lr`
+        queues the call on the runtime's optimizer lane, between two iterations' steps).
+        The lr is not part of `state_dict()`: a resumed run sets it again.
+
+        Example:
+            >>> s.set_lr(0.05); s._optims[0].param_groups[0]["lr"]   # doctest: +SKIP
+            0.05
+        """
+        for layer, opt in enumerate(self._optims):
+            if opt is not None:
+                with self._locks[layer]:
+                    for pg in opt.param_groups:
+                        pg["lr"] = lr
 
     def copy(self, layer: int) -> None:
         """Master -> compute copy (cast to the training dtype, in place) for group `layer` (R1/R2: caller)."""

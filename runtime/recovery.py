@@ -11,7 +11,7 @@ from typing import Any
 
 from rpcompile.runtime.program_info import EVAL_BASE
 from rpcompile.runtime.streams import Abort
-from rpcompile.runtime.transfer import RuntimeFailure
+from rpcompile.runtime.transfer import NonFiniteError, RuntimeFailure
 
 __all__ = ["Recovery"]
 
@@ -76,7 +76,7 @@ class Recovery:
             for d in (self.slots, self.inputs, self.outs, self.rc, self.hostvals, self.hev):
                 for k in [k for k in d if k[0] >= u]:
                     del d[k]
-            for d in (self.losses, self._info):
+            for d in (self.losses, self._info, self._bad):
                 for t in [t for t in d if t >= u]:
                     del d[t]
         for w in self.workers:
@@ -89,6 +89,8 @@ class Recovery:
             self.t = u
         grid = self.program.shifted(u if u < EVAL_BASE else 0).grid(
             mark=name if name[:1] in ("w", "h") else None, context=4)
+        if isinstance(exc, NonFiniteError):  # not a fault of the machine: say what to do, no traceback
+            raise NonFiniteError(str(exc), exc.iteration, exc.group) from None
         what = "evaluation" if u >= EVAL_BASE else f"iteration {u}"
         raise RuntimeFailure(f"instruction {name} of {what} failed: {type(exc).__name__}: {exc}\n"
                              f"{grid}\n--- worker traceback ---\n{tb}", name, u) from exc

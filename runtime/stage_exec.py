@@ -25,7 +25,7 @@ from rpcompile.graph import LayerGraph
 from rpcompile.plan import StageKind, StagePlan
 from rpcompile.runtime.rng import WorkerRandom, layer_seed
 
-__all__ = ["StageIO", "stage_io", "LayerRunner", "layer_seed", "split_batch", "has_random_ops", "flat_ranges",
+__all__ = ["StageIO", "stage_io", "LayerRunner", "tracked_buffers", "layer_seed", "split_batch", "has_random_ops", "flat_ranges",
            "up_keys", "count_readers", "chunk_elements", "grads_of"]
 
 _RANDOM_FNS = ("dropout", "bernoulli", "rand", "randn", "randint", "randperm", "multinomial", "normal")
@@ -98,6 +98,27 @@ def flat_ranges(sizes: list[int], lo: int, hi: int) -> list[tuple[int, int, int]
     return out
 
 
+def tracked_buffers(graph: LayerGraph) -> dict[int, dict[str, torch.Tensor]]:
+    """Layer -> the buffers its forward updates in training: running statistics of BatchNorm-style norms.
+
+    These are training state (saved, resumed, copied back by `Compiled.model()`); every other
+    buffer (rotary tables, masks) is a constant of the layer.
+    """
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    for lay in graph.layers:
+        named = dict(lay.module.named_buffers())
+        tracked = {}
+        for prefix, m in lay.module.named_modules():
+            if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats:
+                for k in ("running_mean", "running_var", "num_batches_tracked"):
+                    name = f"{prefix}.{k}" if prefix else k
+                    if named.get(name) is not None:
+                        tracked[name] = named[name]
+        if tracked:
+            out[lay.index] = tracked
+    return out
+
+
 def has_random_ops(graph: LayerGraph) -> bool:
     """True if a layer may draw random numbers (dropout p > 0, attention dropout, rand* in glue)."""
     for lay in graph.layers:
@@ -159,9 +180,17 @@ class LayerRunner:
             self.modules.append(_buffers_to(copy.deepcopy(lay.module, memo), device))
 
     def run_layer(self, index: int, params: dict[str, torch.Tensor], env: dict[str, Any], iteration: int,
-                  mb: int) -> None:
-        """Run layer `index` reading and extending `env`, randomness seeded by (iteration, mb, layer)."""
+                  mb: int, buffers: dict[str, torch.Tensor] | None = None, keep: bool = True) -> None:
+        """Run layer `index` reading and extending `env`, randomness seeded by (iteration, mb, layer).
+
+        Args:
+            buffers: host copies of the layer's tracked buffers (running statistics): loaded into
+                this worker's module first; with `keep` the updated values are written back.
+        """
         lay = self.graph.layers[index]
+        mod_buffers = dict(self.modules[index].named_buffers()) if buffers else {}
+        for n, b in (buffers or {}).items():
+            mod_buffers[n].copy_(b, non_blocking=True)
         args = tuple(env[n] for n in lay.inputs)
         mine = {p: params[p] for p in lay.params}
         if self.generator is None:
@@ -173,19 +202,26 @@ class LayerRunner:
             outs = (outs,)
         if len(outs) != len(lay.outputs):
             raise RuntimeError(f"layer {index} ({lay.name}) returned {len(outs)} values, expected {len(lay.outputs)}")
+        if keep:
+            for n, b in (buffers or {}).items():
+                b.copy_(mod_buffers[n], non_blocking=True)
         env.update(zip(lay.outputs, outs))
 
     def forward(self, layers: range, params: dict[str, torch.Tensor], inputs: dict[str, Any], iteration: int,
-                mb: int, *, grad_of: tuple[str, ...] = ()) -> dict[str, Any]:
+                mb: int, *, grad_of: tuple[str, ...] = (), buffers: dict | None = None,
+                keep: bool = True) -> dict[str, Any]:
         """Run `layers` in order from `inputs`; returns the environment of every value seen.
 
         Args:
             grad_of: input names to turn into leaves that require grad (the recompute's inputs).
+            buffers: layer -> host copies of its tracked buffers (see `run_layer`); None: the
+                worker's module buffers as they are (a recompute: their updates are dropped).
+            keep: write the updated tracked buffers back (False: evaluation).
         """
         env = {n: (t.detach().requires_grad_(True) if n in grad_of and t.is_floating_point() else t)
                for n, t in inputs.items()}
         for i in layers:
-            self.run_layer(i, params, env, iteration, mb)
+            self.run_layer(i, params, env, iteration, mb, (buffers or {}).get(i), keep)
         return env
 
 

@@ -35,22 +35,44 @@ class StateIO:
                  for l, g in enumerate(self.groups) for n in g if self.master[n] in self._optims[l].state}
         return {"compute": {n: clone(t) for n, t in self.compute.items()},
                 "master": {n: clone(t) for n, t in self.master.items()},
+                "buffers": {n: clone(t) for n, t in self.buffers.items()},
                 "optim": optim, "steps": list(self._stepped),
                 "loss_scale": {"scale": self.loss_scale, "good": self._good, "skipped": list(self.skipped)}}
 
-    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
-        """Restore a `state_dict()` in place (same names, shapes and groups), between iterations."""
+    def check_state_dict(self, sd: Mapping[str, Any]) -> None:
+        """Raise ValueError (naming what differs) unless `sd` fits this state: names, shapes, groups, dtypes."""
+        for key in ("compute", "master", "optim", "steps", "loss_scale"):
+            if key not in sd:
+                raise ValueError(f"load_state_dict: the state dict has no {key!r} entry")
         for key, ours in (("compute", self.compute), ("master", self.master)):
             if set(sd[key]) != set(ours):
                 raise ValueError(f"load_state_dict: {key} names differ: missing {sorted(set(ours) - set(sd[key]))}"
                                  f", unexpected {sorted(set(sd[key]) - set(ours))}")
             for n, t in sd[key].items():
-                if t.shape != ours[n].shape:
-                    raise ValueError(f"load_state_dict: {key}[{n!r}] has shape {tuple(t.shape)}, "
-                                     f"expected {tuple(ours[n].shape)}")
-                ours[n].copy_(t)
+                if not isinstance(t, torch.Tensor) or t.shape != ours[n].shape:
+                    got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                    raise ValueError(f"load_state_dict: {key}[{n!r}] has shape {got}, expected {tuple(ours[n].shape)}")
         if len(sd["steps"]) != len(self.groups):
-            raise ValueError(f"load_state_dict: {len(sd['steps'])} groups, expected {len(self.groups)}")
+            raise ValueError(f"load_state_dict: {len(sd['steps'])} layer groups, expected {len(self.groups)} (the "
+                             f"checkpoint was planned with another LM-head sharding or layer split)")
+        if set(sd.get("buffers", {})) != set(self.buffers):
+            raise ValueError(f"load_state_dict: buffer names differ: {sorted(set(sd.get('buffers', {})))} vs "
+                             f"{sorted(self.buffers)}")
+        unknown = set(sd["optim"]) - set(self.master)
+        if unknown:
+            raise ValueError(f"load_state_dict: optimizer state for unknown parameters {sorted(unknown)[:5]}")
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        """Restore a `state_dict()` in place (same names, shapes and groups), between iterations.
+
+        Checks everything first (`check_state_dict`): a bad state dict changes nothing.
+        """
+        self.check_state_dict(sd)
+        for key, ours in (("compute", self.compute), ("master", self.master)):
+            for n, t in sd[key].items():
+                ours[n].copy_(t)
+        for n, t in sd.get("buffers", {}).items():
+            self.buffers[n].copy_(t)
         for l, g in enumerate(self.groups):
             if g:
                 opt = self._optims[l]

@@ -20,7 +20,7 @@ import threading
 import zlib
 from typing import Any, Callable
 
-__all__ = ["LaneThread", "make_delay", "RuntimeFailure", "protocol_deps"]
+__all__ = ["LaneThread", "make_delay", "RuntimeFailure", "NonFiniteError", "protocol_deps"]
 
 
 class RuntimeFailure(RuntimeError):
@@ -29,6 +29,14 @@ class RuntimeFailure(RuntimeError):
     def __init__(self, message: str, instr: str, iteration: int) -> None:
         super().__init__(message)
         self.instr, self.iteration = instr, iteration
+
+
+class NonFiniteError(FloatingPointError):
+    """A NaN or inf loss or gradient, caught before the optimizer applied it (the state is the last good step)."""
+
+    def __init__(self, message: str, iteration: int, group: int | None) -> None:
+        super().__init__(message)
+        self.iteration, self.group = iteration, group
 
 
 class LaneThread(threading.Thread):

@@ -46,8 +46,8 @@ def _inject(rt: Runtime, layer: int, iteration: int) -> None:
     stages may still run, so a global switch would also hit them.
     """
     for runner in rt.runners:
-        def run_layer(index, params, env, it, mb, orig=runner.run_layer, graph=runner.graph):
-            orig(index, params, env, it, mb)
+        def run_layer(index, params, env, it, mb, *rest, orig=runner.run_layer, graph=runner.graph):
+            orig(index, params, env, it, mb, *rest)
             if index == layer and it == iteration:
                 lay = graph.layers[index]
                 for n in lay.outputs:

@@ -1,0 +1,144 @@
+"""compile()'s options: one frozen dataclass, and the checks that turn user input into it.
+
+Every bad value is a `ValueError` that names the argument, raised before any
+tracing or measuring starts.
+
+    >>> options(gpus=2, staleness=1, dtype="bf16").dtype
+    torch.bfloat16
+    >>> options(gpus=True)
+    Traceback (most recent call last):
+    ValueError: gpus must be a positive int (workers), got True (bool)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from rpcompile.hardware import Hardware
+from rpcompile.optim import SGD, AdamW
+
+__all__ = ["Options", "options", "default_microbatches", "parse_dtype", "check_model"]
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+          "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+          "fp64": torch.float64, "float64": torch.float64, "double": torch.float64}
+BACKENDS = ("auto", "host", "cuda")
+ON_NONFINITE = ("raise", "skip")
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    """Everything compile() was asked for, so a re-plan can repeat it."""
+
+    gpus: int                                  # workers N (GPUs, or host workers without CUDA)
+    microbatches: int | None                   # M per iteration; None: smallest divisor of the batch >= gpus
+    staleness: int                             # 0 synchronous, 1 RoundPipe (optimizer one step behind)
+    optimizer: AdamW | SGD                     # CPU optimizer config
+    dtype: torch.dtype | None                  # training dtype of compute copies; None keeps the model's
+    loss_fn: Callable | None                   # loss_fn(output, example) when the model does not return its loss
+    layers: Sequence[str] | None               # layer patterns overriding detection
+    lm_head_shards: int | str                  # vocabulary shards of the LM head ("auto" from costs)
+    hardware: Hardware | None                  # target for predicted costs and the memory budget
+    memory_budget: int | None                  # device bytes per worker; None: 90% of hardware memory
+    backend: str                               # runtime backend: "auto", "host" or "cuda"
+    seed: int                                  # base seed of per-(iteration, microbatch, layer) randomness
+    on_nonfinite: str = "raise"                # a NaN/inf loss or gradient: "raise" FloatingPointError, or "skip"
+
+
+def default_microbatches(batch: int, gpus: int) -> int:
+    """The smallest divisor of the batch size that is >= gpus (the batch size itself if none)."""
+    for m in range(min(gpus, batch), batch + 1):
+        if batch % m == 0 and m >= min(gpus, batch):
+            return m
+    return batch
+
+
+def _positive_int(name: str, v: Any, what: str, allow_none: bool = False) -> None:
+    if allow_none and v is None:
+        return
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{name} must be a positive int ({what}), got {v!r} ({type(v).__name__})")
+
+
+def parse_dtype(dtype: Any) -> torch.dtype | None:
+    """None, a floating torch dtype, or a name such as "bf16" / "bfloat16" -> the torch dtype.
+
+    Raises:
+        ValueError: naming `dtype` and what is accepted.
+    """
+    if dtype is None:
+        return None
+    if isinstance(dtype, str):
+        key = dtype.lower().removeprefix("torch.")
+        if key not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not a floating dtype name; use one of {sorted(DTYPES)}")
+        return DTYPES[key]
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating torch dtype (e.g. torch.bfloat16) or a name like 'bf16', "
+                         f"got {dtype!r}")
+    return dtype
+
+
+def _optimizer(opt: Any) -> AdamW | SGD:
+    if opt is None:
+        return AdamW(lr=1e-4)
+    if isinstance(opt, (AdamW, SGD)):
+        return opt
+    cls = opt if isinstance(opt, type) else type(opt)
+    if issubclass(cls, torch.optim.Optimizer):
+        match = "rpcompile.SGD" if issubclass(cls, torch.optim.SGD) else "rpcompile.AdamW"
+        raise ValueError(f"optimizer must be an rpcompile optimizer config, got {cls.__module__}.{cls.__name__}: "
+                         f"rpcompile runs its own CPU optimizer on the host-resident masters; pass {match}(lr=...)")
+    raise ValueError(f"optimizer must be rpcompile.AdamW(...) or rpcompile.SGD(...), got {type(opt).__name__}")
+
+
+def options(*, gpus: Any, microbatches: Any = None, staleness: Any = 1, optimizer: Any = None, dtype: Any = None,
+            loss_fn: Callable | None = None, layers: Sequence[str] | None = None, lm_head_shards: Any = "auto",
+            hardware: Hardware | str | None = None, memory_budget: Any = None, backend: str = "auto",
+            seed: Any = 0, on_nonfinite: str = "raise") -> Options:
+    """Check compile()'s arguments and build the Options (see `rpcompile.compile` for their meaning).
+
+    Raises:
+        ValueError: an argument is out of range or of the wrong type; the message names it.
+    """
+    _positive_int("gpus", gpus, "workers")
+    _positive_int("microbatches", microbatches, "per iteration", allow_none=True)
+    if isinstance(staleness, bool) or staleness not in (0, 1):
+        raise ValueError(f"staleness must be 0 (synchronous) or 1 (RoundPipe), got {staleness!r}")
+    if not (lm_head_shards == "auto" or isinstance(lm_head_shards, int) and not isinstance(lm_head_shards, bool)
+            and lm_head_shards >= 1):
+        raise ValueError(f"lm_head_shards must be 'auto' or a positive int, got {lm_head_shards!r}")
+    _positive_int("memory_budget", memory_budget, "bytes per worker", allow_none=True)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an int, got {seed!r}")
+    if on_nonfinite not in ON_NONFINITE:
+        raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise ValueError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    if isinstance(hardware, str):
+        hardware = Hardware.preset(hardware)
+    elif hardware is not None and not isinstance(hardware, Hardware):
+        raise ValueError(f"hardware must be a Hardware or a preset name, got {type(hardware).__name__}")
+    return Options(gpus=gpus, microbatches=microbatches, staleness=staleness, optimizer=_optimizer(optimizer),
+                   dtype=parse_dtype(dtype), loss_fn=loss_fn, layers=layers, lm_head_shards=lm_head_shards,
+                   hardware=hardware, memory_budget=memory_budget, backend=backend, seed=seed,
+                   on_nonfinite=on_nonfinite)
+
+
+def check_model(model: Any) -> None:
+    """Refuse what cannot be trained: not a module, or parameters on the meta device (no weights).
+
+    Raises:
+        ValueError: naming the first meta parameter, with what to do instead.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    for name, p in model.named_parameters():
+        if p.device.type == "meta":
+            raise ValueError(f"model parameter {name!r} is on the meta device (no weights to train); load real "
+                             f"weights first. To plan a model you cannot allocate, use `python -m rpcompile plan` "
+                             f"or rpcompile.planning.plan_model, which run on meta")

@@ -1,0 +1,172 @@
+"""The compiler pipeline: the passes compile() runs, in order, and what a checkpoint freezes of them.
+
+    trace -> shard_lm_head -> estimate_costs -> partition -> emit -> verify
+
+`Frozen` records the decisions that depend on measurements (the LM-head
+sharding, the cost table, the plan and the round size), so loading a
+checkpoint rebuilds the very same program instead of re-measuring a noisy
+machine and maybe planning differently.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rpcompile.batch import batch_size, check_batch
+from rpcompile.costs import CostTable
+from rpcompile.graph import LayerGraph
+from rpcompile.options import Options, default_microbatches
+
+__all__ = ["plan_pipeline", "Frozen", "frozen_of"]
+
+
+@dataclass(frozen=True)
+class Frozen:
+    """The compiler's measured decisions, as plain data (saved in checkpoints)."""
+
+    plan: str            # StagePlan.to_str()
+    round_size: int      # microbatches per round
+    microbatches: int    # per iteration
+    costs: dict          # CostTable.to_lists() of the (sharded) graph
+    head: dict | None    # shard_lm_head keyword arguments that reproduce the graph; None: not sharded
+
+
+def frozen_of(graph: LayerGraph, costs: CostTable, program: Any) -> Frozen:
+    """What to save so that `plan_pipeline(..., frozen=...)` rebuilds `program` exactly."""
+    return Frozen(program.plan.to_str(), program.round_size, program.microbatches, costs.to_lists(),
+                  _head_args(graph))
+
+
+def _head_args(graph: LayerGraph) -> dict | None:
+    """The shard_lm_head arguments a sharded graph was made with (its shard count and token chunk)."""
+    shards = [lay for lay in graph.layers if ".shard" in lay.name and lay.name.rsplit(".shard", 1)[1].isdigit()]
+    if not shards:
+        return None
+    chunk: Any = "auto"
+    for node in shards[0].module.graph.nodes:  # the chunk is an argument of the shard's kernel call
+        if node.op == "call_function" and getattr(node.target, "__name__", "") == "chunked_lse":
+            chunk = node.args[5] if len(node.args) > 5 else node.kwargs.get("chunk", "auto")
+    return {"shards": len(shards), "chunk": chunk}
+
+
+def _rebuild(model: torch.nn.Module, example: Any, opts: Options, frozen: Frozen):
+    """plan_pipeline with the frozen decisions: trace and shard as before, emit the saved plan, verify."""
+    from rpcompile import passes
+    from rpcompile.plan import StagePlan
+    graph = passes.trace(model, example, loss_fn=opts.loss_fn, layers=opts.layers)
+    if frozen.head:
+        graph = passes.shard_lm_head(graph, **frozen.head)
+    costs = CostTable.from_lists(**frozen.costs)
+    plan = StagePlan.from_str(frozen.plan)
+    program = passes.emit(plan, gpus=opts.gpus, microbatches=frozen.microbatches, round_size=frozen.round_size,
+                          staleness=opts.staleness, costs=costs, readers=_shared_readers(graph))
+    passes.verify(program, costs=costs, memory_budget=_budget(opts))
+    return graph, costs, plan, program, frozen.microbatches
+
+
+def _budget(opts: Options) -> int | None:
+    """Device bytes per worker: the option, else 90% of the hardware's memory, else none."""
+    if opts.memory_budget is None and opts.hardware is not None:
+        return int(0.9 * opts.hardware.device_memory)
+    return opts.memory_budget
+
+
+def plan_pipeline(model: torch.nn.Module, example: Any, opts: Options, *, mode: str = "measure",
+                  frozen: Frozen | None = None):
+    """The compiler proper: trace -> shard_lm_head -> estimate_costs -> partition -> emit -> verify.
+
+    Args:
+        model, example, opts: what `compile` was given.
+        mode: "measure" the layers or "predict" their costs (on meta).
+        frozen: the decisions of an earlier compile (from a checkpoint): the same head sharding,
+            costs, plan and round size are used, nothing is measured, so the program is the same.
+    Returns:
+        (graph, costs, plan, program, microbatches)
+    """
+    m = frozen.microbatches if frozen else opts.microbatches or default_microbatches(batch_size(example), opts.gpus)
+    check_batch(example, m)
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}  # measuring runs the layers: keep
+    try:                                                                 # running statistics as they were
+        return _rebuild(model, example, opts, frozen) if frozen else _passes(model, example, opts, m, mode)
+    finally:
+        with torch.no_grad():
+            for n, b in model.named_buffers():
+                if n in buffers and b.device.type != "meta":
+                    b.copy_(buffers[n])
+
+
+def _passes(model: torch.nn.Module, example: Any, opts: Options, m: int, mode: str):
+    """The passes of `plan_pipeline`, in order."""
+    from rpcompile import passes
+    budget = _budget(opts)
+    # 1. trace the model into layers with explicit values across every cut
+    graph = passes.trace(model, example, loss_fn=opts.loss_fn, layers=opts.layers)
+    if not any(v.requires_grad for v in graph.params.values()):
+        raise ValueError(f"{type(model).__name__} has no trainable parameter (requires_grad is False for all "
+                         f"{len(graph.params)}): nothing to train; unfreeze some (e.g. LoRA adapters)")
+    # 2. measure (or predict) per-layer time and memory for one microbatch
+    costs = passes.estimate_costs(graph, example, mode=mode, hardware=opts.hardware, microbatches=m)
+    # 3. cut the LM head + loss into vocabulary shards so no layer dominates, and cost the shards
+    shards = opts.lm_head_shards
+    sharded = _shard_head(graph, shards, costs)
+    if sharded is not graph:
+        graph = sharded
+        costs = passes.estimate_costs(graph, example, mode=mode, hardware=opts.hardware, microbatches=m)
+    # 4-5. choose the stage grouping (and, for a hardware target, the round size) and emit the program
+    plan, program = _plan_and_emit(graph, costs, opts, m, budget)
+    # 6. check it: dependencies, coverage, the per-layer rules R1-R5, memory
+    passes.verify(program, costs=costs, memory_budget=budget)
+    return graph, costs, plan, program, m
+
+
+def _plan_and_emit(graph: LayerGraph, costs: CostTable, opts: Options, m: int, budget: int | None):
+    """partition + emit; with a hardware target, also pick the round size by simulating each candidate.
+
+    Note: the partitioner's objective is the compute-only schedule time. On a target whose PCIe
+    traffic matters, one round of all M microbatches uploads every stage's parameters once per
+    iteration instead of M / R times, so both round sizes are emitted and the simulated faster one
+    (with transfers and the CPU optimizer) wins.
+    """
+    from rpcompile import passes
+    from rpcompile.passes.timing import default_round_size
+    from rpcompile.runtime import simulate, steady_iterations
+    sizes = [default_round_size(opts.gpus, m)]
+    if opts.hardware is not None and m not in sizes:
+        sizes.append(m)
+    best = None
+    for r in sizes:
+        plan = passes.partition(costs, gpus=opts.gpus, microbatches=m, round_size=r, memory_budget=budget,
+                                staleness=opts.staleness)
+        program = passes.emit(plan, gpus=opts.gpus, microbatches=m, round_size=r, staleness=opts.staleness,
+                              costs=costs, readers=_shared_readers(graph))
+        if len(sizes) == 1:
+            return plan, program
+        k = steady_iterations(program) if opts.staleness else 1
+        t = simulate(program, costs, opts.hardware, iterations=k).steady_iteration_time
+        if best is None or t < best[0]:
+            best = (t, plan, program)
+    return best[1], best[2]
+
+
+def _shard_head(graph: LayerGraph, shards: int | str, costs: CostTable) -> LayerGraph:
+    """shard_lm_head when the graph ends in a supported LM head; the graph itself otherwise."""
+    from rpcompile import passes
+    if shards == 1:
+        return graph
+    try:
+        return passes.shard_lm_head(graph, shards=shards, costs=costs)
+    except ValueError:
+        if shards == "auto":  # no recognised LM head (e.g. a plain Sequential): nothing to shard
+            return graph
+        raise
+
+
+def _shared_readers(graph: LayerGraph) -> dict[int, tuple[int, ...]]:
+    """For tied parameters: optimizer layer (lowest owner) -> every layer that uses them."""
+    out: dict[int, set[int]] = {}
+    for owners in graph.param_owners().values():
+        if len(owners) > 1:
+            out.setdefault(min(owners), set()).update(owners)
+    return {k: tuple(sorted(v)) for k, v in out.items()}
