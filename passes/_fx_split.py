@@ -2,8 +2,10 @@
 
 Note:
     Every node belongs to one layer. A node read by a later layer "crosses" the
-    cut. Tensors cross as values. Before splitting, `fix_crossings` rewrites the
-    other kinds: a tuple of tensors becomes one `getitem` per tensor (the
+    cut. Tensors cross as values, except attention masks: a `masking_utils`
+    mask call is copied into every layer that reads it (`_fx_remat`), so only
+    its [B, S] padding mask and position ids cross. Before splitting,
+    `fix_crossings` also rewrites the other kinds: a tuple of tensors becomes one `getitem` per tensor (the
     consumer rebuilds the tuple), a `None` is inlined as a constant in the
     consumer, and a Python value computed from tensor metadata (sizes, dtypes)
     is recomputed in the consumer from a tensor it already has (the same tensor,
@@ -20,6 +22,7 @@ import torch
 import torch.fx as fx
 
 from rpcompile.passes._fx_props import TMeta
+from rpcompile.passes._fx_remat import is_mask_call, position, rebuild_in_consumers
 from rpcompile.passes._fx_tracer import UntraceableError
 
 __all__ = ["fix_crossings", "eliminate_dead_code", "build_layer_module", "layer_io"]
@@ -104,6 +107,9 @@ def fix_crossings(graph: fx.Graph, layer_of: dict[fx.Node, int], record: dict[fx
             continue
         a, rec = layer_of[n], record.get(n)
         later = [u for u in n.users if user_layer(u) > a]
+        if later and is_mask_call(n):  # an attention mask (tensor or None): rebuilt where it is read
+            rebuild_in_consumers(graph, n, later, layer_of, record, user_layer)
+            continue
         if not later or isinstance(rec, TMeta):
             continue
         if rec is None:
@@ -138,7 +144,7 @@ def _copy_chain(graph: fx.Graph, n: fx.Node, found: tuple[list[fx.Node], list[fx
                 users: list[fx.Node], b: int, layer_of: dict[fx.Node, int], record: dict[fx.Node, Any]) -> None:
     """Recompute the metadata chain of `n` inside layer b, right before its first user there."""
     chain, leaves = found
-    first = min(users, key=lambda u: _position(graph, u))
+    first = min(users, key=lambda u: position(graph, u))
     env: dict[fx.Node, Any] = {x: _substitute(x, b, first, graph, layer_of, record) for x in leaves}
     with graph.inserting_before(first):
         for m in chain:
@@ -164,14 +170,6 @@ def _substitute(x: fx.Node, b: int, first: fx.Node, graph: fx.Graph, layer_of: d
             if isinstance(rec, TMeta) and rec.shape == shape and cand.op != "get_attr":
                 return cand
     return x
-
-
-def _position(graph: fx.Graph, node: fx.Node) -> int:
-    """Index of `node` in graph order."""
-    for i, m in enumerate(graph.nodes):
-        if m is node:
-            return i
-    raise KeyError(node.name)
 
 
 def _replace_input(user: fx.Node, old: fx.Node, new: Any) -> None:

@@ -74,8 +74,7 @@ def test_llama_layers_and_live_values() -> None:
     hidden, head_dim = model.config.hidden_size, model.config.hidden_size // model.config.num_attention_heads
     shared = {"position_embeddings_0": ((1, t, head_dim), torch.float32),
               "position_embeddings_1": ((1, t, head_dim), torch.float32),
-              "position_ids": ((1, t), torch.int64),
-              "attention_mask": ((b, 1, t, t), torch.float32)}
+              "position_ids": ((1, t), torch.int64)}  # no (b, 1, t, t) mask: each layer rebuilds it
     for i in range(n + 1):  # the cut after the embedding and after each decoder layer but the last
         live = {v.name: v for v in graph.live_at(i)}
         if i == n:
@@ -227,3 +226,29 @@ def test_import_without_cuda_or_transformers(tmp_path) -> None:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert res.returncode == 0, res.stderr
+
+
+def _padded(batch: int, seq: int, seed: int, pad: int) -> dict[str, torch.Tensor]:
+    """An LM batch whose attention mask pads `pad` leading tokens of row 0 (all ones for pad=0)."""
+    example = M.lm_batch(batch=batch, seq=seq, seed=seed)
+    example["attention_mask"] = torch.ones(batch, seq, dtype=torch.long)
+    example["attention_mask"][0, :pad] = 0
+    return example
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("pad", [0, 3])
+def test_attention_masks_are_rebuilt_in_each_layer(attn: str, pad: int) -> None:
+    model = M.llama(attn=attn)
+    b, t = 2, 12  # t differs from every model dimension (head 8, hidden 32)
+    graph = trace(model, _padded(b, t, 1, pad))  # the example's padding (none at all for pad=0) is not frozen
+    for i in range(-1, len(graph.layers) - 1):
+        for v in graph.live_at(i):
+            assert v.shape[-2:] != (t, t), (i, v.name, v.shape)  # no S x S mask crosses a cut
+    assert graph.values["attention_mask"].shape == (b, t)
+    assert sum("attention_mask" in lay.inputs for lay in graph.layers) == model.config.num_hidden_layers
+    for seed, other in ((2, 0), (3, 5), (4, 1)):  # padding that differs from batch to batch
+        example = _padded(b, t, seed, other)
+        assert torch.equal(graph.run(example), model(**example).loss), (seed, other)
+    plain = trace(model, M.lm_batch(batch=b, seq=t))  # no mask input: causal only, rebuilt as well
+    assert all(v.shape[-2:] != (t, t) for i in range(len(plain.layers) - 1) for v in plain.live_at(i))
