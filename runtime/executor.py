@@ -40,7 +40,7 @@ from rpcompile.runtime.board import IssueBoard
 from rpcompile.runtime.devices import make_workers
 from rpcompile.runtime.handlers import HANDLER_NAMES, HostVal, IssueHandlers
 from rpcompile.runtime.host_lanes import HostLanes
-from rpcompile.runtime.layout import stage_layouts
+from rpcompile.runtime.layout import slot_capacities, stage_layouts
 from rpcompile.runtime.pool import BufferPool
 from rpcompile.runtime.program_info import EVAL_BASE, ProgramInfo, dep_kind, forward_only
 from rpcompile.runtime.recovery import Recovery
@@ -107,15 +107,8 @@ class Runtime(IssueHandlers, HostLanes, Recovery):
         self.eval_info: ProgramInfo | None = None
         self.chunk_elems, _ = chunk_elements(program, self.io, state)
         self.layouts = stage_layouts(program, self.io, state, self.chunk_elems)
-        largest: dict = {}  # the pools' flat buffers fit the plan's largest stage: any slot fits any of them
-        self.grad_capacity: dict = {}  # and the one gradient buffer per worker its largest trainable stage
-        for lay in self.layouts.values():
-            for d, n in lay.sizes.items():
-                largest[d] = max(largest.get(d, 0), n)
-            for d, n in lay.grad_sizes.items():
-                self.grad_capacity[d] = max(self.grad_capacity.get(d, 0), n)
-        for w in self.workers:
-            w.pool.flat_capacity = largest
+        self._slots_made = [0] * program.gpus  # per worker: parameter slots taken so far (their buffer parity)
+        self.capacity = slot_capacities(program, self.layouts)  # buffer sizes over a rotation period
         self.handlers = {op: getattr(self, name) for op, name in HANDLER_NAMES.items()}
         self.board = IssueBoard(self.ctx)
         self.t = self.first = start_iteration  # the next iteration; the first this runtime runs
@@ -272,10 +265,12 @@ class Runtime(IssueHandlers, HostLanes, Recovery):
         mbs = split_batch(self.graph, batch, self.program.microbatches)
         t = EVAL_BASE + self._evals
         self._evals += 1
+        made = list(self._slots_made)  # training's buffer parities go on after the evaluation's slots
         pairs = self._submit(t, self.eval_info, mbs)
         loss = self._guard(lambda: self._losses(t, self.eval_info, pairs), t)
         self.flush()
         self._info.pop(t, None)
+        self._slots_made = made
         return loss
 
     def flush(self) -> None:

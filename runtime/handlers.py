@@ -79,8 +79,11 @@ class IssueHandlers:
         if slot is not None:
             return slot
         slot, lay, pool = ParamSlot(), self.layouts[stage], self.workers[w].pool
+        parity = self._slots_made[w] % 2  # a worker alternates two parameter buffers: running + prefetched;
+        self._slots_made[w] += 1          # slot k's upload waits for the release of the worker's slot k - 2N
         for d, n in lay.sizes.items():
-            slot.flat[d] = pool.take((n,), d, stream, t, flat=True)
+            slot.flat[d] = pool.take((n,), d, stream, t, flat=True, key=("param", parity, d),
+                                     capacity=self.capacity[0].get((w, parity, d), n))
         for name, s in lay.params.items():
             v = slot.flat[s.dtype].tensor[s.offset:s.offset + s.numel].view(s.shape).detach()
             slot.params[name] = v.requires_grad_(name in lay.grads)
@@ -93,8 +96,8 @@ class IssueHandlers:
             return
         lay, pool = self.layouts[ins.stage], self.workers[w].pool
         for d, n in lay.grad_sizes.items():  # one gradient buffer per worker: the next slot's backward reuses it
-            slot.grad_flat[d] = pool.take((n,), d, stream, t, flat=True, key=("grad", d),  # once the downloads
-                                          capacity=self.grad_capacity.get(d, n))            # of the last are done
+            slot.grad_flat[d] = pool.take((n,), d, stream, t, flat=True, key=("grad", d),  # after the last downloads
+                                          capacity=self.capacity[1].get((w, d), n))
         bufs = [h.tensor for h in slot.grad_flat.values()]
         stream.submit(lambda: [b.zero_() for b in bufs], "zero grads", t)
         for name, s in lay.grads.items():

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Slot", "StageLayout", "host_blocks", "stage_layouts"]
+__all__ = ["Slot", "StageLayout", "host_blocks", "stage_layouts", "slot_capacities"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,3 +141,30 @@ def _append(copies: list[Copy], c: Copy) -> None:
             copies[-1] = Copy(p.dtype, p.dst, p.src_block, p.src, p.numel + c.numel)
             return
     copies.append(c)
+
+
+def slot_capacities(program, layouts: dict[int, StageLayout]) -> tuple[dict, dict]:
+    """The sizes a worker's buffers need over a whole rotation period, so they are allocated once.
+
+    Each worker alternates two parameter buffers (parity of its slot count: the running and the
+    prefetched stage) and keeps one gradient buffer. Over `gpus` iterations the rotation has run
+    every slot on every worker it will ever meet, so the largest stage of each (worker, parity)
+    and (worker) is known before the first step.
+
+    Returns:
+        ({(worker, parity, dtype): elements}, {(worker, dtype): elements}).
+    """
+    params: dict = {}
+    grads: dict = {}
+    made = [0] * program.gpus
+    slots = [(i.worker, i.stage) for i in program.instrs if i.op.value == "E"]  # one release per slot, in order
+    for t in range(program.gpus):
+        for w, stage in slots:
+            phys = (w + t * program.shift) % program.gpus
+            parity, lay = made[phys] % 2, layouts[stage]
+            made[phys] += 1
+            for d, n in lay.sizes.items():
+                params[(phys, parity, d)] = max(params.get((phys, parity, d), 0), n)
+            for d, n in lay.grad_sizes.items():
+                grads[(phys, d)] = max(grads.get((phys, d), 0), n)
+    return params, grads

@@ -16,7 +16,7 @@ Poison mode (tests): device buffers are filled with NaN (integers: the
 smallest value) when handed out, host buffers when their last user is done,
 so a missing dependency reads poison instead of the right numbers.
 
-    >>> from rpcompile.runtime.streams import Abort, StreamContext, HostStream
+    >>> from rpcompile.runtime.streams import Abort, StreamContext, wait_all, HostStream
     >>> ctx = StreamContext(); s = HostStream("w0/x", ctx)
     >>> pool = BufferPool("w0", ctx, device="cpu"); h = pool.take((4,), torch.float32, s, 0)
     >>> pool.give(h, []); pool.take((4,), torch.float32, s, 1).tensor is h.tensor   # reused, not allocated
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from rpcompile.runtime.streams import Abort, StreamContext
+from rpcompile.runtime.streams import Abort, StreamContext, wait_all
 
 __all__ = ["Handle", "BufferPool", "poison"]
 
@@ -80,9 +80,6 @@ class BufferPool:
         store: a `Store` that accounts the bytes in use (bound, and not yet free after its last users).
         poison: None, "take" (fill when handed out) or "release" (fill when the last user is done).
         counter: the Stats counter a new buffer increments ("device_allocations" or "host_allocations").
-        flat_capacity: dtype -> elements of a new flat (1-D) buffer: the plan's largest stage, so that any
-            stage's parameters or gradients fit in any flat buffer (a prefix of it) and the pool stops
-            growing once it holds as many as are ever in use at once.
 
     Note:
         Accounting is what is in use, like `torch.cuda.memory_allocated`: a flat buffer counts the
@@ -91,11 +88,9 @@ class BufferPool:
     """
 
     def __init__(self, name: str, ctx: StreamContext, *, device: Any = "cpu", pin: bool = False,
-                 store: Any = None, poison: str | None = None, counter: str = "device_allocations",
-                 flat_capacity: dict | None = None) -> None:
+                 store: Any = None, poison: str | None = None, counter: str = "device_allocations") -> None:
         self.name, self.ctx, self.device, self.pin = name, ctx, torch.device(device), pin
         self.store, self.poison, self.counter = store, poison, counter
-        self.flat_capacity = dict(flat_capacity or {})
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)  # a keyed buffer was given back
         self._out: set = set()  # keys whose one buffer is handed out
@@ -127,12 +122,14 @@ class BufferPool:
         (a 1-D request) any free flat buffer of that dtype at least as long serves (a prefix).
         With `key`, the key has one buffer: while it is handed out, `bind` waits (on the host)
         until its holder gives it back; the pool then never grows however far issue runs ahead.
-        A new flat buffer holds max(request, `capacity` or the pool's `flat_capacity`) elements.
+        A keyed flat buffer grows when a request is larger: the host waits for its last users,
+        then a larger one replaces it, so it settles at the largest request of its key.
+        A new flat buffer holds max(request, `capacity`) elements (the plan's largest need for it).
         """
         shape = tuple(shape)
         n = _numel(shape)
         plain = ("flat", dtype) if flat else (shape, dtype)
-        buf, events = None, []
+        buf, events, small = None, [], None
         with self._cond:
             if key is not None:  # only from an issuing thread: the holder's releases are issued, not run
                 fkey = ("key", key)
@@ -144,6 +141,8 @@ class BufferPool:
                                            f"to be released")
                 if self._free.get(fkey):
                     buf, events, _ = self._free[fkey].pop()
+                    if flat and buf.numel() < n:  # grow: the next user needs more than the last one
+                        small, buf = buf, None
                 self._out.add(fkey)
             if buf is None:  # a plain buffer released before `h` was created (a keyed one adopts it)
                 free = self._free.get(plain, [])
@@ -151,8 +150,17 @@ class BufferPool:
                 if fits:
                     k = min(fits, key=lambda k: (free[k][0].numel(), -k)) if flat else fits[-1]
                     buf, events, _ = free.pop(k)
+        if small is not None:  # a keyed buffer too small: free it once its last users are done
+            wait_all(events, self.ctx, it)
+            events = []
+            with self._lock:
+                gone = self._live.pop(id(small), 0)
+                self.reserved -= _nbytes(small)
+            if self.store is not None:
+                self.store.add(-gone)
+            del small
         if buf is None:
-            size = (max(n, capacity or self.flat_capacity.get(dtype, 0)),) if flat else shape
+            size = (max(n, capacity),) if flat else shape
             buf = torch.empty(size, dtype=dtype, device=self.device, pin_memory=self.pin)
             self.ctx.stats.add(it, self.counter)
             with self._lock:

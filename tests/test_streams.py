@@ -104,11 +104,14 @@ def test_pool_reuses_after_the_last_users_and_poisons():
         s.synchronize()
         assert h2.tensor.data_ptr() == h.tensor.data_ptr() and torch.isnan(h2.tensor).all()
         assert ctx.stats.get(1)["device_allocations"] == 0 and ctx.stats.get(0)["device_allocations"] == 1
-        flat = BufferPool("w1", ctx, flat_capacity={torch.float32: 10})
-        f = flat.take((4,), torch.float32, s, 2, flat=True)
+        flat = BufferPool("w1", ctx)
+        f = flat.take((4,), torch.float32, s, 2, flat=True, key="p", capacity=10)  # sized by the plan's need
         flat.give(f, [])
-        g = flat.take((10,), torch.float32, s, 3, flat=True)  # any stage fits a flat buffer sized by the plan
+        g = flat.take((10,), torch.float32, s, 3, flat=True, key="p")  # a larger stage: a prefix of the same
         assert g.base is f.base and ctx.stats.get(3)["device_allocations"] == 0
+        flat.give(g, [])
+        big = flat.take((16,), torch.float32, s, 4, flat=True, key="p")  # beyond it: the key's buffer grows
+        assert big.base.numel() == 16 and flat.reserved == 16 * 4
     finally:
         s.close()
 
