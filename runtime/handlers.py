@@ -185,11 +185,13 @@ class IssueHandlers:
         label = self.label(t, ins, w)
         au.submit(run, label, t)
         ev = au.record(t, label)
-        for _, hv in vals.values():
+        for k, hv in vals.values():
             hv.left -= 1
             hv.events.append(ev)
-            if hv.left == 0 and hv.handle is not None:
-                self._give(self.host_pool, [hv.handle], hv.events)
+            if hv.left == 0:  # the last reader is issued: the host buffer is free once they have all run
+                del self.hostvals[(t,) + k]
+                if hv.handle is not None:
+                    self._give(self.host_pool, [hv.handle], hv.events)
         self.inputs[(t, ins.stage, ins.mb, ins.grad)] = dst
         return (ev,)
 
