@@ -1,8 +1,10 @@
 """Counting a layer's aten ops and memory on `meta` (predict mode's raw data), one layer at a time.
 
 Each layer runs forward and backward on meta copies of its parameters and
-inputs under a dispatch mode that records every op's FLOPs (torch's
-`flop_registry`) and bytes. MoE experts route evenly (`balanced_experts`).
+inputs under the `Recorder` (`_recorder.py`): every op's FLOPs and bytes, and
+the live bytes after every op. SDPA runs as the fused flash kernel
+(`_attention.FlashOnMeta`), MoE experts route evenly (`balanced_experts`),
+attention masks are built as the data would have them (`meta_masks`).
 Layers identical up to module indices are counted once.
 """
 from __future__ import annotations
@@ -15,27 +17,14 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import flop_registry
 
 from rpcompile.graph import Layer, LayerGraph
-from rpcompile.hardware import dtype_key
+from rpcompile.passes._attention import FlashOnMeta
+from rpcompile.passes._meta_masks import meta_masks
 from rpcompile.passes._meta_moe import balanced_experts
+from rpcompile.passes._recorder import OpCount, Recorder, Tracker, storage_id, tensor_bytes
 
-_NO_DATA = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach",
-                      "alias", "lift_fresh", "_local_scalar_dense", "sym_size", "sym_stride", "sym_numel",
-                      "set_", "resize_", "is_same_size", "_unsafe_view", "_reshape_alias"})
-
-
-@dataclass(frozen=True, slots=True)
-class OpCount:
-    """One aten op as the roofline prices it."""
-
-    name: str  # aten op name, e.g. "mm"
-    flops: int  # FLOPs (torch.utils.flop_counter formula; 0 if none)
-    bytes: int  # bytes read + written (0 for views)
-    dtype: str  # dtype key of its first floating input, for the peak FLOP/s lookup
+__all__ = ["OpCount", "LayerCount", "count_layers", "split_microbatch", "run_once"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,46 +37,8 @@ class LayerCount:
     grad_bytes: int  # bytes of its trainable parameters' gradients
     act_bytes: int  # bytes of outputs read downstream
     saved_bytes: int  # bytes of its inputs
-    peak_bytes: int  # autograd-saved (non-parameter) + output-grad + input-grad bytes
-
-
-class _Recorder(TorchDispatchMode):
-    """Dispatch mode appending an OpCount per aten op to `self.ops`."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[OpCount] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        name = func.__name__.split(".")[0]
-        if func.is_view or name in _NO_DATA or func.namespace == "prim":
-            return out
-        tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
-        nbytes = sum(_tensor_bytes(t) for t in tensors)
-        rule = flop_registry.get(func._overloadpacket)
-        flops = int(rule(*args, **kwargs, out_val=out)) if rule is not None else 0
-        floats = [t for t in tensors if t.is_floating_point()]
-        self.ops.append(OpCount(name, flops, nbytes, dtype_key(floats[0].dtype) if floats else "float32"))
-        return out
-
-
-def _tensor_bytes(t: torch.Tensor) -> int:
-    """Bytes an op touches in `t` (an expanded tensor counts its storage, not its view)."""
-    n = t.numel() * t.element_size()
-    try:
-        return min(n, t.untyped_storage().nbytes())
-    except (RuntimeError, NotImplementedError):
-        return n
-
-
-def _storage_id(t: torch.Tensor) -> int:
-    """Identity of a tensor's storage (works on meta)."""
-    try:
-        return t.untyped_storage()._cdata
-    except (RuntimeError, NotImplementedError):
-        return id(t)
+    peak_bytes: int  # most bytes live at once during forward + backward above parameters and inputs (`live`)
+    live: tuple[int, ...] = ()  # live bytes after each op, forward then backward (chunk loops folded)
 
 
 def split_microbatch(graph: LayerGraph, example: Any, microbatches: int) -> dict[str, torch.Tensor]:
@@ -138,35 +89,35 @@ def _later_inputs(graph: LayerGraph) -> list[set[str]]:
     return later
 
 
-def _run_once(graph: LayerGraph, layer: Layer, state: dict, inputs: list, rec_fwd, rec_bwd) -> tuple:
-    """Forward (+ backward) of one layer; returns (outputs, peak workspace bytes)."""
-    params = {_storage_id(p) for p in state.values()}
-    seen: dict[int, int] = {}
+def run_once(layer: Layer, state: dict, inputs: list) -> tuple[tuple, Recorder, Recorder, list[int]]:
+    """Forward + backward of one layer under recorders: (outputs, forward ops, backward ops, live curve).
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        sid = _storage_id(t)
-        if sid not in params:
-            seen[sid] = max(seen.get(sid, 0), _tensor_bytes(t))
-        return t
-
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), rec_fwd:
-        outs = torch.func.functional_call(layer.module, state, tuple(inputs))
-    outs = tuple(outs)
+    The output gradients (ones) are created between the two phases: tracked, not priced (in a
+    pipeline they arrive from the next stage). The live curve excludes parameter gradients.
+    """
+    params = {storage_id(p) for p in state.values()}
+    tracker = Tracker(params | {storage_id(t) for t in inputs if isinstance(t, torch.Tensor)})
+    rf, glue, rb = Recorder(tracker), Recorder(tracker), Recorder(tracker)
+    with torch.enable_grad(), rf:
+        outs = tuple(torch.func.functional_call(layer.module, state, tuple(inputs)))
     diff = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
     wrt = [t for t in [*inputs, *state.values()] if isinstance(t, torch.Tensor) and t.requires_grad]
-    peak = sum(seen.values()) + sum(_tensor_bytes(o) for o in diff)
+    grads: tuple = ()
     if diff and wrt:
-        with rec_bwd:
-            grads = torch.autograd.grad(diff, wrt, [torch.ones_like(o) for o in diff], allow_unused=True)
-        peak += sum(_tensor_bytes(g) for g, t in zip(grads, wrt) if g is not None and _storage_id(t) not in params)
-    return outs, peak
+        with glue:
+            gouts = [torch.ones_like(o) for o in diff]
+        with rb:
+            grads = torch.autograd.grad(diff, wrt, gouts, allow_unused=True)
+        del gouts
+    pgrads = {storage_id(g) for g, t in zip(grads, wrt) if g is not None and storage_id(t) in params}
+    return outs, rf, rb, tracker.live(exclude=pgrads)
 
 
 def _layer_memory(graph: LayerGraph, layer: Layer, inputs: list, outs: tuple, later: set[str]) -> tuple:
     """(param_bytes, grad_bytes, act_bytes, saved_bytes) of one layer at this microbatch."""
     pb, gb = graph.param_bytes(layer), graph.param_bytes(layer, trainable=True)
-    act = sum(_tensor_bytes(o) for n, o in zip(layer.outputs, outs) if n in later and isinstance(o, torch.Tensor))
-    saved = sum(_tensor_bytes(t) for t in inputs if isinstance(t, torch.Tensor))
+    act = sum(tensor_bytes(o) for n, o in zip(layer.outputs, outs) if n in later and isinstance(o, torch.Tensor))
+    saved = sum(tensor_bytes(t) for t in inputs if isinstance(t, torch.Tensor))
     return pb, gb, act, saved
 
 
@@ -182,14 +133,12 @@ def _count_one(graph: LayerGraph, layer: Layer, inputs: list, later: set[str],
     errors = []
     for how in ("meta", "fake", "cpu"):
         try:
-            rf, rb = _Recorder(), _Recorder()
             if how == "meta":
                 state = _state(layer, _to_meta)
-                with balanced_experts(layer.module):  # MoE: average routing instead of data-dependent dispatch
-                    outs, peak = _run_once(graph, layer, state, [_leaf(t, g) for t, g in zip(inputs, grads)],
-                                           rf, rb)
+                with balanced_experts(layer.module), FlashOnMeta():  # MoE: average routing; SDPA: fused kernel
+                    outs, rf, rb, live = run_once(layer, state, [_leaf(t, g) for t, g in zip(inputs, grads)])
             elif how == "fake":
-                outs, peak = _run_fake(graph, layer, inputs, grads, rf, rb)
+                outs, rf, rb, live = _run_fake(layer, inputs, grads)
             else:
                 pbytes = graph.param_bytes(layer)
                 if pbytes > fallback_param_bytes:
@@ -198,13 +147,13 @@ def _count_one(graph: LayerGraph, layer: Layer, inputs: list, later: set[str],
                                      f"fallback_param_bytes={fallback_param_bytes}")
                 state = _state(layer, _random_cpu)
                 real = [_leaf(_random_cpu(t), g) for t, g in zip(inputs, grads)]
-                outs, peak = _run_once(graph, layer, state, real, rf, rb)
+                outs, rf, rb, live = run_once(layer, state, real)
             if how == "cpu":
                 warnings.warn(f"estimate_costs: layer {layer.index} ({layer.name}) cannot run on the meta device "
                               f"({'; '.join(errors)}); counted it by running it on the CPU with random weights", stacklevel=3)
             outs = tuple(_plain_meta(o) for o in outs)
             mem = _layer_memory(graph, layer, inputs, outs, later)
-            return LayerCount(tuple(rf.ops), tuple(rb.ops), *mem, peak), outs
+            return LayerCount(tuple(rf.ops), tuple(rb.ops), *mem, max(live, default=0), tuple(live)), outs
         except ValueError:
             raise
         except Exception as exc:  # noqa: BLE001 - try the next way, report all if none works
@@ -212,16 +161,16 @@ def _count_one(graph: LayerGraph, layer: Layer, inputs: list, later: set[str],
     raise ValueError(f"layer {layer.index} ({layer.name}) could not be counted: {'; '.join(errors)}")
 
 
-def _run_fake(graph: LayerGraph, layer: Layer, inputs: list, grads: list, rf, rb) -> tuple:
-    """`_run_once` under FakeTensorMode (Hugging Face skips data-dependent checks on fake tensors)."""
+def _run_fake(layer: Layer, inputs: list, grads: list) -> tuple:
+    """`run_once` under FakeTensorMode (Hugging Face skips data-dependent checks on fake tensors)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     fm = FakeTensorMode(allow_non_fake_inputs=True)
     state = {k: fm.from_tensor(v).requires_grad_(v.requires_grad) if v.is_floating_point() else fm.from_tensor(v)
              for k, v in _state(layer, _to_meta).items()}
     fake_in = [_leaf(fm.from_tensor(t), g) if isinstance(t, torch.Tensor) else t for t, g in zip(inputs, grads)]
-    with fm:
-        return _run_once(graph, layer, state, fake_in, rf, rb)
+    with fm, FlashOnMeta():
+        return run_once(layer, state, fake_in)
 
 
 def _plain_meta(t: Any) -> Any:
@@ -264,7 +213,8 @@ def count_layers(graph: LayerGraph, inputs: dict[str, torch.Tensor], *, progress
             count = replace(first, **dict(zip(("param_bytes", "grad_bytes", "act_bytes", "saved_bytes"),
                                               _layer_memory(graph, layer, args, outs, later[layer.index]))))
         else:
-            count, outs = _count_one(graph, layer, args, later[layer.index], fallback_param_bytes)
+            with meta_masks():
+                count, outs = _count_one(graph, layer, args, later[layer.index], fallback_param_bytes)
             seen[key] = count, outs
         env.update(zip(layer.outputs, outs))
         counts.append(count)

@@ -3,19 +3,39 @@
 Two modes:
 - "measure": run each layer alone on a device with the microbatch inputs that the
   previous layers produced, time forward and backward (median after warm-up) and
-  account the memory it really saves/allocates.
+  account the memory it really allocates.
 - "predict": count FLOPs and bytes of every aten op of each layer (forward and
-  backward) on the `meta` device with `torch.utils.flop_counter`'s formulas, and
-  price each op with `Hardware.roofline` plus a launch latency. Needs no weights.
+  backward) on the `meta` device and price each op with `Hardware.roofline` plus
+  a launch latency. Needs no weights.
 
 Note:
+    How ops are priced (predict mode), i.e. how the runtime runs them: the
+    runtime executes layers eagerly, so every aten op is one kernel that reads
+    its operands from device memory and writes its results back. An
+    elementwise chain (RMSNorm's pow/mean/rsqrt/mul, rotary's mul/cat/add,
+    SwiGLU's silu/mul, their backward) is therefore priced op by op: each op
+    `max(FLOPs / (peak * efficiency), bytes / bandwidth)` with its own bytes
+    (inputs + outputs; a broadcast operand counts its distinct elements once), plus one
+    `op_latency` per kernel launch; nothing is assumed fused. SDPA is the
+    exception because it is one fused kernel on every real device: it is
+    priced as the flash kernel (one op forward, one backward; FLOPs of the
+    scored pairs only, half of them with `is_causal`; bytes linear in S; see
+    `_attention.py`). A chunk loop (the sequence-chunked LM head) is one op
+    per loop position with summed FLOPs and bytes and one launch per iteration.
+    FLOPs come from `_attention.FLOP_RULES`, else torch's `flop_registry`.
+
     Memory columns (both modes): `act_bytes` = outputs read by a later layer;
     `saved_bytes` = the layer's inputs (kept for the recompute); `peak_bytes` =
-    distinct tensors autograd saves (parameters excluded) + output gradients +
-    input gradients, or on CUDA the allocator's peak above the layer's resident
-    state. A layer that cannot run on `meta` (data-dependent ops) is retried with
-    fake tensors, then for real on the CPU with random weights if its parameters
-    are small (a warning names it); otherwise a ValueError names it.
+    the most bytes live at once on top of the layer's parameters and inputs
+    during its forward + backward: autograd's saved tensors, outputs, output
+    gradients, every backward transient and the input gradients (parameter
+    gradients are `grad_bytes`). Both modes follow every storage's lifetime
+    with the same recorder (`_recorder.py`), on meta or on real tensors; on
+    CUDA measure mode reads the allocator's peak above the layer's resident
+    state instead. A layer that cannot run on `meta` (data-dependent ops) is
+    retried with fake tensors, then for real on the CPU with random weights if
+    its parameters are small (a warning names it); otherwise a ValueError
+    names it.
 """
 from __future__ import annotations
 
@@ -29,14 +49,15 @@ from rpcompile.costs import CostTable
 from rpcompile.graph import Layer, LayerGraph
 from rpcompile.hardware import Hardware
 from rpcompile.passes._count import (LayerCount, OpCount, _later_inputs, _layer_memory, _leaf, _progress,
-                                     _random_cpu, _Recorder, _run_once, _state, count_layers, split_microbatch)
+                                     _random_cpu, _state, count_layers, run_once, split_microbatch)
 
 __all__ = ["estimate_costs", "OpCount", "LayerCount", "count_layers", "split_microbatch", "layer_times"]
 
 
 def layer_times(ops: Sequence[OpCount], hardware: Hardware) -> float:
-    """Predicted seconds of a sequence of ops: per-op roofline plus launch latency."""
-    return sum(hardware.roofline(o.flops, o.bytes, o.dtype) for o in ops) + len(ops) * hardware.op_latency
+    """Predicted seconds of a sequence of ops: per-op roofline plus a launch latency per kernel (see module Note)."""
+    return (sum(hardware.roofline(o.flops, o.bytes, o.dtype) for o in ops)
+            + sum(o.launches for o in ops) * hardware.op_latency)
 
 
 def _predict(graph: LayerGraph, inputs: dict, hardware: Hardware, progress: bool) -> CostTable:
@@ -86,13 +107,13 @@ def _measure_layer(graph: LayerGraph, layer: Layer, inputs: list, later: set[str
         gouts = [torch.ones_like(o) for o in diff]
         bwd_t = _median_time(lambda: torch.autograd.grad(diff, wrt, gouts, retain_graph=True, allow_unused=True),
                              dev, warmup, repeats)
-    rf, rb = _Recorder(), _Recorder()
+    outs = diff = gouts = None  # free the timing graph (the lambda's cells) before the memory run
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
         base = torch.cuda.memory_allocated(dev)
         torch.cuda.reset_peak_memory_stats(dev)
-    outs = diff = gouts = None  # free the timing graph (the lambda's cells) before the memory run
-    outs, peak = _run_once(graph, layer, state, xs, rf, rb)
+    outs, rf, rb, live = run_once(layer, state, xs)
+    peak = max(live, default=0)
     if dev.type == "cuda":
         peak = torch.cuda.max_memory_allocated(dev) - base
     mem = _layer_memory(graph, layer, xs, outs, later)
@@ -122,7 +143,7 @@ def _measure(graph: LayerGraph, inputs: dict, dev: torch.device, warmup: int, re
 
 def estimate_costs(graph: LayerGraph, example: Any, *, mode: str = "measure", device: str | torch.device | None = None,
                    hardware: Hardware | None = None, microbatches: int = 1, symbolic: bool = False,
-                   warmup: int = 1, repeats: int = 5, progress: bool = True):
+                   warmup: int = 1, repeats: int = 5, progress: bool = True, memory_budget: int | None = None):
     """Per-layer, per-microbatch costs of a traced model.
 
     Args:
@@ -137,10 +158,13 @@ def estimate_costs(graph: LayerGraph, example: Any, *, mode: str = "measure", de
         symbolic: predict only; return a `SymbolicCosts` (costs as sympy expressions in B, S).
         warmup, repeats: measure mode's timing loop (median of `repeats`).
         progress: print "layer i/L, elapsed" to stderr when it is a terminal.
+        memory_budget: device bytes per worker; if even one layer per stage does not fit it, refuse
+            (pass it for the graph that will be partitioned, i.e. after `shard_lm_head`).
     Returns:
         A CostTable (or a SymbolicCosts if `symbolic`).
     Raises:
-        ValueError: bad mode, missing hardware, indivisible batch, an uncountable layer (named).
+        ValueError: bad mode, missing hardware, indivisible batch, an uncountable layer (named), or a
+            layer that does not fit `memory_budget` (names the layer, each term's bytes and the budget).
 
     >>> t = estimate_costs(g, batch, mode="predict", hardware=Hardware.preset("rtx4090"))
     >>> print(t)   # one row per layer, totals at the bottom
@@ -156,6 +180,14 @@ def estimate_costs(graph: LayerGraph, example: Any, *, mode: str = "measure", de
         from rpcompile.passes.symbolic import symbolic_costs
         return symbolic_costs(graph, inputs, hardware, progress=progress)
     if mode == "predict":
-        return _predict(graph, inputs, hardware, progress)
-    dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-    return _measure(graph, inputs, dev, warmup, repeats, progress)
+        table = _predict(graph, inputs, hardware, progress)
+    else:
+        dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        table = _measure(graph, inputs, dev, warmup, repeats, progress)
+    if memory_budget is not None:
+        from rpcompile.passes._seqlen import memory_refusal
+        why = memory_refusal(table, memory_budget)
+        if why is not None:
+            raise ValueError(f"estimate_costs: {why}; shorten the sequences (rpcompile.max_seq_len) or raise the "
+                             f"budget")
+    return table
