@@ -24,9 +24,7 @@ Note:
 from __future__ import annotations
 
 import inspect
-import math
 import operator
-import statistics
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +35,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from rpcompile.costs import CostTable
 from rpcompile.graph import Layer, LayerGraph, Value
+from rpcompile.passes._chunked_head import chunked_lse
+from rpcompile.passes._head_auto import auto_chunk, auto_shards
 
 __all__ = ["shard_lm_head", "vocab_slice", "lse_update", "lse_loss"]
 
@@ -95,52 +95,57 @@ class _Head:
     epilogue: tuple[fx.Node, ...]  # nodes after cross_entropy, graph order
 
 
-def shard_lm_head(graph: LayerGraph, shards: int | str = "auto", *, costs: CostTable | None = None) -> LayerGraph:
-    """Split the last layer's LM head + cross-entropy into `K` vocabulary shards and a loss layer.
+def shard_lm_head(graph: LayerGraph, shards: int | str = "auto", *, costs: CostTable | None = None,
+                  chunk: int | str = "auto", memory_budget: int | None = None) -> LayerGraph:
+    """Split the last layer's LM head + cross-entropy into `K` vocabulary shards (run in sequence chunks) and a loss layer.
 
     Args:
         graph: a traced causal LM whose last layer computes `linear -> cross_entropy`
             (HF LlamaForCausalLM / Qwen3 / GPT-2 `ForCausalLMLoss`, nanoGPT `F.linear(x, wte.weight)`).
-        shards: K >= 1 (1 returns `graph` itself), or "auto": K = ceil(head fwd+bwd / median fwd+bwd of
-            the other layers) from `costs`, else ceil(head param bytes / median param bytes of the other
-            layers with parameters); clamped to [1, vocab].
-        costs: the CostTable of `graph` (unsharded), used only by "auto".
+        shards: K >= 1, or "auto": K = ceil(head fwd+bwd / median fwd+bwd of the other layers) from
+            `costs`, else ceil(head param bytes / median param bytes of the other layers with
+            parameters); clamped to [1, vocab].
+        costs: the CostTable of `graph` (unsharded), used by the "auto"s.
+        chunk: tokens per chunk of every shard (the logits that exist at once are chunk x ceil(V/K)),
+            or "auto": from `memory_budget`, else from `costs` (`_head_auto.auto_chunk`), else no
+            chunking. K = 1 with no chunk to apply (or one covering all tokens) returns `graph`
+            itself; with shards="auto" a head that must be chunked gets at least 2 shards.
+        memory_budget: device bytes per worker, for chunk="auto".
     Returns:
         A new LayerGraph (the input is unchanged): the head layer is replaced by K layers
         `<head>.shard{k}` (each `param_slices` one vocabulary slice of W and b) and `<head>.loss`,
         so the layer count grows by K. Its `run()` gives the same loss and gradients.
     Raises:
         ValueError: the last layer is not a supported `linear -> cross_entropy` (says what it found),
-            bad `shards`, or `costs` does not match the graph.
+            bad `shards` or `chunk`, or `costs` does not match the graph.
 
     Example:
-        >>> g = shard_lm_head(trace(llama, batch), shards=2)
+        >>> g = shard_lm_head(trace(llama, batch), shards=2, chunk=16)
         >>> [layer.name for layer in g.layers][-3:]
         ['lm_head.shard0', 'lm_head.shard1', 'lm_head.loss']
         >>> g.layers[-3].param_slices
         (('lm_head.weight', 0, 0, 64),)
     """
-    h = _match(graph.layers[-1])
-    k = _auto_shards(graph, costs, h.vocab) if shards == "auto" else shards
+    layer = graph.layers[-1]
+    h = _match(layer)
+    k = auto_shards(graph, costs, h.vocab) if shards == "auto" else shards
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= h.vocab:
         raise ValueError(f"shards must be 'auto' or an int in [1, {h.vocab}] (the vocabulary), got {shards!r}")
-    if k == 1:
+    meta = _shapes(graph, layer)
+    logits = meta[h.logits]
+    if logits.dim() != 2 or any(meta[c].shape[-1] != h.vocab for c in h.chain):
+        raise ValueError(f"shard_lm_head: in last layer {layer.name!r}, cross_entropy must read (tokens, {h.vocab}) "
+                         f"logits with the vocabulary last throughout, got {tuple(logits.shape)}")
+    tokens = logits.shape[0]
+    c = auto_chunk(costs, memory_budget, tokens, -(-h.vocab // k)) if chunk == "auto" else chunk
+    if shards == "auto" and k == 1 and c is not None and c < tokens and h.vocab > 1:
+        k = 2  # a head that must be chunked is cut: K stays what compile's re-planning repeats
+        c = auto_chunk(costs, memory_budget, tokens, -(-h.vocab // k)) if chunk == "auto" else chunk
+    if c is not None and (not isinstance(c, int) or isinstance(c, bool) or c < 1):
+        raise ValueError(f"chunk must be 'auto' or an int >= 1 (tokens per chunk), got {chunk!r}")
+    if k == 1 and (c is None or c >= tokens):
         return graph
-    return _rewrite(graph, graph.layers[-1], h, k)
-
-
-def _auto_shards(graph: LayerGraph, costs: CostTable | None, vocab: int) -> int:
-    """K for shards="auto" (see shard_lm_head)."""
-    if costs is not None:
-        if costs.num_layers != len(graph.layers):
-            raise ValueError(f"costs has {costs.num_layers} layers, the graph {len(graph.layers)}; "
-                             f"pass the CostTable of the unsharded graph")
-        load = [f + b for f, b in zip(costs.fwd, costs.bwd)]
-    else:
-        load = [sum(graph.params[p].bytes for p in layer.params) for layer in graph.layers]
-    rest = [x for x in load[:-1] if x > 0]
-    ratio = load[-1] / statistics.median(rest) if rest else 0.0
-    return max(1, min(vocab, math.ceil(ratio * (1 - 1e-9))))
+    return _rewrite(graph, layer, h, k, min(c or tokens, tokens), meta)
 
 
 def _fmt(n: fx.Node) -> str:
@@ -294,22 +299,27 @@ def _ident(name: str) -> str:
     return text if text.isidentifier() else f"v_{text}"
 
 
-def _replay(g: fx.Graph, c: fx.Node, z: fx.Node, vk: int) -> fx.Node:
-    """Copy one chain op onto shard logits z; a view's last (vocabulary) dim becomes vk."""
-    args = [(vk if _is_size_last(a) else z) if isinstance(a, fx.Node) else a for a in c.args]
-    if c.target in _VIEWS or c.target is torch.reshape:
-        dims = list(args[1]) if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
-        args = [args[0], *dims[:-1], vk]
-    return g.create_node(c.op, c.target, tuple(args), dict(c.kwargs))
+def _steps(chain: tuple[fx.Node, ...]) -> tuple[tuple[str, Any], ...]:
+    """The chain between the head matmul and cross_entropy as `chunked_lse` steps (views drop out: 2-D chunks)."""
+    out: list[tuple[str, Any]] = []
+    for c in chain:
+        if c.target in _CASTS:
+            dtype = c.kwargs.get("dtype", c.args[1] if len(c.args) > 1 else None)
+            dtype = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16,
+                     "double": torch.float64}.get(c.target, dtype)
+            if dtype is not None:
+                out.append(("cast", dtype))
+        elif c.target in _SCALES:
+            a, b = c.args
+            div = c.target in (operator.truediv, torch.div, "div", "__truediv__")
+            out.append(("div", b) if div else ("mul", b) if isinstance(b, (int, float)) else ("rmul", a))
+    return tuple(out)
 
 
-def _rewrite(graph: LayerGraph, layer: Layer, h: _Head, k: int) -> LayerGraph:
+def _rewrite(graph: LayerGraph, layer: Layer, h: _Head, k: int, chunk: int | None,
+             meta: dict[fx.Node, Any]) -> LayerGraph:
     """The new LayerGraph: layers[:-1] + K shard layers + the loss layer."""
-    gm, meta, where = layer.module, _shapes(graph, layer), f"last layer {layer.name!r}"
-    logits = meta[h.logits]
-    if logits.dim() != 2 or any(meta[c].shape[-1] != h.vocab for c in h.chain):
-        raise ValueError(f"shard_lm_head: in {where}, cross_entropy must read (tokens, {h.vocab}) logits with the "
-                         f"vocabulary last throughout, got {tuple(logits.shape)}")
+    gm, where, steps, logits = layer.module, f"last layer {layer.name!r}", _steps(h.chain), meta[h.logits]
     head_outs = dict(zip(next(n for n in gm.graph.nodes if n.op == "output").args[0], layer.outputs))
     e_in = list(dict.fromkeys(a for e in h.epilogue for a in e.all_input_nodes if a not in h.epilogue))
     if any(n in h.internal - {h.ce} or n in h.side for n in [*head_outs, *e_in]):
@@ -369,10 +379,7 @@ def _rewrite(graph: LayerGraph, layer: Layer, h: _Head, k: int) -> LayerGraph:
             x, tgt, prev = ph(xs[i]), ph(names[h.target]), tuple(ph(s) for s in stats[i - 1])
         w = g.call_function(vocab_slice, (g.get_attr(h.weight), h.dim, lo, hi))
         b = g.call_function(vocab_slice, (g.get_attr(h.bias), 0, lo, hi)) if h.bias else None
-        z = g.call_function(torch.matmul, (x, w)) if h.dim == 1 else g.call_function(F.linear, (x, w, b))
-        for c in h.chain:
-            z = _replay(g, c, z, hi - lo)
-        st = g.call_function(lse_update, (z, tgt, lo, *prev))
+        st = g.call_function(chunked_lse, (x, w, b, tgt, lo, chunk, steps, h.dim, *prev))
         outs = ([env[n] for n in exports] if i == 0 else []) + [g.call_method("view_as", (x, x))] * (i + 1 < k)
         g.output(tuple(outs + [g.call_function(operator.getitem, (st, j)) for j in range(3)]))
         onames = ([names[n] for n in exports] if i == 0 else []) + xs[i + 1:i + 2] + list(stats[i])
