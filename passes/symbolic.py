@@ -1,17 +1,23 @@
 """Costs as exact formulas in the microbatch size B and sequence length S, and `max_seq_len`.
 
 `symbolic_costs` counts every layer (predict mode, on `meta`) at six (B, S)
-shapes, fits each op's FLOPs and bytes and each memory column EXACTLY (rational
-arithmetic) on the monomials 1, S, S^2, B, B*S, B*S^2, and checks the fit on a
-seventh shape. Times are then sums of per-op rooflines, `Max(flops/(peak*eff),
-bytes/bw)`, so `SymbolicCosts.at(B, S)` reproduces `estimate_costs(mode="predict")`
-at any shape. `max_seq_len` solves the memory constraints for the largest S.
+shapes, fits each op's FLOPs, bytes and kernel launches and each memory column
+EXACTLY (rational arithmetic) on the monomials 1, S, S^2, B, B*S, B*S^2, and
+checks the fit on a seventh shape. The same pricing rules as predict mode
+apply (`cost.py` Note: SDPA as one flash op, elementwise ops one kernel each,
+a chunk loop one op per position). Times are sums of per-op rooflines,
+`Max(flops/(peak*eff), bytes/bw)`; `peak_bytes` is the Max over the live bytes
+after each op (each fitted exactly; dominated ones dropped), so it stays right
+when the op that peaks changes with S. `SymbolicCosts.at(B, S)` reproduces
+`estimate_costs(mode="predict")` at any shape (chunked heads: at token counts
+that are multiples of the chunk; between them the last partial chunk's
+launches and weight reads are interpolated). `max_seq_len` (`_seqlen.py`)
+solves the memory constraints for the largest S.
 
     >>> sc = estimate_costs(g, batch, mode="predict", hardware=hw, symbolic=True)  # tiny Llama, hidden 32
     >>> sc.fwd_flops[1]
     128*B*S**2 + 18432*B*S
-    >>> max_seq_len(sc, Hardware.preset("rtx4090"), gpus=8)
-    32789
+    >>> max_seq_len(sc, Hardware.preset("rtx4090"), gpus=8).length  # doctest: +SKIP
 """
 from __future__ import annotations
 
@@ -27,9 +33,10 @@ from tabulate import tabulate
 from rpcompile.costs import CostTable
 from rpcompile.graph import LayerGraph
 from rpcompile.hardware import Hardware
+from rpcompile.passes._chunked_head import chunked_lse
 from rpcompile.passes.cost import LayerCount, count_layers
 
-__all__ = ["SymbolicCosts", "symbolic_costs", "max_seq_len", "B", "S"]
+__all__ = ["SymbolicCosts", "symbolic_costs", "max_seq_len", "seq_len_costs", "SeqLenLimit", "B", "S"]
 
 B, S = sympy.symbols("B S", positive=True, integer=True)
 _SYM_B, _SYM_S = B, S
@@ -52,6 +59,8 @@ class SymbolicCosts:
     peak_bytes: tuple[sympy.Expr, ...]  # as CostTable, polynomials
     param_numel: int  # distinct parameter elements of the model (tied counted once), for host memory
     hardware: Hardware  # the hardware the times are for
+    # per distinct parameter (tied counted once): (elements, bytes per element, trainable), for host memory
+    param_info: tuple[tuple[int, int, bool], ...] = ()
 
     def at(self, B: int, S: int = 1) -> CostTable:
         """The CostTable at a concrete microbatch size and sequence length.
@@ -104,18 +113,33 @@ def resize_inputs(graph: LayerGraph, inputs: dict[str, torch.Tensor], b: int, s:
     return out
 
 
-def _points(s0: int | None) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+def _points(s0: int | None, unit: int | None = None) -> tuple[list[tuple[int, int]], tuple[int, int]]:
     """Six fitting shapes (B in {2, 3} x three S) and one check shape.
 
     Note: B = 1 and S = 1 are avoided; there some copies (`contiguous` of a size-1 dim) vanish.
+    With a chunked LM head (`unit` = its chunk), S is a multiple of the chunk, so every
+    chunk is full and a chunk loop's sums are exact polynomials: S in {2, 3, 4} x unit, check 5 x unit.
     """
     if s0 is None:
         return [(2, 1), (3, 1)], (4, 1)
+    if unit:
+        return [(b, k * unit) for b in (2, 3) for k in (2, 3, 4)], (4, 5 * unit)
     pts = sorted({max(2, math.ceil(s0 / 2)), max(2, math.ceil(3 * s0 / 4)), s0})
     check = max(2, round(5 * s0 / 8))
     if len(pts) < 3 or check in pts:
         pts, check = [s0, s0 + 1, s0 + 2], s0 + 3
     return [(b, s) for b in (2, 3) for s in pts], (4, check)
+
+
+def chunk_unit(graph: LayerGraph) -> int | None:
+    """The chunk of the graph's chunked LM head (lcm over its shards), None without one."""
+    unit = None
+    for layer in graph.layers:
+        for n in layer.module.graph.nodes:
+            if n.op == "call_function" and n.target is chunked_lse:
+                c = int(n.args[5])
+                unit = c if unit is None else unit * c // math.gcd(unit, c)
+    return unit
 
 
 def _basis(with_s: bool) -> list[Callable[[int, int], int]]:
@@ -151,19 +175,27 @@ class _Fitter:
             design = design[: len(self.basis)]
         self.inv = _inverse(design)
         self.monos = [sympy.Integer(1), S, S ** 2, B, B * S, B * S ** 2] if with_s else [sympy.Integer(1), B]
-        self.cache: dict[tuple, sympy.Expr | None] = {}
+        self.cache: dict[tuple, tuple[Fraction, ...] | None] = {}
 
-    def fit(self, samples: Sequence[int], check_value: int) -> sympy.Expr | None:
-        """The polynomial through `samples`, or None if it misses `check_value`."""
+    def coefficients(self, samples: Sequence[int], check_value: int) -> tuple[Fraction, ...] | None:
+        """The exact coefficients (on `self.monos`) through `samples`, or None if they miss `check_value`."""
         key = (*samples, check_value)
         if key not in self.cache:
             ys = [Fraction(int(y)) for y in samples[: len(self.basis)]]
-            coef = [sum(r * y for r, y in zip(row, ys)) for row in self.inv]
+            coef = tuple(sum(r * y for r, y in zip(row, ys)) for row in self.inv)
             ok = all(sum(c * f(b, s) for c, f in zip(coef, self.basis)) == y
                      for (b, s), y in zip([*self.pts, self.check], [*samples, check_value]))
-            self.cache[key] = sum(sympy.Rational(c.numerator, c.denominator) * m
-                                  for c, m in zip(coef, self.monos)) if ok else None
+            self.cache[key] = coef if ok else None
         return self.cache[key]
+
+    def expr(self, coef: Sequence[Fraction]) -> sympy.Expr:
+        """The polynomial with these coefficients."""
+        return sum(sympy.Rational(c.numerator, c.denominator) * m for c, m in zip(coef, self.monos))
+
+    def fit(self, samples: Sequence[int], check_value: int) -> sympy.Expr | None:
+        """The polynomial through `samples`, or None if it misses `check_value`."""
+        coef = self.coefficients(samples, check_value)
+        return None if coef is None else self.expr(coef)
 
 
 def _time_expr(fitter: _Fitter, per_shape: list[Sequence], hw: Hardware, where: str) -> sympy.Expr:
@@ -171,10 +203,11 @@ def _time_expr(fitter: _Fitter, per_shape: list[Sequence], hw: Hardware, where: 
     flop_ops = [[o for o in ops if o.flops] for ops in per_shape]
     if any([o.name for o in ops] != [o.name for o in flop_ops[0]] for ops in flop_ops):
         raise ValueError(f"{where}: the FLOP-counted ops change with the shape; cannot fit it symbolically")
-    launches = {len(ops) for ops in per_shape}
     mem = fitter.fit([sum(o.bytes for o in ops if not o.flops) for ops in per_shape[:-1]],
                      sum(o.bytes for o in per_shape[-1] if not o.flops))
-    if len(launches) != 1 or mem is None:
+    launches = fitter.fit([sum(o.launches for o in ops) for ops in per_shape[:-1]],
+                          sum(o.launches for o in per_shape[-1]))
+    if launches is None or mem is None:
         raise ValueError(f"{where}: the memory-bound ops change with the shape; cannot fit it symbolically")
     groups: dict[tuple, int] = {}
     for k, op in enumerate(flop_ops[0]):
@@ -185,10 +218,27 @@ def _time_expr(fitter: _Fitter, per_shape: list[Sequence], hw: Hardware, where: 
             raise ValueError(f"{where}: op {op.name} is not polynomial in B, S of degree <= (1, 2)")
         groups[(fl, by, op.dtype)] = groups.get((fl, by, op.dtype), 0) + 1
     bw = sympy.Float(hw.mem_bandwidth)
-    expr = mem / bw + launches.pop() * sympy.Float(hw.op_latency)
+    expr = mem / bw + launches * sympy.Float(hw.op_latency)
     for (fl, by, dt), n in groups.items():
         expr += n * sympy.Max(fl / sympy.Float(hw.flops(dt) * hw.efficiency), by / bw)
     return expr
+
+
+def _peak_expr(fitter: _Fitter, lives: list[tuple[int, ...]], where: str) -> sympy.Expr:
+    """Max over the exactly fitted live bytes after each op, coefficient-wise dominated ones dropped."""
+    if len({len(live) for live in lives}) != 1:
+        raise ValueError(f"{where}: the ops change with the shape; cannot fit its peak memory symbolically")
+    polys: set[tuple[Fraction, ...]] = set()
+    for k, col in enumerate(dict.fromkeys(zip(*lives))):
+        coef = fitter.coefficients(col[:-1], col[-1])
+        if coef is None:
+            raise ValueError(f"{where}: the live bytes after op {k} are not polynomial in B, S of degree <= (1, 2)")
+        polys.add(coef)
+    keep: list[tuple[Fraction, ...]] = []
+    for p in sorted(polys, key=lambda c: -sum(c)):  # a dominating polynomial has the larger coefficient sum
+        if not any(all(a >= b for a, b in zip(q, p)) for q in keep):
+            keep.append(p)
+    return sympy.Max(*(fitter.expr(p) for p in keep)) if keep else sympy.Integer(0)
 
 
 def symbolic_costs(graph: LayerGraph, inputs: dict[str, torch.Tensor], hardware: Hardware, *,
@@ -206,7 +256,7 @@ def symbolic_costs(graph: LayerGraph, inputs: dict[str, torch.Tensor], hardware:
         ValueError: a quantity is not polynomial of the assumed form (names layer and op).
     """
     s0 = _seq_len(graph, inputs)
-    pts, check = _points(s0)
+    pts, check = _points(s0, chunk_unit(graph) if s0 is not None else None)
     fitter = _Fitter(pts, check, s0 is not None)
     make = make_inputs or (lambda b, s: resize_inputs(graph, inputs, b, s if s0 is not None else None))
     runs: list[list[LayerCount]] = [count_layers(graph, make(b, s), progress=progress) for b, s in [*pts, check]]
@@ -215,6 +265,9 @@ def symbolic_costs(graph: LayerGraph, inputs: dict[str, torch.Tensor], hardware:
         where = f"layer {i} ({layer.name})"
         per = [run[i] for run in runs]
         for k in _MEMORY:
+            if k == "peak_bytes":
+                cols[k].append(_peak_expr(fitter, [c.live for c in per], where))
+                continue
             e = fitter.fit([getattr(c, k) for c in per[:-1]], getattr(per[-1], k))
             if e is None:
                 raise ValueError(f"{where}: {k} is not polynomial in B, S of degree <= (1, 2)")
@@ -224,9 +277,10 @@ def symbolic_costs(graph: LayerGraph, inputs: dict[str, torch.Tensor], hardware:
             cols[ph].append(_time_expr(fitter, ops, hardware, f"{where} {ph}"))
             tot = [sum(o.flops for o in o_) for o_ in ops]
             cols[f"{ph}_flops"].append(fitter.fit(tot[:-1], tot[-1]))
-    numel = sum(v.bytes // max(v.dtype.itemsize, 1) for v in graph.params.values())
+    info = tuple((v.bytes // max(v.dtype.itemsize, 1), v.dtype.itemsize, v.requires_grad)
+                 for v in graph.params.values())
     return SymbolicCosts(names=tuple(layer.name for layer in graph.layers), **{k: tuple(v) for k, v in cols.items()},
-                         param_numel=numel, hardware=hardware)
+                         param_numel=sum(n for n, _, _ in info), hardware=hardware, param_info=info)
 
 
 def _default_inputs(graph: LayerGraph) -> dict[str, torch.Tensor]:
@@ -234,58 +288,4 @@ def _default_inputs(graph: LayerGraph) -> dict[str, torch.Tensor]:
     return {n: torch.zeros(graph.values[n].shape, dtype=graph.values[n].dtype) for n in graph.inputs}
 
 
-def max_seq_len(graph_or_costs: LayerGraph | SymbolicCosts, hardware: Hardware, *, gpus: int | None = None,
-                example: Any = None, microbatch_size: int = 1, layers_per_stage: int = 1,
-                microbatches: int | None = None, host_bytes_per_param: int = 16, usable: float = 0.9,
-                limit: int = 1 << 24) -> int:
-    """Largest sequence length S whose training fits the device and host memory (0 if none does).
-
-    Constraints, every byte count at microbatch size `microbatch_size` and length S:
-      device: for every window of `layers_per_stage` consecutive layers (a stage running
-        its backward): params + grads + workspace of the window + its saved input + the
-        output gradient + the next window's prefetched params <= usable * device_memory;
-      host: param_numel * host_bytes_per_param (compute copy, fp32 master, Adam m and v,
-        gradient) + microbatches * saved inputs of every stage <= usable * host_memory.
-
-    Args:
-        graph_or_costs: a SymbolicCosts, or a LayerGraph (fitted here in predict mode).
-        hardware: device_memory, host_memory (and gpus if `gpus` is None).
-        gpus: workers; default `hardware.gpus`. microbatches: in flight, default = gpus.
-        example: for a LayerGraph, a batch to fit at (default zeros shaped like the trace's).
-    Returns:
-        The largest integer S <= limit that fits (0 if even S=1 does not).
-
-    >>> max_seq_len(sc, Hardware.preset("rtx4090"), gpus=8)
-    """
-    sc = graph_or_costs
-    if isinstance(sc, LayerGraph):
-        inputs = sc.flatten_inputs(example) if example is not None else _default_inputs(sc)
-        sc = symbolic_costs(sc, inputs, hardware)
-    if not isinstance(sc, SymbolicCosts):
-        raise TypeError(f"max_seq_len needs a LayerGraph or SymbolicCosts, got {type(sc).__name__}")
-    m = microbatches or gpus or hardware.gpus
-    k = max(1, layers_per_stage)
-    col = {f: [sympy.lambdify(S, sympy.sympify(e).subs(B, microbatch_size), "math") for e in getattr(sc, f)]
-           for f in _MEMORY}
-    n = len(sc.names)
-
-    def fits(s: int) -> bool:
-        v = {f: [fn(s) for fn in fns] for f, fns in col.items()}
-        wins = [range(i, min(i + k, n)) for i in range(n)]
-        par = [sum(v["param_bytes"][j] for j in w) for w in wins]
-        dev = max(par[w.start] + sum(v["grad_bytes"][j] + v["peak_bytes"][j] for j in w)
-                  + v["saved_bytes"][w.start] + v["act_bytes"][w.stop - 1]
-                  + (par[w.stop] if w.stop < n else 0) for w in wins)
-        host = sc.param_numel * host_bytes_per_param + m * sum(v["saved_bytes"][i] for i in range(0, n, k))
-        return dev <= usable * hardware.device_memory and host <= usable * hardware.host_memory
-
-    if not fits(1):
-        return 0
-    lo, hi = 1, 2
-    while hi <= limit and fits(hi):
-        lo, hi = hi, hi * 2
-    hi = min(hi, limit + 1)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
+from rpcompile.passes._seqlen import SeqLenLimit, max_seq_len, seq_len_costs  # noqa: E402 - re-exported; uses the fits above

@@ -12,9 +12,9 @@ from rpcompile.hardware import Hardware
 from rpcompile.optim import SGD, AdamW
 from rpcompile.plan import StagePlan
 from rpcompile.program import Instr, Op, Program, ProgramError
-from rpcompile.passes.symbolic import max_seq_len  # noqa: E402 - passes import the IR types above
+from rpcompile.passes.symbolic import SeqLenLimit, max_seq_len  # noqa: E402 - passes import the IR types above
 from rpcompile.api import Compiled, compile, load  # noqa: E402
 from rpcompile import checkpoint, passes, runtime  # noqa: E402,F401 - submodules as attributes
 
 __all__ = ["compile", "load", "Compiled", "LayerGraph", "Layer", "Value", "CostTable", "StagePlan", "Program",
-           "Instr", "Op", "ProgramError", "Hardware", "AdamW", "SGD", "max_seq_len"]
+           "Instr", "Op", "ProgramError", "Hardware", "AdamW", "SGD", "max_seq_len", "SeqLenLimit"]

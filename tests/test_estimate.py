@@ -8,7 +8,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import models as M  # noqa: E402
-from rpcompile import CostTable, Hardware, max_seq_len
+from rpcompile import CostTable, Hardware, StagePlan, max_seq_len
 from rpcompile.passes import estimate_costs, trace
 from rpcompile.passes.cost import count_layers, split_microbatch
 from rpcompile.passes.symbolic import B, S, SymbolicCosts
@@ -111,23 +111,30 @@ def test_symbolic_costs_at_an_unseen_shape_equal_the_predicted_costs():
     assert CostTable.symbolic(g, M.lm_batch(batch=2, seq=16), hw).fwd_flops == sc.fwd_flops
 
 
-def test_max_seq_len_is_the_largest_fitting_length():
+def test_max_seq_len_is_the_largest_length_whose_one_layer_stages_fit():
     pytest.importorskip("transformers")
-    g = trace(M.llama(), M.lm_batch(batch=2, seq=16))
+    g = trace(M.llama(attn="sdpa"), M.lm_batch(batch=2, seq=16))
     small = Hardware.preset("rtx4090", device_memory=2 * 2 ** 20)
     sc = CostTable.symbolic(g, M.lm_batch(batch=2, seq=16), small)
-    s = max_seq_len(sc, small, gpus=2)
-    assert 16 < s < 10 ** 5
+    lim = max_seq_len(sc, small, gpus=2)
+    assert 16 < lim.length < 10 ** 5
+    n, cap = len(sc.names), int(0.9 * small.device_memory)
+    one = StagePlan.from_sizes([1] * (n - 1), 1, [1] * (n - 1))  # the planner's windows at the limit
 
-    def device_bytes(n):  # one layer per stage: its state, workspace, input, output grad, next layer's params
-        t = sc.at(1, n)
-        return max(t.param_bytes[i] + t.grad_bytes[i] + t.peak_bytes[i] + t.saved_bytes[i] + t.act_bytes[i]
-                   + (t.param_bytes[i + 1] if i + 1 < len(t) else 0) for i in range(len(t)))
-    assert device_bytes(s) <= 0.9 * small.device_memory < device_bytes(s + 1)
-    assert max_seq_len(g, small, gpus=2) == s
-    assert max_seq_len(sc, small.replace(device_memory=8 * 2 ** 20), gpus=2) > s
-    assert max_seq_len(sc, small.replace(device_memory=1000), gpus=2) == 0
-    assert max_seq_len(sc, small.replace(host_memory=2 ** 20), gpus=2) < s
+    def device_bytes(s):
+        return max(one.stage_memory(sc.at(1, s)))
+    assert device_bytes(lim.length) <= cap < device_bytes(lim.length + 1) == lim.bytes
+    assert lim.capacity == cap and lim.binding.startswith("device: backward stage of layer")
+    assert lim.terms[0][0].startswith("workspace") and sum(b for _, b in lim.terms) == lim.bytes
+    assert f"{lim.length:,} tokens" in str(lim) and "workspace" in str(lim)
+    for gpus in (1, 8):  # the host does not bind: the GPU count does not matter
+        assert max_seq_len(sc, small, gpus=gpus).length == lim.length
+    assert max_seq_len(sc, small.replace(device_memory=8 * 2 ** 20), gpus=2).length > lim.length
+    assert max_seq_len(sc, small.replace(device_memory=1000), gpus=2).length == 0
+    host = max_seq_len(sc, small, gpus=2, host_memory=6 * 2 ** 17)
+    assert host.length < lim.length and host.binding.startswith("host: ") and host.bytes > host.capacity
+    sharded = max_seq_len(g, small, gpus=2)  # a graph: its LM head is sharded and chunked first
+    assert sharded.length >= lim.length and sharded.binding.startswith("device: ")
 
 
 def test_llama_8b_on_meta_flops_match_6nt_plus_attention_quickly():

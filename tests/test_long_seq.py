@@ -1,0 +1,110 @@
+"""Long sequences (issue 13), measured on CPU: predicted vs measured peaks, compile at the predicted limit,
+the refusal past it, and what max_seq_len counts on the host."""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import threading
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import models as M  # noqa: E402
+import rpcompile  # noqa: E402
+from rpcompile import CostTable, Hardware, StagePlan, max_seq_len  # noqa: E402
+from rpcompile.passes import estimate_costs, trace  # noqa: E402
+from rpcompile.passes._seqlen import host_state_bytes, memory_refusal, round_saved_bytes  # noqa: E402
+
+pytest.importorskip("transformers")
+
+VOCAB = 512
+
+
+def _llama(hidden: int, ffn: int, layers: int = 2):
+    """A small SDPA Llama (4 heads, 2 KV heads)."""
+    return M.llama(attn="sdpa", hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192, vocab_size=VOCAB)
+
+
+def test_predicted_peak_memory_is_within_15_percent_of_measured_and_linear_in_s() -> None:
+    model, decoder = _llama(256, 688, layers=1), []
+    for seq in (1024, 4096):
+        batch = M.lm_batch(batch=1, seq=seq, vocab=VOCAB)
+        graph = trace(model, batch)
+        measured = estimate_costs(graph, batch, mode="measure", device="cpu", warmup=0, repeats=1, progress=False)
+        predicted = estimate_costs(graph, batch, mode="predict", hardware=Hardware.preset("rtx4090"),
+                                   progress=False)
+        for layer, m, p in zip(graph.layers, measured.peak_bytes, predicted.peak_bytes):
+            assert m > 0 and abs(p - m) <= 0.15 * m, (seq, layer.name, m, p)
+        decoder.append(predicted.peak_bytes[1])
+    assert decoder[1] / decoder[0] == pytest.approx(4, rel=0.02)  # SDPA: no (heads, S, S) tensor anywhere
+
+
+def _limit(model, budget: int):
+    """max_seq_len of `model` on 2 host workers, one sequence per microbatch, 2 microbatches."""
+    graph = trace(model, M.lm_batch(batch=1, seq=128, vocab=VOCAB))
+    return max_seq_len(graph, Hardware.preset("cpu"), gpus=2, microbatches=2, memory_budget=budget)
+
+
+def test_compile_at_the_predicted_limit_fits_and_past_it_is_refused_naming_the_layer() -> None:
+    torch.manual_seed(0)
+    model, budget = _llama(128, 344), 6 * 2 ** 20
+    lim = _limit(model, budget)
+    assert lim.binding.startswith("device: backward stage of layer") and lim.capacity == budget
+    batch = M.lm_batch(batch=2, seq=lim.length, vocab=VOCAB)
+    with rpcompile.compile(model, gpus=2, example=batch, microbatches=2, staleness=0, memory_budget=budget,
+                           optimizer=rpcompile.SGD(lr=1e-3)) as c:
+        loss = c.step(batch)
+        peaks = c._runtime.peak_memory()
+    assert math.isfinite(loss) and 0 < max(peaks) <= budget, (peaks, budget)
+    longer = M.lm_batch(batch=2, seq=int(1.25 * lim.length), vocab=VOCAB)
+    threads = threading.active_count()
+    with pytest.raises(ValueError, match="memory budget"):
+        rpcompile.compile(model, gpus=2, example=longer, microbatches=2, staleness=0, memory_budget=budget)
+    assert threading.active_count() == threads  # refused before any worker started
+    graph = trace(model, longer)  # the pass-level refusal names the layer, every term and the bytes
+    with pytest.raises(ValueError) as info:
+        estimate_costs(graph, longer, mode="measure", microbatches=2, warmup=0, repeats=1, progress=False,
+                       memory_budget=budget)
+    msg = str(info.value)
+    assert "'model.layers." in msg and "workspace (saved tensors + backward transients)" in msg
+    assert f"> the memory budget {budget / 2**20:.1f} MiB" in msg and "bytes)" in msg
+
+
+def test_memory_refusal_names_the_stage_that_binds_and_sums_its_terms() -> None:
+    costs = CostTable.from_lists([1.0] * 3, [1.0] * 3, param_bytes=[4, 4, 4], grad_bytes=[4, 4, 4],
+                                 peak_bytes=[1, 100, 1], saved_bytes=[2, 2, 2], act_bytes=[2, 2, 2],
+                                 names=["a", "b", "c"])
+    one = StagePlan.from_sizes([1, 1], 1, [1, 1])
+    need = max(one.stage_memory(costs))
+    assert memory_refusal(costs, need) is None
+    msg = memory_refusal(costs, need - 1)
+    assert msg.startswith(f"backward stage of layer 1 'b' needs {need} B ({need} bytes)")
+    assert "workspace (saved tensors + backward transients) 100 B" in msg
+
+
+def test_host_state_counts_frozen_parameters_at_their_own_dtype_only() -> None:
+    info = ((100, 2, True), (1000, 2, False), (10, 4, True))  # bf16 trainable, bf16 frozen, fp32 trainable
+    got = host_state_bytes(info)
+    assert got == {"compute copies": 200 + 2000 + 40, "fp32 masters": 440, "fp32 gradients": 440,
+                   "AdamW moments": 880}
+    lora = M.llama(attn="sdpa")
+    for p in lora.parameters():
+        p.requires_grad_(p.dim() == 1)
+    graph = trace(lora, M.lm_batch(batch=2, seq=16))
+    sc = CostTable.symbolic(graph, M.lm_batch(batch=2, seq=16), Hardware.preset("cpu"))
+    state = host_state_bytes(sc.param_info)
+    frozen = sum(p.numel() for p in lora.parameters() if not p.requires_grad)
+    trainable = sum(p.numel() for p in lora.parameters() if p.requires_grad)
+    assert state["compute copies"] == 4 * (frozen + trainable) and state["fp32 masters"] == 4 * trainable
+
+
+def test_saved_inputs_on_the_host_are_a_round_plus_the_last_rounds_tail() -> None:
+    plan = StagePlan.from_str("1,1,1|1|1,1,1")  # backward stages hold layers 2, 1, 0 in execution order
+    saved = [1, 10, 100, 0]
+    assert round_saved_bytes(saved, plan, gpus=1, microbatches=4) == (111, 1)
+    assert round_saved_bytes(saved, plan, gpus=2, microbatches=4) == (2 * (111 + 1), 2)  # layer 0's tail
+    assert round_saved_bytes(saved, plan, gpus=4, microbatches=8) == (4 * (111 + 111), 4)
