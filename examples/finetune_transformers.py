@@ -54,7 +54,7 @@ def tiny_llama(args: argparse.Namespace) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
     cfg = LlamaConfig(vocab_size=256, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
                       num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=max(args.seq, 128), attn_implementation="eager")
+                      max_position_embeddings=max(args.seq, 128), attn_implementation="sdpa")
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).train()
 

@@ -19,7 +19,6 @@ import time
 
 from tabulate import tabulate
 
-from rpcompile.hardware import Hardware
 from rpcompile.planning import plan_model
 from rpcompile.presets import MODELS, config_for
 
@@ -53,7 +52,7 @@ def row(r, seconds: float) -> list[str]:
     return [r.model, f"{r.params / 1e9:.2f} B", str(config_for(r.model).num_hidden_layers),
             f"{p.num_stages} ({len(p.fwd)}|1|{len(p.bwd)})", f"{tokens_s:,.0f}", f"{steady_bubble:.1%}",
             f"{peak_gib:.1f}" + ("" if fits == "yes" else " (OOM)"),
-            "n/a" if r.max_seq is None else f"{r.max_seq:,}", f"{seconds:.1f} s"]
+            "n/a" if r.max_seq is None else f"{r.max_seq.length:,}", f"{seconds:.1f} s"]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -68,12 +67,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  {name}: plan {text if len(text) <= 70 else text[:67] + '...'}", flush=True)
     print(tabulate([row(r, s) for r, s in results], headers=HEADERS, disable_numparse=True,
                    colalign=("left", "right", "right", "left", "right", "right", "right", "right", "right")))
-    host = Hardware.preset(args.hardware).host_memory
-    for r, _ in results:
-        if r.max_seq == 0:  # compute copy, fp32 master, gradient and AdamW moments: ~16 B per parameter
-            print(f"note: {r.model} max_seq_len 0: the host state alone needs ~{r.params * 16 / 2**30:,.0f} GiB "
-                  f"(16 B/param) of the preset's {host / 2**30:,.0f} GiB host memory (90% usable)")
-
+    for r, _ in results:  # what stops a longer sequence: the device (a layer's workspace) or the host
+        if r.max_seq is not None:
+            print(f"max_seq_len {r.model}: {r.max_seq}")
 
 if __name__ == "__main__":
     main()

@@ -63,12 +63,50 @@ def config_for(name_or_path: str):
     raise ValueError(f"unknown model {name_or_path!r}: use one of {sorted(MODELS)} or a config.json path")
 
 
-def build_meta(name_or_path: str, dtype=None):
-    """The causal LM on the meta device (no weights allocated) in `dtype` (default bf16), eager attention."""
+def default_attention(cfg) -> str:
+    """The memory-efficient attention for a transformers config: "sdpa", or rpcompile's own for models without it.
+
+    transformers' SDPA path is used where the model supports it (flash / memory-efficient kernels on
+    CUDA, the flash kernel on CPU); a model without one (GPT-OSS: attention sinks) gets
+    `rpcompile.attention.sdpa_with_sinks`, the same attention through one SDPA call.
+
+    >>> default_attention(config_for("llama3.1-8b"))
+    'sdpa'
+    """
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(cfg), None)
+    if cls is None or getattr(cls, "_supports_sdpa", False):
+        return "sdpa"
+    from rpcompile.attention import register
+    return register()
+
+
+def build_meta(name_or_path: str, dtype=None, attn_implementation: str | None = None,
+               experts_implementation: str | None = None):
+    """The causal LM on the meta device (no weights allocated) in `dtype` (default bf16).
+
+    Args:
+        name_or_path: a preset name (`MODELS`) or a config.json path.
+        dtype: parameter dtype (default torch.bfloat16).
+        attn_implementation: the attention to use ("sdpa", "eager", ...). Default: the config's own
+            choice if it names one (a config.json with "attn_implementation"), else memory-efficient
+            attention (`default_attention`).
+        experts_implementation: how mixture-of-experts layers run ("eager": one expert after the
+            other; "grouped_mm": one grouped matmul per projection). Default: transformers' default.
+    Returns:
+        The model, in train mode, with `use_cache=False`.
+
+    >>> build_meta("qwen3-1.7b").config._attn_implementation
+    'sdpa'
+    """
     import torch
     tf = _transformers()
     cfg = config_for(name_or_path)
-    cfg._attn_implementation = "eager"
+    cfg._attn_implementation = attn_implementation or cfg._attn_implementation or default_attention(cfg)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(cfg), None)
+    if experts_implementation is not None and cls is not None and cls._can_set_experts_implementation():
+        cfg._experts_implementation = experts_implementation
     cfg.use_cache = False
     with torch.device("meta"):
         return tf.AutoModelForCausalLM.from_config(cfg, dtype=dtype or torch.bfloat16)
@@ -79,3 +117,80 @@ def example_batch(vocab: int, batch: int, seq: int, device: str = "cpu") -> dict
     import torch
     ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
     return {"input_ids": ids, "labels": ids.clone()}
+
+
+def sublayer_units(model) -> list[str]:
+    """Layer-unit patterns that cut every decoder block into its sub-blocks (norms, attention, MLP).
+
+    For `trace(..., layers=)`. A backward stage then recomputes and differentiates one sub-block,
+    not a whole decoder layer, so the activations it holds are those of attention or of the MLP:
+    at long sequences this is what lets a layer's workspace fit (`seq_len_limit`). The sub-blocks
+    are the decoder block's children that own parameters; the residual adds run as glue.
+
+    >>> sublayer_units(build_meta("llama3.1-8b"))[:3]
+    ['model.embed_tokens', 'model.layers.*.self_attn', 'model.layers.*.mlp']
+    """
+    from rpcompile.passes.trace import _detect_units
+    units = _detect_units(model)
+    blocks = [u for u in units if u.rsplit(".", 1)[-1].isdigit()]
+    if not blocks:
+        raise ValueError(f"{type(model).__name__} has no list of decoder blocks to cut into sub-blocks")
+    parent, block = blocks[0].rsplit(".", 1)[0], model.get_submodule(blocks[0])
+    inner = [f"{parent}.*.{c}" for c, m in block.named_children() if next(m.parameters(), None) is not None]
+    out: list[str] = []
+    for u in units:
+        out += inner if u in blocks else [u]
+    return list(dict.fromkeys(out))
+
+
+def long_sequence_graph(name_or_path: str, *, frozen_base: bool = False,
+                        experts_implementation: str | None = None):
+    """A preset (or config.json) built on meta and traced for long sequences, with `sublayer_units`.
+
+    Args:
+        name_or_path: a preset name (`MODELS`) or a config.json path.
+        frozen_base: train only the 1-D weights (norms), as `python -m rpcompile plan --frozen-base`;
+            frozen weights need no gradient, master or optimizer state.
+        experts_implementation: for mixture-of-experts models. Default: "eager" (one expert after
+            the other) with a frozen base, since frozen experts have no weight gradients and the
+            loop then holds one expert's intermediates at a time; else transformers' default
+            (grouped matmuls: a trainable expert loop would build a full-size weight gradient per expert).
+    Returns:
+        The LayerGraph (memory-efficient attention, bf16, traced at one sequence of 2048 tokens).
+
+    >>> [layer.name for layer in long_sequence_graph("qwen3-1.7b").layers][1:3]   # doctest: +SKIP
+    ['model.layers.0.input_layernorm', 'model.layers.0.self_attn']
+    """
+    from rpcompile.passes import trace
+    impl = experts_implementation or ("eager" if frozen_base else None)
+    net = build_meta(name_or_path, experts_implementation=impl)
+    if frozen_base:
+        for p in net.parameters():
+            p.requires_grad_(p.dim() == 1)
+    return trace(net, example_batch(net.config.vocab_size, 1, 2048), layers=sublayer_units(net))
+
+
+def seq_len_limit(name_or_path: str, hardware: Any = "rtx4090", *, gpus: int | None = None,
+                  microbatch_size: int = 1, microbatches: int | None = None, host_memory: int | None = None,
+                  frozen_base: bool = False, experts_implementation: str | None = None):
+    """The longest trainable sequence of a preset (or config.json) on `hardware`, and what binds it.
+
+    `rpcompile.max_seq_len` of `long_sequence_graph(name_or_path, ...)`.
+
+    Args:
+        name_or_path: a preset name (`MODELS`) or a config.json path.
+        hardware: a `Hardware` or preset name.
+        gpus, microbatch_size, microbatches, host_memory: as `max_seq_len`
+            (`microbatch_size`: sequences per microbatch; `host_memory`: bytes).
+        frozen_base, experts_implementation: as `long_sequence_graph`.
+    Returns:
+        A `rpcompile.SeqLenLimit` (`.length`, `.binding`, `.bytes`, `.terms`; `str()` reads well).
+
+    >>> print(seq_len_limit("qwen3-1.7b", host_memory=2048 * 2**30))   # doctest: +SKIP
+    """
+    from rpcompile.hardware import Hardware
+    from rpcompile.passes.symbolic import max_seq_len
+    hw = Hardware.preset(hardware) if isinstance(hardware, str) else hardware
+    graph = long_sequence_graph(name_or_path, frozen_base=frozen_base, experts_implementation=experts_implementation)
+    return max_seq_len(graph, hw, gpus=gpus, microbatch_size=microbatch_size, microbatches=microbatches,
+                       host_memory=host_memory)

@@ -1,8 +1,11 @@
 """A small Llama-style causal LM in plain PyTorch (no transformers needed).
 
 Used by the demo and the examples: RMSNorm, rotary position embeddings,
-grouped-query causal attention, SwiGLU MLP, an untied LM head, and the
-next-token cross-entropy loss computed inside `forward`.
+grouped-query causal attention (`F.scaled_dot_product_attention(...,
+is_causal=True)` by default, so no S x S tensor exists outside the fused
+kernel; `attention="eager"` keeps the explicit softmax), SwiGLU MLP, an untied
+LM head, and the next-token cross-entropy loss computed inside `forward` (the
+labels are shifted, as transformers does, so `shard_lm_head` can cut it).
 
     >>> cfg = LlamaConfig(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, ffn=64)
     >>> m = TinyLlama(cfg)
@@ -33,6 +36,7 @@ class LlamaConfig:
     max_seq: int = 1024     # longest sequence the rotary table covers
     rope_theta: float = 10000.0  # rotary base
     dropout: float = 0.0    # dropout on attention and MLP outputs
+    attention: str = "sdpa"  # "sdpa": fused causal SDPA (memory linear in S); "eager": explicit S x S softmax
 
 
 class RMSNorm(nn.Module):
@@ -90,12 +94,17 @@ class Block(nn.Module):
         q = self.q(h).view(b, t, c.heads, hd).transpose(1, 2)
         k, v = self.kv(h).view(b, t, 2, c.kv_heads, hd).permute(2, 0, 3, 1, 4)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        rep = c.heads // c.kv_heads
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        att = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
-        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
-        att = att.masked_fill(mask, float("-inf")).softmax(-1)
-        y = (att @ v).transpose(1, 2).reshape(b, t, c.dim)
+        if c.attention == "sdpa":
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=c.heads != c.kv_heads)
+        elif c.attention == "eager":
+            rep = c.heads // c.kv_heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            att = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
+            mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+            y = att.masked_fill(mask, float("-inf")).softmax(-1) @ v
+        else:
+            raise ValueError(f"LlamaConfig.attention must be 'sdpa' or 'eager', got {c.attention!r}")
+        y = y.transpose(1, 2).reshape(b, t, c.dim)
         x = x + self.drop(self.o(y))
         g, u = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.drop(self.down(F.silu(g) * u))
@@ -124,5 +133,5 @@ class TinyLlama(nn.Module):
         for block in self.layers:
             x = block(x, cos, sin)
         logits = self.lm_head(self.norm(x))
-        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
-                               ignore_index=-100)
+        target = F.pad(labels[:, 1:], (0, 1), value=-100)  # next token; the last position predicts nothing
+        return F.cross_entropy(logits.reshape(-1, self.cfg.vocab), target.reshape(-1), ignore_index=-100)
