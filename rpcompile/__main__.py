@@ -1,9 +1,10 @@
-"""Command line: python -m rpcompile {demo, plan, simulate, train} ...
+"""Command line: python -m rpcompile {demo, plan, simulate, train, finetune} ...
 
     python -m rpcompile demo
     python -m rpcompile plan --model llama3.1-8b --gpus 8 --hardware rtx4090 --seq 2048 --microbatches 16
     python -m rpcompile simulate --program program.csv [--costs costs.json] --hardware rtx4090
     python -m rpcompile train --config run.json
+    python -m rpcompile finetune --model DIR --data train.jsonl --out DIR [--lora 8] [--save-every 100]
 """
 from __future__ import annotations
 
@@ -73,6 +74,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_finetune(args: argparse.Namespace) -> int:
+    """Fine-tune a Hugging Face model folder on a data file (see rpcompile.cli.finetune)."""
+    from rpcompile.cli.finetune import finetune
+    from rpcompile.cli.finetune_args import config_from_args
+    finetune(config_from_args(args))
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     """The argument parser; each sub-command's `func` is its handler."""
     p = argparse.ArgumentParser(prog="python -m rpcompile", description=__doc__.splitlines()[0])
@@ -103,6 +112,10 @@ def parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train from a JSON run config")
     t.add_argument("--config", required=True)
     t.set_defaults(func=cmd_train)
+    from rpcompile.cli.finetune_args import add_arguments
+    f = sub.add_parser("finetune", help="fine-tune a Hugging Face model folder on a .txt/.jsonl file")
+    add_arguments(f)
+    f.set_defaults(func=cmd_finetune)
     return p
 
 

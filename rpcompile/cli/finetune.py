@@ -1,0 +1,287 @@
+"""`python -m rpcompile finetune`: fine-tune a Hugging Face model folder on a data file, write a model folder.
+
+    python -m rpcompile finetune --model ./Qwen3-1.7B --data chat.jsonl --out ./qwen3-chat \\
+        --seq 2048 --micro-batch-size 1 --microbatches 16 --epochs 1 --lr 2e-5 --warmup 20 --save-every 100
+
+    >>> from rpcompile.cli import FinetuneConfig, finetune
+    >>> result = finetune(FinetuneConfig(model="tiny/", data="train.jsonl", out="tuned/", steps=30))  # doctest: +SKIP
+    >>> result.losses[0] > result.losses[-1]
+    True
+
+The run: load the folder offline (`AutoModelForCausalLM`, `AutoTokenizer`),
+optionally add LoRA adapters (peft), read and pack the data
+(`rpcompile.cli.data`), compile for RoundPipe, then per step set the
+scheduled learning rate (`rpcompile.cli.schedule`) and `step` one batch; eval
+loss every `eval_every` steps; an atomic checkpoint every `save_every` steps;
+at the end `save_pretrained` into `out`.
+
+Files in `out`: the exported model and tokenizer (or the LoRA adapters),
+`rpcompile-checkpoint.rp` (the full training state, incl. the optimizer's
+pending staleness-1 update and the RNG) and `rpcompile-run.json` (the settings
+and a fingerprint of the data). The data position and the schedule step are
+both the checkpoint's step count, so `resume=True` continues bit for bit; it
+refuses settings that differ from the run's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from rpcompile.cli.data import pack, read_documents
+from rpcompile.cli.schedule import SCHEDULES, lr_at
+
+__all__ = ["FinetuneConfig", "FinetuneResult", "finetune", "CHECKPOINT", "RUN_FILE", "DTYPES"]
+
+CHECKPOINT = "rpcompile-checkpoint.rp"  # in `out`: the training state (rpcompile.load format)
+RUN_FILE = "rpcompile-run.json"  # in `out`: the run's settings and data fingerprint, checked on resume
+DTYPES = {"auto": None, "fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+          "bfloat16": torch.bfloat16}  # --dtype names; auto: bf16 on CUDA, fp32 on the CPU
+FREE = ("resume", "save_every", "eval", "eval_every", "progress")  # settings a resumed run may change
+
+
+@dataclass(frozen=True, slots=True)
+class FinetuneConfig:
+    """One fine-tuning run; every field but the three paths has a default."""
+
+    model: str  # local save_pretrained folder: config.json, weights, tokenizer (read offline)
+    data: str  # training data: .txt (a document per line) or .jsonl ("text" or chat "messages")
+    out: str  # output folder: the trained model + tokenizer, the checkpoint, rpcompile-run.json
+    eval: str | None = None  # held-out data (same formats): eval loss every eval_every steps and at the end
+    gpus: int | None = None  # workers: None = every CUDA device, or 2 host workers without CUDA
+    seq: int = 512  # tokens per packed sequence (<= the model's max_position_embeddings)
+    micro_batch_size: int = 1  # sequences per microbatch
+    microbatches: int | None = None  # microbatches per step; None = 2 * gpus. A step trains on
+    # micro_batch_size * microbatches sequences
+    steps: int | None = None  # training steps; None: from epochs
+    epochs: float | None = None  # passes over the training data when steps is None (default 1)
+    lr: float | None = None  # peak learning rate; None: 2e-5, or 2e-4 with LoRA
+    warmup: int = 0  # linear warmup steps before the schedule
+    schedule: str = "cosine"  # after the warmup: "cosine", "linear" (both towards 0) or "constant"
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    max_grad_norm: float | None = 1.0  # clip gradients by their global L2 norm; None = off
+    staleness: int = 1  # 1: RoundPipe (the CPU optimizer one step behind), 0: synchronous
+    dtype: str = "auto"  # training dtype (DTYPES): auto = bf16 on CUDA, fp32 on the CPU
+    lora: int = 0  # LoRA rank r (peft); 0 = full fine-tuning
+    lora_alpha: float | None = None  # LoRA scale numerator (scale = alpha / r); None = 2 * r
+    lora_targets: tuple[str, ...] | None = None  # modules to adapt, e.g. ("q_proj", "v_proj") or
+    # ("all-linear",); None = peft's default for the architecture
+    merge: bool = False  # LoRA: export the merged weights (a plain model); the adapters go to out/adapter
+    save_every: int = 0  # write the checkpoint every K steps and at the end; 0 = never
+    eval_every: int = 0  # eval loss every K steps (needs eval); 0 = only at the end
+    resume: bool = False  # continue the run from out/rpcompile-checkpoint.rp
+    seed: int = 0  # data order, adapter initialisation, dropout
+    whole_file: bool = False  # .txt data: the whole file is one document
+    memory_gib: float | None = None  # device memory per worker in GiB for the planner; None = 90% of the
+    # smallest CUDA device, unbounded for host workers
+    lm_head_shards: int | str = "auto"  # vocabulary shards of the LM head (rpcompile.compile)
+    progress: bool = True  # show the progress bar (loss, tokens/s, lr, ETA)
+
+
+@dataclass(frozen=True, slots=True)
+class FinetuneResult:
+    """What a run did."""
+
+    steps: int  # steps completed in all (a resumed run counts the earlier ones)
+    losses: list[float]  # training loss of each step this call ran
+    evals: list[tuple[int, float]] = field(default_factory=list)  # (step, eval loss); the last is the final model's
+    out: str = ""  # the output folder
+
+
+def _check(cfg: FinetuneConfig) -> None:
+    """Raise ValueError naming the first bad setting."""
+    positive = {"seq": cfg.seq, "micro_batch_size": cfg.micro_batch_size, "gpus": cfg.gpus,
+                "microbatches": cfg.microbatches, "steps": cfg.steps}
+    for name, v in positive.items():
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
+    for name, v in {"warmup": cfg.warmup, "save_every": cfg.save_every, "eval_every": cfg.eval_every,
+                    "lora": cfg.lora, "seed": cfg.seed}.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 0, got {v!r}")
+    if cfg.steps is not None and cfg.epochs is not None:
+        raise ValueError("give --steps or --epochs, not both")
+    if cfg.epochs is not None and not cfg.epochs > 0:
+        raise ValueError(f"--epochs must be > 0, got {cfg.epochs}")
+    if cfg.lr is not None and not 0 <= cfg.lr < math.inf:
+        raise ValueError(f"--lr must be a finite number >= 0, got {cfg.lr}")
+    if cfg.schedule not in SCHEDULES:
+        raise ValueError(f"--schedule must be one of {SCHEDULES}, got {cfg.schedule!r}")
+    if cfg.staleness not in (0, 1) or isinstance(cfg.staleness, bool):
+        raise ValueError(f"--staleness must be 0 or 1, got {cfg.staleness!r}")
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r} (fp16 needs loss scaling: "
+                         f"use bf16)")
+    if cfg.merge and not cfg.lora:
+        raise ValueError("--merge merges LoRA adapters: it needs --lora R")
+    if cfg.eval_every and not cfg.eval:
+        raise ValueError("--eval-every needs --eval FILE")
+    if cfg.memory_gib is not None and not cfg.memory_gib > 0:
+        raise ValueError(f"--memory-gib must be > 0, got {cfg.memory_gib}")
+
+
+def finetune(cfg: FinetuneConfig, *, on_step: Callable[[int, float], None] | None = None) -> FinetuneResult:
+    """Fine-tune `cfg.model` on `cfg.data` with RoundPipe and write the result to `cfg.out`.
+
+    Args:
+        cfg: the run (see `FinetuneConfig`; each field is a command-line option).
+        on_step: called as on_step(step, loss) after each step (and its checkpoint) for logging;
+            an exception from it stops the run, which `resume=True` continues from the last checkpoint.
+    Returns:
+        A `FinetuneResult`: steps, the losses of this call, eval losses, the output folder.
+    Raises:
+        FileNotFoundError / ValueError / ImportError: bad input, named (the CLI prints one line, exit 2).
+
+    Note:
+        The learning rate of step t, `lr_at(t)`, is set just before `step(batch_t)`, so it is
+        the lr of the update made from step t's gradient. With staleness 1 that update runs
+        on the CPU during step t+1, and its weights are first read by step t+2.
+        At the end the last update is also written into the compute copies, so the final eval,
+        the exported folder and `from_pretrained(out)` all see the same, fully updated weights.
+
+    Example:
+        >>> finetune(FinetuneConfig(model="tiny/", data="notes.txt", out="tuned/", steps=10)).steps  # doctest: +SKIP
+        10
+    """
+    import rpcompile
+    from rpcompile.cli.hf import add_lora, check_model, export, load_model, load_tokenizer, trainable_module
+
+    _check(cfg)
+    cuda = torch.cuda.is_available()
+    dtype = DTYPES[cfg.dtype] or (torch.bfloat16 if cuda else torch.float32)
+    tokenizer = load_tokenizer(cfg.model)  # everything that can be wrong is checked before the weights load
+    config = check_model(cfg.model, tokenizer, cfg.seq)
+    train = pack(read_documents(cfg.data, tokenizer, whole_file=cfg.whole_file), tokenizer, cfg.seq)
+    held = pack(read_documents(cfg.eval, tokenizer, whole_file=cfg.whole_file), tokenizer, cfg.seq) if cfg.eval \
+        else None
+    run = _run_record(cfg, train)
+    if cfg.resume:
+        _check_resume(cfg, run)
+    elif os.path.exists(os.path.join(cfg.out, CHECKPOINT)):
+        raise ValueError(f"{cfg.out!r} already holds a run's checkpoint ({CHECKPOINT}): continue it with --resume, "
+                         f"or give another --out")
+    model = load_model(cfg.model, dtype=dtype)
+    gpus = cfg.gpus or (torch.cuda.device_count() if cuda else 2)
+    micro = cfg.microbatches or 2 * gpus
+    size = cfg.micro_batch_size * micro  # sequences per step
+    total = cfg.steps or max(1, math.ceil((cfg.epochs or 1.0) * len(train) / size))
+    lr = cfg.lr if cfg.lr is not None else (2e-4 if cfg.lora else 2e-5)
+    use_cache = getattr(config, "use_cache", True)  # load_model turned it off for training
+    if cfg.lora:
+        model = add_lora(model, cfg.lora, alpha=cfg.lora_alpha, targets=cfg.lora_targets, seed=cfg.seed)
+    module = trainable_module(model)
+
+    os.makedirs(cfg.out, exist_ok=True)
+    ckpt = os.path.join(cfg.out, CHECKPOINT)
+    if cfg.resume:
+        c = rpcompile.load(ckpt, module)
+    else:
+        with open(os.path.join(cfg.out, RUN_FILE), "w") as f:  # written before any checkpoint exists
+            json.dump(run, f, indent=1)
+        c = rpcompile.compile(module, gpus=gpus, example=train.batch(0, size, cfg.seed), microbatches=micro,
+                              staleness=cfg.staleness, dtype=dtype, seed=cfg.seed,
+                              optimizer=rpcompile.AdamW(lr=lr, weight_decay=cfg.weight_decay,
+                                                        max_grad_norm=cfg.max_grad_norm),
+                              memory_budget=_budget(cfg, cuda), lm_head_shards=cfg.lm_head_shards)
+    _describe(cfg, module, train, c, total, size)
+    evals: list[tuple[int, float]] = []
+    with c:
+        losses = _loop(c, cfg, train, held, total, size, lr, ckpt, evals, on_step)
+        if cfg.save_every and c.steps % cfg.save_every:
+            c.save(ckpt)  # the end of the run (a multiple of save_every was saved in the loop)
+        c.model()  # every update into the module, the pending staleness-1 one too
+        for group in range(len(c.state.groups)):
+            c.state.copy(group)  # ... and into the compute copies: nothing will read the stale version now
+        if held is not None:
+            evals.append((c.steps, _evaluate(c, held, size)))
+            print(f"step {c.steps}: eval loss {evals[-1][1]:.4f} (final model)")
+    export(model, tokenizer, cfg.out, merge=cfg.merge, use_cache=use_cache)
+    print(f"wrote {os.path.abspath(cfg.out)} ({'LoRA adapters' if cfg.lora and not cfg.merge else 'model'} "
+          f"and tokenizer; load with from_pretrained)")
+    return FinetuneResult(c.steps, losses, evals, cfg.out)
+
+
+def _loop(c: Any, cfg: FinetuneConfig, train: Any, held: Any, total: int, size: int, lr: float, ckpt: str,
+          evals: list, on_step: Callable | None) -> list[float]:
+    """Step until `total`: schedule, step, progress, checkpoint, eval; returns this call's losses."""
+    from tqdm.auto import tqdm
+
+    losses: list[float] = []
+    tokens = size * cfg.seq
+    with tqdm(total=total, initial=c.steps, unit="step", disable=not cfg.progress, dynamic_ncols=True) as bar:
+        while c.steps < total:
+            t = c.steps
+            rate = lr_at(t, lr=lr, total=total, warmup=cfg.warmup, kind=cfg.schedule)
+            c.set_lr(rate)  # the lr of the update made from this step's gradient
+            start = time.perf_counter()
+            losses.append(c.step(train.batch(t, size, cfg.seed)))
+            bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{tokens / (time.perf_counter() - start):,.0f}",
+                            lr=f"{rate:.2e}", refresh=False)
+            bar.update(1)
+            if cfg.save_every and c.steps % cfg.save_every == 0:
+                c.save(ckpt)
+            if held is not None and cfg.eval_every and c.steps % cfg.eval_every == 0 and c.steps < total:
+                evals.append((c.steps, _evaluate(c, held, size)))
+                bar.write(f"step {c.steps}: eval loss {evals[-1][1]:.4f}")
+            if on_step is not None:
+                on_step(c.steps, losses[-1])
+    return losses
+
+
+def _evaluate(c: Any, held: Any, size: int) -> float:
+    """Mean of `evaluate` over the held-out batches (each the mean of its microbatch losses)."""
+    batches = held.eval_batches(size)
+    return sum(c.evaluate(b) for b in batches) / len(batches)
+
+
+def _budget(cfg: FinetuneConfig, cuda: bool) -> int | None:
+    """Device bytes per worker for the planner: --memory-gib, else 90% of the smallest CUDA device."""
+    if cfg.memory_gib is not None:
+        return int(cfg.memory_gib * 2**30)
+    if not cuda:
+        return None
+    return int(0.9 * min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())))
+
+
+def _run_record(cfg: FinetuneConfig, train: Any) -> dict[str, Any]:
+    """The run's settings and a fingerprint of its packed training data (what resume must match)."""
+    digest = hashlib.sha256(train.ids.numpy().tobytes()).hexdigest()
+    settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cfg).items()}
+    return {"settings": settings, "data": {"sequences": len(train), "tokens": train.tokens, "sha256": digest}}
+
+
+def _check_resume(cfg: FinetuneConfig, run: dict[str, Any]) -> None:
+    """Raise unless out/ holds a checkpoint of a run with the same settings and data."""
+    path, ckpt = os.path.join(cfg.out, RUN_FILE), os.path.join(cfg.out, CHECKPOINT)
+    if not os.path.isfile(ckpt) or not os.path.isfile(path):
+        missing = ckpt if not os.path.isfile(ckpt) else path
+        raise FileNotFoundError(f"--resume: {missing!r} does not exist (run with --save-every K to write "
+                                f"checkpoints)")
+    with open(path) as f:
+        saved = json.load(f)
+    diff = [f"{k}={saved['settings'].get(k)!r} then, {v!r} now" for k, v in run["settings"].items()
+            if k not in FREE and saved["settings"].get(k) != v]
+    if diff:
+        raise ValueError(f"--resume: the settings differ from the run in {cfg.out!r}: {'; '.join(diff)}")
+    if saved["data"] != run["data"]:
+        raise ValueError(f"--resume: the training data differs from the run's ({saved['data']} then, "
+                         f"{run['data']} now)")
+
+
+def _describe(cfg: FinetuneConfig, module: Any, train: Any, c: Any, total: int, size: int) -> None:
+    """The run in a few lines: model, data, batch, plan."""
+    n = sum(p.numel() for p in module.parameters())
+    k = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    print(f"{type(module).__name__} from {cfg.model}: {n:,} parameters, {k:,} trainable")
+    print(f"data {cfg.data}: {train.documents:,} documents, {train.tokens:,} tokens -> {len(train):,} sequences "
+          f"of {cfg.seq}")
+    print(f"{total} steps of {size} sequences ({c.microbatches} microbatches x {size // c.microbatches}), "
+          f"{c.options.gpus} workers, staleness {c.options.staleness}, plan {c.plan.to_str()}"
+          + (f"; resumed at step {c.steps}" if c.steps else ""))
