@@ -14,7 +14,8 @@ from rpcompile.plan import StagePlan
 from rpcompile.program import Instr, Op, Program, ProgramError
 from rpcompile.passes.symbolic import SeqLenLimit, max_seq_len  # noqa: E402 - passes import the IR types above
 from rpcompile.api import Compiled, compile, load  # noqa: E402
+from rpcompile.cli import finetune  # noqa: E402 - the fine-tuning command as a function
 from rpcompile import checkpoint, passes, runtime  # noqa: E402,F401 - submodules as attributes
 
 __all__ = ["compile", "load", "Compiled", "LayerGraph", "Layer", "Value", "CostTable", "StagePlan", "Program",
-           "Instr", "Op", "ProgramError", "Hardware", "AdamW", "SGD", "max_seq_len", "SeqLenLimit"]
+           "Instr", "Op", "ProgramError", "Hardware", "AdamW", "SGD", "max_seq_len", "SeqLenLimit", "finetune"]
