@@ -1,0 +1,56 @@
+"""Fine-tune a local Hugging Face model folder on a data file with your own loop.
+
+What `python -m rpcompile finetune` does, written out: read and pack the data,
+load the model offline, compile it for RoundPipe, set the scheduled learning
+rate before every step, and `save_pretrained` the result. Add LoRA with
+`rpcompile.cli.hf.add_lora` (compile `trainable_module(peft_model)`), an eval
+loop with `c.evaluate(batch)`, checkpoints with `c.save(path)`.
+
+    python examples/finetune_hf.py --model ./Qwen3-1.7B --data train.jsonl --out ./tuned --steps 100 --seq 1024
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import rpcompile
+from rpcompile.cli.data import pack, read_documents
+from rpcompile.cli.hf import export, load_model, load_tokenizer
+from rpcompile.cli.schedule import lr_at
+
+
+def main(argv: list[str] | None = None) -> list[float]:
+    """Train `--steps` steps and write `--out`; returns the losses."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for name in ("--model", "--data", "--out"):
+        p.add_argument(name, required=True)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--seq", type=int, default=512, help="tokens per packed sequence")
+    p.add_argument("--gpus", type=int, default=torch.cuda.device_count() or 2, help="workers")
+    p.add_argument("--microbatches", type=int, default=4, help="one sequence each")
+    p.add_argument("--lr", type=float, default=2e-5)
+    args = p.parse_args(argv)
+
+    tokenizer = load_tokenizer(args.model)
+    data = pack(read_documents(args.data, tokenizer), tokenizer, seq=args.seq)  # labels -100 on padding
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    model = load_model(args.model, dtype=dtype)  # AutoModelForCausalLM, offline, use_cache=False
+    c = rpcompile.compile(model, gpus=args.gpus, example=data.batch(0, args.microbatches, seed=0),
+                          microbatches=args.microbatches, dtype=dtype,
+                          optimizer=rpcompile.AdamW(lr=args.lr, weight_decay=0.0, max_grad_norm=1.0))
+    print(c.plan)
+    losses = []
+    with c:
+        for t in range(args.steps):
+            c.set_lr(lr_at(t, lr=args.lr, total=args.steps, warmup=args.steps // 10))  # this step's update
+            losses.append(c.step(data.batch(t, args.microbatches, seed=0)))
+            print(f"step {t + 1}: loss {losses[-1]:.4f}", flush=True)
+        c.model()  # every update into `model`, the pending staleness-1 one too
+    export(model, tokenizer, args.out)  # save_pretrained: AutoModelForCausalLM.from_pretrained(args.out) loads it
+    print(f"wrote {args.out}")
+    return losses
+
+
+if __name__ == "__main__":
+    main()
