@@ -24,6 +24,7 @@ k = (t*rounds + r)*S + i) on worker k mod N, microbatch m of the round:
 """
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 
@@ -87,20 +88,13 @@ def iteration_time(plan: StagePlan, costs: CostTable, *, gpus: int, microbatches
     >>> iteration_time(StagePlan.from_str("3|1|3"), c, gpus=1, microbatches=2)
     30.0
     """
-    r = round_size or default_round_size(gpus, microbatches)
-    if staleness == 0:
-        s = schedule(plan, costs, gpus=gpus, microbatches=microbatches, round_size=r,
-                     staleness=0, iterations=1, cutoff=cutoff)
-        return math.inf if s is None else s.makespan
-    if staleness != 1:
-        raise ValueError(f"staleness must be 0 or 1, got {staleness!r}")
-    k, p = steady_state_window(gpus, plan.num_stages, microbatches // r)
-    s = schedule(plan, costs, gpus=gpus, microbatches=microbatches, round_size=r,
-                 staleness=1, iterations=k, cutoff=cutoff, window=p)
-    if s is None:
-        return math.inf
-    t = (s.ends[-1] - s.ends[-1 - p]) / p
-    return math.inf if cutoff is not None and t > cutoff else t
+    if round_size is not None and (round_size < 1 or microbatches % round_size):
+        raise ValueError(f"round_size {round_size} must divide microbatches {microbatches}")
+    if len(costs.fwd) != plan.num_layers:
+        raise ValueError(f"plan has {plan.num_layers} layers but the cost table has {len(costs.fwd)}")
+    return shape_time(plan_shape(plan, costs), gpus=gpus, microbatches=microbatches,
+                      round_size=round_size or default_round_size(gpus, microbatches), staleness=staleness,
+                      cutoff=cutoff)
 
 
 def bubble_ratio(plan: StagePlan, costs: CostTable, *, gpus: int, microbatches: int,
@@ -117,22 +111,73 @@ def _stage_times(plan: StagePlan, costs: CostTable) -> list[tuple[float, float]]
 
     F and FB: (0, all of it); B: (recompute, backward).
     """
-    out = []
-    for s in plan.stages:
-        f = sum(costs.fwd[i] for i in s.layers)
-        b = sum(costs.bwd[i] for i in s.layers)
-        out.append((0.0, f) if s.kind is StageKind.F else (0.0, f + b) if s.kind is StageKind.FB else (f, b))
-    return out
+    return [pre_post(_CODE[s.kind], *layer_sums(costs, s.layers.start, s.layers.stop)) for s in plan.stages]
 
 
-def _saved_input_producer(plan: StagePlan) -> list[int | None]:
-    """For each stage, the forward stage that computes its saved input (B stages only)."""
-    out: list[int | None] = [None] * plan.num_stages
-    owner = [i for i, r in enumerate(plan.fwd) for _ in r]  # forward stage of each non-fused layer
-    for s in plan.stages:
-        if s.kind is StageKind.B and s.layers.start > 0:
-            out[s.index] = owner[s.layers.start - 1]
-    return out
+_CODE = {StageKind.F: 0, StageKind.FB: 1, StageKind.B: 2}  # kind codes of the recurrence
+
+
+def layer_sums(costs: CostTable, lo: int, hi: int) -> tuple[float, float]:
+    """(sum of fwd, sum of bwd) over layers [lo, hi), summed in layer order (the recurrence's stage times)."""
+    return sum(costs.fwd[lo:hi]), sum(costs.bwd[lo:hi])
+
+
+def pre_post(code: int, f: float, b: float) -> tuple[float, float]:
+    """A stage's (pre, post) from its fwd and bwd sums: F (0, f), FB (0, f + b), B (f, b) (code 0, 1, 2)."""
+    return (0.0, f) if code == 0 else (0.0, f + b) if code == 1 else (f, b)
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """What the recurrence needs of a plan: per stage (index, kind code, pre, post, saved-input producer),
+    and the layer segments (runs of layers between stage boundaries) each stage uploads.
+
+    Built by `shape` from (kind code, first layer, end layer, fwd sum, bwd sum) per stage in slot order,
+    so a search can time a plan without building a StagePlan.
+    """
+
+    info: tuple[tuple[int, int, float, float, int | None], ...]
+    layers: tuple[range, ...]          # per stage, the segments it holds
+    holders: tuple[tuple[int, ...], ...]  # per segment, the stages uploading it (slot order)
+    grad_stage: tuple[int, ...]        # per segment, the stage whose backward completes its gradient
+    num_layers: int
+
+
+def shape(stages) -> Shape:
+    """The recurrence's view of stages given as (code, lo, hi, fwd sum, bwd sum) in slot order.
+
+    >>> sh = shape([(0, 0, 2, 2.0, 4.0), (1, 2, 3, 1.0, 2.0), (2, 1, 2, 1.0, 2.0), (2, 0, 1, 1.0, 2.0)])
+    >>> sh.info[2], sh.info[3]  # B over layer 1 recomputes from F1's output; B over layer 0 from the batch
+    ((2, 2, 1.0, 2.0, 0), (3, 2, 1.0, 2.0, None))
+    """
+    f_starts = [lo for code, lo, _, _, _ in stages if code == 0]
+    nl = max(hi for _, _, hi, _, _ in stages)
+    info = []
+    for i, (code, lo, hi, f, b) in enumerate(stages):
+        prod = bisect.bisect_right(f_starts, lo - 1) - 1 if code == 2 and lo > 0 else None
+        info.append((i, code) + pre_post(code, f, b) + (prod,))
+    # Layers between consecutive stage boundaries share their stages, so every per-layer optimizer
+    # value is equal across such a segment: the recurrence keeps one value per segment.
+    cuts = sorted({0, nl} | {s[1] for s in stages} | {s[2] for s in stages})
+    seg_of = {c: g for g, c in enumerate(cuts)}
+    nseg = len(cuts) - 1
+    holders: list[list[int]] = [[] for _ in range(nseg)]
+    grad_stage = [0] * nseg
+    layers = []
+    for i, (code, lo, hi, _, _) in enumerate(stages):
+        segs = range(seg_of[lo], seg_of[hi])
+        layers.append(segs)
+        for g in segs:
+            holders[g].append(i)
+            if code != 0:
+                grad_stage[g] = i
+    return Shape(tuple(info), tuple(layers), tuple(map(tuple, holders)), tuple(grad_stage), nl)
+
+
+def plan_shape(plan: StagePlan, costs: CostTable) -> Shape:
+    """`shape` of a StagePlan's stages."""
+    return shape([(_CODE[s.kind], s.layers.start, s.layers.stop)
+                  + layer_sums(costs, s.layers.start, s.layers.stop) for s in plan.stages])
 
 
 def schedule(plan: StagePlan, costs: CostTable, *, gpus: int, microbatches: int,
@@ -143,34 +188,47 @@ def schedule(plan: StagePlan, costs: CostTable, *, gpus: int, microbatches: int,
     With `cutoff`, returns None as soon as the time averaged over the last
     `window` iterations is known to exceed it.
     """
-    n, m_total, rr = gpus, microbatches, round_size
-    if rr < 1 or m_total % rr:
-        raise ValueError(f"round_size {rr} must divide microbatches {m_total}")
+    if round_size < 1 or microbatches % round_size:
+        raise ValueError(f"round_size {round_size} must divide microbatches {microbatches}")
     if len(costs.fwd) != plan.num_layers:
         raise ValueError(f"plan has {plan.num_layers} layers but the cost table has {len(costs.fwd)}")
-    stages = plan.stages
-    ns, rounds, nl = len(stages), m_total // rr, plan.num_layers
-    times = _stage_times(plan, costs)
-    producer = _saved_input_producer(plan)
-    # Per stage: (index, kind code 0=F 1=FB 2=B, pre, post, producer); specialised loops below.
-    code = {StageKind.F: 0, StageKind.FB: 1, StageKind.B: 2}
-    info = [(s.index, code[s.kind], times[s.index][0], times[s.index][1], producer[s.index]) for s in stages]
-    # Layers between consecutive stage boundaries share their stages, so every per-layer optimizer
-    # value is equal across such a segment: the recurrence keeps one value per segment.
-    cuts = sorted({0, nl} | {s.layers.start for s in stages} | {s.layers.stop for s in stages})
-    nseg = len(cuts) - 1
-    seg_of = {c: g for g, c in enumerate(cuts[:-1])}
-    grad_stage = [0] * nseg               # the stage whose backward completes the segment's gradient
-    holders: list[list[int]] = [[] for _ in range(nseg)]  # stages uploading the segment's layers
-    layers: list[list[int]] = []          # per stage, its segments
-    for s in stages:
-        segs = list(range(seg_of[s.layers.start], seg_of[s.layers.start] + 1 + sum(
-            1 for c in cuts[1:-1] if s.layers.start < c < s.layers.stop)))
-        layers.append(segs)
-        for g in segs:
-            holders[g].append(s.index)
-            if s.kind is not StageKind.F:
-                grad_stage[g] = s.index
+    return run(plan_shape(plan, costs), gpus=gpus, microbatches=microbatches, round_size=round_size,
+               staleness=staleness, iterations=iterations, cutoff=cutoff, window=window)
+
+
+def shape_time(sh: Shape, *, gpus: int, microbatches: int, round_size: int, staleness: int,
+               cutoff: float | None = None) -> float:
+    """`iteration_time` of a plan given as a Shape (round_size already resolved)."""
+    if staleness == 0:
+        s = run(sh, gpus=gpus, microbatches=microbatches, round_size=round_size, staleness=0,
+                iterations=1, cutoff=cutoff)
+        return math.inf if s is None else s.makespan
+    if staleness != 1:
+        raise ValueError(f"staleness must be 0 or 1, got {staleness!r}")
+    k, p = steady_state_window(gpus, len(sh.info), microbatches // round_size)
+    s = run(sh, gpus=gpus, microbatches=microbatches, round_size=round_size, staleness=1, iterations=k,
+            cutoff=cutoff, window=p)
+    if s is None:
+        return math.inf
+    t = (s.ends[-1] - s.ends[-1 - p]) / p
+    return math.inf if cutoff is not None and t > cutoff else t
+
+
+def _remaining_load(info, n: int, rounds: int, rr: int) -> list[float]:
+    """Per slot of one iteration: the compute its worker still has to do after it (later slots)."""
+    load = [rr * (pre + post) for _, _, pre, post, _ in info] * rounds
+    rem = [0.0] * len(load)
+    for k in range(len(load) - 1 - n, -1, -1):
+        rem[k] = load[k + n] + rem[k + n]
+    return rem
+
+
+def run(sh: Shape, *, gpus: int, microbatches: int, round_size: int, staleness: int, iterations: int,
+        cutoff: float | None = None, window: int = 1) -> ScheduleTimes | None:
+    """The recurrence itself (see the module Note) on a Shape; `schedule` without the plan."""
+    n, m_total, rr = gpus, microbatches, round_size
+    info, layers, holders, grad_stage = sh.info, sh.layers, sh.holders, sh.grad_stage
+    ns, rounds, nseg = len(info), m_total // rr, len(grad_stage)
     free = [0.0] * n                      # when each worker's compute lane is free
     first_start = [0.0] * n               # start of the first compute of each worker's current slot
     steps: list[list[float]] = []         # steps[u][l] = step(u, l)
@@ -179,6 +237,10 @@ def schedule(plan: StagePlan, costs: CostTable, *, gpus: int, microbatches: int,
     last_step = 0.0                       # end of the optimizer's latest step
     ends, busy = [], 0.0
     limit = math.inf if cutoff is None or staleness == 1 else cutoff
+    # A worker still owes this iteration the compute of its later slots, so its clock plus that load is a
+    # lower bound on the iteration's end, held against `limit` like a clock (1e-9: float sums round).
+    rem = None if cutoff is None else _remaining_load(info, n, rounds, rr)
+    owed = limit * (1 + 1e-9)
     first_window = iterations - 1 - window
     for t in range(iterations):
         # A clock above `limit` proves the result exceeds `cutoff`: ends[-1] is the largest clock of
@@ -186,6 +248,8 @@ def schedule(plan: StagePlan, costs: CostTable, *, gpus: int, microbatches: int,
         if cutoff is not None and staleness == 1 and (t == iterations - 1 or (t > first_window >= 0
                                                                                and ns * rounds >= n)):
             limit = ends[first_window] + window * cutoff if first_window >= 0 else math.inf
+            owed = limit + abs(limit) * 1e-9
+        k0 = t * rounds * ns
         src = t - 1 - staleness           # the gradient iteration whose copy this iteration reads
         if src >= 0:
             cp = copies[src]
@@ -246,6 +310,8 @@ def schedule(plan: StagePlan, costs: CostTable, *, gpus: int, microbatches: int,
                     t_end = clock
                     if clock > limit:
                         return None
+                if rem is not None and clock + rem[k - k0] > owed:
+                    return None
                 k += 1
         ends.append(t_end)
         # Zero-cost optimizer. A copy is final once every iteration reading the version it
