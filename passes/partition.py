@@ -5,51 +5,72 @@
     >>> partition(c, gpus=4, microbatches=8, staleness=0).to_str()
     '1,2,2,2|1|1,1,1,1,1,1,1'
 
-Note: the search. A plan is (fused tail size f, forward layout, backward
-layout); its t_max is a contiguous sum of stage times. For every f (all of
-them, down to everything fused) two generators walk the caps, the contiguous
-sums of either side: one up from t_min (the fused stage or the largest layer's
-fwd + bwd, whichever is larger), one down from just below it (more stages:
-needed for tight memory budgets). At a cap the fewest stages of a side is a
-non-increasing step function of the cap (prefix sums, one binary search per
-stage); the side is laid out over the fewest stages and up to `_EXTRA` more,
-evenly (each cut at the prefix sum nearest j/k of the work), larger-first and
-larger-last, and each new layout is paired with the other side's layouts so
-far. One heap orders generators and plans by an estimate: a slot holds its
-worker for about t_i + (R-1) * max(t_0..t_i) (it is paced by the slowest
-stage upstream), over N workers. The RoundPipe reference greedy plans are
-timed first, so the result is never worse than them; then plans are timed in
-heap order with the exact `iteration_time` (cutoff: the best so far). With w
-the work per microbatch (fixed by f) and D the sum of fwd + bwd over all
-layers (the dependency chain of one microbatch; a B stage's recompute is off
-it), a plan with t_max T takes at least max(M w / N, (D + (R-1) T) / (1 +
-staleness)): with staleness 1 iteration t+2 cannot start before iteration t's
-last backward, hence the halving. Plans and generators whose bound reaches the
-best time are dropped; the search ends when the heap is empty or `budget`
-(recurrence steps of the timed plans plus the layouts' stages) is spent, once
-some plan fits. Tiny inputs are searched exhaustively by the same rules.
+What is guaranteed. Every plan is ranked by the exact `iteration_time` under
+the given memory budget (`StagePlan.stage_memory` of every stage within it);
+the result is at least as fast as each of:
+
+(a) the RoundPipe reference heuristic's plan: caps t_max from the slowest
+    layer's fwd + bwd up to 1.1x it in 1% steps; for each cap every fused size
+    whose fused stage fits it, both sides filled greedily up to the cap; of the
+    candidates that fit the memory budget, the least max(S, N) * cap (the first
+    on ties, caps ascending, then fused sizes ascending);
+(b) every even plan (`_even_plans.py`), for models of at most 40 layers: the
+    last f layers fused, for f = 1 up to the largest fused size the reference
+    heuristic tries (the last layers' fwd + bwd within 1.1x the slowest
+    layer's) but at most 3, the other n layers in a forward and b backward
+    stages of sizes differing by at most one, the larger first in execution
+    order, for every 1 <= a, b <= n. Larger models get the family only at
+    1..2N+1 stages per side and near the balanced count, within the search
+    budget, which is heuristic;
+(c) every plan at all (fused size x forward layout x backward layout) when
+    the model has at most 7 layers.
+
+Ties: among plans of equal iteration time (equal floats) the search keeps the
+one with the fewest stages, then the smallest fused size, then the smallest
+forward sizes and then backward sizes (compared as tuples). With at most 7
+layers the result is therefore the minimum of (time, stages, fused size,
+forward sizes, backward sizes) over all plans. The search is deterministic:
+the same CostTable and options always give the same plan.
+
+What is heuristic: everything else, a best-first walk over stage-time caps
+(`_cap_walk.py`) run before the even family so that the family's pruning
+starts from a good plan. It finds the plans that fuse much of the model
+(staleness 1 without a memory budget) and uneven layouts.
+
+Note: pruning. A plan with fused size f (work w per microbatch: the fwd of the
+n other layers twice, everything else once) takes at least M w / N (the
+workers' throughput) and, with staleness 0, D + (R-1) t_max (D the fwd + bwd
+of all layers: one microbatch's dependency chain, which the recompute is off;
+the slowest stage runs the round's R microbatches one after another). With
+staleness 1 the window of `iteration_time` averages p iterations, and with p
+even and every worker in each round (S >= N, or one round) iteration t + 2
+starts after iteration t ends, so it is at least half the staleness-0 bound;
+the throughput bound M w / N is the steady state's and holds for the window
+in every case tested (tests/test_partition_guarantees.py checks both bounds
+on random plans). The guaranteed families drop a plan only when its bound
+exceeds the best time by more than 1e-9 (relative), so every plan that could
+tie is timed; `iteration_time`'s cutoff is the best time plus that slack.
 """
 from __future__ import annotations
 
-import bisect
-import heapq
 import itertools
 import math
 
 from rpcompile.costs import CostTable, _fmt
-from rpcompile.passes.timing import default_round_size, iteration_time, steady_state_window
+from rpcompile.passes import _cap_walk, _even_plans
+from rpcompile.passes._plan_eval import Evaluator
+from rpcompile.passes.timing import default_round_size, steady_state_window
 from rpcompile.plan import StagePlan
 
-_EPS = 1e-12   # relative slack for float prefix-sum comparisons
-_EXTRA = 2     # stage counts above the fewest tried at each cap
-_FILL = 0.75  # staleness 0 heap order: fill and drain as a share of (N-1) t_max
-_PER_LAYER = 16  # budget charged per layer for building and checking a plan
-_GEN, _PLAN = 0, 1
+_EPS = 1e-12     # relative slack for float cap comparisons (as the reference heuristic)
+_MARGIN = 1e-9   # relative slack of the bounds and the cutoff (float sums round)
+_FILL = 0.75     # staleness 0 heap order: fill and drain as a share of (N-1) t_max
+_EXHAUSTIVE = 7  # layers up to which every plan is timed
 
 
 def partition(costs: CostTable, *, gpus: int, microbatches: int, round_size: int | None = None,
               memory_budget: int | None = None, staleness: int = 1, budget: int | None = None) -> StagePlan:
-    """The stage plan with the least `iteration_time` whose stages fit `memory_budget`.
+    """The stage plan with the least `iteration_time` whose stages fit `memory_budget` (see the module doc).
 
     Args:
         costs: per-layer costs (times per microbatch, bytes).
@@ -58,7 +79,8 @@ def partition(costs: CostTable, *, gpus: int, microbatches: int, round_size: int
         round_size: microbatches per round R (default `default_round_size`).
         memory_budget: device bytes per worker (`StagePlan.stage_memory`); None = no limit.
         staleness: 0 or 1, the schedule the plan is ranked under.
-        budget: search effort in recurrence steps and layout stages (default max(2**16, 40 * layers * M)).
+        budget: effort of the heuristic cap walk (and of a partial even sweep) in recurrence steps and
+            layout stages (default max(2**16, 40 * layers * M)); the guarantees do not depend on it.
     Returns:
         A StagePlan carrying its evaluation (`plan.report`), so `print(plan)` is the table.
     Raises:
@@ -71,14 +93,20 @@ def partition(costs: CostTable, *, gpus: int, microbatches: int, round_size: int
     """
     if staleness not in (0, 1):
         raise ValueError(f"staleness must be 0 or 1, got {staleness!r}")
+    if gpus < 1 or microbatches < 1:
+        raise ValueError(f"partition: gpus and microbatches must be >= 1, got {gpus} and {microbatches}")
     rr = round_size or default_round_size(gpus, microbatches)
+    if microbatches % rr:
+        raise ValueError(f"partition: round_size {rr} must divide microbatches {microbatches}")
     _check_layers_fit(costs, memory_budget)
     if budget is None:
         budget = max(2 ** 16, 40 * costs.num_layers * microbatches)
     search = _Search(costs, gpus, microbatches, rr, staleness, memory_budget)
-    plan = search.run(budget)
-    return plan.evaluated(costs, gpus=gpus, microbatches=microbatches, round_size=rr, staleness=staleness,
-                          memory_budget=memory_budget)
+    search.run(budget)
+    fs, f, bs = search.best_plan
+    return StagePlan.from_sizes(fs, f, bs).evaluated(costs, gpus=gpus, microbatches=microbatches,
+                                                     round_size=rr, staleness=staleness,
+                                                     memory_budget=memory_budget)
 
 
 def _check_layers_fit(costs: CostTable, budget: int | None) -> None:
@@ -93,217 +121,141 @@ def _check_layers_fit(costs: CostTable, budget: int | None) -> None:
 
 
 class _Search:
-    """Best-first search over (fused size, forward layout, backward layout); see the module Note."""
+    """The best plan so far and the bounds and estimates the families and the cap walk share."""
+
+    margin = _MARGIN
 
     def __init__(self, costs: CostTable, n_gpu: int, m: int, rr: int, staleness: int, memory: int | None):
         self.costs, self.n_gpu, self.m, self.rr, self.st, self.memory = costs, n_gpu, m, rr, staleness, memory
+        self.ev = Evaluator(costs, gpus=n_gpu, microbatches=m, round_size=rr, staleness=staleness, memory=memory)
         self.nl = costs.num_layers
         self.wb = [a + b for a, b in zip(costs.fwd, costs.bwd)]
-        self.pf, self.pb = _prefix(costs.fwd), _prefix(self.wb)
+        self.pf = list(itertools.accumulate(costs.fwd, initial=0.0))
+        self.pb = list(itertools.accumulate(self.wb, initial=0.0))
         self.chain = sum(costs.fwd) + sum(costs.bwd)
         self.wb_max = list(itertools.accumulate(self.wb, max, initial=0.0))  # max wb over layers [0, n)
         self.f_max = list(itertools.accumulate(costs.fwd, max, initial=0.0))  # max fwd over layers [0, n)
-        self.heap: list = []
-        self.seq = itertools.count()
-        self.best, self.best_plan, self.spent = math.inf, None, 0
+        self.best, self.best_key, self.best_plan = math.inf, None, None  # key: (time, stages, f, fwd, bwd)
         self.seen: set = set()
+
+    def run(self, budget: int) -> None:
+        """(c) every plan, or the cap walk then (b) the even family; then (a) the reference plan.
+
+        The walk goes first so that the families are pruned against a good plan; the order does not
+        change which plan wins (the tie rule is a total order).
+        """
+        if self.nl <= _EXHAUSTIVE:
+            _even_plans.exhaustive(self)
+        else:
+            self._three_stage_seed()
+            if self.best_key is None:  # nothing fits so far: one layer per stage, the least memory per GPU
+                self.consider((1,) * (self.nl - 1), 1, (1,) * (self.nl - 1))
+            _cap_walk.walk(self, budget)
+            _even_plans.sweep(self, budget)
+        ref = reference_plan(self.costs, self.wb, self.n_gpu, self.ev)
+        if ref is not None:
+            self.consider(*ref, rigorous=True)
+        if self.best_key is None:
+            one = self.ev.stages((1,) * (self.nl - 1), 1, (1,) * (self.nl - 1))
+            raise ValueError(f"partition: no stage plan fits the memory budget {_fmt(self.memory, False)} per "
+                             f"GPU (one layer per stage needs {_fmt(max(self.ev.stage_memory(one)), False)})")
+
+    def _three_stage_seed(self) -> None:
+        """Time 3-stage plans (n | f | n) from the fused size with the least bound, moving f either way while
+        that improves: a first plan to prune against (under staleness 1 without a memory budget the best
+        plans fuse about half the model into few stages)."""
+        def plan(f: int) -> tuple:
+            return (self.nl - f,), f, (self.nl - f,)
+
+        def t_max(f: int) -> float:
+            n = self.nl - f
+            return max(self.pf[n], self.pb[self.nl] - self.pb[n], self.pb[n])
+        start = min(range(1, self.nl), key=lambda f: (self.bound(f, t_max(f)), f))
+        self.consider(*plan(start))
+        for step in (1, -1):
+            f = start + step
+            while 1 <= f < self.nl:
+                before = self.best
+                self.consider(*plan(f))
+                if not self.best < before:
+                    break
+                f += step
 
     def work(self, f: int) -> float:
         """Seconds of compute per microbatch with f fused layers (the forward of the rest runs twice)."""
         return self.pf[self.nl - f] + self.pb[self.nl]
 
+    def work_bound(self, f: int) -> float:
+        """M w / N: the workers' throughput bound for fused size f (see the module Note)."""
+        return self.m * self.work(f) / self.n_gpu
+
     def bound(self, f: int, t_max: float) -> float:
-        """Lower bound on the iteration time of any plan with fused size f and this t_max."""
-        return max(self.m * self.work(f) / self.n_gpu, (self.chain + (self.rr - 1) * t_max) / (1 + self.st))
+        """The cap walk's pruning bound (heuristic with staleness 1: the halved chain bound is not always valid)."""
+        return max(self.work_bound(f), (self.chain + (self.rr - 1) * t_max) / (1 + self.st))
+
+    def floor(self, f: int, t_max: float, stages: int) -> float:
+        """The bound the guaranteed families prune with (see the module Note)."""
+        chain = self.chain + (self.rr - 1) * t_max
+        if self.st == 0:
+            return max(self.work_bound(f), chain)
+        rounds = self.m // self.rr
+        even = steady_state_window(self.n_gpu, stages, rounds)[1] % 2 == 0
+        return max(self.work_bound(f), chain / 2 if even and (stages >= self.n_gpu or rounds == 1) else 0.0)
 
     def fill(self, t_max: float) -> float:
         """Heap order only: the fill and drain of an isolated (staleness 0) iteration."""
         return 0.0 if self.st else _FILL * (self.n_gpu - 1) * t_max
 
-    def estimate(self, f: int, fwd: tuple, bwd: tuple) -> float:
-        """Heap order of a plan (stage times in slot order): workers held, paced by the slowest stage upstream.
+    def estimate(self, f: int, tfb: float, fwd: tuple, bwd: tuple, b: int) -> float:
+        """Heap order of a plan from its sides' (total, slowest, sum of running max) in slot order, in O(1).
 
         A slot cannot finish its R microbatches faster than the slowest stage before it passes them on,
-        so each slot holds its worker about t_i + (R-1) * max(t_0..t_i).
+        so each slot holds its worker about t_i + (R-1) * max(t_0..t_i); the backward stages' pace starts at
+        the forward side's and the fused stage's, hence b * that pace when it exceeds their running maxima.
         """
-        pace = held = 0.0
-        for t in itertools.chain(fwd, (self.pb[self.nl] - self.pb[self.nl - f],), bwd):
-            pace = t if t > pace else pace
-            held += t + (self.rr - 1) * pace
-        t_max = pace
+        f_sum, f_max, f_paced = fwd
+        b_sum, b_max, b_paced = bwd
+        pace = max(f_max, tfb)
+        held = (f_sum + (self.rr - 1) * f_paced + tfb + (self.rr - 1) * pace
+                + b_sum + (self.rr - 1) * max(b_paced, b * pace))
+        return self._order(held, max(pace, b_max))
+
+    def _order(self, held: float, t_max: float) -> float:
+        """Workers held per round over the iteration and N workers, or the chain bound if larger."""
         est = max(held * (self.m // self.rr) / self.n_gpu, (self.chain + (self.rr - 1) * t_max) / (1 + self.st))
         return est + self.fill(t_max)
 
-    def push_plan(self, fs: tuple, f: int, bs: tuple, fwd_t: tuple = None, bwd_t: tuple = None) -> None:
-        """Queue a plan (backward sizes and times in execution order) unless seen before."""
-        k = (fs, f, bs)
-        if k not in self.seen:
-            self.seen.add(k)
-            if fwd_t is None:
-                t = StagePlan.from_sizes(fs, f, bs).stage_times(self.costs)
-                fwd_t, bwd_t = t[:len(fs)], t[len(fs) + 1:]
-            heapq.heappush(self.heap, (self.estimate(f, fwd_t, bwd_t), next(self.seq), _PLAN, k))
-            self.spent += len(fs) + len(bs) + 1
+    def consider(self, fs: tuple, f: int, bs: tuple, *, rigorous: bool = False) -> str:
+        """Time one plan unless seen, over the memory budget, or no better than the best by a bound.
 
-    def run(self, budget: int) -> StagePlan:
-        """Pop and expand heap entries until it is empty or the budget is spent (with a plan found)."""
-        for seed in _reference_seeds(self.costs, self.wb, self.n_gpu):
-            self._evaluate(*seed)
-        for f in range(1, self.nl + 1):
-            shared: list = []
-            for down in (False, True):
-                g = _Generator(self, f, down, shared)
-                heapq.heappush(self.heap, (g.key(), next(self.seq), _GEN, g))
-        while self.heap and (self.spent < budget or self.best_plan is None):
-            _, _, kind, item = heapq.heappop(self.heap)
-            if kind == _GEN:
-                if self.bound(item.f, max(item.cap, item.t_min)) < self.best and item.step():
-                    heapq.heappush(self.heap, (item.key(), next(self.seq), _GEN, item))
-            else:
-                self._evaluate(*item)
-        if self.best_plan is None:
-            one = StagePlan.from_sizes([1] * (self.nl - 1), 1, [1] * (self.nl - 1))
-            raise ValueError(f"partition: no stage plan fits the memory budget {_fmt(self.memory, False)} per "
-                             f"GPU (one layer per stage needs "
-                             f"{_fmt(max(one.stage_memory(self.costs, gpus=self.n_gpu)), False)})")
-        return self.best_plan
-
-    def _evaluate(self, fs: tuple, f: int, bs: tuple) -> None:
-        """Time one plan exactly (cutoff: the best so far); charge S * M * iterations steps."""
-        plan = StagePlan.from_sizes(fs, f, bs)
-        times = plan.stage_times(self.costs)
-        if self.bound(f, max(times)) >= self.best:
-            return
-        if self.memory is not None and max(plan.stage_memory(self.costs, gpus=self.n_gpu)) > self.memory:
-            self.spent += plan.num_stages
-            return
-        iters = 1 if self.st == 0 else steady_state_window(self.n_gpu, plan.num_stages, self.m // self.rr)[0]
-        self.spent += plan.num_stages * self.m * iters + _PER_LAYER * self.nl
-        t = iteration_time(plan, self.costs, gpus=self.n_gpu, microbatches=self.m, round_size=self.rr,
-                           staleness=self.st, cutoff=None if math.isinf(self.best) else self.best)
-        if t < self.best:
-            self.best, self.best_plan = t, plan
-
-
-class _Generator:
-    """Plans with f fused layers, cap by cap: up from t_min, or (down) from just below t_min to the least cap."""
-
-    def __init__(self, search: _Search, f: int, down: bool, shared: list):
-        self.s, self.f, self.n, self.down, self.shared = search, f, search.nl - f, down, shared
-        self.tfb = search.pb[search.nl] - search.pb[self.n]
-        self.t_min = max(self.tfb, search.wb_max[self.n])  # every layer's fwd + bwd sits in an FB or B stage
-        self.cap, self.count = self.t_min, min(self.n, 1)  # the next cap and the fewest backward stages under it
-        self.sides = None  # (forward, backward) _Caps, built on the first step
-
-    def key(self) -> float:
-        """Heap order of the next cap: the bound, or the workers held at its fewest stages if larger.
-
-        The backward stages are paced by the cap (new layouts reach it): each holds its worker about
-        (R-1) * cap.
+        `rigorous`: prune only by the guaranteed families' `floor`; otherwise by the cap walk's `bound`,
+        and a plan pruned so is not marked seen, so that a guaranteed family still times it.
+        Returns what happened: "skipped", "too big" or "timed".
         """
-        s, n, t = self.s, self.n, max(self.cap, self.t_min)
-        held = s.work(self.f) + (s.rr - 1) * (s.pf[n] + self.tfb + max(self.count * t, s.pb[n]))
-        return max(s.bound(self.f, t), held * (s.m // s.rr) / s.n_gpu) + s.fill(t)
-
-    def step(self) -> bool:
-        """Advance to the next cap, queue the new plans; False when no caps remain."""
-        s, n = self.s, self.n
-        if n == 0:
-            if not self.down:
-                s.push_plan((), self.f, (), (), ())
-            return False
-        if self.sides is None:
-            if not self.shared:  # per side, shared by both directions: layouts so far and their set
-                self.shared.extend([([], set()), ([], set())])
-            lo = (s.f_max[n], s.wb_max[n]) if self.down else (self.t_min, self.t_min)
-            self.sides = tuple(_Caps(p, n, lo[i], self.t_min if self.down else math.inf, *self.shared[i])
-                               for i, p in enumerate((s.pf, s.pb)))
-        fwd, bwd = self.sides
-        cap = self._next()
-        if cap is None:
-            return False
-        for side, other, is_fwd in ((fwd, bwd, True), (bwd, fwd, False)):
-            if side.head() != cap:
-                continue
-            side.pop()
-            new, cost = side.layouts(cap)
-            s.spent += cost
-            for sizes, times in new:
-                for o_sizes, o_times in other.done:
-                    fs, bs = (sizes, o_sizes) if is_fwd else (o_sizes, sizes)
-                    ft, bt = (times, o_times) if is_fwd else (o_times, times)
-                    s.push_plan(fs, self.f, bs[::-1], ft, bt[::-1])
-        cap = self._next()
-        if cap is None:
-            return False
-        self.cap = cap
-        self.count = _fewest(s.pb, n, self.cap)
-        s.spent += self.count
-        return True
+        plan = (fs, f, bs)
+        if plan in self.seen:
+            return "skipped"
+        stages = self.ev.stages(fs, f, bs)
+        t_max = max(a + b if code else a for code, _, _, a, b in stages)
+        lim = self.best * (1 + _MARGIN)
+        if rigorous:
+            if self.floor(f, t_max, len(stages)) > lim:
+                self.seen.add(plan)
+                return "skipped"
+        elif self.bound(f, t_max) >= self.best:
+            return "skipped"
+        self.seen.add(plan)
+        if not self.ev.fits(stages):
+            return "too big"
+        t = self.ev.time(stages, cutoff=lim)
+        key = (t, len(stages), f, fs, bs)
+        if t <= lim and (self.best_key is None or key < self.best_key):
+            self.best, self.best_key, self.best_plan = t, key, plan
+        return "timed"
 
 
-    def _next(self) -> float | None:
-        """The next cap of either side in walking order, None when both are done."""
-        heads = [h for h in (self.sides[0].head(), self.sides[1].head()) if h is not None]
-        return None if not heads else (max if self.down else min)(heads)
-
-
-class _Caps:
-    """One side's caps (contiguous sums of layers 0..n-1, prefix sums p) in [lo, hi), walked up or down.
-
-    Walking up starts at lo itself; walking down starts at the largest sum below hi. `done` and `seen`
-    (the side's layouts so far) are shared by both walks of one fused size.
-    """
-
-    def __init__(self, p: list[float], n: int, lo: float, hi: float, done: list, seen: set):
-        self.p, self.n, self.lo, self.done, self.seen = p, n, lo, done, seen
-        self.down = not math.isinf(hi)
-        self.heap = [] if self.down else [(lo, -1, -1)]  # (+-sum of layers [i, j), i, j), one per start i
-        for i in range(n):
-            if self.down:
-                j = bisect.bisect_left(p, p[i] + hi * (1 - _EPS), i + 1, n + 1) - 1
-                if j > i and p[j] - p[i] >= lo * (1 - _EPS):
-                    self.heap.append((p[i] - p[j], i, j))
-            else:
-                j = bisect.bisect_right(p, p[i] + lo * (1 + _EPS), i + 1, n + 1)
-                if j <= n:
-                    self.heap.append((p[j] - p[i], i, j))
-        heapq.heapify(self.heap)
-
-    def head(self) -> float | None:
-        """The next cap, or None when the walk is over."""
-        if not self.heap:
-            return None
-        return -self.heap[0][0] if self.down else self.heap[0][0]
-
-    def pop(self) -> None:
-        """Drop every entry equal to the head cap, advancing each start to its next sum."""
-        key = self.heap[0][0]
-        while self.heap and abs(self.heap[0][0] - key) <= abs(key) * _EPS:
-            _, i, j = heapq.heappop(self.heap)
-            nj = j - 1 if self.down else j + 1
-            if self.down and nj > i and self.p[nj] - self.p[i] >= self.lo * (1 - _EPS):
-                heapq.heappush(self.heap, (self.p[i] - self.p[nj], i, nj))
-            elif not self.down and 0 <= j < self.n:
-                heapq.heappush(self.heap, (self.p[nj] - self.p[i], i, nj))
-
-    def layouts(self, cap: float) -> tuple[list[tuple[tuple[int, ...], tuple[float, ...]]], int]:
-        """New layouts under cap (fewest stages .. +_EXTRA, each even, larger-first and larger-last), and the
-        stages computed on the way (the effort)."""
-        p, n, out = self.p, self.n, []
-        k0 = _fewest(p, n, cap)
-        ks = range(k0, min(n, k0 + _EXTRA) + 1)
-        for k in ks:
-            for sizes in (_even(p, n, cap, k), _greedy(p, n, cap, k, left=True), _greedy(p, n, cap, k, left=False)):
-                if sizes is not None and sizes not in self.seen:
-                    self.seen.add(sizes)
-                    out.append((sizes, _sums(p, sizes)))
-        self.done.extend(out)
-        return out, k0 + 4 * sum(ks)
-
-
-def _reference_seeds(costs: CostTable, wb: list[float], n_gpu: int) -> list[tuple]:
-    """The RoundPipe reference plans: t_max in [max layer, 1.1 max layer], greedy, ranked by max(S, N) t_max."""
+def reference_plan(costs: CostTable, wb: list[float], n_gpu: int, ev: Evaluator) -> tuple | None:
+    """Family (a): the RoundPipe reference plan among its candidates that fit the budget, as sizes."""
     best, nl = None, costs.num_layers
     for i in range(11):
         cap = max(wb) * (1 + 0.01 * i)
@@ -311,11 +263,11 @@ def _reference_seeds(costs: CostTable, wb: list[float], n_gpu: int) -> list[tupl
             if sum(wb[nl - f:]) > cap * (1 + _EPS):
                 break
             n = nl - f
-            fs, bs = _greedy_fill(costs.fwd[:n], cap), _greedy_fill(wb[:n][::-1], cap)
+            fs, bs = tuple(_greedy_fill(costs.fwd[:n], cap)), tuple(_greedy_fill(wb[:n][::-1], cap))
             cost = max(len(fs) + 1 + len(bs), n_gpu) * cap
-            if best is None or cost < best[0]:
-                best = (cost, (tuple(fs), f, tuple(bs)))
-    return [] if best is None else [best[1]]
+            if (best is None or cost < best[0]) and ev.fits(ev.stages(fs, f, bs)):
+                best = (cost, (fs, f, bs))
+    return None if best is None else best[1]
 
 
 def _greedy_fill(w, cap: float) -> list[int]:
@@ -329,63 +281,3 @@ def _greedy_fill(w, cap: float) -> list[int]:
             sizes.append(1)
             acc = x
     return sizes
-
-
-def _prefix(w) -> list[float]:
-    """Prefix sums, p[0] = 0."""
-    return list(itertools.accumulate(w, initial=0.0))
-
-
-def _fewest(p: list[float], n: int, cap: float) -> int:
-    """Fewest contiguous stages over p's n layers with every stage <= cap (a layer above cap stands alone)."""
-    k, i, slack = 0, 0, cap * _EPS
-    while i < n:
-        j = bisect.bisect_right(p, p[i] + cap + slack, i + 1, n + 1) - 1
-        i = max(j, i + 1)
-        k += 1
-    return k
-
-
-def _even(p: list[float], n: int, cap: float, k: int) -> tuple[int, ...] | None:
-    """k stages under cap with each cut at the prefix sum nearest to j/k of the total that keeps the rest feasible."""
-    slack, reach = cap * _EPS, [n]           # reach[q]: least start whose suffix fits in q stages
-    for _ in range(k):
-        i = reach[-1]
-        reach.append(max(0, min(bisect.bisect_left(p, p[i] - cap - slack, 0, i), i - 1)) if i > 0 else 0)
-    if reach[k] > 0:
-        return None
-    cuts = [0]
-    for j in range(1, k):
-        prev = cuts[-1]
-        hi = min(max(bisect.bisect_right(p, p[prev] + cap + slack, prev + 1, n + 1) - 1, prev + 1), n - (k - j))
-        lo = min(max(reach[k - j], prev + 1), hi)
-        target = p[n] * j / k
-        i = min(bisect.bisect_left(p, target, lo, hi + 1), hi)
-        if i > lo and target - p[i - 1] <= p[i] - target:
-            i -= 1
-        cuts.append(i)
-    cuts.append(n)
-    return tuple(cuts[j + 1] - cuts[j] for j in range(k))
-
-
-def _greedy(p: list[float], n: int, cap: float, k: int, *, left: bool) -> tuple[int, ...] | None:
-    """k stages under cap, filled from the first layer (left) or the last; None if that needs more or fewer."""
-    if not left:
-        q = [p[n] - x for x in reversed(p[:n + 1])]
-        sizes = _greedy(q, n, cap, k, left=True)
-        return None if sizes is None else sizes[::-1]
-    sizes, i, slack = [], 0, cap * _EPS
-    while i < n:
-        j = bisect.bisect_right(p, p[i] + cap + slack, i + 1, n + 1) - 1
-        j = min(max(j, i + 1), n - (k - len(sizes) - 1))
-        if j <= i:
-            return None
-        sizes.append(j - i)
-        i = j
-    return tuple(sizes) if len(sizes) == k else None
-
-
-def _sums(p: list[float], sizes: tuple[int, ...]) -> tuple[float, ...]:
-    """The stage sums of a layout."""
-    cuts = list(itertools.accumulate(sizes, initial=0))
-    return tuple(p[b] - p[a] for a, b in zip(cuts, cuts[1:]))

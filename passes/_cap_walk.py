@@ -1,0 +1,256 @@
+"""The heuristic part of `partition`: a best-first walk over stage-time caps.
+
+A plan is (fused tail size f, forward layout, backward layout); its t_max is a
+contiguous sum of stage times. For every f two generators walk the caps, the
+contiguous sums of either side: one up from t_min (the fused stage or the
+largest layer's fwd + bwd, whichever is larger), one down from just below it
+(more stages: needed for tight memory budgets). At a cap the fewest stages of
+a side is a non-increasing step function of the cap (prefix sums, one binary
+search per stage); the side is laid out over the fewest stages and up to
+`_EXTRA` more, evenly by time (each cut at the prefix sum nearest j/k of the
+work), larger-first and larger-last, and each new layout is paired with the
+other side's layouts so far (a layout with a stage whose own bytes exceed the
+memory budget is dropped: no plan could hold it). One heap orders generators
+and plans by an estimate: a slot holds its worker for about
+t_i + (R-1) * max(t_0..t_i) (it is paced by the slowest stage upstream), over
+N workers. Plans are timed in heap order by `partition`'s search
+(`_Search.consider`); generators and plans whose bound reaches the best time
+are dropped; the walk ends when the heap is empty, when every estimate left
+exceeds the best time by `STOP`, or when `budget` (recurrence steps of the
+timed plans plus the layouts' stages) is spent, once some plan fits. Nothing
+here is guaranteed: `partition`'s guarantees come from the reference plan, the
+even family and the exhaustive search.
+"""
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import math
+
+_EPS = 1e-12   # relative slack for float prefix-sum comparisons
+_EXTRA = 2     # stage counts above the fewest tried at each cap
+_PER_LAYER = 16  # budget charged per layer for building and checking a plan
+STOP = 0.05      # the walk ends once every estimate left exceeds the best time by this share
+_GEN, _PLAN = 0, 1
+
+
+def walk(search, budget: int) -> None:
+    """Run the cap walk for `search` (a `partition._Search`) until its heap is empty or `budget` is spent."""
+    heap, seq, seen, start = [], itertools.count(), set(), search.ev.timed
+    spent = [0]
+
+    def push(fs: tuple, f: int, bs: tuple, fwd: tuple, bwd: tuple, tfb: float) -> None:
+        """Queue a plan (sides' aggregates as `aggregate`) unless seen or hopeless by the bound."""
+        k = (fs, f, bs)
+        if k not in seen and search.bound(f, max(fwd[1], tfb, bwd[1])) < search.best:
+            seen.add(k)
+            heapq.heappush(heap, (search.estimate(f, tfb, fwd, bwd, len(bs)), next(seq), _PLAN, k))
+            spent[0] += len(fs) + len(bs) + 1
+
+    for f in range(1, search.nl + 1):
+        shared: list = []
+        for down in (False, True):
+            g = _Generator(search, f, down, shared, push, spent)
+            heapq.heappush(heap, (g.key(), next(seq), _GEN, g))
+    while heap and (spent[0] + search.ev.timed - start < budget or search.best_key is None):
+        if heap[0][0] > search.best * (1 + STOP):
+            break  # every estimate left is well above the best time
+        _, _, kind, item = heapq.heappop(heap)
+        if kind == _GEN:
+            if search.bound(item.f, max(item.cap, item.t_min)) < search.best and item.step():
+                heapq.heappush(heap, (item.key(), next(seq), _GEN, item))
+        else:
+            done = search.consider(*item)  # its recurrence steps count through search.ev.timed
+            spent[0] += (len(item[0]) + len(item[2]) + 1 if done == "too big" else
+                         _PER_LAYER * search.nl if done == "timed" else 0)
+
+
+class _Generator:
+    """Plans with f fused layers, cap by cap: up from t_min, or (down) from just below t_min to the least cap."""
+
+    def __init__(self, search, f: int, down: bool, shared: list, push, spent: list):
+        self.s, self.f, self.n, self.down, self.shared = search, f, search.nl - f, down, shared
+        self.push, self.spent = push, spent
+        self.tfb = search.pb[search.nl] - search.pb[self.n]
+        self.t_min = max(self.tfb, search.wb_max[self.n])  # every layer's fwd + bwd sits in an FB or B stage
+        self.cap, self.count = self.t_min, min(self.n, 1)  # the next cap and the fewest backward stages under it
+        self.sides = None  # (forward, backward) _Caps, built on the first step
+
+    def key(self) -> float:
+        """Heap order of the next cap: the bound, or the workers held at its fewest stages if larger.
+
+        The backward stages are paced by the cap (new layouts reach it): each holds its worker about
+        (R-1) * cap.
+        """
+        s, n, t = self.s, self.n, max(self.cap, self.t_min)
+        held = s.work(self.f) + (s.rr - 1) * (s.pf[n] + self.tfb + max(self.count * t, s.pb[n]))
+        return max(s.bound(self.f, t), held * (s.m // s.rr) / s.n_gpu) + s.fill(t)
+
+    def step(self) -> bool:
+        """Advance to the next cap, queue the new plans; False when no caps remain."""
+        s, n = self.s, self.n
+        if n == 0:
+            if not self.down:
+                self.push((), self.f, (), _NONE, _NONE, self.tfb)
+            return False
+        if self.sides is None:
+            if not self.shared:  # per side, shared by both directions: layouts so far and their set
+                self.shared.extend([([], set()), ([], set())])
+            lo = (s.f_max[n], s.wb_max[n]) if self.down else (self.t_min, self.t_min)
+            self.sides = tuple(_Caps(p, n, lo[i], self.t_min if self.down else math.inf, *self.shared[i],
+                                     ok=lambda sizes, b=bool(i): s.ev.side_fits(sizes, backward=b))
+                               for i, p in enumerate((s.pf, s.pb)))
+        fwd, bwd = self.sides
+        cap = self._next()
+        if cap is None:
+            return False
+        for side, other, is_fwd in ((fwd, bwd, True), (bwd, fwd, False)):
+            if side.head() != cap:
+                continue
+            side.pop()
+            new, cost = side.layouts(cap)
+            self.spent[0] += cost
+            for sizes, agg in new:
+                for o_sizes, o_agg in other.done:
+                    fs, bs = (sizes, o_sizes) if is_fwd else (o_sizes, sizes)
+                    fa, ba = (agg, o_agg) if is_fwd else (o_agg, agg)
+                    self.push(fs, self.f, bs[::-1], fa[:3], ba[:2] + ba[3:], self.tfb)
+        cap = self._next()
+        if cap is None:
+            return False
+        self.cap = cap
+        self.count = _fewest(s.pb, n, self.cap)
+        self.spent[0] += self.count
+        return True
+
+    def _next(self) -> float | None:
+        """The next cap of either side in walking order, None when both are done."""
+        heads = [h for h in (self.sides[0].head(), self.sides[1].head()) if h is not None]
+        return None if not heads else (max if self.down else min)(heads)
+
+
+class _Caps:
+    """One side's caps (contiguous sums of layers 0..n-1, prefix sums p) in [lo, hi), walked up or down.
+
+    Walking up starts at lo itself; walking down starts at the largest sum below hi. `done` and `seen`
+    (the side's layouts so far) are shared by both walks of one fused size.
+    """
+
+    def __init__(self, p: list[float], n: int, lo: float, hi: float, done: list, seen: set, ok=None):
+        self.p, self.n, self.lo, self.done, self.seen, self.ok = p, n, lo, done, seen, ok
+        self.down = not math.isinf(hi)
+        self.heap = [] if self.down else [(lo, -1, -1)]  # (+-sum of layers [i, j), i, j), one per start i
+        for i in range(n):
+            if self.down:
+                j = bisect.bisect_left(p, p[i] + hi * (1 - _EPS), i + 1, n + 1) - 1
+                if j > i and p[j] - p[i] >= lo * (1 - _EPS):
+                    self.heap.append((p[i] - p[j], i, j))
+            else:
+                j = bisect.bisect_right(p, p[i] + lo * (1 + _EPS), i + 1, n + 1)
+                if j <= n:
+                    self.heap.append((p[j] - p[i], i, j))
+        heapq.heapify(self.heap)
+
+    def head(self) -> float | None:
+        """The next cap, or None when the walk is over."""
+        if not self.heap:
+            return None
+        return -self.heap[0][0] if self.down else self.heap[0][0]
+
+    def pop(self) -> None:
+        """Drop every entry equal to the head cap, advancing each start to its next sum."""
+        key = self.heap[0][0]
+        while self.heap and abs(self.heap[0][0] - key) <= abs(key) * _EPS:
+            _, i, j = heapq.heappop(self.heap)
+            nj = j - 1 if self.down else j + 1
+            if self.down and nj > i and self.p[nj] - self.p[i] >= self.lo * (1 - _EPS):
+                heapq.heappush(self.heap, (self.p[i] - self.p[nj], i, nj))
+            elif not self.down and 0 <= j < self.n:
+                heapq.heappush(self.heap, (self.p[nj] - self.p[i], i, nj))
+
+    def layouts(self, cap: float) -> tuple[list[tuple[tuple[int, ...], tuple[float, ...]]], int]:
+        """New layouts under cap (fewest stages .. +_EXTRA, each even, larger-first and larger-last) with their
+        `aggregate`, and the stages computed on the way (the effort)."""
+        p, n, out = self.p, self.n, []
+        k0 = _fewest(p, n, cap)
+        ks = range(k0, min(n, k0 + _EXTRA) + 1)
+        for k in ks:
+            for sizes in (_even(p, n, cap, k), _greedy(p, n, cap, k, left=True), _greedy(p, n, cap, k, left=False)):
+                if sizes is not None and sizes not in self.seen:
+                    self.seen.add(sizes)
+                    if self.ok is None or self.ok(sizes):  # a stage too big for any plan: never paired
+                        out.append((sizes, aggregate(_sums(p, sizes))))
+        self.done.extend(out)
+        return out, k0 + 4 * sum(ks)
+
+
+_NONE = (0.0, 0.0, 0.0)  # the aggregate of an empty side
+
+
+def aggregate(times: tuple[float, ...]) -> tuple[float, float, float, float]:
+    """(total, slowest, sum of the running maximum in layer order, the same in reverse order) of stage times:
+    what `partition._Search.estimate` needs of a forward side (layer order) or a backward side (reverse)."""
+    out = []
+    for seq in (times, times[::-1]):
+        pace = paced = 0.0
+        for t in seq:
+            pace = t if t > pace else pace
+            paced += pace
+        out.append(paced)
+    return sum(times), max(times), out[0], out[1]
+
+
+def _fewest(p: list[float], n: int, cap: float) -> int:
+    """Fewest contiguous stages over p's n layers with every stage <= cap (a layer above cap stands alone)."""
+    k, i, slack = 0, 0, cap * _EPS
+    while i < n:
+        j = bisect.bisect_right(p, p[i] + cap + slack, i + 1, n + 1) - 1
+        i = max(j, i + 1)
+        k += 1
+    return k
+
+
+def _even(p: list[float], n: int, cap: float, k: int) -> tuple[int, ...] | None:
+    """k stages under cap with each cut at the prefix sum nearest to j/k of the total that keeps the rest feasible."""
+    slack, reach = cap * _EPS, [n]           # reach[q]: least start whose suffix fits in q stages
+    for _ in range(k):
+        i = reach[-1]
+        reach.append(max(0, min(bisect.bisect_left(p, p[i] - cap - slack, 0, i), i - 1)) if i > 0 else 0)
+    if reach[k] > 0:
+        return None
+    cuts = [0]
+    for j in range(1, k):
+        prev = cuts[-1]
+        hi = min(max(bisect.bisect_right(p, p[prev] + cap + slack, prev + 1, n + 1) - 1, prev + 1), n - (k - j))
+        lo = min(max(reach[k - j], prev + 1), hi)
+        target = p[n] * j / k
+        i = min(bisect.bisect_left(p, target, lo, hi + 1), hi)
+        if i > lo and target - p[i - 1] <= p[i] - target:
+            i -= 1
+        cuts.append(i)
+    cuts.append(n)
+    return tuple(cuts[j + 1] - cuts[j] for j in range(k))
+
+
+def _greedy(p: list[float], n: int, cap: float, k: int, *, left: bool) -> tuple[int, ...] | None:
+    """k stages under cap, filled from the first layer (left) or the last; None if that needs more or fewer."""
+    if not left:
+        q = [p[n] - x for x in reversed(p[:n + 1])]
+        sizes = _greedy(q, n, cap, k, left=True)
+        return None if sizes is None else sizes[::-1]
+    sizes, i, slack = [], 0, cap * _EPS
+    while i < n:
+        j = bisect.bisect_right(p, p[i] + cap + slack, i + 1, n + 1) - 1
+        j = min(max(j, i + 1), n - (k - len(sizes) - 1))
+        if j <= i:
+            return None
+        sizes.append(j - i)
+        i = j
+    return tuple(sizes) if len(sizes) == k else None
+
+
+def _sums(p: list[float], sizes: tuple[int, ...]) -> tuple[float, ...]:
+    """The stage sums of a layout."""
+    cuts = list(itertools.accumulate(sizes, initial=0))
+    return tuple(p[b] - p[a] for a, b in zip(cuts, cuts[1:]))
