@@ -2,6 +2,7 @@
 
     python -m rpcompile demo
     python -m rpcompile plan --model llama3.1-8b --gpus 8 --hardware rtx4090 --seq 2048 --microbatches 16
+    python -m rpcompile plan --model qwen3-32b --host-memory 1024
     python -m rpcompile simulate --program program.csv [--costs costs.json] --hardware rtx4090
     python -m rpcompile train --config run.json
     python -m rpcompile finetune --model DIR --data train.jsonl --out DIR [--lora 8] [--save-every 100]
@@ -25,13 +26,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """Plan a model on meta for a target machine and compare with the baselines."""
     from rpcompile.planning import plan_model
     t = time.perf_counter()
+    if args.host_memory is not None and not args.host_memory > 0:
+        raise ValueError(f"--host-memory must be a positive number of GiB, got {args.host_memory:g}")
+    limit = None if args.host_memory is None else int(args.host_memory * 2**30)
     r = plan_model(args.model, gpus=args.gpus, hardware=args.hardware, seq=args.seq,
-                   microbatches=args.microbatches, staleness=args.staleness, frozen_base=args.frozen_base)
+                   microbatches=args.microbatches, staleness=args.staleness, frozen_base=args.frozen_base,
+                   host_memory=limit)  # raises (exit 2) when the run does not fit the host
     print(f"{args.model}: {r.params / 1e9:.2f}B parameters, {len(r.costs)} layers, "
           f"{args.gpus}x {args.hardware}, seq {args.seq}, {args.microbatches} microbatches\n")
     print(r.plan, "", r.table(), "", sep="\n")
-    fits = "fits" if r.host_bytes <= r.host_memory else "DOES NOT FIT: freeze the base (LoRA) or add host memory"
-    print(f"host memory: {r.host_bytes / 2**30:,.0f} GiB needed of {r.host_memory / 2**30:,.0f} GiB ({fits})")
+    source = "--host-memory" if limit is not None else f"{args.hardware} preset"
+    print(f"host memory: {r.host} needed of {r.host_memory / 2**30:,.1f} GiB ({source}): fits")
     print(f"max_seq_len on {args.gpus}x {args.hardware}: {r.max_seq if r.max_seq is not None else 'n/a'}")
     print(f"planned in {time.perf_counter() - t:.1f} s")
     if args.save_program:
@@ -100,6 +105,8 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--staleness", type=int, default=1, choices=(0, 1))
     pl.add_argument("--frozen-base", action="store_true",
                     help="LoRA-style: freeze every matrix (no grads, masters or optimizer state for them)")
+    pl.add_argument("--host-memory", type=float, metavar="GiB",
+                    help="host memory of the target machine in GiB (default: the hardware preset's)")
     pl.add_argument("--save-program", help="write the program (CSV) and costs (JSON) here")
     pl.set_defaults(func=cmd_plan)
     s = sub.add_parser("simulate", help="simulate a saved program")

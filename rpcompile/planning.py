@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from tabulate import tabulate
 
 from rpcompile.hardware import Hardware
+from rpcompile.hostmem import HostBytes, check_host_memory
+from rpcompile.optim import AdamW
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,8 +26,13 @@ class PlanResult:
     rows: tuple           # (schedule, iteration s, tokens/s, bubble, steady bubble, peak GiB, fits) per schedule
     max_seq: int | None   # longest sequence that fits (None if it could not be computed)
     tokens: int           # tokens per iteration
-    host_bytes: int       # host memory the run needs: weights, fp32 masters, grads, Adam state, saved inputs
-    host_memory: int      # host memory of the target machine
+    host: HostBytes       # host memory the run needs, by category (`rpcompile.hostmem`)
+    host_memory: int      # host memory of the target machine (or the override)
+
+    @property
+    def host_bytes(self) -> int:
+        """Total host bytes the run needs."""
+        return self.host.total
 
     def table(self) -> str:
         """Our plan and the baselines side by side."""
@@ -35,7 +42,8 @@ class PlanResult:
 
 
 def plan_model(model: str, *, gpus: int = 8, hardware: str | Hardware = "rtx4090", seq: int = 2048,
-               microbatches: int = 16, staleness: int = 1, frozen_base: bool = False) -> PlanResult:
+               microbatches: int = 16, staleness: int = 1, frozen_base: bool = False,
+               host_memory: int | None = None) -> PlanResult:
     """Build `model` on meta, predict its costs on `hardware`, plan, simulate, compare.
 
     Args:
@@ -43,8 +51,12 @@ def plan_model(model: str, *, gpus: int = 8, hardware: str | Hardware = "rtx4090
         gpus, hardware, seq, microbatches, staleness: the target run (one sequence per microbatch).
         frozen_base: plan a LoRA-style run: every matrix is frozen, only the 1-D weights (norms)
             train. LoRA adapters are small enough that their bytes and FLOPs are left out.
+        host_memory: host bytes of the target machine, overriding the hardware preset's.
     Returns:
         A PlanResult; `.table()` compares our schedule with GPipe, 1F1B, interleaved and looped-BFS.
+    Raises:
+        ValueError: the run does not fit the host memory (`rpcompile.hostmem.check_host_memory`: the
+            parameters' state is checked before planning, the saved activations once the plan is known).
     """
     import torch
     from rpcompile import passes
@@ -54,15 +66,20 @@ def plan_model(model: str, *, gpus: int = 8, hardware: str | Hardware = "rtx4090
     from rpcompile.runtime.baselines import baselines
 
     hw = Hardware.preset(hardware) if isinstance(hardware, str) else hardware
+    if host_memory is not None:
+        hw = hw.replace(host_memory=host_memory)
     net = build_meta(model)
     if frozen_base:
         for p in net.parameters():
             p.requires_grad_(p.dim() == 1)
+    state = dict(staleness=staleness, optimizer=AdamW(), dtype=torch.bfloat16, hardware=hw, limit=host_memory)
+    check_host_memory(net, microbatches=microbatches, **state)  # the parameters' state alone, before planning
     example = example_batch(net.config.vocab_size, microbatches, seq)
     opts = Options(gpus=gpus, microbatches=microbatches, staleness=staleness,
                    optimizer=None, dtype=torch.bfloat16, loss_fn=None, layers=None,
                    lm_head_shards="auto", hardware=hw, memory_budget=None, backend="host", seed=0)
     graph, costs, plan, program, m = plan_pipeline(net, example, opts, mode="predict")
+    host = check_host_memory(graph, costs, plan, microbatches=m, **state)
     tokens = microbatches * seq
     rows = []
     ours_sync = simulate(passes.emit(plan, gpus=gpus, microbatches=m, round_size=program.round_size,
@@ -82,17 +99,7 @@ def plan_model(model: str, *, gpus: int = 8, hardware: str | Hardware = "rtx4090
         longest = None
     n_params = sum(v.shape.numel() if hasattr(v.shape, "numel") else _numel(v.shape)
                    for v in graph.params.values())
-    return PlanResult(model, n_params, plan, program, costs, tuple(rows), longest, tokens,
-                      host_bytes(graph, costs, plan, m), hw.host_memory)
-
-
-def host_bytes(graph, costs, plan, microbatches: int) -> int:
-    """Host memory of a run: compute copies, and for trainable parameters an fp32 master, an fp32
-    gradient and two fp32 Adam moments, plus every microbatch's saved stage inputs."""
-    weights = sum(v.bytes for v in graph.params.values())
-    trainable = sum(v.bytes // max(v.dtype.itemsize, 1) for v in graph.params.values() if v.requires_grad)
-    saved = microbatches * sum(costs.saved_bytes[s.layers.start] for s in plan.stages)
-    return weights + 16 * trainable + saved
+    return PlanResult(model, n_params, plan, program, costs, tuple(rows), longest, tokens, host, hw.host_memory)
 
 
 def _fits(timeline, hw: Hardware) -> str:

@@ -42,3 +42,34 @@ def test_unknown_model_lists_the_presets(tmp_path):
     r = subprocess.run([sys.executable, "-m", "rpcompile", "plan", "--model", "gpt-5"], cwd=tmp_path,
                        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
     assert r.returncode == 2 and "qwen3-1.7b" in r.stderr and "gpt-5" in r.stderr and "Traceback" not in r.stderr
+
+
+def run_plan(*args, cwd):
+    """`python -m rpcompile plan ...` -> (exit status, stdout, stderr)."""
+    r = subprocess.run([sys.executable, "-m", "rpcompile", "plan", *args], cwd=cwd, capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+    return r.returncode, r.stdout, r.stderr
+
+
+def test_plan_refuses_a_run_over_the_host_memory(tmp_path):
+    pytest.importorskip("transformers")
+    # Qwen3-32B full fine-tuning: ~549 GiB of parameter state alone against the preset's 512 GiB.
+    rc, out, err = run_plan("--model", "qwen3-32b", "--gpus", "8", "--hardware", "rtx4090", cwd=tmp_path)
+    assert rc == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    for part in ("host memory: the run needs", "bytes: weights", "fp32 masters", "gradients", "optimizer state",
+                 "rtx4090 host memory is 512.0 GiB", "LoRA"):
+        assert part in err, part
+
+
+def test_plan_host_memory_overrides_the_preset(tmp_path):
+    pytest.importorskip("transformers")
+    small = ("--model", "qwen3-1.7b", "--gpus", "4", "--seq", "256", "--microbatches", "4")
+    rc, _, err = run_plan(*small, "--host-memory", "1", cwd=tmp_path)
+    assert rc == 2 and "the host memory limit is 1.0 GiB" in err and len(err.strip().splitlines()) == 1, err
+    rc, _, err = run_plan(*small, "--host-memory", "-1", cwd=tmp_path)
+    assert rc == 2 and "--host-memory must be a positive number of GiB" in err, err
+    # LoRA-style: the frozen matrices keep only their bf16 copies (1.7B x 2 B), which fit 8 GiB
+    rc, out, err = run_plan(*small, "--frozen-base", "--host-memory", "8", cwd=tmp_path)
+    assert rc == 0, err
+    line = next(line for line in out.splitlines() if line.startswith("host memory:"))
+    assert "saved activations" in line and "needed of 8.0 GiB (--host-memory): fits" in line, line
