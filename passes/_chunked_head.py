@@ -1,9 +1,9 @@
-"""One vocabulary shard of the LM head + loss, run over the tokens in chunks (`shard_lm_head`'s kernel).
+"""The kernels of `shard_lm_head`'s layers: a vocabulary shard of the LM head + loss, run in token chunks.
 
 `chunked_lse(x, w, b, target, lo, chunk, steps, dim, m, s, t)` folds the
 logits of vocabulary rows [lo, lo + Vk) into the online log-sum-exp statistics
-(running max `m`, sum of exponentials `s`, target logit `t`; see
-`shard_head.lse_update`) for `chunk` tokens at a time, so the largest logits
+(running max `m`, sum of exponentials `s`, target logit `t`; `lse_update`),
+`chunk` tokens at a time, so the largest logits
 tensor that ever exists is chunk x Vk, whatever the sequence length:
 
 - forward: per chunk, logits = x_c W^T (+ b), then the head's chain (casts,
@@ -15,7 +15,8 @@ tensor that ever exists is chunk x Vk, whatever the sequence length:
 
 Both loops are `chunk_loop`s, which cost counting folds into one op per loop
 position. Chunks are balanced: ceil(T / chunk) chunks whose sizes differ by at
-most one token.
+most one token. `lse_loss` turns the statistics into the cross-entropy in the
+loss layer; a shard reads its rows of W through `vocab_slice`.
 
     >>> x, w = torch.randn(5, 3), torch.randn(7, 3)
     >>> m, s, t = chunked_lse(x, w, None, torch.arange(5), 0, 2, (), 0)
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 
 from rpcompile.passes._regions import chunk_loop
 
-__all__ = ["chunked_lse", "chunk_bounds"]
+__all__ = ["chunked_lse", "chunk_bounds", "lse_update", "lse_loss", "vocab_slice"]
 
 
 def chunk_bounds(tokens: int, chunk: int) -> list[tuple[int, int]]:
@@ -62,11 +63,30 @@ def _logits(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, steps: tup
     return z
 
 
-def _stats(z: torch.Tensor, target: torch.Tensor, lo: int, m: torch.Tensor | None, s: torch.Tensor | None,
-           t: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`shard_head.lse_update` (imported late: shard_head imports this module)."""
-    from rpcompile.passes.shard_head import lse_update
-    return lse_update(z, target, lo, m, s, t)
+def vocab_slice(w: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
+    """`w.narrow(dim, start, stop - start)`, or `w` itself if it already is that slice (see module note)."""
+    return w if w.shape[dim] == stop - start else w.narrow(dim, start, stop - start)
+
+
+def lse_update(z: torch.Tensor, target: torch.Tensor, lo: int, m: torch.Tensor | None = None,
+               s: torch.Tensor | None = None, t: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fold one shard's logits z (tokens, Vk) for vocab ids [lo, lo+Vk) into (max, sum exp, target logit)."""
+    z = z.float()
+    mk = z.detach().amax(-1) if m is None else torch.maximum(m, z.detach().amax(-1))
+    sk = torch.exp(z - mk.unsqueeze(-1)).sum(-1) + (0.0 if s is None else s * torch.exp(m - mk))
+    hit = (target >= lo) & (target < lo + z.shape[-1])
+    idx = (target - lo).clamp(0, z.shape[-1] - 1)
+    tk = torch.where(hit, z.gather(-1, idx.unsqueeze(-1)).squeeze(-1), 0.0)
+    return mk, sk, tk if t is None else t + tk
+
+
+def lse_loss(m: torch.Tensor, s: torch.Tensor, t: torch.Tensor, target: torch.Tensor, ignore_index: int,
+             reduction: str, dtype: torch.dtype) -> torch.Tensor:
+    """Cross-entropy from online log-sum-exp statistics, as `F.cross_entropy(..., reduction=)` would give."""
+    valid = target != ignore_index
+    nll = torch.where(valid, m + torch.log(s) - t, 0.0)
+    return (nll.sum() / valid.sum() if reduction == "mean" else nll.sum() if reduction == "sum" else nll).to(dtype)
 
 
 class _ChunkedLSE(torch.autograd.Function):
@@ -83,7 +103,7 @@ class _ChunkedLSE(torch.autograd.Function):
             for a, e in chunk_bounds(tokens, chunk):
                 with loop.iteration():
                     z = _logits(x2[a:e], w, b, steps, dim)
-                    part = _stats(z, target[a:e], lo, *(None if v is None else v[a:e] for v in (m, s, t)))
+                    part = lse_update(z, target[a:e], lo, *(None if v is None else v[a:e] for v in (m, s, t)))
                     for o, p in zip(out, part):
                         o[a:e] = p
         ctx.save_for_backward(x, w, b, target, m, s)
@@ -110,7 +130,7 @@ class _ChunkedLSE(torch.autograd.Function):
                     xc = x2[a:e].detach().requires_grad_(need_x)
                     sc = None if s is None else s[a:e].detach().requires_grad_(need_s)
                     z = _logits(xc, wl, bl, steps, dim)
-                    _, sk, tk = _stats(z, target[a:e], lo, None if m is None else m[a:e], sc, None)
+                    _, sk, tk = lse_update(z, target[a:e], lo, None if m is None else m[a:e], sc, None)
                     wrt = [v for v, need in ((xc, need_x), (wl, need_w), (bl, need_b), (sc, need_s)) if need]
                     grads = iter(torch.autograd.grad([sk, tk], wrt, [gs[a:e], gt[a:e]], allow_unused=True))
                     for buf, need in ((gx, need_x), (gw, need_w), (gb, need_b), (g_s, need_s)):

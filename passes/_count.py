@@ -229,7 +229,7 @@ def _layer_key(graph: LayerGraph, layer: Layer, args: list) -> tuple:
     params = tuple((norm(n), tuple(p.shape), p.dtype, p.requires_grad) for n, p in layer.module.named_parameters())
     ins = tuple((tuple(t.shape), t.dtype, graph.values[n].requires_grad if n in graph.values else False)
                 if isinstance(t, torch.Tensor) else repr(t) for n, t in zip(layer.inputs, args))
-    slices = tuple((norm(n), d, a, b) for n, d, a, b in layer.param_slices)
+    slices = tuple((norm(n), d, b - a) for n, d, a, b in layer.param_slices)  # a slice costs by its width
     return norm(layer.module.code), params, ins, slices
 
 

@@ -126,8 +126,9 @@ def seq_len_costs(graph: LayerGraph, hardware: Hardware, *, memory_budget: int |
     """The symbolic costs `max_seq_len` solves: `graph` with its LM head sharded and chunked first, as compile does.
 
     Args:
-        graph: the traced model; a not yet sharded LM head is sharded ("auto") and chunked for the
-            device budget (`shard_lm_head(..., chunk="auto", memory_budget=)`).
+        graph: the traced model; a not yet sharded LM head is sharded into shards no bigger than
+            the largest other layer and chunked for the device budget (`shard_lm_head(..., chunk="auto",
+            memory_budget=)`).
         hardware: prices the ops; its device memory sets the default budget.
         memory_budget: device bytes per worker (default `usable * hardware.device_memory`).
         example: a batch to fit at (default zeros shaped like the trace's).
@@ -139,8 +140,10 @@ def seq_len_costs(graph: LayerGraph, hardware: Hardware, *, memory_budget: int |
     from rpcompile.passes.shard_head import shard_lm_head
     budget = memory_budget if memory_budget is not None else int(usable * hardware.device_memory)
     if chunk_unit(graph) is None:
-        try:
-            graph = shard_lm_head(graph, "auto", chunk="auto", memory_budget=budget)
+        head = graph.param_bytes(graph.layers[-1])
+        largest = max((graph.param_bytes(lay) for lay in graph.layers[:-1]), default=0)
+        try:  # shards no bigger than the largest other layer
+            graph = shard_lm_head(graph, max(1, -(-head // max(largest, 1))), chunk="auto", memory_budget=budget)
         except ValueError:  # no supported LM head: nothing to shard
             pass
     inputs = graph.flatten_inputs(example) if example is not None else _default_inputs(graph)

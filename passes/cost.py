@@ -22,7 +22,8 @@ Note:
     scored pairs only, half of them with `is_causal`; bytes linear in S; see
     `_attention.py`). A chunk loop (the sequence-chunked LM head) is one op
     per loop position with summed FLOPs and bytes and one launch per iteration.
-    FLOPs come from `_attention.FLOP_RULES`, else torch's `flop_registry`.
+    FLOPs come from `_attention.FLOP_RULES` and `_meta_moe.GROUPED_MM_FLOPS`, else torch's
+    `flop_registry`.
 
     Memory columns (both modes): `act_bytes` = outputs read by a later layer;
     `saved_bytes` = the layer's inputs (kept for the recompute); `peak_bytes` =

@@ -35,7 +35,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from rpcompile.costs import CostTable
 from rpcompile.graph import Layer, LayerGraph, Value
-from rpcompile.passes._chunked_head import chunked_lse
+from rpcompile.passes._chunked_head import chunked_lse, lse_loss, lse_update, vocab_slice
 from rpcompile.passes._head_auto import auto_chunk, auto_shards
 
 __all__ = ["shard_lm_head", "vocab_slice", "lse_update", "lse_loss"]
@@ -46,32 +46,6 @@ _SCALES = frozenset({operator.mul, operator.truediv, torch.mul, torch.div, "mul"
 _MATMULS = frozenset({operator.matmul, torch.matmul, "matmul", "__matmul__"})
 _TRANSPOSES = frozenset({"t", torch.t, "transpose", torch.transpose})
 _CE_SIG = inspect.signature(F.cross_entropy)
-
-
-def vocab_slice(w: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
-    """`w.narrow(dim, start, stop - start)`, or `w` itself if it already is that slice (see module note)."""
-    return w if w.shape[dim] == stop - start else w.narrow(dim, start, stop - start)
-
-
-def lse_update(z: torch.Tensor, target: torch.Tensor, lo: int, m: torch.Tensor | None = None,
-               s: torch.Tensor | None = None, t: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fold one shard's logits z (tokens, Vk) for vocab ids [lo, lo+Vk) into (max, sum exp, target logit)."""
-    z = z.float()
-    mk = z.detach().amax(-1) if m is None else torch.maximum(m, z.detach().amax(-1))
-    sk = torch.exp(z - mk.unsqueeze(-1)).sum(-1) + (0.0 if s is None else s * torch.exp(m - mk))
-    hit = (target >= lo) & (target < lo + z.shape[-1])
-    idx = (target - lo).clamp(0, z.shape[-1] - 1)
-    tk = torch.where(hit, z.gather(-1, idx.unsqueeze(-1)).squeeze(-1), 0.0)
-    return mk, sk, tk if t is None else t + tk
-
-
-def lse_loss(m: torch.Tensor, s: torch.Tensor, t: torch.Tensor, target: torch.Tensor, ignore_index: int,
-             reduction: str, dtype: torch.dtype) -> torch.Tensor:
-    """Cross-entropy from online log-sum-exp statistics, as `F.cross_entropy(..., reduction=)` would give."""
-    valid = target != ignore_index
-    nll = torch.where(valid, m + torch.log(s) - t, 0.0)
-    return (nll.sum() / valid.sum() if reduction == "mean" else nll.sum() if reduction == "sum" else nll).to(dtype)
 
 
 @dataclass(frozen=True, slots=True)
