@@ -20,12 +20,14 @@ Note:
       in flight, with the backward stages as wide as the device allows at that
       length (each backward stage keeps one saved input per microbatch, so the
       planner widens them where it can; grown greedily from the last layer).
-      Parameter state: every parameter's compute copy at its own dtype; a
-      trainable one adds an fp32 master, an fp32 gradient and two fp32 AdamW
-      moments (16 B); a frozen one nothing more. In flight: iterations run in
-      rounds of R microbatches (`default_round_size(gpus, M)`); a round's saved
-      inputs live from its forward to its backward, so at most R microbatches
-      hold every backward stage's input. The rotation has no drain: the next
+      Parameter state: `rpcompile.hostmem.host_bytes` by category: every
+      parameter's compute copy at its own dtype; a trainable one adds an fp32
+      master, an fp32 gradient and two fp32 AdamW moments (16 B); a frozen one
+      nothing more. In flight (counted here; hostmem's admission check assumes
+      all M microbatches, 2M with staleness 1, hold every stage's input):
+      iterations run in rounds of R microbatches (`default_round_size(gpus,
+      M)`); a round's saved inputs live from its forward to its backward, so at
+      most R microbatches hold every backward stage's input. The rotation has no drain: the next
       round (with staleness 1 also the next iteration's first round) starts
       forward on a worker as soon as it is free, i.e. while the previous
       round's last N - 1 backward slots (the lowest layers) still wait for
@@ -44,8 +46,7 @@ from rpcompile.hardware import Hardware
 from rpcompile.plan import StagePlan
 from rpcompile.passes.symbolic import B, S, SymbolicCosts, _default_inputs, chunk_unit, symbolic_costs
 
-__all__ = ["SeqLenLimit", "max_seq_len", "seq_len_costs", "host_state_bytes", "round_saved_bytes", "stage_terms",
-           "memory_refusal"]
+__all__ = ["SeqLenLimit", "max_seq_len", "seq_len_costs", "round_saved_bytes", "stage_terms", "memory_refusal"]
 
 _COLUMNS = (("workspace (saved tensors + backward transients)", "peak_bytes"),
             ("parameters (own + prefetched)", "param_bytes"), ("gradients", "grad_bytes"),
@@ -83,22 +84,6 @@ class SeqLenLimit:
         parts = ", ".join(f"{name} {_gib(n)}" for name, n in self.terms if n)
         return (f"{self.length:,} tokens; at {self.length + 1:,} the {self.binding} needs {_gib(self.bytes)} "
                 f"> {_gib(self.capacity)} ({parts})")
-
-
-def host_state_bytes(param_info: tuple[tuple[int, int, bool], ...]) -> dict[str, int]:
-    """Host bytes of the parameter state by category (see module Note).
-
-    Args:
-        param_info: (elements, bytes per element, trainable) per distinct parameter.
-    Returns:
-        {"compute copies", "fp32 masters", "fp32 gradients", "AdamW moments"} -> bytes.
-
-    >>> host_state_bytes(((10, 2, True), (10, 2, False)))["fp32 masters"]
-    40
-    """
-    trainable = sum(n for n, _, t in param_info if t)
-    return {"compute copies": sum(n * size for n, size, _ in param_info), "fp32 masters": 4 * trainable,
-            "fp32 gradients": 4 * trainable, "AdamW moments": 8 * trainable}
 
 
 def round_saved_bytes(saved: list[int], plan: StagePlan, gpus: int, microbatches: int) -> tuple[int, int]:
@@ -205,7 +190,7 @@ class _Model:
         self.cols = {f: [sympy.lambdify(S, sympy.sympify(e).subs(B, b), "math") for e in getattr(sc, f)]
                      for _, f in _COLUMNS}
         self.plan = StagePlan.from_sizes([1] * (n - 1), 1, [1] * (n - 1))
-        self.host_state = host_state_bytes(sc.param_info)
+        self.host_state = dict(sc.host_state)
 
     def table(self, s: int, only: str | None = None) -> CostTable:
         """The memory columns at length s (all, or only one, the others zero)."""

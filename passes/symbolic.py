@@ -59,8 +59,8 @@ class SymbolicCosts:
     peak_bytes: tuple[sympy.Expr, ...]  # as CostTable, polynomials
     param_numel: int  # distinct parameter elements of the model (tied counted once), for host memory
     hardware: Hardware  # the hardware the times are for
-    # per distinct parameter (tied counted once): (elements, bytes per element, trainable), for host memory
-    param_info: tuple[tuple[int, int, bool], ...] = ()
+    # host bytes of the parameter state by category (`rpcompile.hostmem.host_bytes`, AdamW, own dtypes)
+    host_state: tuple[tuple[str, int], ...] = ()
 
     def at(self, B: int, S: int = 1) -> CostTable:
         """The CostTable at a concrete microbatch size and sequence length.
@@ -277,10 +277,13 @@ def symbolic_costs(graph: LayerGraph, inputs: dict[str, torch.Tensor], hardware:
             cols[ph].append(_time_expr(fitter, ops, hardware, f"{where} {ph}"))
             tot = [sum(o.flops for o in o_) for o_ in ops]
             cols[f"{ph}_flops"].append(fitter.fit(tot[:-1], tot[-1]))
-    info = tuple((v.bytes // max(v.dtype.itemsize, 1), v.dtype.itemsize, v.requires_grad)
-                 for v in graph.params.values())
+    from rpcompile.hostmem import host_bytes
+    state = host_bytes(graph, microbatches=1)
+    numel = sum(v.bytes // max(v.dtype.itemsize, 1) for v in graph.params.values())
     return SymbolicCosts(names=tuple(layer.name for layer in graph.layers), **{k: tuple(v) for k, v in cols.items()},
-                         param_numel=sum(n for n, _, _ in info), hardware=hardware, param_info=info)
+                         param_numel=numel, hardware=hardware,
+                         host_state=(("compute copies", state.weights), ("fp32 masters", state.masters),
+                                     ("fp32 gradients", state.grads), ("optimizer state", state.optimizer)))
 
 
 def _default_inputs(graph: LayerGraph) -> dict[str, torch.Tensor]:

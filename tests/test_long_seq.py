@@ -16,7 +16,7 @@ import models as M  # noqa: E402
 import rpcompile  # noqa: E402
 from rpcompile import CostTable, Hardware, StagePlan, max_seq_len  # noqa: E402
 from rpcompile.passes import estimate_costs, trace  # noqa: E402
-from rpcompile.passes._seqlen import host_state_bytes, memory_refusal, round_saved_bytes  # noqa: E402
+from rpcompile.passes._seqlen import memory_refusal, round_saved_bytes  # noqa: E402
 
 pytest.importorskip("transformers")
 
@@ -87,19 +87,21 @@ def test_memory_refusal_names_the_stage_that_binds_and_sums_its_terms() -> None:
 
 
 def test_host_state_counts_frozen_parameters_at_their_own_dtype_only() -> None:
-    info = ((100, 2, True), (1000, 2, False), (10, 4, True))  # bf16 trainable, bf16 frozen, fp32 trainable
-    got = host_state_bytes(info)
-    assert got == {"compute copies": 200 + 2000 + 40, "fp32 masters": 440, "fp32 gradients": 440,
-                   "AdamW moments": 880}
     lora = M.llama(attn="sdpa")
     for p in lora.parameters():
         p.requires_grad_(p.dim() == 1)
+    lora.model.embed_tokens.to(torch.bfloat16)  # a frozen bf16 part: its compute copy only, 2 bytes each
     graph = trace(lora, M.lm_batch(batch=2, seq=16))
     sc = CostTable.symbolic(graph, M.lm_batch(batch=2, seq=16), Hardware.preset("cpu"))
-    state = host_state_bytes(sc.param_info)
-    frozen = sum(p.numel() for p in lora.parameters() if not p.requires_grad)
+    state = dict(sc.host_state)
+    emb = lora.model.embed_tokens.weight.numel()
+    frozen = sum(p.numel() for p in lora.parameters() if not p.requires_grad) - emb
     trainable = sum(p.numel() for p in lora.parameters() if p.requires_grad)
-    assert state["compute copies"] == 4 * (frozen + trainable) and state["fp32 masters"] == 4 * trainable
+    assert state["compute copies"] == 2 * emb + 4 * (frozen + trainable)
+    assert state["fp32 masters"] == state["fp32 gradients"] == 4 * trainable
+    assert state["optimizer state"] == 8 * trainable  # AdamW: two fp32 moments, trainable parameters only
+    tight = max_seq_len(sc, Hardware.preset("cpu"), gpus=2, host_memory=int(sum(state.values()) / 0.9) - 1)
+    assert tight.length == 0 and tight.binding == "host: compute copies"  # the state alone does not fit
 
 
 def test_saved_inputs_on_the_host_are_a_round_plus_the_last_rounds_tail() -> None:
