@@ -51,7 +51,7 @@ def _limit(model, budget: int):
 
 def test_compile_at_the_predicted_limit_fits_and_past_it_is_refused_naming_the_layer() -> None:
     torch.manual_seed(0)
-    model, budget = _llama(128, 344), 6 * 2 ** 20
+    model, budget = _llama(128, 344), 5 * 2 ** 20
     lim = _limit(model, budget)
     assert lim.binding.startswith("device: backward stage of layer") and lim.capacity == budget
     batch = M.lm_batch(batch=2, seq=lim.length, vocab=VOCAB)
