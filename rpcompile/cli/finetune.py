@@ -44,7 +44,8 @@ CHECKPOINT = "rpcompile-checkpoint.rp"  # in `out`: the training state (rpcompil
 RUN_FILE = "rpcompile-run.json"  # in `out`: the run's settings and data fingerprint, checked on resume
 DTYPES = {"auto": None, "fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
           "bfloat16": torch.bfloat16}  # --dtype names; auto: bf16 on CUDA, fp32 on the CPU
-FREE = ("resume", "save_every", "eval", "eval_every", "progress")  # settings a resumed run may change
+FREE = ("out", "data", "resume", "save_every", "eval", "eval_every", "progress")  # a resume may change these
+# (the data file is checked by the fingerprint of its packed tokens instead of its path)
 
 
 @dataclass(frozen=True, slots=True)
