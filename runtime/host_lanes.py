@@ -131,9 +131,9 @@ class HostLanes:
             with self._lock:
                 self._committed = t + 1
                 self._backups.pop(t, None)
-        if self.state.needs_global:  # clipping / dynamic loss scale: the global statistics need all groups
-            self.state.grads_complete_all()
-        self.state.step(o.layer)
+            if self.state.needs_global:  # clipping / dynamic loss scale: the global statistics need every
+                self.state.grads_complete_all()  # group; only here, where they are all in (a later call
+        self.state.step(o.layer)                 # would complete iteration t+1 while it still accumulates)
         self.hev[(t, o.name)]._set()
 
     def _check_finite(self, t: int) -> None:

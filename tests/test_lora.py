@@ -124,6 +124,24 @@ def test_frozen_base_staleness1_matches_oracle():
             assert torch.equal(end[n], start[n]), f"frozen {n} changed"
 
 
+def test_frozen_groups_with_global_clipping_match_the_oracle():
+    """Clipping needs every group's gradient; groups with nothing to train (a frozen head, frozen norms)
+    step too. Their steps must not declare the next iteration's gradients complete early (an R4 failure
+    once the plan had several stages)."""
+    opt = rpcompile.AdamW(lr=1e-2, impl="foreach", max_grad_norm=0.5)
+    model = lora_model(seed=2)
+    batches = [batch(i) for i in range(4)]
+    want, ref = reference_train(model, batches, optimizer=opt, staleness=1, loss_fn=mean_microbatch_loss)
+    with rpcompile.compile(model, gpus=2, example=batch(0), microbatches=MICROBATCHES, staleness=1,
+                           optimizer=opt, memory_budget=262144) as c:
+        assert c.plan.num_stages > 3
+        got = [c.step(b) for b in batches]
+        end = named(c.model())
+    assert got == pytest.approx(want, abs=1e-5, rel=1e-5)
+    for n, v in ref.items():
+        torch.testing.assert_close(end[n], v, atol=1e-5, rtol=1e-5)
+
+
 def test_fully_frozen_model_is_refused():
     model = lora_model().requires_grad_(False)
     with pytest.raises(ValueError, match="no trainable parameter"):
