@@ -210,7 +210,8 @@ class IssueHandlers:
             env_in = {n: h.get() for n, h in inputs.items()}
             with torch.no_grad():
                 env = runner.forward(io.layers, slot.params, env_in, t, ins.mb, buffers=bufs, keep=keep)
-            out = {"loss": env[self.graph.loss]} if loss_only else {"vals": {n: env[n] for n in io.down}}
+            out = {"loss": env[self.graph.loss]} if loss_only else \
+                {"vals": _private({n: env[n] for n in io.down}, env_in)}
             worker.store.add(tensor_bytes(out))
             cell.set(out)
         ev = self._compute(t, ins, w, run, self.label(t, ins, w))
@@ -236,7 +237,7 @@ class IssueHandlers:
                 loss = env[self.graph.loss]
                 loss.backward(torch.full_like(loss, scale))
             worker.store.add(-ws[0])
-            out = {"grads": grads_of(env, io.grad_out, {}), "loss": loss.detach()}
+            out = {"grads": _private(grads_of(env, io.grad_out, {}), env_in), "loss": loss.detach()}
             worker.store.add(tensor_bytes(out))
             cell.set(out)
         ev = self._compute(t, ins, w, run, self.label(t, ins, w))
@@ -273,11 +274,12 @@ class IssueHandlers:
         def run() -> None:
             env, ws = rc.get()
             g = {n: h.get() for n, h in gin.items()}
+            env_saved = {n: h.get() for n, h in saved.items()}
             outs = [(env[n], g[n]) for n in io.grad_in if n in env and env[n].requires_grad]
             if outs:
                 torch.autograd.backward([o for o, _ in outs], [x for _, x in outs])
             worker.store.add(-ws)
-            out = {"grads": grads_of(env, io.grad_out, g)}
+            out = {"grads": _private(grads_of(env, io.grad_out, g), {**g, **env_saved})}
             worker.store.add(tensor_bytes(out))
             cell.set(out)
         ev = self._compute(t, ins, w, run, self.label(t, ins, w))
@@ -353,6 +355,19 @@ class IssueHandlers:
         self._give(pool, slot.flat.values(), [slot.last.get(k) for k in ("param_up", "compute")])
         self._give(pool, slot.grad_flat.values(), [slot.last.get(k) for k in ("compute", "grad_down")])
         return tuple(e for e in slot.last.values() if e is not None)
+
+
+def _private(values: dict, inputs: dict) -> dict:
+    """`values` with every tensor that shares storage with an input buffer cloned.
+
+    A layer may pass an input through unchanged (an identity output, or a gradient passed
+    through), so an output can be the very pool buffer of an upload. That buffer goes back to the
+    pool once the compute is done, and the next upload may overwrite it before the download of
+    this output has read it: the download must read a copy of its own.
+    """
+    taken = {v.untyped_storage().data_ptr() for v in inputs.values() if isinstance(v, torch.Tensor)}
+    return {n: v.clone() if isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() in taken else v
+            for n, v in values.items()}
 
 
 def _size(dtype: torch.dtype) -> int:

@@ -201,3 +201,29 @@ def test_no_allocation_after_two_warm_up_steps():
         last = stats[-1]
         assert last["bytes_to_device"] > 0 and last["bytes_to_host"] > 0
         assert {"w0/compute", "w0/param_up", "w0/act_up", "w0/act_down", "w0/grad_down"} <= set(last["busy_s"])
+
+
+def test_an_output_that_is_its_input_is_downloaded_from_a_copy():
+    """The sharded LM head passes x through every shard unchanged, so an F stage's output can be the
+    upload buffer of its own input. That buffer is reused by the next upload once the compute is done;
+    the download must not read it (it did, and the gradients came out ~3% wrong on such plans)."""
+    from oracle import reference_train
+    from rpcompile.passes import shard_lm_head
+    from rpcompile.runtime.stage_exec import split_batch
+    model = models.llama(0)
+    batches = [_batch(s, 4) for s in range(3)]
+    graph = shard_lm_head(trace(model, batches[0]), shards=8, chunk=64)
+    opt = AdamW(lr=1e-2, eps=1e-4, impl="foreach")
+    loss_fn = lambda m, b: sum(m(**p).loss for p in split_batch(graph, b, 2)) / 2  # noqa: E731
+    want, ref = reference_train(model, batches, optimizer=opt, staleness=0, loss_fn=loss_fn)
+    n = len(graph.layers) - 3
+    twos = ",".join(["2"] * (n // 2)) + ("," + str(n % 2) if n % 2 else "")
+    for plan in (f"4,{n - 4}|3|4,{n - 4}", f"5,{n - 5}|3|{twos}"):
+        state = HostState.from_graph(graph, optimizer=opt)
+        prog = emit(StagePlan.from_str(plan), gpus=2, microbatches=2, staleness=0)
+        with Runtime(graph, prog, state, backend="host", timeout=20, poison=True, lane_delay=3) as rt:
+            got = [rt.step(b) for b in batches]
+            rt.flush()
+        assert got == pytest.approx(want, rel=1e-5), plan
+        for name, p in state.parameters_fp32().items():
+            assert torch.allclose(p, ref[name].float(), rtol=1e-5, atol=1e-6), (plan, name)
