@@ -153,7 +153,8 @@ class HostState(StateIO):
 
     @classmethod
     def from_graph(cls, graph: Any, **kwargs: Any) -> HostState:
-        """A HostState for a traced `LayerGraph` (uses only `parameters()`, `param_owners()`, `layers`, `tied`).
+        """A HostState for a traced `LayerGraph` (`parameters()`, `param_owners()`, `layers`, `tied`; the
+        layers' modules for the running statistics to keep, see `tracked_buffers`).
 
         Example:
             >>> HostState.from_graph(g, optimizer=rpcompile.AdamW(), dtype=torch.bfloat16).groups[0]
