@@ -47,27 +47,28 @@ def test_unknown_model_lists_the_presets(tmp_path):
     assert r.returncode == 2 and "qwen3-1.7b" in r.stderr and "gpt-5" in r.stderr and "Traceback" not in r.stderr
 
 
-def run_plan(*args, cwd):
-    """`python -m rpcompile plan ...` -> (exit status, stdout, stderr)."""
-    r = subprocess.run([sys.executable, "-m", "rpcompile", "plan", *args], cwd=cwd, capture_output=True, text=True,
-                       timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
-    return r.returncode, r.stdout, r.stderr
+def run_plan(capsys, *args):
+    """`python -m rpcompile plan ...` in this process -> (exit status, stdout, stderr)."""
+    from rpcompile.__main__ import main
+    rc = main(["plan", *args])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
 
 
-def test_plan_refuses_a_run_over_the_host_memory(tmp_path):
+def test_plan_refuses_a_run_over_the_host_memory(capsys):
     pytest.importorskip("transformers")
     # Qwen3-32B full fine-tuning: ~549 GiB of parameter state alone against the preset's 512 GiB.
-    rc, out, err = run_plan("--model", "qwen3-32b", "--gpus", "8", "--hardware", "rtx4090", cwd=tmp_path)
-    assert rc == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    rc, out, err = run_plan(capsys, "--model", "qwen3-32b", "--gpus", "8", "--hardware", "rtx4090")
+    assert rc == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1 and not out, err
     for part in ("host memory: the run needs", "bytes: weights", "fp32 masters", "gradients", "optimizer state",
                  "rtx4090 host memory is 512.0 GiB", "LoRA"):
         assert part in err, part
 
 
-def test_plan_host_memory_overrides_the_preset(tmp_path):
+def test_plan_host_memory_overrides_the_preset(capsys):
     pytest.importorskip("transformers")
     small = ("--model", "qwen3-1.7b", "--gpus", "4", "--seq", "256", "--microbatches", "4")
-    rc, _, err = run_plan(*small, "--host-memory", "1", cwd=tmp_path)  # 28.8 GiB of state: refused before planning
+    rc, _, err = run_plan(capsys, *small, "--host-memory", "1")  # 28.8 GiB of state: refused before planning
     assert rc == 2 and "the host memory limit is 1.0 GiB" in err and len(err.strip().splitlines()) == 1, err
-    rc, _, err = run_plan(*small, "--host-memory", "-1", cwd=tmp_path)
+    rc, _, err = run_plan(capsys, *small, "--host-memory", "-1")
     assert rc == 2 and "--host-memory must be a positive number of GiB" in err, err
