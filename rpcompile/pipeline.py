@@ -98,27 +98,61 @@ def plan_pipeline(model: torch.nn.Module, example: Any, opts: Options, *, mode: 
 
 
 def _passes(model: torch.nn.Module, example: Any, opts: Options, m: int, mode: str):
-    """The passes of `plan_pipeline`, in order."""
-    from rpcompile import passes
+    """The passes of `plan_pipeline`, in order.
+
+    Note: layer units. Without `layers=`, the decoder blocks are the units. When one block does
+    not fit a worker at this length (a backward stage holds its whole workspace), the blocks are
+    cut into their sub-blocks (norms, attention, MLP: `presets.sublayer_units`) and planned again,
+    as `max_seq_len` assumes; only if that does not fit either is the run refused, with the layer,
+    its bytes by term and the budget.
+    """
     budget = _budget(opts)
+    graph, costs = _layers_and_costs(model, example, opts, m, mode, opts.layers, budget)
+    why = _refusal(costs, budget)
+    if why is not None and opts.layers is None:
+        from rpcompile.presets import sublayer_units
+        try:
+            units = sublayer_units(model)
+        except ValueError:  # no list of decoder blocks to cut
+            units = None
+        if units is not None:
+            graph, costs = _layers_and_costs(model, example, opts, m, mode, units, budget)
+            why = _refusal(costs, budget)
+    if why is not None:
+        raise ValueError(f"the model does not fit a worker at this batch shape: {why}; use shorter sequences "
+                         f"or fewer per microbatch (rpcompile.max_seq_len says how long fits), or a larger budget")
+    # 4-5. choose the stage grouping (and, for a hardware target, the round size) and emit the program
+    plan, program = _plan_and_emit(graph, costs, opts, m, budget)
+    # 6. check it: dependencies, coverage, the per-layer rules R1-R5, memory
+    from rpcompile import passes
+    passes.verify(program, costs=costs, memory_budget=budget)
+    return graph, costs, plan, program, m
+
+
+def _layers_and_costs(model, example, opts: Options, m: int, mode: str, layers, budget: int | None):
+    """trace -> estimate_costs -> shard_lm_head -> estimate_costs, with the layer units `layers`."""
+    from rpcompile import passes
     # 1. trace the model into layers with explicit values across every cut
-    graph = passes.trace(model, example, loss_fn=opts.loss_fn, layers=opts.layers)
+    graph = passes.trace(model, example, loss_fn=opts.loss_fn, layers=layers)
     if not any(v.requires_grad for v in graph.params.values()):
         raise ValueError(f"{type(model).__name__} has no trainable parameter (requires_grad is False for all "
                          f"{len(graph.params)}): nothing to train; unfreeze some (e.g. LoRA adapters)")
     # 2. measure (or predict) per-layer time and memory for one microbatch
     costs = passes.estimate_costs(graph, example, mode=mode, hardware=opts.hardware, microbatches=m)
-    # 3. cut the LM head + loss into vocabulary shards so no layer dominates, and cost the shards
-    shards = opts.lm_head_shards
-    sharded = _shard_head(graph, shards, costs)
+    # 3. cut the LM head + loss into vocabulary shards (run in token chunks sized by the budget), cost them
+    sharded = _shard_head(graph, opts.lm_head_shards, costs, budget)
     if sharded is not graph:
         graph = sharded
         costs = passes.estimate_costs(graph, example, mode=mode, hardware=opts.hardware, microbatches=m)
-    # 4-5. choose the stage grouping (and, for a hardware target, the round size) and emit the program
-    plan, program = _plan_and_emit(graph, costs, opts, m, budget)
-    # 6. check it: dependencies, coverage, the per-layer rules R1-R5, memory
-    passes.verify(program, costs=costs, memory_budget=budget)
-    return graph, costs, plan, program, m
+    return graph, costs
+
+
+def _refusal(costs: CostTable, budget: int | None) -> str | None:
+    """Why even one layer per stage does not fit `budget` (names the layer and its terms); None if it fits."""
+    if budget is None:
+        return None
+    from rpcompile.passes._seqlen import memory_refusal
+    return memory_refusal(costs, budget)
 
 
 def _plan_and_emit(graph: LayerGraph, costs: CostTable, opts: Options, m: int, budget: int | None):
@@ -150,13 +184,13 @@ def _plan_and_emit(graph: LayerGraph, costs: CostTable, opts: Options, m: int, b
     return best[1], best[2]
 
 
-def _shard_head(graph: LayerGraph, shards: int | str, costs: CostTable) -> LayerGraph:
+def _shard_head(graph: LayerGraph, shards: int | str, costs: CostTable, budget: int | None = None) -> LayerGraph:
     """shard_lm_head when the graph ends in a supported LM head; the graph itself otherwise."""
     from rpcompile import passes
     if shards == 1:
         return graph
     try:
-        return passes.shard_lm_head(graph, shards=shards, costs=costs)
+        return passes.shard_lm_head(graph, shards=shards, costs=costs, memory_budget=budget)
     except ValueError:
         if shards == "auto":  # no recognised LM head (e.g. a plain Sequential): nothing to shard
             return graph

@@ -43,17 +43,20 @@ def test_predicted_peak_memory_is_within_15_percent_of_measured_and_linear_in_s(
     assert decoder[1] / decoder[0] == pytest.approx(4, rel=0.02)  # SDPA: no (heads, S, S) tensor anywhere
 
 
-def _limit(model, budget: int):
+def _limit(model, budget: int, layers=None):
     """max_seq_len of `model` on 2 host workers, one sequence per microbatch, 2 microbatches."""
-    graph = trace(model, M.lm_batch(batch=1, seq=128, vocab=VOCAB))
+    graph = trace(model, M.lm_batch(batch=1, seq=128, vocab=VOCAB), layers=layers)
     return max_seq_len(graph, Hardware.preset("cpu"), gpus=2, microbatches=2, memory_budget=budget)
 
 
 def test_compile_at_the_predicted_limit_fits_and_past_it_is_refused_naming_the_layer() -> None:
+    from rpcompile.presets import sublayer_units
     torch.manual_seed(0)
     model, budget = _llama(128, 344), 5 * 2 ** 20
-    lim = _limit(model, budget)
+    blocks = _limit(model, budget)
+    lim = _limit(model, budget, layers=sublayer_units(model))  # compile cuts blocks that do not fit
     assert lim.binding.startswith("device: backward stage of layer") and lim.capacity == budget
+    assert lim.length > blocks.length  # longer than whole decoder blocks allow
     batch = M.lm_batch(batch=2, seq=lim.length, vocab=VOCAB)
     with rpcompile.compile(model, gpus=2, example=batch, microbatches=2, staleness=0, memory_budget=budget,
                            optimizer=rpcompile.SGD(lr=1e-3)) as c:
@@ -62,9 +65,11 @@ def test_compile_at_the_predicted_limit_fits_and_past_it_is_refused_naming_the_l
     assert math.isfinite(loss) and 0 < max(peaks) <= budget, (peaks, budget)
     longer = M.lm_batch(batch=2, seq=int(1.25 * lim.length), vocab=VOCAB)
     threads = threading.active_count()
-    with pytest.raises(ValueError, match="memory budget"):
+    with pytest.raises(ValueError, match="memory budget") as refused:
         rpcompile.compile(model, gpus=2, example=longer, microbatches=2, staleness=0, memory_budget=budget)
     assert threading.active_count() == threads  # refused before any worker started
+    msg = str(refused.value)  # compile names the layer, the term and the bytes too
+    assert "'model.layers." in msg and "workspace (saved tensors + backward transients)" in msg and "bytes)" in msg
     graph = trace(model, longer)  # the pass-level refusal names the layer, every term and the bytes
     with pytest.raises(ValueError) as info:
         estimate_costs(graph, longer, mode="measure", microbatches=2, warmup=0, repeats=1, progress=False,
