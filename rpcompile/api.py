@@ -18,7 +18,7 @@ from rpcompile.graph import LayerGraph
 from rpcompile.hardware import Hardware
 from rpcompile.optim import SGD, AdamW
 from rpcompile.options import Options, check_model, default_microbatches, options
-from rpcompile.pipeline import Frozen, frozen_of, plan_pipeline
+from rpcompile.pipeline import Frozen, compile_passes, frozen_of, plan_pipeline
 
 __all__ = ["compile", "Compiled", "load", "Options", "default_microbatches", "plan_pipeline"]
 
@@ -75,8 +75,8 @@ class Compiled:
                  process_group: Any = None, frozen: Frozen | None = None) -> None:
         from rpcompile.runtime.optimizer import HostState
         self._model, self.options, self._example = model, opts, example
-        self.graph, self.costs, self.plan, self.program, self.microbatches = plan_pipeline(model, example, opts,
-                                                                                           frozen=frozen)
+        (self.graph, self.costs, self.plan, self.program, self.microbatches,
+         self._units) = compile_passes(model, example, opts, frozen=frozen)  # units: sub-blocks, if it cut them
         self._shape = _shape_key(example)
         self.state = HostState.from_graph(self.graph, optimizer=opts.optimizer, dtype=opts.dtype,
                                           pin_memory=opts.backend != "host")  # pinned only where CUDA is
@@ -117,7 +117,8 @@ class Compiled:
         """
         self._runtime.flush()
         head = frozen_of(self.graph, self.costs, self.program).head  # keep the layers: the state's groups
-        opts = dataclasses.replace(self.options, lm_head_shards=head["shards"] if head else 1)
+        opts = dataclasses.replace(self.options, lm_head_shards=head["shards"] if head else 1,
+                                   layers=self._units or self.options.layers)
         new = plan_pipeline(self._model, batch, opts)
         if len(new[0].layers) != len(self.graph.layers):
             raise ValueError(f"re-planning for batch shape {_shape_key(batch)} split the model into "
@@ -235,7 +236,7 @@ class Compiled:
         opts = {k: v for k, v in dataclasses.asdict(self.options).items() if k != "loss_fn"}
         opts["optimizer"], opts["hardware"] = self.options.optimizer, self.options.hardware
         return {"format": checkpoint.FORMAT, "steps": self.steps, "plan": self.plan.to_str(),
-                "frozen": dataclasses.asdict(frozen_of(self.graph, self.costs, self.program)),
+                "frozen": dataclasses.asdict(frozen_of(self.graph, self.costs, self.program, self._units)),
                 "host": self.state.state_dict(), "options": opts, "example": self._example,
                 "rng": torch.get_rng_state()}
 

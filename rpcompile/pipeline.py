@@ -19,7 +19,7 @@ from rpcompile.costs import CostTable
 from rpcompile.graph import LayerGraph
 from rpcompile.options import Options, default_microbatches
 
-__all__ = ["plan_pipeline", "Frozen", "frozen_of"]
+__all__ = ["plan_pipeline", "compile_passes", "Frozen", "frozen_of"]
 
 
 @dataclass(frozen=True)
@@ -31,12 +31,13 @@ class Frozen:
     microbatches: int    # per iteration
     costs: dict          # CostTable.to_lists() of the (sharded) graph
     head: dict | None    # shard_lm_head keyword arguments that reproduce the graph; None: not sharded
+    layers: list | None = None  # the layer units traced with, when not the default (sub-blocks)
 
 
-def frozen_of(graph: LayerGraph, costs: CostTable, program: Any) -> Frozen:
+def frozen_of(graph: LayerGraph, costs: CostTable, program: Any, layers: list | None = None) -> Frozen:
     """What to save so that `plan_pipeline(..., frozen=...)` rebuilds `program` exactly."""
     return Frozen(program.plan.to_str(), program.round_size, program.microbatches, costs.to_lists(),
-                  _head_args(graph))
+                  _head_args(graph), None if layers is None else list(layers))
 
 
 def _head_args(graph: LayerGraph) -> dict | None:
@@ -55,7 +56,8 @@ def _rebuild(model: torch.nn.Module, example: Any, opts: Options, frozen: Frozen
     """plan_pipeline with the frozen decisions: trace and shard as before, emit the saved plan, verify."""
     from rpcompile import passes
     from rpcompile.plan import StagePlan
-    graph = passes.trace(model, example, loss_fn=opts.loss_fn, layers=opts.layers)
+    units = frozen.layers if frozen.layers is not None else opts.layers
+    graph = passes.trace(model, example, loss_fn=opts.loss_fn, layers=units)
     if frozen.head:
         graph = passes.shard_lm_head(graph, **frozen.head)
     costs = CostTable.from_lists(**frozen.costs)
@@ -63,7 +65,7 @@ def _rebuild(model: torch.nn.Module, example: Any, opts: Options, frozen: Frozen
     program = passes.emit(plan, gpus=opts.gpus, microbatches=frozen.microbatches, round_size=frozen.round_size,
                           staleness=opts.staleness, costs=costs, readers=_shared_readers(graph))
     passes.verify(program, costs=costs, memory_budget=_budget(opts))
-    return graph, costs, plan, program, frozen.microbatches
+    return graph, costs, plan, program, frozen.microbatches, frozen.layers
 
 
 def _budget(opts: Options) -> int | None:
@@ -85,6 +87,12 @@ def plan_pipeline(model: torch.nn.Module, example: Any, opts: Options, *, mode: 
     Returns:
         (graph, costs, plan, program, microbatches)
     """
+    return compile_passes(model, example, opts, mode=mode, frozen=frozen)[:5]
+
+
+def compile_passes(model: torch.nn.Module, example: Any, opts: Options, *, mode: str = "measure",
+                   frozen: Frozen | None = None):
+    """`plan_pipeline`, also returning the layer units it traced with (None: the default detection)."""
     m = frozen.microbatches if frozen else opts.microbatches or default_microbatches(batch_size(example), opts.gpus)
     check_batch(example, m)
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}  # measuring runs the layers: keep
@@ -108,7 +116,7 @@ def _passes(model: torch.nn.Module, example: Any, opts: Options, m: int, mode: s
     """
     budget = _budget(opts)
     graph, costs = _layers_and_costs(model, example, opts, m, mode, opts.layers, budget)
-    why = _refusal(costs, budget)
+    why, units = _refusal(costs, budget), None
     if why is not None and opts.layers is None:
         from rpcompile.presets import sublayer_units
         try:
@@ -126,7 +134,7 @@ def _passes(model: torch.nn.Module, example: Any, opts: Options, m: int, mode: s
     # 6. check it: dependencies, coverage, the per-layer rules R1-R5, memory
     from rpcompile import passes
     passes.verify(program, costs=costs, memory_budget=budget)
-    return graph, costs, plan, program, m
+    return graph, costs, plan, program, m, units
 
 
 def _layers_and_costs(model, example, opts: Options, m: int, mode: str, layers, budget: int | None):
