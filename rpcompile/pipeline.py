@@ -1,6 +1,6 @@
 """The compiler pipeline: the passes compile() runs, in order, and what a checkpoint freezes of them.
 
-    trace -> shard_lm_head -> estimate_costs -> partition -> emit -> verify
+    trace -> shard_lm_head -> estimate_costs -> partition -> emit -> verify -> check_host_memory
 
 `Frozen` records the decisions that depend on measurements (the LM-head
 sharding, the cost table, the plan and the round size), so loading a
@@ -131,9 +131,12 @@ def _passes(model: torch.nn.Module, example: Any, opts: Options, m: int, mode: s
                          f"or fewer per microbatch (rpcompile.max_seq_len says how long fits), or a larger budget")
     # 4-5. choose the stage grouping (and, for a hardware target, the round size) and emit the program
     plan, program = _plan_and_emit(graph, costs, opts, m, budget)
-    # 6. check it: dependencies, coverage, the per-layer rules R1-R5, memory
+    # 6. check it: dependencies, coverage, the per-layer rules R1-R5, device memory; then host memory
     from rpcompile import passes
+    from rpcompile.hostmem import check_host_memory
     passes.verify(program, costs=costs, memory_budget=budget)
+    check_host_memory(graph, costs, plan, microbatches=m, staleness=opts.staleness, optimizer=opts.optimizer,
+                      dtype=opts.dtype, hardware=opts.hardware)
     return graph, costs, plan, program, m, units
 
 

@@ -91,9 +91,16 @@ def test_the_limit_is_the_hardware_or_this_machines_ram(monkeypatch):
         check_host_memory(model, microbatches=1)
 
 
-@pytest.mark.xfail(strict=True, reason="wired into compile() by the lead")
 def test_compile_refuses_a_run_that_does_not_fit_the_host():
     tiny_host = Hardware.preset("cpu").replace(host_memory=2**16)  # TinyLlama's AdamW state needs ~0.5 MiB
     with pytest.raises(ValueError, match=r"host memory: the run needs .* bytes: weights"):
         rpcompile.compile(TinyLlama(CFG), gpus=2, example=batch(), microbatches=2, hardware=tiny_host,
                           memory_budget=2**20)
+
+
+def test_compile_without_a_hardware_target_checks_this_machines_ram(monkeypatch):
+    monkeypatch.setattr("rpcompile.hardware._host_memory", lambda: 2**16)
+    with pytest.raises(ValueError, match=r"host memory: the run needs .* but this machine's RAM is 0\.1 MiB"):
+        rpcompile.compile(TinyLlama(CFG), gpus=2, example=batch(), microbatches=2)
+    monkeypatch.setattr("rpcompile.hardware._host_memory", lambda: 2**34)
+    rpcompile.compile(TinyLlama(CFG), gpus=2, example=batch(), microbatches=2).close()
