@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import os
 
-ORDER = ("trace", "costs", "partition", "schedules_sim", "schedules", "plan_cli", "runtime_cpu", "optimizer",
-         "distributed", "gpu")
+ORDER = ("trace", "costs", "long_seq", "partition", "plan_stability", "schedules_sim", "schedules", "plan_cli",
+         "runtime_cpu", "optimizer", "distributed", "gpu")
 TITLES = {
     "trace": "Trace time (issue 2)", "costs": "Cost model: predicted vs measured (issue 3)",
-    "partition": "Partition: planning time and plan quality (issue 4)",
+    "partition": "Partition: planning time and plan quality (issues 4, 15)",
+    "long_seq": "Long sequences: max_seq_len of the paper models, eager vs SDPA pricing (issue 13)",
+    "plan_stability": "Plan stability: fresh-process compiles on a loaded machine (issue 14)",
     "schedules_sim": "Simulated bubble vs bound-stage baselines (issue 5)",
     "schedules": "The five paper models on 8x RTX 4090, simulated (issue 8)",
-    "runtime_cpu": "Runtime on this CPU: compiled vs eager, measured vs simulated bubble (issue 6)",
+    "runtime_cpu": "Runtime on this CPU: compiled vs eager, host waits, allocations (issues 6, 12)",
     "optimizer": "CPU optimizer throughput (issue 6)", "distributed": "Data parallelism across processes (issue 9)",
-    "gpu": "GPU run (bench/gpu.sh)", "plan_cli": "The plan command on the paper models (issue 7)",
+    "gpu": "GPU run (bench/gpu.sh, issue 12)", "plan_cli": "The plan command on the paper models (issue 7)",
 }
 
 
