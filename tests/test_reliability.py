@@ -165,6 +165,26 @@ def test_on_nonfinite_skip_skips_and_counts():
         assert all(torch.isfinite(p).all() for p in m.parameters())
 
 
+
+def test_fp16_dynamic_loss_scaling_keeps_its_skip_and_lower():
+    """With a DynamicLossScale the overflow is the scaler's to handle: it skips and halves, nothing raises."""
+    from rpcompile.optim import DynamicLossScale
+    from rpcompile.passes import emit, trace
+    from rpcompile.runtime.executor import Runtime
+    from rpcompile.runtime.optimizer import HostState
+    graph = trace(_MLP(), _xy(0))
+    state = HostState.from_graph(graph, optimizer=rpcompile.SGD(lr=1e-2),
+                                 loss_scale=DynamicLossScale(init_scale=1024.0, growth_interval=100))
+    prog = emit(rpcompile.StagePlan.from_sizes([1] * (len(graph.layers) - 1), 1, [1] * (len(graph.layers) - 1)),
+                gpus=2, microbatches=2, staleness=1)
+    with Runtime(graph, prog, state, backend="host", timeout=20) as rt:
+        rt.step(_xy(0))
+        rt.step(_xy(1, nan=True))
+        rt.step(_xy(2))
+        rt.flush()
+    assert state.skipped == [1] and state.loss_scale == 512.0
+    assert all(torch.isfinite(state.read(n)).all() for n in graph.params)
+
 # -- 7. bad arguments are ValueErrors that name them, before tracing ----------------------------------------------
 @pytest.mark.parametrize("kw,name", [
     (dict(gpus=0), "gpus"), (dict(gpus=-1), "gpus"), (dict(gpus=True), "gpus"), (dict(gpus=2.0), "gpus"),
