@@ -106,3 +106,20 @@ class Evaluator:
         self.timed += ns * self.m * iters
         return shape_time(shape(stages), gpus=self.n_gpu, microbatches=self.m, round_size=self.rr,
                           staleness=self.st, cutoff=None if cutoff is None or math.isinf(cutoff) else cutoff)
+
+    def isolated_floor(self, stages: list, cutoff: float) -> float:
+        """A lower bound on the staleness-1 `iteration_time` from one isolated iteration (0 if none applies).
+
+        Iteration t + 2 reads the weights iteration t's steps wrote, so its first slot waits for t's last
+        gradient and ends[t+2] >= ends[t] + T0, T0 being the iteration alone on free workers (the
+        recurrence is max-plus, hence monotone: later inputs never give earlier times). The window of p
+        iterations that `iteration_time` averages therefore spans at least p/2 such pairs when p is even:
+        the time is at least T0 / 2. One iteration costs 1/(3P) of the window's run, and it stops once T0
+        exceeds 2 * cutoff (the bound is then above the cutoff and its exact value does not matter).
+        """
+        if self.st != 1 or steady_state_window(self.n_gpu, len(stages), self.m // self.rr)[1] % 2:
+            return 0.0
+        self.timed += len(stages) * self.m
+        t0 = shape_time(shape(stages), gpus=self.n_gpu, microbatches=self.m, round_size=self.rr, staleness=0,
+                        cutoff=None if math.isinf(cutoff) else 2 * cutoff)
+        return t0 / 2

@@ -49,7 +49,10 @@ the throughput bound M w / N is the steady state's and holds for the window
 in every case tested (tests/test_partition_guarantees.py checks both bounds
 on random plans). The guaranteed families drop a plan only when its bound
 exceeds the best time by more than 1e-9 (relative), so every plan that could
-tie is timed; `iteration_time`'s cutoff is the best time plus that slack.
+tie is timed; with staleness 1 a plan that passes those bounds is also dropped
+when half of its isolated (staleness-0) iteration exceeds the best time, an
+exact bound (`Evaluator.isolated_floor`) that costs one iteration instead of the
+window's 3P; `iteration_time`'s cutoff is the best time plus that slack.
 """
 from __future__ import annotations
 
@@ -247,6 +250,8 @@ class _Search:
         self.seen.add(plan)
         if not self.ev.fits(stages):
             return "too big"
+        if self.ev.isolated_floor(stages, lim) > lim:  # exact bound: the plan cannot tie the best
+            return "timed"
         t = self.ev.time(stages, cutoff=lim)
         key = (t, len(stages), f, fs, bs)
         if t <= lim and (self.best_key is None or key < self.best_key):

@@ -5,6 +5,7 @@ The families are rebuilt here from their definitions in the partition module's d
 the search, and every plan is timed with `iteration_time`.
 """
 import itertools
+import math
 import json
 import os
 import random
@@ -209,6 +210,11 @@ def test_pruning_bounds_hold_on_random_plans(case, n, m, data):
                                                                     plan.num_stages)
         t = iteration_time(plan, costs, gpus=n, microbatches=m, round_size=rr, staleness=staleness)
         assert floor <= t * (1 + SLACK), (plan.to_str(), n, m, rr, staleness, floor, t)
+        search = search_cls(costs, n, m, rr, staleness, None)
+        stages = search.ev.stages(tuple(map(len, plan.fwd)), len(plan.fused), tuple(map(len, plan.bwd)))
+        assert search.ev.time(stages) == t  # the same plan
+        isolated = search.ev.isolated_floor(stages, math.inf)  # half the isolated iteration (staleness 1)
+        assert isolated <= t * (1 + SLACK), (plan.to_str(), n, m, rr, staleness, isolated, t)
 
 
 def test_the_same_costs_and_options_give_the_same_plan():
