@@ -32,13 +32,19 @@ _META_ATTRS = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "require
 
 
 def eliminate_dead_code(graph: fx.Graph) -> None:
-    """Remove unused pure nodes (call_module units count as pure)."""
+    """Remove unused pure nodes (call_module units count as pure; in-place ops and item assignment do not)."""
     for node in reversed(list(graph.nodes)):
         if node.users or node.op in ("placeholder", "output"):
             continue
-        if node.op in ("call_function", "call_method") and node.is_impure():
+        if node.op in ("call_function", "call_method") and (node.is_impure() or _in_place(node)):
             continue
         graph.erase_node(node)
+
+
+def _in_place(node: fx.Node) -> bool:
+    """True for an in-place tensor op (`x.masked_fill_(...)`, `torch.relu_(x)`): its effect is not its result."""
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return isinstance(name, str) and name.endswith("_") and not name.startswith("_")
 
 
 def _has_tensor(rec: Any) -> bool:

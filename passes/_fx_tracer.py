@@ -12,6 +12,15 @@ Note:
     object must stay a constant: fx would rebuild a dataclass argument inside
     the graph and silently drop `_attn_implementation`, so `create_arg` stores
     opaque objects as constant attributes of the root instead.
+
+    Three more make models whose loss is computed inside `forward` traceable
+    (BERT, T5). A module built inside `forward` (`CrossEntropyLoss()(logits,
+    labels)`) is not a submodule, so it is traced through; item assignment on a
+    proxy (T5's `_shift_right`: `shifted[..., 1:] = ids[..., :-1]`) records an
+    `operator.setitem` node (`_Proxy`), and in-place ops are kept by dead-code
+    elimination (`_fx_split`); the buffers of a traced-through module become
+    `get_attr` nodes, so slicing one by a traced size works (BERT's
+    `position_ids[:, :seq_length]`).
 """
 from __future__ import annotations
 
@@ -20,6 +29,7 @@ import dataclasses
 import enum
 import functools
 import inspect
+import operator
 import os
 import sys
 import traceback
@@ -132,9 +142,29 @@ class LayerTracer(fx.Tracer):
         """True while tracing through a unit (one holding a tied parameter)."""
         return any(name in self.units for name in self.rp_modules)
 
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
+        """Buffers of traced-through modules become get_attr nodes (BERT slices `position_ids` by a size)."""
+        if isinstance(attr_val, torch.Tensor) and not isinstance(attr_val, torch.nn.Parameter):
+            for name, buf in self.root.named_buffers():
+                if buf is attr_val:
+                    if name not in parameter_proxy_cache:
+                        parameter_proxy_cache[name] = self.create_proxy("get_attr", name, (), {})
+                    return parameter_proxy_cache[name]
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _Proxy(node, self)
+
     def call_module(self, m: torch.nn.Module, forward: Callable[..., Any], args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> Any:
-        name = self.path_of_module(m)
+        try:
+            name = self.path_of_module(m)
+        except NameError:  # built inside forward (`CrossEntropyLoss()(logits, labels)`): trace through it
+            if next(m.parameters(), None) is not None or next(m.buffers(), None) is not None:
+                raise UntraceableError(f"module {type(m).__name__} is created inside forward and holds "
+                                       f"parameters or buffers; register it as a submodule") from None
+            return forward(*args, **kwargs)
         is_unit = name in self.units and not self._inside_unit()
         if is_unit:
             self.unit_calls.append(name)
@@ -164,6 +194,13 @@ class LayerTracer(fx.Tracer):
                 setattr(self.root, name, a)
             return self.create_node("get_attr", name, (), {})
         return super().create_arg(a)
+
+
+class _Proxy(fx.Proxy):
+    """An fx Proxy that records item assignment (`x[..., 1:] = y`) as an `operator.setitem` node."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
 
 
 def _is_opaque(a: Any) -> bool:
