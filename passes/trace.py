@@ -2,8 +2,9 @@
 
 Note:
     The model is traced once with torch.fx; layer units (the blocks of the main
-    ModuleList/Sequential and each parameter-owning module around it) are fx
-    leaves, so a decoder layer is one `call_module` node that runs eagerly.
+    ModuleList/Sequential, and of a comparable one beside it such as an encoder's,
+    and each parameter-owning module around them) are fx leaves, so a decoder
+    layer is one `call_module` node that runs eagerly.
     Glue ops between units join the layer of the unit before them (glue before
     the first unit joins the first layer), so the loss lands in the last layer
     and rotary/mask/position values are produced by the embedding layer. Shapes
@@ -26,6 +27,7 @@ from rpcompile.graph import Layer, LayerGraph, Value
 from rpcompile.passes._meta_moe import balanced_experts
 from rpcompile.passes._fx_props import PropagationError, TMeta, propagate
 from rpcompile.passes._fx_split import build_layer_module, eliminate_dead_code, fix_crossings, layer_io
+from rpcompile.passes._hf_compat import no_kv_cache
 from rpcompile.passes._fx_tracer import (LayerTracer, UntraceableError, autowrap_masks, explain_root,
                                          forward_params, make_root)
 
@@ -66,7 +68,7 @@ def trace(model: torch.nn.Module, example: Any, *, loss_fn: Callable[[Any, Any],
     root = make_root(model)
     body = _make_body(model, example, kind, tuple(inputs), loss_fn)
     tracer = LayerTracer(frozenset(units), tied_modules, tuple(inputs), body)
-    with autowrap_masks(model):
+    with autowrap_masks(model), no_kv_cache(model):
         try:
             graph = tracer.trace(root)
         except UntraceableError:
@@ -119,21 +121,23 @@ def _nparams(m: torch.nn.Module) -> int:
 
 
 def _detect_units(model: torch.nn.Module) -> list[str]:
-    """Blocks of the biggest ModuleList/Sequential plus each parameter-owning module around it."""
+    """Blocks of the biggest ModuleList/Sequential (and of comparable ones beside it, `_stacks`) plus each
+    parameter-owning module around them."""
     lists = [(n, m) for n, m in model.named_modules()
              if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)) and len(m) > 0]
     if not lists:
         raise UntraceableError(f"{type(model).__name__} has no nn.ModuleList/nn.Sequential of blocks; "
                                f"pass layers=[...] with the module names of the layer units")
     main, block = max(lists, key=lambda nm: (_nparams(nm[1]), -(nm[0].count(".") + bool(nm[0]))))
+    stacks = _stacks(lists, main)
     units: list[str] = []
 
     def walk(mod: torch.nn.Module, prefix: str) -> None:
         for cname, child in mod.named_children():
             q = f"{prefix}.{cname}" if prefix else cname
-            if q == main:
+            if q in stacks:
                 units.extend(f"{q}.{k}" for k, _ in child.named_children())
-            elif main.startswith(q + "."):
+            elif any(m.startswith(q + ".") for m in stacks):
                 walk(child, q)
             elif next(child.parameters(), None) is not None:
                 units.append(q)
@@ -143,6 +147,20 @@ def _detect_units(model: torch.nn.Module) -> list[str]:
     else:
         walk(model, "")
     return units
+
+
+def _stacks(lists: list[tuple[str, torch.nn.Module]], main: str) -> list[str]:
+    """`main` and each other block list with at least a quarter of its parameters (T5's encoder beside its
+    decoder), none inside another."""
+    if main == "":
+        return [main]
+    least = _nparams(dict(lists)[main]) / 4
+    chosen = [main]
+    for name, m in sorted(lists, key=lambda nm: -_nparams(nm[1])):
+        if name and _nparams(m) >= least and not any(name == c or name.startswith(c + ".") or
+                                                     c.startswith(name + ".") for c in chosen):
+            chosen.append(name)
+    return chosen
 
 
 def _match_units(model: torch.nn.Module, patterns: Sequence[str]) -> list[str]:

@@ -135,11 +135,15 @@ def sublayer_units(model) -> list[str]:
     blocks = [u for u in units if u.rsplit(".", 1)[-1].isdigit()]
     if not blocks:
         raise ValueError(f"{type(model).__name__} has no list of decoder blocks to cut into sub-blocks")
-    parent, block = blocks[0].rsplit(".", 1)[0], model.get_submodule(blocks[0])
-    inner = [f"{parent}.*.{c}" for c, m in block.named_children() if next(m.parameters(), None) is not None]
+    inner: dict[str, list[str]] = {}  # block list (an encoder-decoder has two) -> its sub-block patterns
+    for b in blocks:
+        parent = b.rsplit(".", 1)[0]
+        if parent not in inner:
+            inner[parent] = [f"{parent}.*.{c}" for c, m in model.get_submodule(b).named_children()
+                             if next(m.parameters(), None) is not None]
     out: list[str] = []
     for u in units:
-        out += inner if u in blocks else [u]
+        out += inner[u.rsplit(".", 1)[0]] if u in blocks else [u]
     return list(dict.fromkeys(out))
 
 
