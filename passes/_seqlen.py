@@ -23,8 +23,8 @@ Note:
       Parameter state: `rpcompile.hostmem.host_bytes` by category: every
       parameter's compute copy at its own dtype; a trainable one adds an fp32
       master, an fp32 gradient and two fp32 AdamW moments (16 B); a frozen one
-      nothing more. In flight (counted here; hostmem's admission check assumes
-      all M microbatches, 2M with staleness 1, hold every stage's input):
+      nothing more. In flight (`round_saved_bytes`, the rule hostmem's admission
+      check uses too):
       iterations run in rounds of R microbatches (`default_round_size(gpus,
       M)`); a round's saved inputs live from its forward to its backward, so at
       most R microbatches hold every backward stage's input. The rotation has no drain: the next
@@ -86,13 +86,15 @@ class SeqLenLimit:
                 f"> {_gib(self.capacity)} ({parts})")
 
 
-def round_saved_bytes(saved: list[int], plan: StagePlan, gpus: int, microbatches: int) -> tuple[int, int]:
+def round_saved_bytes(saved: list[int], plan: StagePlan, gpus: int, microbatches: int,
+                      round_size: int | None = None) -> tuple[int, int]:
     """Host bytes of saved stage inputs at once, and the round size R (see module Note).
 
     Args:
         saved: bytes of each layer's saved input (`CostTable.saved_bytes`) for one microbatch.
         plan: its backward stages keep one saved input each per microbatch.
-        gpus, microbatches: N and M; rounds hold R = `default_round_size(N, M)` microbatches.
+        gpus, microbatches: N and M; rounds hold R microbatches.
+        round_size: R (default `default_round_size(N, M)`).
     Returns:
         (R x all backward stages' inputs + R x those of the last N - 1 backward stages, R).
 
@@ -100,7 +102,7 @@ def round_saved_bytes(saved: list[int], plan: StagePlan, gpus: int, microbatches
     (60, 2)
     """
     from rpcompile.passes.timing import default_round_size
-    r = default_round_size(gpus, microbatches)
+    r = round_size or default_round_size(gpus, microbatches)
     per = [saved[b.start] for b in plan.bwd]  # execution order: the last ones hold the lowest layers
     tail = per[len(per) - min(len(per), gpus - 1):] if gpus > 1 else []
     return r * (sum(per) + sum(tail)), r

@@ -17,12 +17,14 @@ Note: what counts. Every parameter has a compute copy in the training dtype
 nothing else for them. A trainable parameter (requires_grad, used by some
 layer) adds an fp32 master, an fp32 gradient buffer and the optimizer state:
 AdamW two fp32 moments, SGD one fp32 momentum buffer when momentum > 0. The
-activations are the stage inputs the host keeps for each microbatch (the
-`saved_bytes` of every distinct first layer of a stage: what the backward
-stages recompute from and what crosses between forward stages), for the
-microbatches in flight: an iteration's M with staleness 0; with staleness 1
-iteration t + 1 runs while iteration t's backward stages still hold their
-inputs (t + 2 waits for t's update), so 2M. An estimate for admission, not an
+activations are the saved stage inputs the host keeps for the backward stages
+to recompute from (`passes._seqlen.round_saved_bytes`, the rule `max_seq_len`
+uses too): iterations run in rounds of R microbatches and a round's inputs live
+from its forward to its backward, so R microbatches hold every backward stage's
+input; the rotation has no drain (the next round, with staleness 1 also the
+next iteration's first, starts on a worker as soon as it is free), so the last
+N - 1 backward stages of the previous round still hold theirs and count once
+more. An estimate for admission, not an
 allocator trace: pinned staging buffers and Python overheads are left out.
 """
 from __future__ import annotations
@@ -41,8 +43,8 @@ class HostBytes:
     masters: int       # fp32 masters of the trainable parameters
     grads: int         # fp32 gradient buffers of the trainable parameters
     optimizer: int     # optimizer state of the trainable parameters
-    activations: int   # saved stage inputs of the microbatches in flight (0 before a plan exists)
-    in_flight: int     # microbatches whose stage inputs can be on the host at once
+    activations: int   # saved inputs of the backward stages for the microbatches in flight (0 before a plan)
+    in_flight: int     # microbatches per round R whose saved inputs are on the host (0 before a plan)
 
     @property
     def total(self) -> int:
@@ -53,12 +55,14 @@ class HostBytes:
         parts = [f"weights {_gib(self.weights)}", f"fp32 masters {_gib(self.masters)}",
                  f"gradients {_gib(self.grads)}", f"optimizer state {_gib(self.optimizer)}"]
         if self.in_flight:
-            parts.append(f"saved activations {_gib(self.activations)} for {self.in_flight} microbatches in flight")
+            parts.append(f"saved activations {_gib(self.activations)} for {self.in_flight} microbatches per round "
+                         f"(+ the previous round's last stages)")
         return f"{_gib(self.total)} ({self.total} bytes: {', '.join(parts)})"
 
 
 def host_bytes(model: Any, costs: Any = None, plan: Any = None, *, microbatches: int, staleness: int = 1,
-               optimizer: Any = None, dtype: Any = None) -> HostBytes:
+               optimizer: Any = None, dtype: Any = None, gpus: int | None = None,
+               round_size: int | None = None) -> HostBytes:
     """Host bytes a run needs, by category.
 
     Args:
@@ -66,9 +70,11 @@ def host_bytes(model: Any, costs: Any = None, plan: Any = None, *, microbatches:
             HostState) or an `nn.Module` (every parameter, e.g. on the meta device before tracing).
         costs, plan: the CostTable and StagePlan; without them the activations count 0.
         microbatches: M per iteration.
-        staleness: 0 or 1 (1 doubles the microbatches in flight).
+        staleness: 0 or 1 (the rule above holds for both; kept for the callers' symmetry).
         optimizer: `rpcompile.AdamW` (default) or `rpcompile.SGD`.
         dtype: training dtype of the compute copies; None keeps each parameter's own.
+        gpus: workers N; needed with a plan.
+        round_size: microbatches per round R (default `default_round_size(N, M)`).
     Returns:
         A HostBytes; `str()` of it lists the categories.
 
@@ -86,21 +92,23 @@ def host_bytes(model: Any, costs: Any = None, plan: Any = None, *, microbatches:
         weights += numel * (dtype or own).itemsize
         trainable += numel if train else 0
     fp32 = torch.float32.itemsize
-    in_flight = microbatches * (1 + staleness) if plan is not None else 0
-    saved = 0
+    saved = in_flight = 0
     if plan is not None:
-        saved = sum(costs.saved_bytes[start] for start in sorted({s.layers.start for s in plan.stages}))
-    return HostBytes(weights, trainable * fp32, trainable * fp32, trainable * fp32 * state, saved * in_flight,
-                     in_flight)
+        if gpus is None:
+            raise ValueError("host_bytes: gpus is needed with a plan (the rounds' saved inputs depend on it)")
+        from rpcompile.passes._seqlen import round_saved_bytes
+        saved, in_flight = round_saved_bytes(list(costs.saved_bytes), plan, gpus, microbatches, round_size)
+    return HostBytes(weights, trainable * fp32, trainable * fp32, trainable * fp32 * state, saved, in_flight)
 
 
 def check_host_memory(model: Any, costs: Any = None, plan: Any = None, *, microbatches: int, staleness: int = 1,
                       optimizer: Any = None, dtype: Any = None, hardware: Any = None,
-                      limit: int | None = None) -> HostBytes:
+                      limit: int | None = None, gpus: int | None = None,
+                      round_size: int | None = None) -> HostBytes:
     """`host_bytes` of the run, raising unless it fits the host; returns it when it does.
 
     Args:
-        model, costs, plan, microbatches, staleness, optimizer, dtype: as for `host_bytes`.
+        model, costs, plan, microbatches, staleness, optimizer, dtype, gpus, round_size: as for `host_bytes`.
         hardware: the target `Hardware`; its `host_memory` is the limit.
         limit: host bytes available, overriding the hardware's; with neither, this machine's physical RAM.
     Raises:
@@ -111,7 +119,7 @@ def check_host_memory(model: Any, costs: Any = None, plan: Any = None, *, microb
     120
     """
     need = host_bytes(model, costs, plan, microbatches=microbatches, staleness=staleness, optimizer=optimizer,
-                      dtype=dtype)
+                      dtype=dtype, gpus=gpus, round_size=round_size)
     if limit is not None:
         name = "the host memory limit"
     elif hardware is not None:
@@ -123,8 +131,7 @@ def check_host_memory(model: Any, costs: Any = None, plan: Any = None, *, microb
         return need
     lora = "freeze the base model and train adapters (LoRA; `plan --frozen-base` estimates that)"
     if need.in_flight:
-        fix = (f"{lora} or put fewer microbatches in flight (fewer microbatches per iteration, or staleness 0, "
-               f"which holds one iteration's instead of two)")
+        fix = f"{lora} or put fewer microbatches in flight (smaller rounds: fewer microbatches per iteration)"
     else:
         fix = f"the parameters' state alone is over, before any saved activations: {lora}"
     raise ValueError(f"host memory: the run needs {need} but {name} is {_gib(limit)} ({limit} bytes); {fix}")

@@ -136,7 +136,7 @@ def _passes(model: torch.nn.Module, example: Any, opts: Options, m: int, mode: s
     from rpcompile.hostmem import check_host_memory
     passes.verify(program, costs=costs, memory_budget=budget)
     check_host_memory(graph, costs, plan, microbatches=m, staleness=opts.staleness, optimizer=opts.optimizer,
-                      dtype=opts.dtype, hardware=opts.hardware)
+                      dtype=opts.dtype, hardware=opts.hardware, gpus=opts.gpus, round_size=program.round_size)
     return graph, costs, plan, program, m, units
 
 

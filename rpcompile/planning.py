@@ -79,7 +79,7 @@ def plan_model(model: str, *, gpus: int = 8, hardware: str | Hardware = "rtx4090
                    optimizer=None, dtype=torch.bfloat16, loss_fn=None, layers=None,
                    lm_head_shards="auto", hardware=hw, memory_budget=None, backend="host", seed=0)
     graph, costs, plan, program, m = plan_pipeline(net, example, opts, mode="predict")
-    host = check_host_memory(graph, costs, plan, microbatches=m, **state)
+    host = check_host_memory(graph, costs, plan, microbatches=m, gpus=gpus, round_size=program.round_size, **state)
     tokens = microbatches * seq
     rows = []
     ours_sync = simulate(passes.emit(plan, gpus=gpus, microbatches=m, round_size=program.round_size,

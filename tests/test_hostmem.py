@@ -58,25 +58,34 @@ def test_frozen_parameters_cost_only_their_copy():
 
 
 def test_saved_activations_of_the_microbatches_in_flight():
+    # Backward stages start at layers 2 and 0 (execution order): a round of R microbatches holds both inputs,
+    # and with 2 workers the previous round's last backward stage (layer 0's) still holds its own.
     costs = CostTable.from_lists([1.0] * 4, [2.0] * 4, saved_bytes=[100, 10, 20, 30])
-    plan = StagePlan.from_str("2,1|1|1,2")  # stages start at layers 0, 2, 3 (FB), 2, 0: distinct 0, 2, 3
-    for staleness, in_flight in ((0, 8), (1, 16)):
-        need = host_bytes(torch.nn.Linear(1, 1), costs, plan, microbatches=8, staleness=staleness)
-        assert need.in_flight == in_flight and need.activations == (100 + 20 + 30) * in_flight
+    plan = StagePlan.from_str("2,1|1|1,2")
+    for staleness in (0, 1):
+        for rr in (2, 8):
+            need = host_bytes(torch.nn.Linear(1, 1), costs, plan, microbatches=8, staleness=staleness, gpus=2,
+                              round_size=rr)
+            assert need.in_flight == rr and need.activations == rr * (20 + 100 + 100)
+    one = host_bytes(torch.nn.Linear(1, 1), costs, plan, microbatches=8, gpus=1, round_size=8)
+    assert one.activations == 8 * (20 + 100)  # one worker: no round overlaps the next
+    with pytest.raises(ValueError, match="gpus is needed"):
+        host_bytes(torch.nn.Linear(1, 1), costs, plan, microbatches=8)
 
 
 def test_over_the_limit_is_one_line_naming_the_bytes():
     model = torch.nn.Linear(1024, 1024)
     costs = CostTable.from_lists([1.0] * 2, [2.0] * 2, saved_bytes=[2**20, 2**20])
-    plan = StagePlan.from_str("1|1|1")  # stages start at layers 0 and 1: 2 MiB per microbatch
-    need = host_bytes(model, costs, plan, microbatches=4)
-    assert check_host_memory(model, costs, plan, microbatches=4, limit=need.total) == need
+    plan = StagePlan.from_str("1|1|1")  # the backward stage holds layer 0's input (1 MiB), twice with 2 workers
+    run = dict(microbatches=4, gpus=2, round_size=4)
+    need = host_bytes(model, costs, plan, **run)
+    assert check_host_memory(model, costs, plan, limit=need.total, **run) == need
     with pytest.raises(ValueError) as err:
-        check_host_memory(model, costs, plan, microbatches=4, limit=need.total - 1)
+        check_host_memory(model, costs, plan, limit=need.total - 1, **run)
     msg = str(err.value)
     assert "\n" not in msg and f"{need.total} bytes" in msg and f"({need.total - 1} bytes)" in msg
     for part in ("weights 4.0 MiB", "fp32 masters 4.0 MiB", "gradients 4.0 MiB", "optimizer state 8.0 MiB",
-                 "saved activations 16.0 MiB for 8 microbatches in flight", "LoRA", "fewer microbatches in flight"):
+                 "saved activations 8.0 MiB for 4 microbatches per round", "LoRA", "fewer microbatches in flight"):
         assert part in msg, part
 
 
