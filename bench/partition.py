@@ -96,7 +96,7 @@ def paper_costs(model: str) -> tuple[CostTable, dict]:
     from rpcompile.api import Options, plan_pipeline
     from rpcompile.hardware import Hardware
     from rpcompile.presets import build_meta, example_batch
-    hw = Hardware.preset("rtx4090")
+    hw = Hardware.preset("rtx4090").replace(host_memory=2**42)  # the costs only: host memory is plan's check
     net = build_meta(model)
     opts = Options(gpus=GPUS, microbatches=MICROBATCHES, staleness=STALENESS, optimizer=None, dtype=torch.bfloat16,
                    loss_fn=None, layers=None, lm_head_shards="auto", hardware=hw, memory_budget=None,
