@@ -123,7 +123,6 @@ def lora_run(files, tmp_path_factory):
     pytest.importorskip("peft")
     d = tmp_path_factory.mktemp("lora")
     out = d / "out"
-    # today ("R4 violated: gradient write ... after grads_complete"; /tmp/finetune_r4_repro.py)
     args = ["--model", files.model, "--data", fx.write_jsonl(d / "chat.jsonl", chat_rows()), "--out", str(out),
             "--steps", "8", "--seq", "32", "--micro-batch-size", "2", "--microbatches", "2", "--gpus", "2",
             "--lr", "1e-2", "--memory-gib", str(SMALL["memory_gib"]), "--lm-head-shards", "1", "--lora", "8",
