@@ -2,8 +2,8 @@
 
 Two modes:
 - "measure": run each layer alone on a device with the microbatch inputs that the
-  previous layers produced, time forward and backward (median after warm-up) and
-  account the memory it really allocates.
+  previous layers produced, time forward and backward (robust to a loaded machine:
+  see Note: timing) and account the memory it really allocates.
 - "predict": count FLOPs and bytes of every aten op of each layer (forward and
   backward) on the `meta` device and price each op with `Hardware.roofline` plus
   a launch latency. Needs no weights.
@@ -37,6 +37,28 @@ Note:
     retried with fake tensors, then for real on the CPU with random weights if
     its parameters are small (a warning names it); otherwise a ValueError
     names it.
+
+Note: timing (measure mode). The same model compiled in fresh processes on a
+    loaded machine must get the same plan, so the times are made robust:
+    - Layers that run the same ops (the recorded op sequence: names, FLOPs,
+      bytes, dtypes, forward and backward) are timed once and share the
+      times: identical decoder blocks get equal costs, not equal-up-to-noise.
+    - Forward and backward are timed alternately (warm-up passes, then
+      `repeats` passes of one forward and one backward), so both see the
+      same load; their ratio decides the stage groupings.
+    - Load only adds time, so a sample more than 50% above the fastest of its
+      kind is an outlier: its pass is timed again (up to 3 rounds), and the
+      time is the median of the samples that are not outliers.
+    - On the CPU the timing runs with `cpu_threads` intra-op threads (default
+      1) and, with one thread, counts the CPU time of the timing thread
+      (`time.thread_time`): on a loaded machine an intra-op worker thread
+      waits a scheduler tick (4-8 ms) for a core at every parallel region,
+      which made small layers 10-100x slow at random; waiting is not the
+      layer's cost. One core per layer is also what each of N host workers
+      gets on N cores; with fewer workers than cores, layers that would use
+      several cores are priced as if they had one.
+    - On CUDA: the wall clock, with a synchronize around each call.
+    `bench/plan_stability.py` checks it (`docs/bench/plan_stability.md`).
 """
 from __future__ import annotations
 
@@ -74,42 +96,78 @@ def _predict(graph: LayerGraph, inputs: dict, hardware: Hardware, progress: bool
         bwd_flops=[sum(o.flops for o in c.bwd_ops) for c in counts])
 
 
-def _median_time(fn: Callable[[], Any], dev: torch.device, warmup: int, repeats: int) -> float:
-    """Median seconds of fn() after warm-up; fewer repeats once 3 s are spent."""
+def _robust_times(fns: Sequence[Callable[[], Any]], dev: torch.device, warmup: int, repeats: int, *,
+                  tol: float = 0.5, rounds: int = 3, cap_s: float = 3.0,
+                  clock: Callable[[], float] = time.perf_counter) -> list[float]:
+    """Seconds of one call of each of `fns`, robust to a loaded machine (see `estimate_costs`, Note: timing).
+
+    `warmup` untimed passes, then `repeats` timed passes; a pass calls each fn once, in order, so
+    all of them are timed under the same load (a layer's forward and backward: their ratio decides
+    the stage groupings). Noise on a shared machine only adds time, so a sample more than `tol`
+    above its fn's fastest is an outlier: the passes holding one are timed again, up to `rounds`
+    times, and each fn's result is the median of its samples that are not outliers. Once `cap_s`
+    seconds are spent no more passes are taken (at least 2 if `repeats` >= 2).
+    """
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda d: None)
+
+    def once(fn: Callable[[], Any]) -> float:
+        sync(dev)
+        t0 = clock()
+        fn()
+        sync(dev)
+        return clock() - t0
+
     for _ in range(warmup):
-        fn()
-    times = []
+        for fn in fns:
+            fn()
+    samples: list[list[float]] = [[] for _ in fns]
+    spent = 0.0
     for _ in range(repeats):
-        sync(dev)
-        t0 = time.perf_counter()
-        fn()
-        sync(dev)
-        times.append(time.perf_counter() - t0)
-        if sum(times) > 3.0 and len(times) >= 2:
+        for s, fn in zip(samples, fns):
+            s.append(once(fn))
+            spent += s[-1]
+        if spent > cap_s and len(samples[0]) >= 2:
             break
-    return statistics.median(times)
+    for _ in range(rounds):
+        slow = [i for i in range(len(samples[0])) if any(s[i] > (1 + tol) * min(s) for s in samples)]
+        if not slow or spent > cap_s:
+            break
+        for i in slow:
+            for s, fn in zip(samples, fns):
+                s[i] = once(fn)
+                spent += s[i]
+    return [statistics.median([t for t in s if t <= (1 + tol) * min(s)]) for s in samples]
 
 
 def _measure_layer(graph: LayerGraph, layer: Layer, inputs: list, later: set[str], dev: torch.device,
-                   warmup: int, repeats: int) -> tuple[list, tuple]:
-    """[fwd s, bwd s, param, grad, act, saved, peak bytes, fwd flops, bwd flops] and the layer's outputs."""
+                   warmup: int, repeats: int, timed: dict[tuple, tuple[float, float]],
+                   clock: Callable[[], float] = time.perf_counter) -> tuple[list, tuple]:
+    """[fwd s, bwd s, param, grad, act, saved, peak bytes, fwd flops, bwd flops] and the layer's outputs.
+
+    `timed` maps a layer's recorded op sequence (forward, backward) to its (fwd, bwd) seconds: a
+    layer that runs the same ops as one timed before gets the same times without being timed again.
+    """
     state = _state(layer, lambda t: _random_cpu(t).to(dev) if t.is_meta else t.detach().to(dev))
     grads = [graph.values[n].requires_grad if n in graph.values else False for n in layer.inputs]
     xs = [_leaf(t, g) if isinstance(t, torch.Tensor) else t for t, g in zip(inputs, grads)]
-    with torch.enable_grad():
-        fwd_t = _median_time(lambda: torch.func.functional_call(layer.module, state, tuple(xs)), dev, warmup,
-                             repeats)
-        outs = tuple(torch.func.functional_call(layer.module, state, tuple(xs)))
-    diff = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
-    wrt = [t for t in [*xs, *state.values()] if isinstance(t, torch.Tensor) and t.requires_grad]
-    bwd_t, gouts = 0.0, None
-    if diff and wrt:
+
+    def forward() -> tuple:
+        return tuple(torch.func.functional_call(layer.module, state, tuple(xs)))
+
+    def grad_fn(outs: tuple) -> Callable[[], Any] | None:
+        """The backward of `outs` (ones as output gradients), repeatable; None if nothing is differentiable."""
+        diff = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+        wrt = [t for t in [*xs, *state.values()] if isinstance(t, torch.Tensor) and t.requires_grad]
         gouts = [torch.ones_like(o) for o in diff]
-        bwd_t = _median_time(lambda: torch.autograd.grad(diff, wrt, gouts, retain_graph=True, allow_unused=True),
-                             dev, warmup, repeats)
-    outs = diff = gouts = None  # free the timing graph (the lambda's cells) before the memory run
-    if dev.type == "cuda":
+        return (lambda: torch.autograd.grad(diff, wrt, gouts, retain_graph=True, allow_unused=True)) \
+            if diff and wrt else None
+
+    if dev.type == "cuda":  # lazy initialisation (cuBLAS workspaces) must not count in the memory run
+        with torch.enable_grad():
+            warm = grad_fn(forward())
+            if warm is not None:
+                warm()
+            warm = None
         torch.cuda.synchronize(dev)
         base = torch.cuda.memory_allocated(dev)
         torch.cuda.reset_peak_memory_stats(dev)
@@ -120,21 +178,37 @@ def _measure_layer(graph: LayerGraph, layer: Layer, inputs: list, later: set[str
     mem = _layer_memory(graph, layer, xs, outs, later)
     flops = [sum(o.flops for o in rf.ops), sum(o.flops for o in rb.ops)]
     outs = tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outs)
-    return [fwd_t, bwd_t, *mem, max(peak, 0), *flops], outs
+    key = (tuple(rf.ops), tuple(rb.ops), tuple(grads))
+    if key not in timed:
+        with torch.enable_grad():
+            bwd = grad_fn(forward())  # its graph is kept for the repeated backward
+            times = _robust_times([forward] if bwd is None else [forward, bwd], dev, warmup, repeats, clock=clock)
+            bwd = None  # free the timing graph
+        timed[key] = times[0], (times[1] if len(times) > 1 else 0.0)
+    return [*timed[key], *mem, max(peak, 0), *flops], outs
 
 
 def _measure(graph: LayerGraph, inputs: dict, dev: torch.device, warmup: int, repeats: int,
-             progress: bool) -> CostTable:
-    """CostTable from running each layer alone on `dev`."""
+             progress: bool, cpu_threads: int | None = None) -> CostTable:
+    """CostTable from running each layer alone on `dev` (with `cpu_threads` intra-op threads on the CPU)."""
     env: dict[str, Any] = {k: v.to(dev) for k, v in inputs.items()}
     later = _later_inputs(graph)
     rows, start = [], time.perf_counter()
-    for layer in graph.layers:
-        _progress(progress, layer.index, len(graph.layers), start, "measuring")
-        row, outs = _measure_layer(graph, layer, [env[n] for n in layer.inputs], later[layer.index], dev,
-                                   warmup, repeats)
-        env.update(zip(layer.outputs, outs))
-        rows.append(row)
+    timed: dict[tuple, tuple[float, float]] = {}  # layers running the same ops are timed once
+    threads, clock = torch.get_num_threads(), time.perf_counter
+    if dev.type == "cpu" and cpu_threads:
+        torch.set_num_threads(cpu_threads)
+        if cpu_threads == 1:  # all the work runs on this thread: count its CPU time, not the wall clock
+            clock = time.thread_time
+    try:
+        for layer in graph.layers:
+            _progress(progress, layer.index, len(graph.layers), start, "measuring")
+            row, outs = _measure_layer(graph, layer, [env[n] for n in layer.inputs], later[layer.index], dev,
+                                       warmup, repeats, timed, clock)
+            env.update(zip(layer.outputs, outs))
+            rows.append(row)
+    finally:
+        torch.set_num_threads(threads)
     _progress(progress, len(graph.layers), len(graph.layers), start, "measuring")
     cols = list(zip(*rows))
     keys = ("fwd", "bwd", "param_bytes", "grad_bytes", "act_bytes", "saved_bytes", "peak_bytes",
@@ -144,7 +218,8 @@ def _measure(graph: LayerGraph, inputs: dict, dev: torch.device, warmup: int, re
 
 def estimate_costs(graph: LayerGraph, example: Any, *, mode: str = "measure", device: str | torch.device | None = None,
                    hardware: Hardware | None = None, microbatches: int = 1, symbolic: bool = False,
-                   warmup: int = 1, repeats: int = 5, progress: bool = True, memory_budget: int | None = None):
+                   warmup: int = 1, repeats: int = 5, progress: bool = True, memory_budget: int | None = None,
+                   cpu_threads: int | None = 1):
     """Per-layer, per-microbatch costs of a traced model.
 
     Args:
@@ -157,10 +232,13 @@ def estimate_costs(graph: LayerGraph, example: Any, *, mode: str = "measure", de
         hardware: predict mode's Hardware (required there), e.g. `Hardware.preset("rtx4090")`.
         microbatches: how many microbatches the example is split into.
         symbolic: predict only; return a `SymbolicCosts` (costs as sympy expressions in B, S).
-        warmup, repeats: measure mode's timing loop (median of `repeats`).
+        warmup, repeats: measure mode's timing loop (warm-up passes, then the median of `repeats`
+            passes, outliers timed again; see Note: timing).
         progress: print "layer i/L, elapsed" to stderr when it is a terminal.
         memory_budget: device bytes per worker; if even one layer per stage does not fit it, refuse
             (pass it for the graph that will be partitioned, i.e. after `shard_lm_head`).
+        cpu_threads: intra-op threads while timing on the CPU (default 1: the thread's CPU time is
+            counted; None: torch's setting and the wall clock).
     Returns:
         A CostTable (or a SymbolicCosts if `symbolic`).
     Raises:
@@ -184,7 +262,7 @@ def estimate_costs(graph: LayerGraph, example: Any, *, mode: str = "measure", de
         table = _predict(graph, inputs, hardware, progress)
     else:
         dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-        table = _measure(graph, inputs, dev, warmup, repeats, progress)
+        table = _measure(graph, inputs, dev, warmup, repeats, progress, cpu_threads)
     if memory_budget is not None:
         from rpcompile.passes._seqlen import memory_refusal
         why = memory_refusal(table, memory_budget)
