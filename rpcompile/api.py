@@ -13,12 +13,13 @@ from typing import Any, Callable, Sequence
 import torch
 
 from rpcompile import checkpoint
-from rpcompile.batch import check_batch
+from rpcompile.batch import check_batch, describe_change, signature
 from rpcompile.graph import LayerGraph
 from rpcompile.hardware import Hardware
 from rpcompile.optim import SGD, AdamW
 from rpcompile.options import Options, check_model, default_microbatches, options
 from rpcompile.pipeline import Frozen, compile_passes, frozen_of, plan_pipeline
+from rpcompile.replan import Variant, Variants, plan_for
 
 __all__ = ["compile", "Compiled", "load", "Options", "default_microbatches", "plan_pipeline"]
 
@@ -77,7 +78,8 @@ class Compiled:
         self._model, self.options, self._example = model, opts, example
         (self.graph, self.costs, self.plan, self.program, self.microbatches,
          self._units) = compile_passes(model, example, opts, frozen=frozen)  # units: sub-blocks, if it cut them
-        self._shape = _shape_key(example)
+        self._signature, self._variants = signature(example), Variants()  # one program per batch signature
+        self._variants.put(self._signature, self._variant())
         self.state = HostState.from_graph(self.graph, optimizer=opts.optimizer, dtype=opts.dtype,
                                           pin_memory=opts.backend != "host")  # pinned only where CUDA is
         # data parallel (issue #9): rank 0's weights everywhere; each group's gradient averaged before its step
@@ -109,27 +111,34 @@ class Compiled:
         if self.closed:
             raise RuntimeError("this Compiled handle is closed (close() or leaving `with`); compile again")
 
-    def _replan(self, batch: Any) -> None:
-        """Re-plan for a batch of a new shape (e.g. a longer sequence), keeping the training state.
+    def _variant(self) -> Variant:
+        return Variant(self.graph, self.costs, self.plan, self.program, self.microbatches, self._example)
 
-        The new plan is built before the old runtime stops: if planning fails (a bad batch), the
-        handle goes on as before and the error is raised.
+    def _prepare(self, batch: Any) -> None:
+        """Check `batch`; if its signature (inputs present, shapes) is not the program's, switch programs.
+
+        A signature seen before gets its program back; a new one is planned (`replan.plan_for`), keeping
+        the training state. The new program is built before the old runtime stops: if planning fails
+        (a bad batch), the handle goes on as before and the error is raised.
         """
-        self._runtime.flush()
-        head = frozen_of(self.graph, self.costs, self.program).head  # keep the layers: the state's groups
-        opts = dataclasses.replace(self.options, lm_head_shards=head["shards"] if head else 1,
-                                   layers=self._units or self.options.layers)
-        new = plan_pipeline(self._model, batch, opts)
-        if len(new[0].layers) != len(self.graph.layers):
-            raise ValueError(f"re-planning for batch shape {_shape_key(batch)} split the model into "
-                             f"{len(new[0].layers)} layers instead of {len(self.graph.layers)}; compile again")
-        old, start = self.plan.to_str(), self._runtime.t
-        self._runtime.close()
-        self.graph, self.costs, self.plan, self.program, self.microbatches = new
-        self._shape, self._example = _shape_key(batch), batch
-        print(f"rpcompile: batch shape changed to {self._shape}; re-planned {old} -> {self.plan.to_str()}",
-              file=sys.stderr)
-        self._runtime = self._new_runtime(start)
+        self._check_open()
+        check_batch(batch, self.microbatches)
+        sig = signature(batch)
+        if sig != self._signature:
+            self._runtime.flush()  # the iterations run so far complete under the program they began with
+            v = self._variants.get(sig)
+            if v is None:
+                v = plan_for(self._model, self.options, self._variant(), self._units, batch)
+                print(f"rpcompile: the batch changed ({describe_change(self._signature, sig)}); re-planned "
+                      f"{self.plan.to_str()} -> {v.plan.to_str()}", file=sys.stderr)
+                self._variants.put(sig, v)
+            start = self._runtime.t
+            self._runtime.close()
+            self.graph, self.costs, self.plan, self.program = v.graph, v.costs, v.plan, v.program
+            self.microbatches, self._example = v.microbatches, v.example
+            self._signature = sig
+            self._runtime = self._new_runtime(start)
+        check_batch(batch, self.microbatches, like=self.graph)
 
     def step(self, batch: Any) -> float:
         """One training iteration (forward, backward, optimizer); returns the mean microbatch loss.
@@ -140,10 +149,7 @@ class Compiled:
             FloatingPointError: a non-finite loss or gradient (on_nonfinite="raise"); nothing applied.
             RuntimeError: the handle is closed.
         """
-        self._check_open()
-        check_batch(batch, self.microbatches, like=self.graph)
-        if _shape_key(batch) != self._shape:
-            self._replan(batch)
+        self._prepare(batch)
         if self._dist:
             self._dist.check()  # a failed data-parallel step cannot be re-run in place
         try:
@@ -204,10 +210,7 @@ class Compiled:
 
     def evaluate(self, batch: Any) -> float:
         """Forward only with the weights the next step would read; returns the mean microbatch loss."""
-        self._check_open()
-        check_batch(batch, self.microbatches, like=self.graph)
-        if _shape_key(batch) != self._shape:
-            self._replan(batch)
+        self._prepare(batch)
         loss = self._runtime.evaluate(batch)
         return self._dist.average(loss, "evaluate loss") if self._dist else loss
 
@@ -331,11 +334,3 @@ def _data_parallel(state: Any, dist: Any, process_group: Any) -> Any:
     reducer.broadcast_state()
     return reducer
 
-
-def _shape_key(batch: Any) -> tuple:
-    """The shapes of a batch's tensors, to notice when a re-plan is needed."""
-    if isinstance(batch, torch.Tensor):
-        return (tuple(batch.shape),)
-    if isinstance(batch, dict):
-        return tuple((k, tuple(v.shape)) for k, v in sorted(batch.items()) if isinstance(v, torch.Tensor))
-    return tuple(tuple(v.shape) for v in batch if isinstance(v, torch.Tensor))

@@ -1,8 +1,10 @@
-"""Batch checks done before any worker starts: size, keys, dtypes.
+"""Batch checks done before any worker starts: size, keys, dtypes; and a batch's signature.
 
     >>> import torch
     >>> batch_size({"input_ids": torch.zeros(8, 4, dtype=torch.long)})
     8
+    >>> signature({"input_ids": torch.zeros(8, 4, dtype=torch.long), "attention_mask": None})
+    (('input_ids', (8, 4)),)
     >>> check_batch(torch.zeros(6, 2), 4)
     Traceback (most recent call last):
     ValueError: batch size 6 (value 'x') is not divisible by 4 microbatches
@@ -31,6 +33,29 @@ def batch_size(batch: Any) -> int:
         if isinstance(v, torch.Tensor) and v.dim() > 0:
             return v.shape[0]
     raise ValueError("the batch holds no tensor with a batch dimension")
+
+
+def signature(batch: Any) -> tuple:
+    """What a compiled program depends on in a batch besides dtypes: the inputs present, and tensor shapes.
+
+    A value that is None counts as absent (an optional argument left at its default). A tensor
+    contributes its shape; any other value only its presence (the trace keeps it as a constant).
+    Two batches with the same signature run the same program; `Compiled.step` plans another for a
+    new one.
+    """
+    return tuple(sorted((name, tuple(v.shape) if isinstance(v, torch.Tensor) else "constant")
+                        for name, v in _items(batch) if v is not None))
+
+
+def describe_change(old: tuple, new: tuple) -> str:
+    """How signature `new` differs from `old`, for a log line: "+attention_mask", "input_ids (4, 8) -> (4, 16)".
+
+    >>> describe_change((("ids", (4, 8)),), (("ids", (4, 16)), ("mask", (4, 16))))
+    '+mask, ids (4, 8) -> (4, 16)'
+    """
+    a, b = dict(old), dict(new)
+    return ", ".join([*(f"+{k}" for k in b if k not in a), *(f"-{k}" for k in a if k not in b),
+                      *(f"{k} {a[k]} -> {b[k]}" for k in b if k in a and a[k] != b[k])])
 
 
 def check_batch(batch: Any, microbatches: int, *, like: Any = None) -> None:
