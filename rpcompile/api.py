@@ -333,4 +333,3 @@ def _data_parallel(state: Any, dist: Any, process_group: Any) -> Any:
     reducer = GradReducer(state, init_group(cfg, process_group), cfg)
     reducer.broadcast_state()
     return reducer
-
