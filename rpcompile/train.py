@@ -4,32 +4,121 @@
      "dim": 128, "layers": 4, "lr": 0.003, "save": "run.ckpt"}
 
 With "resume": true and an existing "save" file, training continues from it.
+`python -m rpcompile train --help` lists every key (`RunConfig`); an unknown key
+or a value of the wrong type is refused naming the key (`RunConfig.from_json`).
 """
 from __future__ import annotations
 
+import difflib
+import json
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
+
+
+def _key(default: Any, meaning: str) -> Any:
+    """A RunConfig field with its meaning (listed by `python -m rpcompile train --help`)."""
+    return field(default=default, metadata={"help": meaning})
 
 
 @dataclass(frozen=True, slots=True)
 class RunConfig:
     """A training run; every field has a default except the corpus."""
 
-    text: str                  # path of a text file, read as byte-level tokens
-    steps: int = 100           # training iterations
-    gpus: int = 2              # workers (GPUs, or host threads without CUDA)
-    microbatches: int = 4      # microbatches per iteration
-    batch: int = 8             # sequences per iteration
-    seq: int = 128             # tokens per sequence
-    dim: int = 128             # model hidden size
-    layers: int = 4            # decoder blocks
-    heads: int = 4             # attention heads
-    lr: float = 3e-3           # AdamW learning rate
-    staleness: int = 1         # optimizer staleness (0 or 1)
-    seed: int = 0              # data order and initial weights
-    save: str | None = None    # checkpoint path written at the end (and every `save_every` steps)
-    save_every: int = 0        # 0 = only at the end
-    resume: bool = False       # continue from `save` if it exists
+    text: str = field(metadata={"help": "path of a text file, read as byte-level tokens"})
+    steps: int = _key(100, "training iterations")
+    gpus: int = _key(2, "workers (GPUs, or host threads without CUDA)")
+    microbatches: int = _key(4, "microbatches per iteration (must divide batch)")
+    batch: int = _key(8, "sequences per iteration")
+    seq: int = _key(128, "tokens per sequence")
+    dim: int = _key(128, "model hidden size (a multiple of 2 x heads)")
+    layers: int = _key(4, "decoder blocks")
+    heads: int = _key(4, "attention heads")
+    lr: float = _key(3e-3, "AdamW learning rate")
+    staleness: int = _key(1, "optimizer staleness (0 or 1)")
+    seed: int = _key(0, "data order and initial weights")
+    save: str | None = _key(None, "checkpoint path written at the end (and every save_every steps)")
+    save_every: int = _key(0, "checkpoint every this many steps (0 = only at the end)")
+    resume: bool = _key(False, "continue from save if it exists")
+
+    def __post_init__(self) -> None:
+        """ValueError naming the first key whose value has the wrong type or range."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            why = _bad_value(f.name, value, f.type)
+            if why:
+                raise ValueError(f"{f.name!r} must be {why}, got {value!r}")
+        if self.batch % self.microbatches:
+            raise ValueError(f"'microbatches' ({self.microbatches}) must divide 'batch' ({self.batch})")
+        if self.dim % (2 * self.heads):
+            raise ValueError(f"'dim' ({self.dim}) must be a multiple of 2 x 'heads' ({self.heads}): an even head "
+                             f"size, for the rotary embeddings")
+
+    @classmethod
+    def from_dict(cls, raw: Any, source: str = "the run config") -> RunConfig:
+        """A RunConfig from a parsed JSON object; ValueError naming `source` and the first bad key."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"{source}: a run config is a JSON object of keys, got {type(raw).__name__} "
+                             f"(python -m rpcompile train --help lists the keys)")
+        known = {f.name: f for f in fields(cls)}
+        for key in raw:
+            if key not in known:
+                near = difflib.get_close_matches(str(key), known, n=1)
+                hint = f" (did you mean {near[0]!r}?)" if near else ""
+                raise ValueError(f"{source}: unknown key {key!r}{hint}; the keys are {', '.join(known)}")
+        for name, f in known.items():
+            if f.default is MISSING and name not in raw:
+                raise ValueError(f"{source}: missing key {name!r}: {f.metadata['help']}")
+        try:
+            return cls(**raw)
+        except ValueError as exc:
+            raise ValueError(f"{source}: {exc}") from None
+
+    @classmethod
+    def from_json(cls, path: str) -> RunConfig:
+        """Read a JSON run config file (ValueError naming the file for bad JSON or a bad key)."""
+        with open(path) as f:
+            try:
+                raw = json.load(f)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}: not valid JSON: {exc}") from None
+        return cls.from_dict(raw, source=path)
+
+
+_POSITIVE = {"steps", "gpus", "microbatches", "batch", "seq", "dim", "layers", "heads"}
+
+
+def _bad_value(key: str, value: Any, kind: str) -> str | None:
+    """What `value` of `key` (annotated `kind`) must be, or None if it is fine."""
+    if kind == "str | None":
+        return None if value is None or isinstance(value, str) else "a string or null"
+    if kind == "str":
+        return None if isinstance(value, str) else "a string"
+    if kind == "bool":
+        return None if isinstance(value, bool) else "true or false"
+    if kind == "float":
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+        return None if ok else "a finite number >= 0"
+    if isinstance(value, bool) or not isinstance(value, int):
+        return "an integer"
+    if key in _POSITIVE and value < 1:
+        return "a positive integer"
+    if key == "staleness" and value not in (0, 1):
+        return "0 or 1"
+    return "an integer >= 0" if value < 0 else None
+
+
+def config_help() -> str:
+    """The config keys, their types, defaults and meanings, one per line (for `train --help`)."""
+    kinds = {"str": "string", "str | None": "string or null", "int": "integer", "float": "number",
+             "bool": "true/false"}
+    rows = []
+    for f in fields(RunConfig):
+        default = "required" if f.default is MISSING else f"default {json.dumps(f.default)}"
+        rows.append((f.name, f"{kinds.get(f.type, f.type)}, {default}", f.metadata["help"]))
+    w0, w1 = (max(len(r[i]) for r in rows) for i in (0, 1))
+    return "\n".join(f"  {a:<{w0}}  {b:<{w1}}  {c}" for a, b, c in rows)
 
 
 def train(cfg: RunConfig) -> list[float]:

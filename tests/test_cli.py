@@ -33,7 +33,10 @@ def test_plan_then_simulate_the_saved_program(tmp_path):
     # LoRA-style (--frozen-base): the frozen matrices keep only their bf16 copies (1.7B x 2 B), which fit 8 GiB
     out = cli("plan", "--model", "qwen3-1.7b", "--gpus", "4", "--seq", "256", "--microbatches", "4",
               "--frozen-base", "--host-memory", "8", "--save-program", "p.csv", cwd=tmp_path)
-    assert "rpcompile (RoundPipe)" in out and "GPipe" in out and "max_seq_len" in out
+    assert "rpcompile (RoundPipe)" in out and "GPipe" in out
+    limit = next(line for line in out.splitlines() if line.startswith("max_seq_len"))
+    assert limit.startswith("max_seq_len on 4x rtx4090, 1 sequence per microbatch: ") and " tokens; at " in limit
+    assert "the host: " in limit or "the device: " in limit, limit  # the binding term is named
     host = next(line for line in out.splitlines() if line.startswith("host memory:"))
     assert "saved activations" in host and "needed of 8.0 GiB (--host-memory): fits" in host, host
     out = cli("simulate", "--program", "p.csv", "--iterations", "2", "--trace", "t.json", cwd=tmp_path)
