@@ -138,6 +138,9 @@ class _Search:
         self.chain = sum(costs.fwd) + sum(costs.bwd)
         self.wb_max = list(itertools.accumulate(self.wb, max, initial=0.0))  # max wb over layers [0, n)
         self.f_max = list(itertools.accumulate(costs.fwd, max, initial=0.0))  # max fwd over layers [0, n)
+        # M w / N per fused size f (see work_bound), and the chain bound's parts: looked up, not recomputed
+        self._work_bound = [self.m * self.work(f) / n_gpu for f in range(self.nl + 1)]
+        self._rr1, self._st1 = rr - 1, 1 + staleness
         self.best, self.best_key, self.best_plan = math.inf, None, None  # key: (time, stages, f, fwd, bwd)
         self.seen: set = set()
 
@@ -190,11 +193,12 @@ class _Search:
 
     def work_bound(self, f: int) -> float:
         """M w / N: the workers' throughput bound for fused size f (see the module Note)."""
-        return self.m * self.work(f) / self.n_gpu
+        return self._work_bound[f]
 
     def bound(self, f: int, t_max: float) -> float:
         """The cap walk's pruning bound (heuristic with staleness 1: the halved chain bound is not always valid)."""
-        return max(self.work_bound(f), (self.chain + (self.rr - 1) * t_max) / (1 + self.st))
+        w, chain = self._work_bound[f], (self.chain + self._rr1 * t_max) / self._st1
+        return w if w > chain else chain
 
     def floor(self, f: int, t_max: float, stages: int) -> float:
         """The bound the guaranteed families prune with (see the module Note)."""
