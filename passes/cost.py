@@ -43,12 +43,15 @@ Note: timing (measure mode). The same model compiled in fresh processes on a
     - Layers that run the same ops (the recorded op sequence: names, FLOPs,
       bytes, dtypes, forward and backward) are timed once and share the
       times: identical decoder blocks get equal costs, not equal-up-to-noise.
-    - Forward and backward are timed alternately (warm-up passes, then
-      `repeats` passes of one forward and one backward), so both see the
-      same load; their ratio decides the stage groupings.
+    - A sample is one forward and then one backward of that forward, as in
+      training; after warm-up passes, `repeats` passes are timed. On the
+      CPU a pass samples every distinct layer in turn, so all of them (and a
+      layer's forward and backward) are timed under the same load: their
+      ratios decide the stage groupings. On CUDA each distinct layer is
+      timed when it is reached, so only its weights are on the device.
     - Load only adds time, so a sample more than 50% above the fastest of its
-      kind is an outlier: its pass is timed again (up to 3 rounds), and the
-      time is the median of the samples that are not outliers.
+      kind is an outlier: that layer is sampled again (up to 3 rounds), and
+      the time is the median of the samples that are not outliers.
     - On the CPU the timing runs with `cpu_threads` intra-op threads (default
       1) and, with one thread, counts the CPU time of the timing thread
       (`time.thread_time`): on a loaded machine an intra-op worker thread
@@ -96,78 +99,90 @@ def _predict(graph: LayerGraph, inputs: dict, hardware: Hardware, progress: bool
         bwd_flops=[sum(o.flops for o in c.bwd_ops) for c in counts])
 
 
-def _robust_times(fns: Sequence[Callable[[], Any]], dev: torch.device, warmup: int, repeats: int, *,
-                  tol: float = 0.5, rounds: int = 3, cap_s: float = 3.0,
-                  clock: Callable[[], float] = time.perf_counter) -> list[float]:
-    """Seconds of one call of each of `fns`, robust to a loaded machine (see `estimate_costs`, Note: timing).
+def _robust_times(samplers: Sequence[Callable[[], tuple[float, ...]]], warmup: int, repeats: int, *,
+                  tol: float = 0.5, rounds: int = 3, cap_s: float = 3.0) -> list[list[float]]:
+    """Robust seconds of each sampler's kinds (see `estimate_costs`, Note: timing).
 
-    `warmup` untimed passes, then `repeats` timed passes; a pass calls each fn once, in order, so
-    all of them are timed under the same load (a layer's forward and backward: their ratio decides
-    the stage groupings). Noise on a shared machine only adds time, so a sample more than `tol`
-    above its fn's fastest is an outlier: the passes holding one are timed again, up to `rounds`
-    times, and each fn's result is the median of its samples that are not outliers. Once `cap_s`
-    seconds are spent no more passes are taken (at least 2 if `repeats` >= 2).
+    A sampler times one call of each of its kinds (a layer: one forward, then one backward of
+    that forward) and returns the seconds. `warmup` untimed passes, then `repeats` timed passes;
+    a pass calls every sampler once, in order, so all are timed under the same load. Load only
+    adds time, so a sample more than `tol` above the fastest of its kind is an outlier: the
+    sampler is called again for each pass holding one, up to `rounds` times, and each kind's
+    result is the median of its samples that are not outliers. A sampler that has spent `cap_s`
+    seconds is called no more (after at least 2 passes if `repeats` >= 2; at least 1 pass).
+    """
+    repeats = max(1, repeats)
+    for _ in range(warmup):
+        for sample in samplers:
+            sample()
+    runs: list[list[tuple[float, ...]]] = [[] for _ in samplers]
+    spent = [0.0] * len(samplers)
+
+    def call(k: int) -> tuple[float, ...]:
+        got = samplers[k]()
+        spent[k] += sum(got)
+        return got
+
+    for _ in range(repeats):
+        for k in range(len(samplers)):
+            if spent[k] <= cap_s or len(runs[k]) < 2:
+                runs[k].append(call(k))
+    out = []
+    for k, r in enumerate(runs):
+        for _ in range(rounds):
+            fastest = [min(col) for col in zip(*r)]
+            slow = [i for i, got in enumerate(r) if any(t > (1 + tol) * f for t, f in zip(got, fastest))]
+            if not slow or spent[k] > cap_s:
+                break
+            for i in slow:
+                r[i] = call(k)
+        out.append([statistics.median([t for t in col if t <= (1 + tol) * min(col)]) for col in zip(*r)])
+    return out
+
+
+def _layer_sampler(layer: Layer, state: dict, xs: list, dev: torch.device,
+                   clock: Callable[[], float]) -> Callable[[], tuple[float, float]]:
+    """A sampler for `_robust_times`: (seconds of one forward, seconds of the backward of that forward).
+
+    The output gradients (ones) are made between the two, untimed; a layer with nothing to
+    differentiate has a backward of 0 s.
     """
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda d: None)
+    wrt = [t for t in [*xs, *state.values()] if isinstance(t, torch.Tensor) and t.requires_grad]
 
-    def once(fn: Callable[[], Any]) -> float:
-        sync(dev)
-        t0 = clock()
-        fn()
-        sync(dev)
-        return clock() - t0
+    def sample() -> tuple[float, float]:
+        with torch.enable_grad():
+            sync(dev)
+            t0 = clock()
+            outs = tuple(torch.func.functional_call(layer.module, state, tuple(xs)))
+            sync(dev)
+            t1 = clock()
+            diff = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+            if not (diff and wrt):
+                return t1 - t0, 0.0
+            gouts = [torch.ones_like(o) for o in diff]
+            sync(dev)
+            t2 = clock()
+            torch.autograd.grad(diff, wrt, gouts, allow_unused=True)
+            sync(dev)
+            return t1 - t0, clock() - t2
 
-    for _ in range(warmup):
-        for fn in fns:
-            fn()
-    samples: list[list[float]] = [[] for _ in fns]
-    spent = 0.0
-    for _ in range(repeats):
-        for s, fn in zip(samples, fns):
-            s.append(once(fn))
-            spent += s[-1]
-        if spent > cap_s and len(samples[0]) >= 2:
-            break
-    for _ in range(rounds):
-        slow = [i for i in range(len(samples[0])) if any(s[i] > (1 + tol) * min(s) for s in samples)]
-        if not slow or spent > cap_s:
-            break
-        for i in slow:
-            for s, fn in zip(samples, fns):
-                s[i] = once(fn)
-                spent += s[i]
-    return [statistics.median([t for t in s if t <= (1 + tol) * min(s)]) for s in samples]
+    return sample
 
 
 def _measure_layer(graph: LayerGraph, layer: Layer, inputs: list, later: set[str], dev: torch.device,
-                   warmup: int, repeats: int, timed: dict[tuple, tuple[float, float]],
-                   clock: Callable[[], float] = time.perf_counter) -> tuple[list, tuple]:
-    """[fwd s, bwd s, param, grad, act, saved, peak bytes, fwd flops, bwd flops] and the layer's outputs.
+                   clock: Callable[[], float]) -> tuple[list, tuple, tuple, Callable[[], tuple[float, float]]]:
+    """([param, grad, act, saved, peak bytes, fwd flops, bwd flops], outputs, op key, timing sampler).
 
-    `timed` maps a layer's recorded op sequence (forward, backward) to its (fwd, bwd) seconds: a
-    layer that runs the same ops as one timed before gets the same times without being timed again.
+    The op key is the recorded op sequence (forward, backward) and which inputs need gradients:
+    layers with equal keys run the same kernels and are timed once.
     """
     state = _state(layer, lambda t: _random_cpu(t).to(dev) if t.is_meta else t.detach().to(dev))
     grads = [graph.values[n].requires_grad if n in graph.values else False for n in layer.inputs]
     xs = [_leaf(t, g) if isinstance(t, torch.Tensor) else t for t, g in zip(inputs, grads)]
-
-    def forward() -> tuple:
-        return tuple(torch.func.functional_call(layer.module, state, tuple(xs)))
-
-    def grad_fn(outs: tuple) -> Callable[[], Any] | None:
-        """The backward of `outs` (ones as output gradients), repeatable; None if nothing is differentiable."""
-        diff = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
-        wrt = [t for t in [*xs, *state.values()] if isinstance(t, torch.Tensor) and t.requires_grad]
-        gouts = [torch.ones_like(o) for o in diff]
-        return (lambda: torch.autograd.grad(diff, wrt, gouts, retain_graph=True, allow_unused=True)) \
-            if diff and wrt else None
-
+    sampler = _layer_sampler(layer, state, xs, dev, clock)
     if dev.type == "cuda":  # lazy initialisation (cuBLAS workspaces) must not count in the memory run
-        with torch.enable_grad():
-            warm = grad_fn(forward())
-            if warm is not None:
-                warm()
-            warm = None
+        sampler()
         torch.cuda.synchronize(dev)
         base = torch.cuda.memory_allocated(dev)
         torch.cuda.reset_peak_memory_stats(dev)
@@ -178,23 +193,21 @@ def _measure_layer(graph: LayerGraph, layer: Layer, inputs: list, later: set[str
     mem = _layer_memory(graph, layer, xs, outs, later)
     flops = [sum(o.flops for o in rf.ops), sum(o.flops for o in rb.ops)]
     outs = tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outs)
-    key = (tuple(rf.ops), tuple(rb.ops), tuple(grads))
-    if key not in timed:
-        with torch.enable_grad():
-            bwd = grad_fn(forward())  # its graph is kept for the repeated backward
-            times = _robust_times([forward] if bwd is None else [forward, bwd], dev, warmup, repeats, clock=clock)
-            bwd = None  # free the timing graph
-        timed[key] = times[0], (times[1] if len(times) > 1 else 0.0)
-    return [*timed[key], *mem, max(peak, 0), *flops], outs
+    return [*mem, max(peak, 0), *flops], outs, (tuple(rf.ops), tuple(rb.ops), tuple(grads)), sampler
 
 
 def _measure(graph: LayerGraph, inputs: dict, dev: torch.device, warmup: int, repeats: int,
              progress: bool, cpu_threads: int | None = None) -> CostTable:
-    """CostTable from running each layer alone on `dev` (with `cpu_threads` intra-op threads on the CPU)."""
+    """CostTable from running each layer alone on `dev` (timing: see `estimate_costs`, Note: timing).
+
+    On CUDA each distinct layer is timed when it is reached (its weights then leave the device);
+    on the CPU all distinct layers are timed together at the end, pass by pass.
+    """
     env: dict[str, Any] = {k: v.to(dev) for k, v in inputs.items()}
     later = _later_inputs(graph)
-    rows, start = [], time.perf_counter()
-    timed: dict[tuple, tuple[float, float]] = {}  # layers running the same ops are timed once
+    rows, keys, start = [], [], time.perf_counter()
+    times: dict[tuple, list[float]] = {}  # op key -> [fwd s, bwd s]
+    pending: dict[tuple, Callable[[], tuple[float, float]]] = {}  # CPU: timed together at the end
     threads, clock = torch.get_num_threads(), time.perf_counter
     if dev.type == "cpu" and cpu_threads:
         torch.set_num_threads(cpu_threads)
@@ -203,17 +216,24 @@ def _measure(graph: LayerGraph, inputs: dict, dev: torch.device, warmup: int, re
     try:
         for layer in graph.layers:
             _progress(progress, layer.index, len(graph.layers), start, "measuring")
-            row, outs = _measure_layer(graph, layer, [env[n] for n in layer.inputs], later[layer.index], dev,
-                                       warmup, repeats, timed, clock)
+            row, outs, key, sampler = _measure_layer(graph, layer, [env[n] for n in layer.inputs],
+                                                     later[layer.index], dev, clock)
+            if key not in times and key not in pending:
+                if dev.type == "cuda":
+                    times[key] = _robust_times([sampler], warmup, repeats)[0]
+                else:
+                    pending[key] = sampler
             env.update(zip(layer.outputs, outs))
             rows.append(row)
+            keys.append(key)
+        times.update(zip(pending, _robust_times(list(pending.values()), warmup, repeats)))
     finally:
         torch.set_num_threads(threads)
     _progress(progress, len(graph.layers), len(graph.layers), start, "measuring")
-    cols = list(zip(*rows))
-    keys = ("fwd", "bwd", "param_bytes", "grad_bytes", "act_bytes", "saved_bytes", "peak_bytes",
-            "fwd_flops", "bwd_flops")
-    return CostTable.from_lists(**dict(zip(keys, cols)), names=[layer.name for layer in graph.layers])
+    cols = list(zip(*[[*times[k], *row] for k, row in zip(keys, rows)]))
+    names = ("fwd", "bwd", "param_bytes", "grad_bytes", "act_bytes", "saved_bytes", "peak_bytes",
+             "fwd_flops", "bwd_flops")
+    return CostTable.from_lists(**dict(zip(names, cols)), names=[layer.name for layer in graph.layers])
 
 
 def estimate_costs(graph: LayerGraph, example: Any, *, mode: str = "measure", device: str | torch.device | None = None,

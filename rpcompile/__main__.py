@@ -149,8 +149,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--trace", help="write a Chrome trace here")
     s.set_defaults(func=cmd_simulate)
     from rpcompile.train import config_help
-    t = sub.add_parser("train", help="train from a JSON run config", formatter_class=argparse.RawDescriptionHelpFormatter,
-                       description="Train a byte-level Llama on a text file from a JSON run config, e.g.\n"
+    t = sub.add_parser("train", help="train from a JSON run config",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, description="Train a byte-level Llama on a text file from a JSON run config, e.g.\n"
                        '  {"text": "corpus.txt", "steps": 100, "gpus": 2, "lr": 0.003, "save": "run.ckpt"}',
                        epilog="config keys (a JSON object; every key but text is optional):\n" + config_help())
     t.add_argument("--config", required=True, metavar="JSON", help="the run config file")

@@ -5,35 +5,40 @@ from rpcompile.passes import estimate_costs, trace
 from rpcompile.zoo import LlamaConfig, TinyLlama
 
 
-class FakeClock:
-    """A clock whose every call to `work` takes the next of `durations` milliseconds (then 1.0)."""
+def canned(samples):
+    """A sampler returning the next of `samples` (tuples of seconds) at each call, counting its calls."""
+    it = iter(samples)
 
-    def __init__(self, durations):
-        self.now, self.durations, self.calls = 0.0, [d / 1e3 for d in durations], []
-
-    def __call__(self):
-        return self.now
-
-    def work(self, name):
-        def fn():
-            self.calls.append(name)
-            self.now += self.durations.pop(0) if self.durations else 1e-3
-        return fn
+    def sample():
+        sample.calls += 1
+        return next(it)
+    sample.calls = 0
+    return sample
 
 
-def test_outliers_are_timed_again_and_the_median_skips_them():
+def test_outliers_are_sampled_again_and_the_median_skips_them():
     from rpcompile.passes.cost import _robust_times
-    # 5 passes: 3 of them slow (a loaded machine); the plain median would be 9.0
-    clock = FakeClock([1.0, 9.0, 9.0, 1.1, 9.0, 1.0, 1.2, 1.0, 1.0])
-    [t] = _robust_times([clock.work("f")], torch.device("cpu"), 0, 5, clock=clock)
-    assert round(t * 1e3, 9) == 1.0 and len(clock.calls) == 5 + 3  # the 3 slow passes ran again
+    # 5 passes, 3 of them slow (a loaded machine): the plain median would be 9 ms
+    ms = [(1.0,), (9.0,), (9.0,), (1.1,), (9.0,), (1.0,), (1.2,), (1.0,)]
+    s = canned([tuple(t / 1e3 for t in x) for x in ms])
+    [[t]] = _robust_times([s], 0, 5)
+    assert round(t * 1e3, 9) == 1.0 and s.calls == 5 + 3  # the 3 slow passes ran again
 
 
-def test_forward_and_backward_alternate_and_warm_up_is_not_timed():
+def test_passes_take_every_sampler_in_turn_and_warm_up_is_not_counted():
     from rpcompile.passes.cost import _robust_times
-    clock = FakeClock([100.0, 100.0] + [1.0, 2.0] * 5)  # the warm-up pass is slow: not counted
-    f, b = _robust_times([clock.work("f"), clock.work("b")], torch.device("cpu"), 1, 5, clock=clock)
-    assert (round(f * 1e3, 9), round(b * 1e3, 9)) == (1.0, 2.0) and clock.calls == ["f", "b"] * 6
+    order = []
+
+    def layer(name, fwd, bwd, warm):
+        first = [True]
+
+        def sample():
+            order.append(name)
+            slow, first[0] = first[0], False
+            return (warm, warm) if slow else (fwd, bwd)
+        return sample
+    (f1, b1), (f2, b2) = _robust_times([layer("a", 1e-3, 2e-3, 1.0), layer("b", 3e-3, 5e-3, 1.0)], 1, 4)
+    assert (f1, b1, f2, b2) == (1e-3, 2e-3, 3e-3, 5e-3) and order == ["a", "b"] * 5
 
 
 def test_identical_decoder_blocks_get_equal_measured_times():
