@@ -75,6 +75,7 @@ class _Generator:
         self.tfb = search.pb[search.nl] - search.pb[self.n]
         self.t_min = max(self.tfb, search.wb_max[self.n])  # every layer's fwd + bwd sits in an FB or B stage
         self.cap, self.count = self.t_min, min(self.n, 1)  # the next cap and the fewest backward stages under it
+        self.work = search.work(f)
         self.sides = None  # (forward, backward) _Caps, built on the first step
 
     def key(self) -> float:
@@ -84,7 +85,7 @@ class _Generator:
         (R-1) * cap.
         """
         s, n, t = self.s, self.n, max(self.cap, self.t_min)
-        held = s.work(self.f) + (s.rr - 1) * (s.pf[n] + self.tfb + max(self.count * t, s.pb[n]))
+        held = self.work + (s.rr - 1) * (s.pf[n] + self.tfb + max(self.count * t, s.pb[n]))
         return max(s.bound(self.f, t), held * (s.m // s.rr) / s.n_gpu) + s.fill(t)
 
     def step(self) -> bool:

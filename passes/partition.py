@@ -222,15 +222,16 @@ class _Search:
         """
         f_sum, f_max, f_paced = fwd
         b_sum, b_max, b_paced = bwd
-        pace = max(f_max, tfb)
-        held = (f_sum + (self.rr - 1) * f_paced + tfb + (self.rr - 1) * pace
-                + b_sum + (self.rr - 1) * max(b_paced, b * pace))
-        return self._order(held, max(pace, b_max))
+        r1 = self._rr1
+        pace = f_max if f_max > tfb else tfb  # max(), spelled out: this runs for every queued plan
+        b_pace = b * pace
+        held = f_sum + r1 * f_paced + tfb + r1 * pace + b_sum + r1 * (b_paced if b_paced > b_pace else b_pace)
+        return self._order(held, pace if pace > b_max else b_max)
 
     def _order(self, held: float, t_max: float) -> float:
         """Workers held per round over the iteration and N workers, or the chain bound if larger."""
-        est = max(held * (self.m // self.rr) / self.n_gpu, (self.chain + (self.rr - 1) * t_max) / (1 + self.st))
-        return est + self.fill(t_max)
+        w, chain = held * (self.m // self.rr) / self.n_gpu, (self.chain + self._rr1 * t_max) / self._st1
+        return (w if w > chain else chain) + self.fill(t_max)
 
     def consider(self, fs: tuple, f: int, bs: tuple, *, rigorous: bool = False) -> str:
         """Time one plan unless seen, over the memory budget, or no better than the best by a bound.
