@@ -1,7 +1,7 @@
 """Planning time and plan quality of `partition`, against the RoundPipe reference heuristic and the search before
 issue 15 (loaded from git), on synthetic models and on the five paper models' predicted costs.
 
-    python bench/partition.py [--before REV] [--no-paper]
+    python bench/partition.py [--before REV] [--no-paper] [--skip-before MODEL ...]
 
 Targets (issue 15): the 95-layer model planned in at most 10 ms (median), 1001 layers in at most 0.5 s; the
 reference heuristic's planning time in the same run is reported beside ours, so a loaded machine shows in
@@ -72,7 +72,7 @@ def timed(fn, costs: CostTable, runs: int, **kw) -> tuple[float, StagePlan]:
     return statistics.median(times), plan
 
 
-def row(name: str, costs: CostTable, runs: int, before, **kw) -> list:
+def row(name: str, costs: CostTable, runs: int, before, slow_before: bool = False, **kw) -> list:
     """One table row: layers, times (ours, reference, before) and iteration times."""
     ours_s, ours = timed(partition, costs, runs, **kw)
     ref_s, ref = timed(reference, costs, runs, **kw)
@@ -80,8 +80,10 @@ def row(name: str, costs: CostTable, runs: int, before, **kw) -> list:
                                                                     if a != "memory_budget"})
           for k, p in (("ours", ours), ("ref", ref))}
     out = [name, costs.num_layers, f"{ours_s * 1e3:.1f}", f"{ref_s * 1e3:.2f}", f"{ours_s / ref_s:.0f}x"]
-    if before is not None:
-        before_s, old = timed(before, costs, runs, **kw)
+    if before is not None and slow_before:
+        out += ["not run (slow)", "-"]
+    elif before is not None:
+        before_s, old = timed(before, costs, 1 if costs.num_layers > 64 else runs, **kw)
         old_t = iteration_time(old, costs, **{a: b for a, b in kw.items() if a != "memory_budget"})
         out += [f"{before_s * 1e3:.1f}", f"{it['ours'] / old_t:.4f}"]
     target = TARGETS.get(costs.num_layers) if name.startswith("synthetic") else None
@@ -110,6 +112,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--before", default=BEFORE, help="git revision of the search to compare with")
     p.add_argument("--no-paper", action="store_true", help="skip the paper models (they need transformers)")
+    p.add_argument("--skip-before", nargs="*", default=["qwen3-235b-a22b"], metavar="MODEL",
+                   help="paper models not planned with the old search (qwen3-235b-a22b: about 6 min per round size)")
     args = p.parse_args(argv)
     before = load_before(args.before)
     kw = dict(gpus=GPUS, microbatches=MICROBATCHES, staleness=STALENESS)
@@ -120,7 +124,8 @@ def main(argv: list[str] | None = None) -> None:
     for model in () if args.no_paper else PAPER:
         costs, extra = paper_costs(model)
         for rr in (8, 16):  # `plan` tries both round sizes on a hardware target
-            rows.append(row(f"{model} R={rr}", costs, 3, before, round_size=rr, **extra, **kw))
+            rows.append(row(f"{model} R={rr}", costs, 3, before, model in args.skip_before, round_size=rr,
+                            **extra, **kw))
             print(rows[-1], flush=True)
     head = ["model", "layers", "ours ms", "ref ms", "ours / ref time"]
     if before is not None:
@@ -134,7 +139,8 @@ def main(argv: list[str] | None = None) -> None:
               f"the costs `python -m rpcompile plan` predicts on 8x rtx4090 (seq 2048), memory budget 90% of "
               f"24 GB, both round sizes. Times are medians of 9 runs (3 for 1001 layers and the paper models); "
               f"ref = the RoundPipe reference heuristic (partition's family (a)), timed in the same run; before "
-              f"= `partition` at {args.before}; iteration times by `iteration_time` (lower is better).\n\n"
+              f"= `partition` at {args.before} (timed once above 64 layers; not run for {', '.join(args.skip_before) or 'none'}: "
+              f"`--skip-before` with no model runs it too); iteration times by `iteration_time` (lower is better).\n\n"
               + table + "\n\nWith up to 40 layers `partition` times every even plan of its guarantee (b) that "
               "its bounds cannot rule out; under staleness 1 with a memory budget (the paper models) few are "
               "ruled out, which is where its time goes.\n")
