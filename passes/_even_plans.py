@@ -84,9 +84,9 @@ def sweep(search, budget: int) -> bool:
         tfb = search.pb[nl] - search.pb[n]
         target = max(tfb, search.wb_max[n])
         fwd = {a: _side(ev.forward(even_sizes(n, a)), False)
-               for a in _counts(n, search, search.pf[n], target, complete)}
+               for a in _counts(n, search, search.pf[n], target, complete, _fewest_fitting(ev, n, f, True))}
         bwd = {b: _side(ev.backward(even_sizes(n, b)), True)
-               for b in _counts(n, search, search.pb[n], target, complete)}
+               for b in _counts(n, search, search.pb[n], target, complete, _fewest_fitting(ev, n, f, False))}
         for a, fside in fwd.items():
             for b, bside in bwd.items():
                 order.append((search.estimate(f, tfb, fside, bside, b), f, a, b))
@@ -100,13 +100,38 @@ def sweep(search, budget: int) -> bool:
     return complete
 
 
-def _counts(n: int, search, total: float, target: float, complete: bool) -> list[int]:
-    """Stage counts of one side to sweep: all of 1..n, or (partial) 1..2N+1 and the balanced ones."""
+def _counts(n: int, search, total: float, target: float, complete: bool, fitting: int = 1) -> list[int]:
+    """Stage counts of one side to sweep: all of 1..n, or (partial) 1..2N+1, the balanced ones and, under a
+    memory budget, the fewest that fit (`fitting`) and a few more."""
     if complete:
         return list(range(1, n + 1))
     k = max(1, min(n, int(total / target + 0.5))) if target > 0 else n
     return sorted(set(range(1, min(n, 2 * search.n_gpu + 1) + 1)) | set(range(max(1, k - _WINDOW),
-                                                                               min(n, k + _WINDOW) + 1)))
+                                                                               min(n, k + _WINDOW) + 1))
+                  | set(range(fitting, min(n, fitting + 2 * _WINDOW) + 1)))
+
+
+def _fewest_fitting(ev, n: int, f: int, forward: bool) -> int:
+    """About the fewest even stages of one side whose plans fit the memory budget, with the other side at
+    one layer per stage (its least memory): a binary search, as if fitting were monotone in the count (it
+    nearly is: more stages hold fewer layers each). 1 without a budget."""
+    if ev.memory is None or n == 0:
+        return 1
+    ones = (1,) * n
+
+    def fits(k: int) -> bool:
+        sizes = even_sizes(n, k)
+        return ev.fits(ev.stages(sizes, f, ones) if forward else ev.stages(ones, f, sizes))
+    lo, hi = 1, n
+    if not fits(hi):
+        return n
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def _side(stages: tuple, backward: bool) -> tuple[float, float, float]:

@@ -83,7 +83,8 @@ def partition(costs: CostTable, *, gpus: int, microbatches: int, round_size: int
         memory_budget: device bytes per worker (`StagePlan.stage_memory`); None = no limit.
         staleness: 0 or 1, the schedule the plan is ranked under.
         budget: effort of the heuristic cap walk (and of a partial even sweep) in recurrence steps and
-            layout stages (default max(2**16, 40 * layers * M)); the guarantees do not depend on it.
+            layout stages (default max(2**16, 40 * layers * M), 5x that with a memory budget beyond 40
+            layers); the guarantees do not depend on it.
     Returns:
         A StagePlan carrying its evaluation (`plan.report`), so `print(plan)` is the table.
     Raises:
@@ -102,8 +103,10 @@ def partition(costs: CostTable, *, gpus: int, microbatches: int, round_size: int
     if microbatches % rr:
         raise ValueError(f"partition: round_size {rr} must divide microbatches {microbatches}")
     _check_layers_fit(costs, memory_budget)
-    if budget is None:
-        budget = max(2 ** 16, 40 * costs.num_layers * microbatches)
+    if budget is None:  # beyond the complete families a memory budget leaves plans of many small stages, each
+        budget = max(2 ** 16, 40 * costs.num_layers * microbatches)  # costlier to time: 5x the effort there
+        if memory_budget is not None and costs.num_layers > _even_plans.COMPLETE_LAYERS:
+            budget *= 5
     search = _Search(costs, gpus, microbatches, rr, staleness, memory_budget)
     search.run(budget)
     fs, f, bs = search.best_plan
