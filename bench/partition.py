@@ -2,6 +2,7 @@
 issue 15 (loaded from git), on synthetic models and on the five paper models' predicted costs.
 
     python bench/partition.py [--before REV] [--no-paper] [--skip-before MODEL ...]
+    python bench/partition.py --only qwen3-235b-a22b --skip-before     # the old search too: ~15 min
 
 Targets (issue 15): the 95-layer model planned in at most 10 ms (median), 1001 layers in at most 0.5 s; the
 reference heuristic's planning time in the same run is reported beside ours, so a loaded machine shows in
@@ -112,16 +113,18 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--before", default=BEFORE, help="git revision of the search to compare with")
     p.add_argument("--no-paper", action="store_true", help="skip the paper models (they need transformers)")
+    p.add_argument("--only", nargs="*", metavar="MODEL", help="only these paper models, no synthetic ones; the "
+                   "report goes to docs/bench/partition_MODEL.md")
     p.add_argument("--skip-before", nargs="*", default=["qwen3-235b-a22b"], metavar="MODEL",
                    help="paper models not planned with the old search (qwen3-235b-a22b: about 6 min per round size)")
     args = p.parse_args(argv)
     before = load_before(args.before)
     kw = dict(gpus=GPUS, microbatches=MICROBATCHES, staleness=STALENESS)
     rows = []
-    for layers in (29, 40, 64, 95, 1001):
+    for layers in () if args.only else (29, 40, 64, 95, 1001):
         rows.append(row("synthetic", realistic(layers), 3 if layers > 500 else 9, before, **kw))
         print(rows[-1], flush=True)
-    for model in () if args.no_paper else PAPER:
+    for model in () if args.no_paper else args.only or PAPER:
         costs, extra = paper_costs(model)
         for rr in (8, 16):  # `plan` tries both round sizes on a hardware target
             rows.append(row(f"{model} R={rr}", costs, 3, before, model in args.skip_before, round_size=rr,
@@ -133,7 +136,9 @@ def main(argv: list[str] | None = None) -> None:
     head += ["stages", "iteration ms", "ours / ref iteration", "target met"]
     table = tabulate(rows, headers=head, tablefmt="github", disable_numparse=True)
     print(table)
-    write_doc("partition.md", "## partition: planning time and plan quality\n\n" + machine_line() + "\n\n"
+    of = f" of {', '.join(args.only)}" if args.only else ""
+    write_doc(f"partition_{'_'.join(args.only)}.md" if args.only else "partition.md",
+              f"## partition: planning time and plan quality{of}\n\n" + machine_line() + "\n\n"
               f"{GPUS} GPUs, {MICROBATCHES} microbatches, staleness {STALENESS}. Synthetic: embedding, decoder "
               f"layers (1 ms fwd, 2 ms bwd, +-10%) and an LM head 3x a layer, no memory budget. Paper models: "
               f"the costs `python -m rpcompile plan` predicts on 8x rtx4090 (seq 2048), memory budget 90% of "
