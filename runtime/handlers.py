@@ -214,9 +214,15 @@ class IssueHandlers:
                 {"vals": _private({n: env[n] for n in io.down}, env_in)}
             worker.store.add(tensor_bytes(out))
             cell.set(out)
+        return self._launch(t, ins, w, run, cell, inputs.values())
+
+    def _launch(self, t: int, ins, w: int, run, cell: Cell, used, *, chain: bool = True) -> tuple:
+        """Queue `run` on worker w's compute stream (after the previous stage when `chain`), give the `used`
+        buffers back to the pool after it, and keep `cell` as the instruction's outputs."""
         ev = self._compute(t, ins, w, run, self.label(t, ins, w))
-        self._chained(t, ins, ev)
-        self._give(worker.pool, inputs.values(), [ev])
+        if chain:
+            self._chained(t, ins, ev)
+        self._give(self.workers[w].pool, used, [ev])
         self.outs[(t, ins.stage, ins.mb)] = cell
         return (ev,)
 
@@ -240,11 +246,7 @@ class IssueHandlers:
             out = {"grads": _private(grads_of(env, io.grad_out, {}), env_in), "loss": loss.detach()}
             worker.store.add(tensor_bytes(out))
             cell.set(out)
-        ev = self._compute(t, ins, w, run, self.label(t, ins, w))
-        self._chained(t, ins, ev)
-        self._give(worker.pool, inputs.values(), [ev])
-        self.outs[(t, ins.stage, ins.mb)] = cell
-        return (ev,)
+        return self._launch(t, ins, w, run, cell, inputs.values())
 
     def _recompute(self, t: int, ins, w: int) -> tuple:
         """R: forward again from the saved input, same RNG seeds as the forward; the graph goes to a Cell."""
@@ -282,10 +284,7 @@ class IssueHandlers:
             out = {"grads": _private(grads_of(env, io.grad_out, g), {**g, **env_saved})}
             worker.store.add(tensor_bytes(out))
             cell.set(out)
-        ev = self._compute(t, ins, w, run, self.label(t, ins, w))
-        self._give(worker.pool, list(saved.values()) + list(gin.values()), [ev])
-        self.outs[(t, ins.stage, ins.mb)] = cell
-        return (ev,)
+        return self._launch(t, ins, w, run, cell, list(saved.values()) + list(gin.values()), chain=False)
 
     def _act_down(self, t: int, ins, w: int) -> tuple:
         """D: download an F stage's outputs, or a backward's input gradients (and the loss), to host buffers."""
