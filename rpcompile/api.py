@@ -57,6 +57,10 @@ def compile(model: torch.nn.Module, gpus: int = 8, *, example: Any, microbatches
             initialised default group, else gloo from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT).
     Returns:
         A `Compiled` handle: `.plan`, `.program`, `.step(batch)`, `.simulate()`, `.save()`...
+    Raises:
+        ValueError: a bad argument (named, before tracing); a layer that does not fit a worker even cut
+            into sub-blocks (names the layer, its bytes by term and the budget); or a run that does not fit
+            the host memory (`hardware.host_memory`, else this machine's RAM: the bytes by category).
     """
     opts = options(gpus=gpus, microbatches=microbatches, staleness=staleness, optimizer=optimizer, dtype=dtype,
                    loss_fn=loss_fn, layers=layers, lm_head_shards=lm_head_shards, hardware=hardware,
