@@ -75,7 +75,7 @@ class SeqLenLimit:
     length: int  # the longest S that fits (0: not even S = 1)
     binding: str  # the constraint the next length breaks, and its largest term
     bytes: int  # that constraint's bytes at length + 1
-    capacity: int  # the bytes it must fit in (the device budget or usable host memory)
+    capacity: int  # the bytes it must fit in (the device budget or the host memory)
     terms: tuple[tuple[str, int], ...] = ()  # its bytes by term at length + 1, largest first
 
     def __str__(self) -> str:
@@ -270,7 +270,9 @@ def max_seq_len(graph_or_costs: LayerGraph | SymbolicCosts, hardware: Hardware, 
         microbatch_size: sequences per microbatch (B).
         microbatches: per iteration (default N); sets the round size, so the microbatches in flight.
         memory_budget: device bytes per worker (default `usable * hardware.device_memory`), as `compile`'s.
-        host_memory: host bytes (default `hardware.host_memory`); `usable` of it is available.
+        host_memory: host bytes (default `hardware.host_memory`), all of it available: the limit
+            `compile` checks the run against (`rpcompile.hostmem`), so a length this admits compiles.
+        usable: the share of the device memory a worker may use (the default budget), as `compile`'s.
         limit: the largest S tried.
     Returns:
         A SeqLenLimit: `.length` (0 if even S = 1 does not fit), `.binding` (the constraint the
@@ -281,7 +283,7 @@ def max_seq_len(graph_or_costs: LayerGraph | SymbolicCosts, hardware: Hardware, 
     """
     n_gpu = gpus or hardware.gpus
     device_cap = memory_budget if memory_budget is not None else int(usable * hardware.device_memory)
-    host_cap = int(usable * (host_memory if host_memory is not None else hardware.host_memory))
+    host_cap = host_memory if host_memory is not None else hardware.host_memory
     sc = graph_or_costs
     if isinstance(sc, LayerGraph):
         sc = seq_len_costs(sc, hardware, memory_budget=device_cap, example=example)
