@@ -105,7 +105,7 @@ def test_host_state_counts_frozen_parameters_at_their_own_dtype_only() -> None:
     assert state["compute copies"] == 2 * emb + 4 * (frozen + trainable)
     assert state["fp32 masters"] == state["fp32 gradients"] == 4 * trainable
     assert state["optimizer state"] == 8 * trainable  # AdamW: two fp32 moments, trainable parameters only
-    tight = max_seq_len(sc, Hardware.preset("cpu"), gpus=2, host_memory=int(sum(state.values()) / 0.9) - 1)
+    tight = max_seq_len(sc, Hardware.preset("cpu"), gpus=2, host_memory=sum(state.values()) - 1)
     assert tight.length == 0 and tight.binding == "host: compute copies"  # the state alone does not fit
 
 
