@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import os
 
-ORDER = ("trace", "costs", "long_seq", "partition", "plan_stability", "schedules_sim", "schedules", "plan_cli",
-         "runtime_cpu", "optimizer", "distributed", "gpu")
+ORDER = ("trace", "costs", "long_seq", "partition", "partition_qwen3-235b-a22b", "plan_stability", "schedules_sim",
+         "schedules", "plan_cli", "runtime_cpu", "optimizer", "distributed", "gpu")
 TITLES = {
     "trace": "Trace time (issue 2)", "costs": "Cost model: predicted vs measured (issue 3)",
     "partition": "Partition: planning time and plan quality (issues 4, 15)",
+    "partition_qwen3-235b-a22b": "Partition: qwen3-235b-a22b against the old search (issue 15)",
     "long_seq": "Long sequences: max_seq_len of the paper models, eager vs SDPA pricing (issue 13)",
     "plan_stability": "Plan stability: fresh-process compiles on a loaded machine (issue 14)",
     "schedules_sim": "Simulated bubble vs bound-stage baselines (issue 5)",
