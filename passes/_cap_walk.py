@@ -43,7 +43,7 @@ def walk(search, budget: int) -> None:
     def push(fs: tuple, f: int, bs: tuple, fwd: tuple, bwd: tuple, tfb: float) -> None:
         """Queue a plan (sides' aggregates as `aggregate`) unless seen or hopeless by the bound."""
         k = (fs, f, bs)
-        if k not in seen and search.bound(f, max(fwd[1], tfb, bwd[1])) < search.best:
+        if k not in seen and search.bound(f, max(fwd[1], tfb, bwd[1])) < search.reach:
             seen.add(k)
             heapq.heappush(heap, (search.estimate(f, tfb, fwd, bwd, len(bs)), next(seq), _PLAN, k))
             spent[0] += len(fs) + len(bs) + 1
@@ -53,12 +53,12 @@ def walk(search, budget: int) -> None:
         for down in (False, True):
             g = _Generator(search, f, down, shared, push, spent)
             heapq.heappush(heap, (g.key(), next(seq), _GEN, g))
-    while heap and (spent[0] + search.ev.timed - start < budget or search.best_key is None):
-        if heap[0][0] > search.best * (1 + STOP):
+    while heap and (spent[0] + search.ev.timed - start < budget or not search.near):
+        if heap[0][0] > search.reach * (1 + STOP):
             break  # every estimate left is well above the best time
         _, _, kind, item = heapq.heappop(heap)
         if kind == _GEN:
-            if search.bound(item.f, max(item.cap, item.t_min)) < search.best and item.step():
+            if search.bound(item.f, max(item.cap, item.t_min)) < search.reach and item.step():
                 heapq.heappush(heap, (item.key(), next(seq), _GEN, item))
         else:
             done = search.consider(*item)  # its recurrence steps count through search.ev.timed

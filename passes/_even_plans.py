@@ -79,7 +79,7 @@ def sweep(search, budget: int) -> bool:
         if n == 0:
             order.append((0.0, f, 0, 0))
             continue
-        if search.work_bound(f) > search.best * (1 + search.margin):
+        if search.work_bound(f) > search.reach * (1 + search.margin):
             continue   # no plan with this fused size can win (the family's pruning, see partition's Note)
         tfb = search.pb[nl] - search.pb[n]
         target = max(tfb, search.wb_max[n])
@@ -93,7 +93,7 @@ def sweep(search, budget: int) -> bool:
     order.sort()
     start = ev.timed
     for _, f, a, b in order:
-        if not complete and ev.timed - start >= budget and search.best_key is not None:
+        if not complete and ev.timed - start >= budget and search.near:
             return False
         n = nl - f
         search.consider(even_sizes(n, a) if n else (), f, even_sizes(n, b) if n else (), rigorous=True)

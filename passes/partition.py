@@ -25,12 +25,20 @@ the result is at least as fast as each of:
 (c) every plan at all (fused size x forward layout x backward layout) when
     the model has at most 7 layers.
 
-Ties: among plans of equal iteration time (equal floats) the search keeps the
-one with the fewest stages, then the smallest fused size, then the smallest
-forward sizes and then backward sizes (compared as tuples). With at most 7
-layers the result is therefore the minimum of (time, stages, fused size,
-forward sizes, backward sizes) over all plans. The search is deterministic:
-the same CostTable and options always give the same plan.
+Ties: a plan ties the fastest plan timed when its iteration time is within
+`tie` (a share, default 0) of it; the plan returned is the tied one with the
+fewest stages, then the least time, then the smallest fused size, then the
+smallest forward sizes and then backward sizes (compared as tuples). With
+tie = 0 only equal floats tie, and the guarantees above are exact; with
+tie > 0 each holds within the factor 1 + tie, and every bound prunes against
+the fastest time x (1 + tie), so every plan of the guaranteed families that
+could tie is timed. With at most 7 layers the result is therefore the minimum
+of (stages, time, fused size, forward sizes, backward sizes) over all plans
+within the tie. The search is deterministic: the same CostTable and options
+always give the same plan. `compile` ranks measured costs with tie = 0.03
+(`rpcompile.pipeline.MEASURED_TIE`: measured times move by a few percent
+between processes, and a plan with fewer stages hands fewer activations
+between workers, which this compute-only objective does not price).
 
 What is heuristic: everything else, a best-first walk over stage-time caps
 (`_cap_walk.py`) run before the even family so that the family's pruning
@@ -72,7 +80,8 @@ _EXHAUSTIVE = 7  # layers up to which every plan is timed
 
 
 def partition(costs: CostTable, *, gpus: int, microbatches: int, round_size: int | None = None,
-              memory_budget: int | None = None, staleness: int = 1, budget: int | None = None) -> StagePlan:
+              memory_budget: int | None = None, staleness: int = 1, budget: int | None = None,
+              tie: float = 0.0) -> StagePlan:
     """The stage plan with the least `iteration_time` whose stages fit `memory_budget` (see the module doc).
 
     Args:
@@ -85,6 +94,8 @@ def partition(costs: CostTable, *, gpus: int, microbatches: int, round_size: int
         budget: effort of the heuristic cap walk (and of a partial even sweep) in recurrence steps and
             layout stages (default max(2**16, 40 * layers * M), 5x that with a memory budget beyond 40
             layers); the guarantees do not depend on it.
+        tie: plans within this share of the fastest plan's time count as ties (see the module doc,
+            Ties); 0 (default) ranks by time alone. `compile` passes `MEASURED_TIE` for measured costs.
     Returns:
         A StagePlan carrying its evaluation (`plan.report`), so `print(plan)` is the table.
     Raises:
@@ -99,6 +110,8 @@ def partition(costs: CostTable, *, gpus: int, microbatches: int, round_size: int
         raise ValueError(f"staleness must be 0 or 1, got {staleness!r}")
     if gpus < 1 or microbatches < 1:
         raise ValueError(f"partition: gpus and microbatches must be >= 1, got {gpus} and {microbatches}")
+    if not (isinstance(tie, (int, float)) and 0 <= tie < 1):
+        raise ValueError(f"partition: tie must be a share in [0, 1), got {tie!r}")
     rr = round_size or default_round_size(gpus, microbatches)
     if microbatches % rr:
         raise ValueError(f"partition: round_size {rr} must divide microbatches {microbatches}")
@@ -107,9 +120,9 @@ def partition(costs: CostTable, *, gpus: int, microbatches: int, round_size: int
         budget = max(2 ** 16, 40 * costs.num_layers * microbatches)  # costlier to time: 5x the effort there
         if memory_budget is not None and costs.num_layers > _even_plans.COMPLETE_LAYERS:
             budget *= 5
-    search = _Search(costs, gpus, microbatches, rr, staleness, memory_budget)
+    search = _Search(costs, gpus, microbatches, rr, staleness, memory_budget, float(tie))
     search.run(budget)
-    fs, f, bs = search.best_plan
+    fs, f, bs = search.choice()
     return StagePlan.from_sizes(fs, f, bs).evaluated(costs, gpus=gpus, microbatches=microbatches,
                                                      round_size=rr, staleness=staleness,
                                                      memory_budget=memory_budget)
@@ -131,7 +144,9 @@ class _Search:
 
     margin = _MARGIN
 
-    def __init__(self, costs: CostTable, n_gpu: int, m: int, rr: int, staleness: int, memory: int | None):
+    def __init__(self, costs: CostTable, n_gpu: int, m: int, rr: int, staleness: int, memory: int | None,
+                 tie: float = 0.0):
+        self.tie = tie
         self.costs, self.n_gpu, self.m, self.rr, self.st, self.memory = costs, n_gpu, m, rr, staleness, memory
         self.ev = Evaluator(costs, gpus=n_gpu, microbatches=m, round_size=rr, staleness=staleness, memory=memory)
         self.nl = costs.num_layers
@@ -144,7 +159,8 @@ class _Search:
         # M w / N per fused size f (see work_bound), and the chain bound's parts: looked up, not recomputed
         self._work_bound = [self.m * self.work(f) / n_gpu for f in range(self.nl + 1)]
         self._rr1, self._st1 = rr - 1, 1 + staleness
-        self.best, self.best_key, self.best_plan = math.inf, None, None  # key: (time, stages, f, fwd, bwd)
+        self.best = self.reach = math.inf  # the fastest time timed; up to `reach` (best x (1 + tie)) a plan ties
+        self.near: list = []  # (time, stages, f, fwd, bwd) of every timed plan that fits and was within reach
         self.seen: set = set()
 
     def run(self, budget: int) -> None:
@@ -157,14 +173,14 @@ class _Search:
             _even_plans.exhaustive(self)
         else:
             self._three_stage_seed()
-            if self.best_key is None:  # nothing fits so far: one layer per stage, the least memory per GPU
+            if not self.near:  # nothing fits so far: one layer per stage, the least memory per GPU
                 self.consider((1,) * (self.nl - 1), 1, (1,) * (self.nl - 1))
             _cap_walk.walk(self, budget)
             _even_plans.sweep(self, budget)
         ref = reference_plan(self.costs, self.wb, self.n_gpu, self.ev)
         if ref is not None:
             self.consider(*ref, rigorous=True)
-        if self.best_key is None:
+        if not self.near:
             one = self.ev.stages((1,) * (self.nl - 1), 1, (1,) * (self.nl - 1))
             raise ValueError(f"partition: no stage plan fits the memory budget {_fmt(self.memory, False)} per "
                              f"GPU (one layer per stage needs {_fmt(max(self.ev.stage_memory(one)), False)})")
@@ -248,12 +264,12 @@ class _Search:
             return "skipped"
         stages = self.ev.stages(fs, f, bs)
         t_max = max(a + b if code else a for code, _, _, a, b in stages)
-        lim = self.best * (1 + _MARGIN)
+        lim = self.reach * (1 + _MARGIN)
         if rigorous:
             if self.floor(f, t_max, len(stages)) > lim:
                 self.seen.add(plan)
                 return "skipped"
-        elif self.bound(f, t_max) >= self.best:
+        elif self.bound(f, t_max) >= self.reach:
             return "skipped"
         self.seen.add(plan)
         if not self.ev.fits(stages):
@@ -261,10 +277,18 @@ class _Search:
         if self.ev.isolated_floor(stages, lim) > lim:  # exact bound: the plan cannot tie the best
             return "timed"
         t = self.ev.time(stages, cutoff=lim)
-        key = (t, len(stages), f, fs, bs)
-        if t <= lim and (self.best_key is None or key < self.best_key):
-            self.best, self.best_key, self.best_plan = t, key, plan
+        if t <= lim:
+            self.near.append((t, len(stages), f, fs, bs))
+            if t < self.best:
+                self.best, self.reach = t, t * (1 + self.tie)
+                if len(self.near) > 64:  # drop the plans the new best time put out of reach
+                    self.near = [k for k in self.near if k[0] <= self.reach]
         return "timed"
+
+    def choice(self) -> tuple:
+        """The plan the tie rule picks (module doc, Ties) among those timed, as (fwd sizes, f, bwd sizes)."""
+        t, stages, f, fs, bs = min((k for k in self.near if k[0] <= self.reach), key=lambda k: (k[1], *k))
+        return fs, f, bs
 
 
 def reference_plan(costs: CostTable, wb: list[float], n_gpu: int, ev: Evaluator) -> tuple | None:

@@ -172,22 +172,29 @@ def brute_force(costs, kw, budget):
     return best
 
 
+def tiny_case(rng, case):
+    """(costs, partition options, memory budget) of a random model of 1-7 layers; every 4th has equal layers
+    (many plans tie, so the tie rule decides), every 3rd a memory budget."""
+    nl = rng.randint(1, 7)
+    if case % 4 == 0:
+        fwd = [1.0] * nl
+    else:
+        fwd = [rng.choice([rng.uniform(0.1, 3.0), float(rng.randint(1, 3))]) for _ in range(nl)]
+    bwd = [x * rng.choice([2.0, rng.uniform(1.0, 3.0)]) for x in fwd]
+    par = [rng.randint(1, 9) for _ in range(nl)]
+    costs = CostTable.from_lists(fwd=fwd, bwd=bwd, param_bytes=par, grad_bytes=par, act_bytes=[1] * nl,
+                                 saved_bytes=[1] * nl)
+    n = rng.randint(1, 4)
+    kw = dict(gpus=n, microbatches=rng.randint(1, 2 * n), staleness=case % 2)
+    one = StagePlan.from_sizes([1] * (nl - 1), 1, [1] * (nl - 1))
+    budget = None if case % 3 else max(one.stage_memory(costs, gpus=n)) + rng.randint(0, 20)
+    return costs, kw, budget
+
+
 def test_tiny_models_equal_brute_force_including_the_tie_rule():
     rng = random.Random(15)
     for case in range(200):
-        nl = rng.randint(1, 7)
-        if case % 4 == 0:  # equal layers: many plans tie, so the tie rule decides
-            fwd = [1.0] * nl
-        else:
-            fwd = [rng.choice([rng.uniform(0.1, 3.0), float(rng.randint(1, 3))]) for _ in range(nl)]
-        bwd = [x * rng.choice([2.0, rng.uniform(1.0, 3.0)]) for x in fwd]
-        par = [rng.randint(1, 9) for _ in range(nl)]
-        costs = CostTable.from_lists(fwd=fwd, bwd=bwd, param_bytes=par, grad_bytes=par, act_bytes=[1] * nl,
-                                     saved_bytes=[1] * nl)
-        n = rng.randint(1, 4)
-        kw = dict(gpus=n, microbatches=rng.randint(1, 2 * n), staleness=case % 2)
-        one = StagePlan.from_sizes([1] * (nl - 1), 1, [1] * (nl - 1))
-        budget = None if case % 3 else max(one.stage_memory(costs, gpus=n)) + rng.randint(0, 20)
+        costs, kw, budget = tiny_case(rng, case)
         plan = partition(costs, memory_budget=budget, **kw)
         t, _, f, fs, bs = brute_force(costs, kw, budget)
         assert plan.report.iteration_time == t, (case, plan.to_str())
