@@ -19,7 +19,15 @@ from rpcompile.costs import CostTable
 from rpcompile.graph import LayerGraph
 from rpcompile.options import Options, default_microbatches
 
-__all__ = ["plan_pipeline", "compile_passes", "Frozen", "frozen_of"]
+__all__ = ["plan_pipeline", "compile_passes", "Frozen", "frozen_of", "MEASURED_TIE"]
+
+# With measured costs, plans whose predicted iteration time is within this share of the fastest are ties
+# (`partition`'s tie rule: the fewest stages, then the fastest). Measured times move by a few percent between
+# processes on a loaded machine (the decoder blocks' forward / backward ratio by up to 7%, sub-millisecond
+# layers by up to 2x), which flipped near-tied plans (bench/plan_stability.py); the tie makes the choice
+# stable, and a plan with fewer stages also hands fewer activations between workers, which the
+# compute-only objective does not price. Predicted costs are deterministic and are ranked by time alone.
+MEASURED_TIE = 0.03
 
 
 @dataclass(frozen=True)
@@ -130,7 +138,7 @@ def _passes(model: torch.nn.Module, example: Any, opts: Options, m: int, mode: s
         raise ValueError(f"the model does not fit a worker at this batch shape: {why}; use shorter sequences "
                          f"or fewer per microbatch (rpcompile.max_seq_len says how long fits), or a larger budget")
     # 4-5. choose the stage grouping (and, for a hardware target, the round size) and emit the program
-    plan, program = _plan_and_emit(graph, costs, opts, m, budget)
+    plan, program = _plan_and_emit(graph, costs, opts, m, budget, tie=MEASURED_TIE if mode == "measure" else 0.0)
     # 6. check it: dependencies, coverage, the per-layer rules R1-R5, device memory; then host memory
     from rpcompile import passes
     from rpcompile.hostmem import check_host_memory
@@ -166,8 +174,9 @@ def _refusal(costs: CostTable, budget: int | None) -> str | None:
     return memory_refusal(costs, budget)
 
 
-def _plan_and_emit(graph: LayerGraph, costs: CostTable, opts: Options, m: int, budget: int | None):
-    """partition + emit; with a hardware target, also pick the round size by simulating each candidate.
+def _plan_and_emit(graph: LayerGraph, costs: CostTable, opts: Options, m: int, budget: int | None,
+                   tie: float = 0.0):
+    """partition (with `tie`) + emit; with a hardware target, also pick the round size by simulating each one.
 
     Note: the partitioner's objective is the compute-only schedule time. On a target whose PCIe
     traffic matters, one round of all M microbatches uploads every stage's parameters once per
@@ -183,7 +192,7 @@ def _plan_and_emit(graph: LayerGraph, costs: CostTable, opts: Options, m: int, b
     best = None
     for r in sizes:
         plan = passes.partition(costs, gpus=opts.gpus, microbatches=m, round_size=r, memory_budget=budget,
-                                staleness=opts.staleness)
+                                staleness=opts.staleness, tie=tie)
         program = passes.emit(plan, gpus=opts.gpus, microbatches=m, round_size=r, staleness=opts.staleness,
                               costs=costs, readers=_shared_readers(graph))
         if len(sizes) == 1:
