@@ -139,7 +139,7 @@ def main() -> int:
                   f"With the robust timing but plans ranked by time alone (960a9bb), two runs of this bench "
                   f"gave 5 equal plans and then 2 distinct of 5 (2,1,1,1/4/1,1,1,2 four times, 3,2/4/1,1,1,2 "
                   f"once): the two plans were 0.1-2.2% apart by each run's own measured costs. compile now "
-                  f"ranks measured costs with a tie of `MEASURED_TIE` (plans within it: the fewest stages, "
+                  f"ranks measured costs with a tie of `MEASURED_TIE` (5%; with 3% one run of 10 still flipped, where the two plans were 3.5% apart; plans within it: the fewest stages, "
                   f"then the fastest; `rpcompile.passes.partition`); the column `by time alone` is what "
                   f"ranking by time would pick from the same costs.\n\n"
                   + table + f"\n\n{verdict}\n" + (f"\n{near}\n" if near else ""))

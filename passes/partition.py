@@ -35,7 +35,7 @@ the fastest time x (1 + tie), so every plan of the guaranteed families that
 could tie is timed. With at most 7 layers the result is therefore the minimum
 of (stages, time, fused size, forward sizes, backward sizes) over all plans
 within the tie. The search is deterministic: the same CostTable and options
-always give the same plan. `compile` ranks measured costs with tie = 0.03
+always give the same plan. `compile` ranks measured costs with tie = 0.05
 (`rpcompile.pipeline.MEASURED_TIE`: measured times move by a few percent
 between processes, and a plan with fewer stages hands fewer activations
 between workers, which this compute-only objective does not price).
