@@ -249,8 +249,25 @@ class Runtime(IssueHandlers, HostLanes, Recovery):
         pairs = self._submit(t, self.train_info, mbs)
         self.t = t + 1
         loss = self._guard(lambda: self._losses(t, self.train_info, pairs), t)
+        self._stock_pools(t)
         self._prune()
         return loss
+
+    def _stock_pools(self, t: int) -> None:
+        """Stock each worker's pool with as many buffers of each shape as any worker's holds (`BufferPool.stock`).
+
+        Worker w plays template worker w - t * shift in iteration t, so a part that needs an extra
+        activation buffer reaches a given worker only some iterations in; without this, a 7-stage plan
+        on 4 workers still allocated in its third step.
+        """
+        if len(self.workers) < 2:
+            return
+        most: dict[tuple, int] = {}
+        for w in self.workers:
+            for k, n in w.pool.made().items():
+                most[k] = max(most.get(k, 0), n)
+        for w in self.workers:
+            w.pool.stock(most, t)
 
     def evaluate(self, batch: Any) -> float:
         """Forward only with the weights the next step reads, streamed through the workers; no state change.

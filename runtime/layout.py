@@ -144,27 +144,35 @@ def _append(copies: list[Copy], c: Copy) -> None:
 
 
 def slot_capacities(program, layouts: dict[int, StageLayout]) -> tuple[dict, dict]:
-    """The sizes a worker's buffers need over a whole rotation period, so they are allocated once.
+    """The sizes a worker's buffers need over every iteration, so they are allocated once.
 
     Each worker alternates two parameter buffers (parity of its slot count: the running and the
-    prefetched stage) and keeps one gradient buffer. Over `gpus` iterations the rotation has run
-    every slot on every worker it will ever meet, so the largest stage of each (worker, parity)
-    and (worker) is known before the first step.
+    prefetched stage) and keeps one gradient buffer. Iteration t runs template worker w's slots on
+    worker (w + t * shift) mod N, so which stage meets which (worker, parity) depends on t mod N and
+    on each worker's slot-count parity at the iteration's start: when a worker takes an odd number
+    of slots per rotation, the pattern repeats only after several rotations (with 7 stages on 4
+    workers, 2N iterations). The iterations are walked from each start t mod N (a resumed run starts
+    anywhere) until that state repeats, so the largest stage of each (worker, parity) and (worker)
+    is known before the first step.
 
     Returns:
         ({(worker, parity, dtype): elements}, {(worker, dtype): elements}).
     """
     params: dict = {}
     grads: dict = {}
-    made = [0] * program.gpus
+    n = program.gpus
     slots = [(i.worker, i.stage) for i in program.instrs if i.op.value == "E"]  # one release per slot, in order
-    for t in range(program.gpus):
-        for w, stage in slots:
-            phys = (w + t * program.shift) % program.gpus
-            parity, lay = made[phys] % 2, layouts[stage]
-            made[phys] += 1
-            for d, n in lay.sizes.items():
-                params[(phys, parity, d)] = max(params.get((phys, parity, d), 0), n)
-            for d, n in lay.grad_sizes.items():
-                grads[(phys, d)] = max(grads.get((phys, d), 0), n)
+    for start in range(n):
+        made, seen, t = [0] * n, set(), start
+        while (t % n, tuple(m % 2 for m in made)) not in seen:
+            seen.add((t % n, tuple(m % 2 for m in made)))
+            for w, stage in slots:
+                phys = (w + t * program.shift) % n
+                parity, lay = made[phys] % 2, layouts[stage]
+                made[phys] += 1
+                for d, k in lay.sizes.items():
+                    params[(phys, parity, d)] = max(params.get((phys, parity, d), 0), k)
+                for d, k in lay.grad_sizes.items():
+                    grads[(phys, d)] = max(grads.get((phys, d), 0), k)
+            t += 1
     return params, grads

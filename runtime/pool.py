@@ -100,6 +100,7 @@ class BufferPool:
         self._gen: dict[int, int] = {}  # id(buffer) -> how many times it was handed out
         self._live: dict[int, int] = {}  # id(buffer) -> bytes accounted for it (buffers in use)
         self.reserved = 0  # bytes of every buffer the pool owns
+        self._made: dict[tuple, int] = {}  # (shape, dtype) -> plain buffers the pool owns of it
 
     def handle(self) -> Handle:
         """A handle whose buffer is bound later (`bind`), at this point of the issue order."""
@@ -165,6 +166,8 @@ class BufferPool:
             self.ctx.stats.add(it, self.counter)
             with self._lock:
                 self.reserved += _nbytes(buf)
+                if not flat and key is None:
+                    self._made[plain] = self._made.get(plain, 0) + 1
         for e in events:
             stream.wait(e, it)
         view = buf[:n] if flat else buf
@@ -212,6 +215,29 @@ class BufferPool:
             self._idle(buf, gen)
         for e in events:
             e.then(done)
+
+    def made(self) -> dict[tuple, int]:
+        """(shape, dtype) -> how many plain (unkeyed, shaped) buffers the pool owns of it."""
+        with self._lock:
+            return dict(self._made)
+
+    def stock(self, counts: dict[tuple, int], it: int | None) -> None:
+        """Own at least counts[(shape, dtype)] plain buffers of each: new ones are free at once.
+
+        Workers play every template worker's part over a rotation, each part first in a later
+        iteration, and a plain buffer is made when a part first needs one: stocking every worker's
+        pool to the most any worker needed makes those buffers during the warm-up (see
+        `Runtime.step`). The new buffers count as allocations of iteration `it`.
+        """
+        for (shape, dtype), want in counts.items():
+            for _ in range(want - self.made().get((shape, dtype), 0)):
+                buf = torch.empty(shape, dtype=dtype, device=self.device, pin_memory=self.pin)
+                self.ctx.stats.add(it, self.counter)
+                with self._cond:
+                    self.reserved += _nbytes(buf)
+                    self._made[(shape, dtype)] = self._made.get((shape, dtype), 0) + 1
+                    self._gen[id(buf)] = 0
+                    self._free.setdefault((shape, dtype), []).append((buf, [], 0))
 
     def forget_keys(self) -> None:
         """After a failure: keyed buffers handed out to abandoned work are lost (a new one is made)."""
