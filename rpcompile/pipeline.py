@@ -177,32 +177,52 @@ def _refusal(costs: CostTable, budget: int | None) -> str | None:
 
 def _plan_and_emit(graph: LayerGraph, costs: CostTable, opts: Options, m: int, budget: int | None,
                    tie: float = 0.0):
-    """partition (with `tie`) + emit; with a hardware target, also pick the round size by simulating each one.
+    """partition (with `tie`) + emit, at the round size chosen as the Note says.
 
-    Note: the partitioner's objective is the compute-only schedule time. On a target whose PCIe
-    traffic matters, one round of all M microbatches uploads every stage's parameters once per
-    iteration instead of M / R times, so both round sizes are emitted and the simulated faster one
-    (with transfers and the CPU optimizer) wins.
+    Note: round size. The partitioner's objective is the compute-only schedule time, and one round
+    of all M microbatches uploads every stage's parameters once per iteration instead of M / R
+    times. With a hardware target both round sizes (the default, `default_round_size`, and M) are
+    emitted and the simulated faster one (with transfers and the CPU optimizer) wins. Without one,
+    one worker takes R = M when the run still fits the host memory (one worker runs everything in
+    order, so the compute time is that of any R, and the transfers shrink M / R-fold: on this
+    2-core CPU, 1.0x eager PyTorch instead of 0.87-0.96x, `bench/runtime_cpu.py`; a round holds all
+    M microbatches' saved inputs on the host, hence the check); more workers take the default.
     """
     from rpcompile import passes
     from rpcompile.passes.timing import default_round_size
     from rpcompile.runtime import simulate, steady_iterations
-    sizes = [default_round_size(opts.gpus, m)]
-    if opts.hardware is not None and m not in sizes:
-        sizes.append(m)
-    best = None
-    for r in sizes:
+
+    def emitted(r: int):
         plan = passes.partition(costs, gpus=opts.gpus, microbatches=m, round_size=r, memory_budget=budget,
                                 staleness=opts.staleness, tie=tie)
-        program = passes.emit(plan, gpus=opts.gpus, microbatches=m, round_size=r, staleness=opts.staleness,
-                              costs=costs, readers=_shared_readers(graph))
-        if len(sizes) == 1:
-            return plan, program
+        return plan, passes.emit(plan, gpus=opts.gpus, microbatches=m, round_size=r, staleness=opts.staleness,
+                                 costs=costs, readers=_shared_readers(graph))
+    default = default_round_size(opts.gpus, m)
+    if opts.hardware is None:
+        if opts.gpus == 1 and m != default:
+            plan, program = emitted(m)
+            if _fits_host(graph, costs, plan, opts, m, m):
+                return plan, program
+        return emitted(default)
+    best = None
+    for r in dict.fromkeys((default, m)):
+        plan, program = emitted(r)
         k = steady_iterations(program) if opts.staleness else 1
         t = simulate(program, costs, opts.hardware, iterations=k).steady_iteration_time
         if best is None or t < best[0]:
             best = (t, plan, program)
     return best[1], best[2]
+
+
+def _fits_host(graph: LayerGraph, costs: CostTable, plan, opts: Options, m: int, round_size: int) -> bool:
+    """Whether the run fits the host memory at `round_size` (`check_host_memory`)."""
+    from rpcompile.hostmem import check_host_memory
+    try:
+        check_host_memory(graph, costs, plan, microbatches=m, staleness=opts.staleness, optimizer=opts.optimizer,
+                          dtype=opts.dtype, hardware=opts.hardware, gpus=opts.gpus, round_size=round_size)
+    except ValueError:
+        return False
+    return True
 
 
 def _shard_head(graph: LayerGraph, shards: int | str, costs: CostTable, budget: int | None = None) -> LayerGraph:

@@ -113,3 +113,21 @@ def test_compile_without_a_hardware_target_checks_this_machines_ram(monkeypatch)
         rpcompile.compile(TinyLlama(CFG), gpus=2, example=batch(), microbatches=2)
     monkeypatch.setattr("rpcompile.hardware._host_memory", lambda: 2**34)
     rpcompile.compile(TinyLlama(CFG), gpus=2, example=batch(), microbatches=2).close()
+
+
+def test_one_worker_takes_one_round_of_all_microbatches_when_the_host_holds_it(monkeypatch):
+    # Without a hardware target one worker runs R = M (each stage's parameters move once per iteration, not
+    # M times); a round then holds all M microbatches' saved inputs on the host, so when only R = 1 fits
+    # the host compile falls back to it. More workers keep the default round size.
+    kw = dict(gpus=1, example=batch(), microbatches=4, memory_budget=2**18)  # a backward stage: saved inputs
+    with rpcompile.compile(TinyLlama(CFG), **kw) as c:
+        assert c.program.round_size == 4
+        run = dict(microbatches=4, gpus=1, optimizer=c.options.optimizer)
+        whole, single = (host_bytes(c.graph, c.costs, c.plan, round_size=r, **run).total for r in (4, 1))
+    assert single < whole
+    monkeypatch.setattr("rpcompile.hardware._host_memory", lambda: (single + whole) // 2)
+    with rpcompile.compile(TinyLlama(CFG), **kw) as c:
+        assert c.program.round_size == 1
+    monkeypatch.setattr("rpcompile.hardware._host_memory", lambda: 2**34)
+    with rpcompile.compile(TinyLlama(CFG), gpus=2, example=batch(), microbatches=4) as c:
+        assert c.program.round_size == 2
