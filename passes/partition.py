@@ -287,7 +287,8 @@ class _Search:
 
     def choice(self) -> tuple:
         """The plan the tie rule picks (module doc, Ties) among those timed, as (fwd sizes, f, bwd sizes)."""
-        t, stages, f, fs, bs = min((k for k in self.near if k[0] <= self.reach), key=lambda k: (k[1], *k))
+        tied = [k for k in self.near if k[0] <= self.reach]
+        t, stages, f, fs, bs = min(tied, key=lambda k: (k[1], k[0], k[2], k[3], k[4]))  # stages, time, f, fwd, bwd
         return fs, f, bs
 
 

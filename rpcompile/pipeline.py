@@ -185,8 +185,9 @@ def _plan_and_emit(graph: LayerGraph, costs: CostTable, opts: Options, m: int, b
     emitted and the simulated faster one (with transfers and the CPU optimizer) wins. Without one,
     one worker takes R = M when the run still fits the host memory (one worker runs everything in
     order, so the compute time is that of any R, and the transfers shrink M / R-fold: on this
-    2-core CPU, 1.0x eager PyTorch instead of 0.87-0.96x, `bench/runtime_cpu.py`; a round holds all
-    M microbatches' saved inputs on the host, hence the check); more workers take the default.
+    2-core CPU 1.00-1.05x eager PyTorch instead of 0.82-0.96x at R = 1, `bench/runtime_cpu.py`;
+    a round holds all M microbatches' saved inputs on the host, hence the check); more workers
+    take the default.
     """
     from rpcompile import passes
     from rpcompile.passes.timing import default_round_size
