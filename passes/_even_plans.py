@@ -67,9 +67,10 @@ def exhaustive(search) -> None:
 def sweep(search, budget: int) -> bool:
     """Offer the even family to `search`, best estimate first; True if it was swept completely.
 
-    Up to `COMPLETE_LAYERS` layers every one is offered; beyond, only the stage counts 1..2N+1 and those
-    within `_WINDOW` of the balanced count (stages near max(fused stage, slowest layer)), until `budget`
-    recurrence steps are spent.
+    Up to `COMPLETE_LAYERS` layers every one is offered; beyond, only the stage counts 1..2N+1, those
+    within `_WINDOW` of the balanced count (stages near max(fused stage, slowest layer)) and, under a
+    memory budget, the fewest that fit and up to 2 x `_WINDOW` more, until `budget` recurrence steps
+    are spent.
     """
     ev, nl, fused = search.ev, search.nl, fused_sizes(search.wb)
     complete = nl <= COMPLETE_LAYERS
@@ -83,10 +84,11 @@ def sweep(search, budget: int) -> bool:
             continue   # no plan with this fused size can win (the family's pruning, see partition's Note)
         tfb = search.pb[nl] - search.pb[n]
         target = max(tfb, search.wb_max[n])
+        fitting = (None, None) if complete else (_fewest_fitting(ev, n, f, True), _fewest_fitting(ev, n, f, False))
         fwd = {a: _side(ev.forward(even_sizes(n, a)), False)
-               for a in _counts(n, search, search.pf[n], target, complete, _fewest_fitting(ev, n, f, True))}
+               for a in _counts(n, search, search.pf[n], target, complete, fitting[0])}
         bwd = {b: _side(ev.backward(even_sizes(n, b)), True)
-               for b in _counts(n, search, search.pb[n], target, complete, _fewest_fitting(ev, n, f, False))}
+               for b in _counts(n, search, search.pb[n], target, complete, fitting[1])}
         for a, fside in fwd.items():
             for b, bside in bwd.items():
                 order.append((search.estimate(f, tfb, fside, bside, b), f, a, b))
@@ -100,23 +102,24 @@ def sweep(search, budget: int) -> bool:
     return complete
 
 
-def _counts(n: int, search, total: float, target: float, complete: bool, fitting: int = 1) -> list[int]:
+def _counts(n: int, search, total: float, target: float, complete: bool, fitting: int | None = None) -> list[int]:
     """Stage counts of one side to sweep: all of 1..n, or (partial) 1..2N+1, the balanced ones and, under a
-    memory budget, the fewest that fit (`fitting`) and a few more."""
+    memory budget, the fewest that fit (`fitting`, None without a budget) and a few more."""
     if complete:
         return list(range(1, n + 1))
     k = max(1, min(n, int(total / target + 0.5))) if target > 0 else n
+    near_fit = set(range(fitting, min(n, fitting + 2 * _WINDOW) + 1)) if fitting else set()
     return sorted(set(range(1, min(n, 2 * search.n_gpu + 1) + 1)) | set(range(max(1, k - _WINDOW),
                                                                                min(n, k + _WINDOW) + 1))
-                  | set(range(fitting, min(n, fitting + 2 * _WINDOW) + 1)))
+                  | near_fit)
 
 
-def _fewest_fitting(ev, n: int, f: int, forward: bool) -> int:
+def _fewest_fitting(ev, n: int, f: int, forward: bool) -> int | None:
     """About the fewest even stages of one side whose plans fit the memory budget, with the other side at
     one layer per stage (its least memory): a binary search, as if fitting were monotone in the count (it
-    nearly is: more stages hold fewer layers each). 1 without a budget."""
+    nearly is: more stages hold fewer layers each). None without a budget."""
     if ev.memory is None or n == 0:
-        return 1
+        return None
     ones = (1,) * n
 
     def fits(k: int) -> bool:

@@ -142,10 +142,8 @@ def _passes(model: torch.nn.Module, example: Any, opts: Options, m: int, mode: s
     plan, program = _plan_and_emit(graph, costs, opts, m, budget, tie=MEASURED_TIE if mode == "measure" else 0.0)
     # 6. check it: dependencies, coverage, the per-layer rules R1-R5, device memory; then host memory
     from rpcompile import passes
-    from rpcompile.hostmem import check_host_memory
     passes.verify(program, costs=costs, memory_budget=budget)
-    check_host_memory(graph, costs, plan, microbatches=m, staleness=opts.staleness, optimizer=opts.optimizer,
-                      dtype=opts.dtype, hardware=opts.hardware, gpus=opts.gpus, round_size=program.round_size)
+    _check_host(graph, costs, plan, opts, m, program.round_size)
     return graph, costs, plan, program, m, units
 
 
@@ -215,12 +213,17 @@ def _plan_and_emit(graph: LayerGraph, costs: CostTable, opts: Options, m: int, b
     return best[1], best[2]
 
 
-def _fits_host(graph: LayerGraph, costs: CostTable, plan, opts: Options, m: int, round_size: int) -> bool:
-    """Whether the run fits the host memory at `round_size` (`check_host_memory`)."""
+def _check_host(graph: LayerGraph, costs: CostTable, plan, opts: Options, m: int, round_size: int) -> None:
+    """`check_host_memory` of the run at `round_size` (raises ValueError naming the bytes when it does not fit)."""
     from rpcompile.hostmem import check_host_memory
+    check_host_memory(graph, costs, plan, microbatches=m, staleness=opts.staleness, optimizer=opts.optimizer,
+                      dtype=opts.dtype, hardware=opts.hardware, gpus=opts.gpus, round_size=round_size)
+
+
+def _fits_host(graph: LayerGraph, costs: CostTable, plan, opts: Options, m: int, round_size: int) -> bool:
+    """Whether the run fits the host memory at `round_size`."""
     try:
-        check_host_memory(graph, costs, plan, microbatches=m, staleness=opts.staleness, optimizer=opts.optimizer,
-                          dtype=opts.dtype, hardware=opts.hardware, gpus=opts.gpus, round_size=round_size)
+        _check_host(graph, costs, plan, opts, m, round_size)
     except ValueError:
         return False
     return True

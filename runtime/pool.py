@@ -161,13 +161,8 @@ class BufferPool:
                 self.store.add(-gone)
             del small
         if buf is None:
-            size = (max(n, capacity),) if flat else shape
-            buf = torch.empty(size, dtype=dtype, device=self.device, pin_memory=self.pin)
-            self.ctx.stats.add(it, self.counter)
-            with self._lock:
-                self.reserved += _nbytes(buf)
-                if not flat and key is None:
-                    self._made[plain] = self._made.get(plain, 0) + 1
+            counted = plain if not flat and key is None else None  # `made` counts the plain shaped buffers
+            buf = self._new((max(n, capacity),) if flat else shape, dtype, it, counted)
         for e in events:
             stream.wait(e, it)
         view = buf[:n] if flat else buf
@@ -227,17 +222,24 @@ class BufferPool:
         Workers play every template worker's part over a rotation, each part first in a later
         iteration, and a plain buffer is made when a part first needs one: stocking every worker's
         pool to the most any worker needed makes those buffers during the warm-up (see
-        `Runtime.step`). The new buffers count as allocations of iteration `it`.
+        `Runtime._stock_pools`, after each step). The new buffers count as allocations of iteration `it`.
         """
         for (shape, dtype), want in counts.items():
             for _ in range(want - self.made().get((shape, dtype), 0)):
-                buf = torch.empty(shape, dtype=dtype, device=self.device, pin_memory=self.pin)
-                self.ctx.stats.add(it, self.counter)
+                buf = self._new(shape, dtype, it, (shape, dtype))
                 with self._cond:
-                    self.reserved += _nbytes(buf)
-                    self._made[(shape, dtype)] = self._made.get((shape, dtype), 0) + 1
                     self._gen[id(buf)] = 0
                     self._free.setdefault((shape, dtype), []).append((buf, [], 0))
+
+    def _new(self, shape: tuple, dtype: torch.dtype, it: int | None, plain: tuple | None) -> torch.Tensor:
+        """A new buffer, counted as an allocation of iteration `it` (and in `made` under `plain` if given)."""
+        buf = torch.empty(shape, dtype=dtype, device=self.device, pin_memory=self.pin)
+        self.ctx.stats.add(it, self.counter)
+        with self._lock:
+            self.reserved += _nbytes(buf)
+            if plain is not None:
+                self._made[plain] = self._made.get(plain, 0) + 1
+        return buf
 
     def forget_keys(self) -> None:
         """After a failure: keyed buffers handed out to abandoned work are lost (a new one is made)."""
