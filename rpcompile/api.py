@@ -319,6 +319,9 @@ def load(path: str, model: torch.nn.Module, *, loss_fn: Callable | None = None, 
         dist, process_group: as for `compile` (every process loads the same file).
     Returns:
         A Compiled whose next `step` continues the saved run bit for bit.
+    Raises:
+        ValueError: the saved run does not fit this machine's host memory (the bytes by category), or
+            the state does not match `model`.
     """
     sd = checkpoint.load(path)
     opts = Options(**{**sd["options"], "loss_fn": loss_fn})

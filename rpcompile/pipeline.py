@@ -62,7 +62,8 @@ def _head_args(graph: LayerGraph) -> dict | None:
 
 
 def _rebuild(model: torch.nn.Module, example: Any, opts: Options, frozen: Frozen):
-    """plan_pipeline with the frozen decisions: trace and shard as before, emit the saved plan, verify."""
+    """plan_pipeline with the frozen decisions: trace and shard as before, emit the saved plan, verify, and
+    check the host memory (a checkpoint may be loaded on a smaller machine)."""
     from rpcompile import passes
     from rpcompile.plan import StagePlan
     units = frozen.layers if frozen.layers is not None else opts.layers
@@ -74,6 +75,7 @@ def _rebuild(model: torch.nn.Module, example: Any, opts: Options, frozen: Frozen
     program = passes.emit(plan, gpus=opts.gpus, microbatches=frozen.microbatches, round_size=frozen.round_size,
                           staleness=opts.staleness, costs=costs, readers=_shared_readers(graph))
     passes.verify(program, costs=costs, memory_budget=_budget(opts))
+    _check_host(graph, costs, plan, opts, frozen.microbatches, frozen.round_size)
     return graph, costs, plan, program, frozen.microbatches, frozen.layers
 
 
@@ -86,7 +88,8 @@ def _budget(opts: Options) -> int | None:
 
 def plan_pipeline(model: torch.nn.Module, example: Any, opts: Options, *, mode: str = "measure",
                   frozen: Frozen | None = None):
-    """The compiler proper: trace -> shard_lm_head -> estimate_costs -> partition -> emit -> verify.
+    """The compiler proper: trace -> shard_lm_head -> estimate_costs -> partition -> emit -> verify ->
+    check_host_memory.
 
     Args:
         model, example, opts: what `compile` was given.

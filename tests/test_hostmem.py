@@ -131,3 +131,16 @@ def test_one_worker_takes_one_round_of_all_microbatches_when_the_host_holds_it(m
     monkeypatch.setattr("rpcompile.hardware._host_memory", lambda: 2**34)
     with rpcompile.compile(TinyLlama(CFG), gpus=2, example=batch(), microbatches=4) as c:
         assert c.program.round_size == 2
+
+
+def test_load_checks_the_host_memory_of_the_checkpoints_run(tmp_path, monkeypatch):
+    # A checkpoint rebuilds its saved plan without planning; on a machine whose RAM cannot hold the run,
+    # load refuses it as compile would, instead of failing later in training.
+    with rpcompile.compile(TinyLlama(CFG), gpus=2, example=batch(), microbatches=2) as c:
+        c.step(batch())
+        c.save(tmp_path / "ckpt")
+    monkeypatch.setattr("rpcompile.hardware._host_memory", lambda: 2**16)
+    with pytest.raises(ValueError, match=r"host memory: the run needs .* but this machine's RAM is 0\.1 MiB"):
+        rpcompile.load(tmp_path / "ckpt", TinyLlama(CFG))
+    monkeypatch.setattr("rpcompile.hardware._host_memory", lambda: 2**34)
+    rpcompile.load(tmp_path / "ckpt", TinyLlama(CFG)).close()
