@@ -13,6 +13,7 @@ that run's measured costs) of every plan seen, to show how near the tie is.
 
     python bench/plan_stability.py                 # 5 runs, 2 busy processes, writes docs/bench/plan_stability.md
     python bench/plan_stability.py --load 0 --runs 3 --no-doc   # quiet machine, no doc
+    python bench/plan_stability.py --model sub-blocks            # a ~66-unit model: where the tie is not enough
 """
 from __future__ import annotations
 
@@ -32,22 +33,26 @@ from _common import machine_line, write_doc  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CHILD = """
-import json, time, torch, rpcompile
+import json, sys, time, torch, rpcompile
 from rpcompile.demo import DemoConfig, batches, corpus
 from rpcompile.zoo import LlamaConfig, TinyLlama
 cfg = DemoConfig()
 torch.manual_seed(cfg.seed)
-model = TinyLlama(LlamaConfig(vocab=256, dim=128, layers=4, heads=4, kv_heads=2, ffn=344, max_seq=cfg.seq),
-                  seed=cfg.seed)
-example = next(batches(corpus(), cfg))
+if sys.argv[1] == "demo":
+    model = TinyLlama(LlamaConfig(vocab=256, dim=128, layers=4, heads=4, kv_heads=2, ffn=344, max_seq=cfg.seq),
+                      seed=cfg.seed)
+    example, budget = next(batches(corpus(), cfg)), int(cfg.memory_mib * 2**20)
+else:  # sub-blocks: 8 layers whose blocks do not fit 4 MiB, so compile plans their sub-blocks (~66 units)
+    model = TinyLlama(LlamaConfig(vocab=512, dim=128, layers=8, heads=4, kv_heads=2, ffn=344, max_seq=64), seed=0)
+    ids = torch.randint(0, 512, (8, 64), generator=torch.Generator().manual_seed(0))
+    example, budget = {"input_ids": ids, "labels": ids}, 4 * 2**20
 t = time.perf_counter()
 c = rpcompile.compile(model, gpus=cfg.gpus, example=example, microbatches=cfg.microbatches,
-                      optimizer=rpcompile.AdamW(lr=cfg.lr, weight_decay=0.0), seed=cfg.seed,
-                      memory_budget=int(cfg.memory_mib * 2**20))
+                      optimizer=rpcompile.AdamW(lr=cfg.lr, weight_decay=0.0), seed=cfg.seed, memory_budget=budget)
 seconds = time.perf_counter() - t
 from rpcompile.passes import partition
 alone = partition(c.costs, gpus=cfg.gpus, microbatches=cfg.microbatches, round_size=c.program.round_size,
-                  memory_budget=int(cfg.memory_mib * 2**20), staleness=1)
+                  memory_budget=budget, staleness=1)
 print(json.dumps({"plan": c.plan.to_str(), "round": c.program.round_size, "seconds": seconds,
                   "alone": alone.to_str(),
                   "over": c.plan.report.iteration_time / alone.report.iteration_time - 1,
@@ -62,6 +67,11 @@ def _cell(plan: str) -> str:
     return plan.replace("|", " / ")
 
 
+def _times(ms: list[float], most: int = 12) -> str:
+    """Per-layer milliseconds for a table cell (the first `most` and a count of the rest)."""
+    return " ".join(f"{x:g}" for x in ms[:most]) + (f" ... ({len(ms) - most} more)" if len(ms) > most else "")
+
+
 def _spin() -> None:
     """Burn one core until terminated."""
     x = 0
@@ -69,9 +79,9 @@ def _spin() -> None:
         x = (x * 1103515245 + 12345) & 0xFFFFFFFF
 
 
-def compile_once() -> dict:
-    """One fresh-process compile of the demo model -> its plan, round size, seconds, per-layer times."""
-    r = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=900, cwd=ROOT,
+def compile_once(model: str = "demo") -> dict:
+    """One fresh-process compile of `model` -> its plan, round size, seconds, per-layer times."""
+    r = subprocess.run([sys.executable, "-c", CHILD, model], capture_output=True, text=True, timeout=900, cwd=ROOT,
                        env={**os.environ, "PYTHONPATH": ROOT})
     if r.returncode:
         raise RuntimeError(f"compile failed:\n{r.stderr[-3000:]}")
@@ -79,7 +89,8 @@ def compile_once() -> dict:
 
 
 def _near_ties(results: list[dict]) -> str:
-    """Each run's predicted iteration time (ms) of every distinct plan, from that run's measured costs."""
+    """Each run's predicted iteration time (ms) of every distinct plan over as many layers (a different LM-head
+    sharding gives another layer count: "-"), from that run's measured costs."""
     from rpcompile import CostTable, StagePlan
     from rpcompile.passes import iteration_time
     seen = list(dict.fromkeys((r["plan"], r["round"]) for r in results))
@@ -87,8 +98,10 @@ def _near_ties(results: list[dict]) -> str:
     for i, r in enumerate(results):
         costs = CostTable.from_lists(fwd=[x / 1e3 for x in r["fwd_ms"]], bwd=[x / 1e3 for x in r["bwd_ms"]])
         t = [iteration_time(StagePlan.from_str(p), costs, gpus=2, microbatches=4, round_size=rs, staleness=1)
-             for p, rs in seen]
-        rows.append([i + 1, _cell(r["plan"]), *(f"{x * 1e3:.2f} ({x / min(t) - 1:+.1%})" for x in t)])
+             if StagePlan.from_str(p).num_layers == costs.num_layers else None for p, rs in seen]
+        best = min(x for x in t if x is not None)
+        rows.append([i + 1, _cell(r["plan"]),
+                     *("-" if x is None else f"{x * 1e3:.2f} ({x / best - 1:+.1%})" for x in t)])
     return ("predicted iteration ms of each plan seen, from each run's measured costs (vs that run's best):\n\n"
             + tabulate(rows, headers=["run", "chosen", *(_cell(p) for p, _ in seen)], tablefmt="github"))
 
@@ -98,23 +111,27 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--load", type=int, default=2, help="busy-looping background processes (default 2)")
     ap.add_argument("--no-doc", action="store_true", help="do not write docs/bench/plan_stability.md")
+    ap.add_argument("--model", choices=("demo", "sub-blocks"), default="demo",
+                    help="the demo (default), or an 8-layer Llama planned as ~66 sub-blocks under a 4 MiB budget "
+                         "(implies --no-doc)")
     args = ap.parse_args()
+    args.no_doc |= args.model != "demo"
     spinners = [mp.Process(target=_spin, daemon=True) for _ in range(args.load)]
     for p in spinners:
         p.start()
     t0 = time.perf_counter()
     try:
-        results = [compile_once() for _ in range(args.runs)]
+        results = [compile_once(args.model) for _ in range(args.runs)]
     finally:
         for p in spinners:
             p.terminate()
             p.join()
     wall = time.perf_counter() - t0
     plans = {(r["plan"], r["round"]) for r in results}
-    rows = [[i + 1, _cell(r["plan"]), r["round"], f"{r['seconds']:.1f}", _cell(r["alone"]), f"{r['over']:+.1%}",
-             " ".join(f"{x:g}" for x in r["fwd_ms"]), " ".join(f"{x:g}" for x in r["bwd_ms"])]
-            for i, r in enumerate(results)]
-    table = tabulate(rows, headers=["run", "plan", "round size", "compile s", "by time alone (tie 0)",
+    rows = [[i + 1, _cell(r["plan"]), len(r["fwd_ms"]), r["round"], f"{r['seconds']:.1f}", _cell(r["alone"]),
+             f"{r['over']:+.1%}",
+             _times(r["fwd_ms"]), _times(r["bwd_ms"])] for i, r in enumerate(results)]
+    table = tabulate(rows, headers=["run", "plan", "layers", "round size", "compile s", "by time alone (tie 0)",
                                     "plan vs that", "measured fwd ms per layer", "measured bwd ms per layer"],
                      tablefmt="github")
     near = _near_ties(results) if len(plans) > 1 else ""
