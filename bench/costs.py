@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import cpu_model  # noqa: E402
 from tabulate import tabulate
 
-from rpcompile.hardware import Hardware
+from rpcompile.ir.hardware import Hardware
 from rpcompile.passes.cost import estimate_costs
 from rpcompile.passes.trace import trace
 

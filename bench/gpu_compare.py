@@ -152,7 +152,7 @@ def main() -> int:
         print(header, _row("eager (ckpt per layer, AdamW fused on GPU)", eager_t, tokens, peak,
                            torch.cuda.max_memory_reserved(), losses), sep="\n", flush=True)
     if args.only in (None, "compiled"):
-        from rpcompile.hardware import Hardware
+        from rpcompile.ir.hardware import Hardware
         hw = Hardware.measure("cuda", gpus=1)
         print(f"Hardware.measure(): bf16 {hw.flops('bfloat16') / 1e12:.0f} TFLOP/s, h2d {hw.h2d_bandwidth / 1e9:.0f} "
               f"GB/s, d2h {hw.d2h_bandwidth / 1e9:.0f} GB/s, {hw.device_memory / 2**30:.0f} GiB", flush=True)

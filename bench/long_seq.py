@@ -6,7 +6,7 @@ Two tables, both predicted on the meta device (no weights allocated):
    1, 2 and 8 GPUs with 2048 GiB of host memory (enough not to bind), next to
    the RoundPipe paper's length, and with the preset's own host memory (512
    GiB) together with the term that binds. Qwen3-235B-A22B has its base
-   frozen (LoRA-style). The models are traced with `presets.sublayer_units`
+   frozen (LoRA-style). The models are traced with `passes.trace.sublayer_units`
    (norms, attention and MLP as separate layers; `presets.long_sequence_graph`).
 2. Per decoder layer at 4 sequences x 2048 tokens per microbatch: forward +
    backward seconds split into matmul / attention / elementwise, plus the whole
@@ -29,11 +29,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import machine_line, write_doc  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
-from rpcompile.hardware import Hardware  # noqa: E402
+from rpcompile.ir.hardware import Hardware  # noqa: E402
 from rpcompile.passes import shard_lm_head, trace  # noqa: E402
 from rpcompile.passes.cost import count_layers, layer_times  # noqa: E402
-from rpcompile.passes.symbolic import max_seq_len, seq_len_costs  # noqa: E402
-from rpcompile.presets import MODELS, build_meta, example_batch, long_sequence_graph  # noqa: E402
+from rpcompile.passes._seqlen import max_seq_len, seq_len_costs  # noqa: E402
+from rpcompile.cli.presets import MODELS, build_meta, example_batch, long_sequence_graph  # noqa: E402
 
 PAPER = {"qwen3-1.7b": 74752, "llama3.1-8b": 50176, "gpt-oss-20b": 39936, "qwen3-32b": 28672,
          "qwen3-235b-a22b": 31744}  # RoundPipe paper, 8x RTX 4090
@@ -118,7 +118,7 @@ def main() -> None:
     print(t1, "", t2, sep="\n")
     doc = (f"# Long sequences: max_seq_len and per-layer costs (8x RTX 4090, predicted)\n\n{machine_line()}\n\n"
            f"## max_seq_len (bf16, one sequence per microbatch, M = N)\n\n"
-           f"Traced with `presets.sublayer_units`; Qwen3-235B-A22B with its base frozen. `before`: the value "
+           f"Traced with `passes.trace.sublayer_units`; Qwen3-235B-A22B with its base frozen. `before`: the value "
            f"when issue 13 was filed. Fitting and solving took "
            f"{', '.join(f'{n} {s:.0f} s' for n, s in spent.items())}.\n\n{t1}\n\n"
            f"## One decoder layer, fwd + bwd ms per microbatch of {args.batch} x {args.seq} tokens\n\n"

@@ -97,8 +97,8 @@ def paper_costs(model: str) -> tuple[CostTable, dict]:
     """The predicted CostTable `plan` partitions for `model` (8x rtx4090, seq 2048, 16 microbatches)."""
     import torch
     from rpcompile.api import Options, plan_pipeline
-    from rpcompile.hardware import Hardware
-    from rpcompile.presets import build_meta, example_batch
+    from rpcompile.ir.hardware import Hardware
+    from rpcompile.cli.presets import build_meta, example_batch
     hw = Hardware.preset("rtx4090").replace(host_memory=2**42)  # the costs only: host memory is plan's check
     net = build_meta(model)
     opts = Options(gpus=GPUS, microbatches=MICROBATCHES, staleness=STALENESS, optimizer=None, dtype=torch.bfloat16,

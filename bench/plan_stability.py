@@ -1,7 +1,7 @@
 """Plan stability (issue 14 item 2): the demo model compiled in fresh processes on a loaded machine.
 
 Starts a background load (one busy-looping process per core, 2 by default), then
-compiles the demo model (`rpcompile.demo`: the 4-layer Llama, 2 workers, 4
+compiles the demo model (`rpcompile.cli.demo`: the 4-layer Llama, 2 workers, 4
 microbatches, 8 MiB budget; costs measured on the CPU) in `--runs` fresh
 `python -c` processes one after the other, and prints each run's plan, round size,
 compile seconds and measured times, and side by side the plan `partition` ranks
@@ -34,8 +34,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CHILD = """
 import json, sys, time, torch, rpcompile
-from rpcompile.demo import DemoConfig, batches, corpus
-from rpcompile.zoo import LlamaConfig, TinyLlama
+from rpcompile.cli.demo import DemoConfig, batches, corpus
+from rpcompile.cli.zoo import LlamaConfig, TinyLlama
 cfg = DemoConfig()
 torch.manual_seed(cfg.seed)
 if sys.argv[1] == "demo":
@@ -146,7 +146,7 @@ def main() -> int:
                   + machine_line() + f"  \nwall time: {wall:.0f} s\n\n"
                   f"{args.load} busy-looping background processes ran throughout (on top of whatever else "
                   f"shared the machine). Each run is a fresh `python -c` process compiling the demo model "
-                  f"(`rpcompile.demo`: 4-layer Llama, gpus=2, 4 microbatches, 8 MiB budget, costs measured "
+                  f"(`rpcompile.cli.demo`: 4-layer Llama, gpus=2, 4 microbatches, 8 MiB budget, costs measured "
                   f"on the CPU: warm-up, median of repeats, outliers re-measured; see "
                   f"`rpcompile.passes.cost`). `compile s` is the time inside `rpcompile.compile`.\n\n"
                   f"Before the robust timing (2026-12-01: median of 5 wall-clock samples after one warm-up, "

@@ -123,7 +123,7 @@ def main() -> None:
     example = _batches(1)[0]
     graph = trace(model, example)
 
-    from rpcompile.hardware import Hardware
+    from rpcompile.ir.hardware import Hardware
     from rpcompile.passes.cost import estimate_costs
 
     def measure_costs():

@@ -3,7 +3,7 @@
     python bench/schedules.py            # ~4-6 min on 2 cores; writes docs/bench/schedules.md
     python bench/schedules.py --quick    # qwen3-1.7b and llama3.1-8b only, no LoRA row
 
-Everything is predicted (`rpcompile.planning.plan_model`: meta model, roofline
+Everything is predicted (`rpcompile.cli.planning.plan_model`: meta model, roofline
 costs, `Hardware.preset("rtx4090")`, seq 2048, one sequence per microbatch,
 16 microbatches) and simulated (`rpcompile.runtime.simulate`). Nothing runs on
 a GPU. The data-parallel-with-offload rows are an analytic model (`dp_offload`,
@@ -24,10 +24,10 @@ from tabulate import tabulate
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import machine_line, write_doc  # noqa: E402
 
-from rpcompile.hardware import Hardware  # noqa: E402
-from rpcompile.planning import plan_model  # noqa: E402
-from rpcompile.plan import StageKind  # noqa: E402
-from rpcompile.presets import MODELS  # noqa: E402
+from rpcompile.ir.hardware import Hardware  # noqa: E402
+from rpcompile.cli.planning import plan_model  # noqa: E402
+from rpcompile.ir.plan import StageKind  # noqa: E402
+from rpcompile.cli.presets import MODELS  # noqa: E402
 from rpcompile.runtime.simulator import MASTER_PER_PARAM_BYTE  # noqa: E402
 
 GPUS, SEQ, MICROBATCHES = 8, 2048, 16
@@ -120,7 +120,7 @@ def plan_frozen(model: str, hw: Hardware) -> tuple[list[Row], str]:
     """Our schedule for `model` with everything frozen except the norm weights (a LoRA-sized trainable set)."""
     from rpcompile import passes
     from rpcompile.api import Options, plan_pipeline
-    from rpcompile.presets import build_meta, example_batch
+    from rpcompile.cli.presets import build_meta, example_batch
     from rpcompile.runtime import simulate, steady_iterations
 
     net = build_meta(model)

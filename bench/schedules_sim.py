@@ -19,7 +19,7 @@ import torch
 from tabulate import tabulate
 
 from rpcompile import CostTable
-from rpcompile.hardware import Hardware
+from rpcompile.ir.hardware import Hardware
 from rpcompile.passes.codegen import emit
 from rpcompile.passes.timing import default_round_size, steady_state_window
 from rpcompile.runtime import simulate

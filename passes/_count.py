@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from rpcompile.graph import Layer, LayerGraph
+from rpcompile.ir.graph import Layer, LayerGraph
 from rpcompile.passes._attention import FlashOnMeta
 from rpcompile.passes._meta_masks import meta_masks
 from rpcompile.passes._meta_moe import balanced_experts

@@ -21,8 +21,8 @@ from __future__ import annotations
 import math
 import statistics
 
-from rpcompile.costs import CostTable
-from rpcompile.graph import LayerGraph
+from rpcompile.ir.costs import CostTable
+from rpcompile.ir.graph import LayerGraph
 
 __all__ = ["auto_shards", "auto_chunk", "LOGIT_BYTES"]
 

@@ -7,7 +7,7 @@ bytes as `StagePlan.stage_memory`) and times plans with the recurrence of
 `timing.py` (the same floats as `iteration_time`: stage sums are taken in layer
 order, exactly as `iteration_time` takes them).
 
-    >>> from rpcompile.costs import CostTable
+    >>> from rpcompile.ir.costs import CostTable
     >>> ev = Evaluator(CostTable.from_lists([1.0] * 4, [2.0] * 4), gpus=1, microbatches=2, round_size=2,
     ...                staleness=0, memory=None)
     >>> ev.time(ev.stages((3,), 1, (3,)))
@@ -19,7 +19,7 @@ import bisect
 import itertools
 import math
 
-from rpcompile.costs import CostTable
+from rpcompile.ir.costs import CostTable
 from rpcompile.passes.timing import layer_sums, shape, shape_time, steady_state_window
 
 

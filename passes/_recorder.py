@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from rpcompile.hardware import dtype_key
+from rpcompile.ir.hardware import dtype_key
 from rpcompile.passes._attention import FLOP_RULES
 from rpcompile.passes._meta_moe import GROUPED_MM_FLOPS
 from rpcompile.passes._regions import Folding

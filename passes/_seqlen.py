@@ -20,10 +20,10 @@ Note:
       in flight, with the backward stages as wide as the device allows at that
       length (each backward stage keeps one saved input per microbatch, so the
       planner widens them where it can; grown greedily from the last layer).
-      Parameter state: `rpcompile.hostmem.host_bytes` by category: every
+      Parameter state: `passes.host_bytes.host_bytes` by category: every
       parameter's compute copy at its own dtype; a trainable one adds an fp32
       master, an fp32 gradient and two fp32 AdamW moments (16 B); a frozen one
-      nothing more. In flight (`round_saved_bytes`, the rule hostmem's admission
+      nothing more. In flight (`round_saved_bytes`, the rule the driver's admission
       check uses too):
       iterations run in rounds of R microbatches (`default_round_size(gpus,
       M)`); a round's saved inputs live from its forward to its backward, so at
@@ -40,27 +40,16 @@ from typing import Any
 
 import sympy
 
-from rpcompile.costs import CostTable
-from rpcompile.graph import LayerGraph
-from rpcompile.hardware import Hardware
-from rpcompile.plan import StagePlan
+from rpcompile.ir.costs import CostTable
+from rpcompile.ir.graph import LayerGraph
+from rpcompile.ir.hardware import Hardware
+from rpcompile.ir.plan import StagePlan
+from rpcompile.passes._stage_memory import _COLUMNS, _gib, stage_terms
+from rpcompile.passes.host_bytes import round_saved_bytes
+from rpcompile.passes.shard_head import shard_lm_head
 from rpcompile.passes.symbolic import B, S, SymbolicCosts, _default_inputs, chunk_unit, symbolic_costs
 
-__all__ = ["SeqLenLimit", "max_seq_len", "seq_len_costs", "round_saved_bytes", "stage_terms", "memory_refusal"]
-
-_COLUMNS = (("workspace (saved tensors + backward transients)", "peak_bytes"),
-            ("parameters (own + prefetched)", "param_bytes"), ("gradients", "grad_bytes"),
-            ("saved input (current + next microbatch)", "saved_bytes"),
-            ("activations and their gradients in flight", "act_bytes"))
-
-
-def _gib(n: float) -> str:
-    """Bytes in GiB, MiB or KiB with one decimal (B below 1 KiB)."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:,.1f} {unit}"
-    return f"{n:.0f} B"
-
+__all__ = ["SeqLenLimit", "max_seq_len", "seq_len_costs"]
 
 @dataclass(frozen=True, slots=True)
 class SeqLenLimit:
@@ -86,28 +75,6 @@ class SeqLenLimit:
                 f"> {_gib(self.capacity)} ({parts})")
 
 
-def round_saved_bytes(saved: list[int], plan: StagePlan, gpus: int, microbatches: int,
-                      round_size: int | None = None) -> tuple[int, int]:
-    """Host bytes of saved stage inputs at once, and the round size R (see module Note).
-
-    Args:
-        saved: bytes of each layer's saved input (`CostTable.saved_bytes`) for one microbatch.
-        plan: its backward stages keep one saved input each per microbatch.
-        gpus, microbatches: N and M; rounds hold R microbatches.
-        round_size: R (default `default_round_size(N, M)`).
-    Returns:
-        (R x all backward stages' inputs + R x those of the last N - 1 backward stages, R).
-
-    >>> round_saved_bytes([10, 10, 10], StagePlan.from_str("1,1|1|1,1"), gpus=2, microbatches=4)
-    (60, 2)
-    """
-    from rpcompile.passes.timing import default_round_size
-    r = round_size or default_round_size(gpus, microbatches)
-    per = [saved[b.start] for b in plan.bwd]  # execution order: the last ones hold the lowest layers
-    tail = per[len(per) - min(len(per), gpus - 1):] if gpus > 1 else []
-    return r * (sum(per) + sum(tail)), r
-
-
 def seq_len_costs(graph: LayerGraph, hardware: Hardware, *, memory_budget: int | None = None,
                   usable: float = 0.9, example: Any = None) -> SymbolicCosts:
     """The symbolic costs `max_seq_len` solves: `graph` with its LM head sharded and chunked first, as compile does.
@@ -124,7 +91,6 @@ def seq_len_costs(graph: LayerGraph, hardware: Hardware, *, memory_budget: int |
 
     >>> sc = seq_len_costs(graph, Hardware.preset("rtx4090"))   # doctest: +SKIP
     """
-    from rpcompile.passes.shard_head import shard_lm_head
     budget = memory_budget if memory_budget is not None else int(usable * hardware.device_memory)
     if chunk_unit(graph) is None:
         head = graph.param_bytes(graph.layers[-1])
@@ -135,53 +101,6 @@ def seq_len_costs(graph: LayerGraph, hardware: Hardware, *, memory_budget: int |
             pass
     inputs = graph.flatten_inputs(example) if example is not None else _default_inputs(graph)
     return symbolic_costs(graph, inputs, hardware)
-
-
-def _only(costs: CostTable, column: str) -> CostTable:
-    """`costs` with every memory column but `column` zeroed."""
-    lists = costs.to_lists()
-    for _, f in _COLUMNS:
-        if f != column:
-            lists[f] = [0] * costs.num_layers
-    return CostTable.from_lists(**lists)
-
-
-def stage_terms(costs: CostTable, plan: StagePlan, i: int) -> tuple[str, list[tuple[str, int]]]:
-    """What stage i of `plan` is ("backward stage of layer 3 'model.layers.2'") and its bytes by term.
-
-    The terms are `StagePlan.stage_memory` of tables holding one memory column each (it is a sum
-    of those columns), largest first.
-
-    >>> costs = CostTable.from_lists([1, 1], [1, 1], param_bytes=[4, 4], peak_bytes=[10, 1])
-    >>> stage_terms(costs, StagePlan.from_str("1|1|1"), 2)[1][0]
-    ('workspace (saved tensors + backward transients)', 10)
-    """
-    st = plan.stages[i]
-    kind = {"F": "forward", "FB": "fused", "B": "backward"}.get(st.kind.value, st.kind.value)
-    terms = sorted(((name, plan.stage_memory(_only(costs, f))[i]) for name, f in _COLUMNS), key=lambda t: -t[1])
-    return f"{kind} stage of layer {st.layers.start} {costs.names[st.layers.start]!r}", terms
-
-
-def memory_refusal(costs: CostTable, memory_budget: int) -> str | None:
-    """Why no plan fits `memory_budget`: the one-layer stage that does not fit, its bytes by term; None if all fit.
-
-    With one layer per stage every stage holds the least it can, so a stage that does not fit then
-    cannot fit in any plan. Meant for the error of a pass that refuses the run.
-
-    >>> costs = CostTable.from_lists([1, 1], [1, 1], param_bytes=[4, 4], peak_bytes=[10, 1])
-    >>> memory_refusal(costs, 16)[:58]
-    "backward stage of layer 0 'L0' needs 18 B (18 bytes) > the"
-    """
-    n = costs.num_layers
-    plan = StagePlan.from_sizes([1] * (n - 1), 1, [1] * (n - 1))
-    need = plan.stage_memory(costs)
-    i = max(range(len(need)), key=need.__getitem__)
-    if need[i] <= memory_budget:
-        return None
-    where, terms = stage_terms(costs, plan, i)
-    parts = ", ".join(f"{name} {_gib(b)}" for name, b in terms if b)
-    return (f"{where} needs {_gib(need[i])} ({need[i]} bytes) > the memory budget {_gib(memory_budget)}: "
-            f"{parts}")
 
 
 class _Model:

@@ -28,10 +28,10 @@ from __future__ import annotations
 import math
 from typing import Mapping, Sequence
 
-from rpcompile.costs import CostTable
+from rpcompile.ir.costs import CostTable
 from rpcompile.passes.timing import default_round_size
-from rpcompile.plan import StageKind, StagePlan
-from rpcompile.program import Chunk, Instr, Op, Program, Ref
+from rpcompile.ir.plan import StageKind, StagePlan
+from rpcompile.ir.program import Chunk, Instr, Op, Program, Ref
 
 _FINAL = {StageKind.F: Op.FORWARD, StageKind.FB: Op.FUSED, StageKind.B: Op.BACKWARD}
 

@@ -71,9 +71,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from rpcompile.costs import CostTable
-from rpcompile.graph import Layer, LayerGraph
-from rpcompile.hardware import Hardware
+from rpcompile.ir.costs import CostTable
+from rpcompile.ir.graph import Layer, LayerGraph
+from rpcompile.ir.hardware import Hardware
+from rpcompile.passes._stage_memory import memory_refusal
+from rpcompile.passes.symbolic import symbolic_costs
 from rpcompile.passes._count import (LayerCount, OpCount, _later_inputs, _layer_memory, _leaf, _progress,
                                      _random_cpu, _state, count_layers, run_once, split_microbatch)
 
@@ -276,7 +278,6 @@ def estimate_costs(graph: LayerGraph, example: Any, *, mode: str = "measure", de
     if symbolic:
         if mode != "predict":
             raise ValueError("symbolic=True needs mode='predict'")
-        from rpcompile.passes.symbolic import symbolic_costs
         return symbolic_costs(graph, inputs, hardware, progress=progress)
     if mode == "predict":
         table = _predict(graph, inputs, hardware, progress)
@@ -284,7 +285,6 @@ def estimate_costs(graph: LayerGraph, example: Any, *, mode: str = "measure", de
         dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
         table = _measure(graph, inputs, dev, warmup, repeats, progress, cpu_threads)
     if memory_budget is not None:
-        from rpcompile.passes._seqlen import memory_refusal
         why = memory_refusal(table, memory_budget)
         if why is not None:
             raise ValueError(f"estimate_costs: {why}; shorten the sequences (rpcompile.max_seq_len) or raise the "

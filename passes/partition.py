@@ -1,6 +1,6 @@
 """partition: choose the asymmetric stage plan that minimises `iteration_time`.
 
-    >>> from rpcompile.costs import CostTable
+    >>> from rpcompile.ir.costs import CostTable
     >>> c = CostTable.from_lists(fwd=[1e-3] * 8, bwd=[2e-3] * 8)
     >>> partition(c, gpus=4, microbatches=8, staleness=0).to_str()
     '1,2,2,2|1|1,1,1,1,1,1,1'
@@ -67,11 +67,12 @@ from __future__ import annotations
 import itertools
 import math
 
-from rpcompile.costs import CostTable, _fmt
+from rpcompile.ir.costs import CostTable, _fmt
 from rpcompile.passes import _cap_walk, _even_plans
 from rpcompile.passes._plan_eval import Evaluator
+from rpcompile.passes.report import with_report
 from rpcompile.passes.timing import default_round_size, steady_state_window
-from rpcompile.plan import StagePlan
+from rpcompile.ir.plan import StagePlan
 
 _EPS = 1e-12     # relative slack for float cap comparisons (as the reference heuristic)
 _MARGIN = 1e-9   # relative slack of the bounds and the cutoff (float sums round)
@@ -101,7 +102,7 @@ def partition(costs: CostTable, *, gpus: int, microbatches: int, round_size: int
     Raises:
         ValueError: a layer alone does not fit the budget, or no plan fits.
 
-    >>> from rpcompile.costs import CostTable
+    >>> from rpcompile.ir.costs import CostTable
     >>> c = CostTable.from_lists(fwd=[1.0, 1.0], bwd=[2.0, 2.0])
     >>> partition(c, gpus=1, microbatches=1).to_str()
     '|2|'
@@ -123,9 +124,8 @@ def partition(costs: CostTable, *, gpus: int, microbatches: int, round_size: int
     search = _Search(costs, gpus, microbatches, rr, staleness, memory_budget, float(tie))
     search.run(budget)
     fs, f, bs = search.choice()
-    return StagePlan.from_sizes(fs, f, bs).evaluated(costs, gpus=gpus, microbatches=microbatches,
-                                                     round_size=rr, staleness=staleness,
-                                                     memory_budget=memory_budget)
+    return with_report(StagePlan.from_sizes(fs, f, bs), costs, gpus=gpus, microbatches=microbatches,
+                       round_size=rr, staleness=staleness, memory_budget=memory_budget)
 
 
 def _check_layers_fit(costs: CostTable, budget: int | None) -> None:

@@ -33,8 +33,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from rpcompile.costs import CostTable
-from rpcompile.graph import Layer, LayerGraph, Value
+from rpcompile.ir.costs import CostTable
+from rpcompile.ir.graph import Layer, LayerGraph, Value
 from rpcompile.passes._chunked_head import chunked_lse, lse_loss, lse_update, vocab_slice
 from rpcompile.passes._head_auto import auto_chunk, auto_shards
 

@@ -30,13 +30,14 @@ import sympy
 import torch
 from tabulate import tabulate
 
-from rpcompile.costs import CostTable
-from rpcompile.graph import LayerGraph
-from rpcompile.hardware import Hardware
+from rpcompile.ir.costs import CostTable
+from rpcompile.ir.graph import LayerGraph
+from rpcompile.ir.hardware import Hardware
 from rpcompile.passes._chunked_head import chunked_lse
-from rpcompile.passes.cost import LayerCount, count_layers
+from rpcompile.passes._count import LayerCount, count_layers
+from rpcompile.passes.host_bytes import host_bytes
 
-__all__ = ["SymbolicCosts", "symbolic_costs", "max_seq_len", "seq_len_costs", "SeqLenLimit", "B", "S"]
+__all__ = ["SymbolicCosts", "symbolic_costs", "B", "S"]  # max_seq_len, which solves them: _seqlen.py
 
 B, S = sympy.symbols("B S", positive=True, integer=True)
 _SYM_B, _SYM_S = B, S
@@ -59,7 +60,7 @@ class SymbolicCosts:
     peak_bytes: tuple[sympy.Expr, ...]  # as CostTable, polynomials
     param_numel: int  # distinct parameter elements of the model (tied counted once), for host memory
     hardware: Hardware  # the hardware the times are for
-    # host bytes of the parameter state by category (`rpcompile.hostmem.host_bytes`, AdamW, own dtypes)
+    # host bytes of the parameter state by category (`passes.host_bytes.host_bytes`, AdamW, own dtypes)
     host_state: tuple[tuple[str, int], ...] = ()
 
     def at(self, B: int, S: int = 1) -> CostTable:
@@ -277,7 +278,6 @@ def symbolic_costs(graph: LayerGraph, inputs: dict[str, torch.Tensor], hardware:
             cols[ph].append(_time_expr(fitter, ops, hardware, f"{where} {ph}"))
             tot = [sum(o.flops for o in o_) for o_ in ops]
             cols[f"{ph}_flops"].append(fitter.fit(tot[:-1], tot[-1]))
-    from rpcompile.hostmem import host_bytes
     state = host_bytes(graph, microbatches=1)
     numel = sum(v.bytes // max(v.dtype.itemsize, 1) for v in graph.params.values())
     return SymbolicCosts(names=tuple(layer.name for layer in graph.layers), **{k: tuple(v) for k, v in cols.items()},
@@ -290,5 +290,3 @@ def _default_inputs(graph: LayerGraph) -> dict[str, torch.Tensor]:
     """Zero tensors shaped like the traced example's inputs."""
     return {n: torch.zeros(graph.values[n].shape, dtype=graph.values[n].dtype) for n in graph.inputs}
 
-
-from rpcompile.passes._seqlen import SeqLenLimit, max_seq_len, seq_len_costs  # noqa: E402 - re-exported; uses the fits above

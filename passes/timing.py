@@ -28,8 +28,8 @@ import bisect
 import math
 from dataclasses import dataclass
 
-from rpcompile.costs import CostTable
-from rpcompile.plan import StageKind, StagePlan
+from rpcompile.ir.costs import CostTable
+from rpcompile.ir.plan import StageKind, StagePlan
 
 
 def default_round_size(gpus: int, microbatches: int) -> int:

@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from rpcompile.graph import Layer, LayerGraph, Value
+from rpcompile.ir.graph import Layer, LayerGraph, Value
 from rpcompile.passes._meta_moe import balanced_experts
 from rpcompile.passes._fx_props import PropagationError, TMeta, propagate
 from rpcompile.passes._fx_split import build_layer_module, eliminate_dead_code, fix_crossings, layer_io
@@ -147,6 +147,33 @@ def _detect_units(model: torch.nn.Module) -> list[str]:
     else:
         walk(model, "")
     return units
+
+
+def sublayer_units(model) -> list[str]:
+    """Layer-unit patterns that cut every decoder block into its sub-blocks (norms, attention, MLP).
+
+    For `trace(..., layers=)`. A backward stage then recomputes and differentiates one sub-block,
+    not a whole decoder layer, so the activations it holds are those of attention or of the MLP:
+    at long sequences this is what lets a layer's workspace fit (`seq_len_limit`). The sub-blocks
+    are the decoder block's children that own parameters; the residual adds run as glue.
+
+    >>> sublayer_units(build_meta("llama3.1-8b"))[:3]   # rpcompile.cli.presets.build_meta  # doctest: +SKIP
+    ['model.embed_tokens', 'model.layers.*.self_attn', 'model.layers.*.mlp']
+    """
+    units = _detect_units(model)
+    blocks = [u for u in units if u.rsplit(".", 1)[-1].isdigit()]
+    if not blocks:
+        raise ValueError(f"{type(model).__name__} has no list of decoder blocks to cut into sub-blocks")
+    inner: dict[str, list[str]] = {}  # block list (an encoder-decoder has two) -> its sub-block patterns
+    for b in blocks:
+        parent = b.rsplit(".", 1)[0]
+        if parent not in inner:
+            inner[parent] = [f"{parent}.*.{c}" for c, m in model.get_submodule(b).named_children()
+                             if next(m.parameters(), None) is not None]
+    out: list[str] = []
+    for u in units:
+        out += inner[u.rsplit(".", 1)[0]] if u in blocks else [u]
+    return list(dict.fromkeys(out))
 
 
 def _stacks(lists: list[tuple[str, torch.nn.Module]], main: str) -> list[str]:

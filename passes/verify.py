@@ -6,7 +6,7 @@ iterations instantiated in the steady state (logical iterations 2 and 3, so
 no dependency is vacuous), with the lanes of both joined in execution order.
 
     >>> from rpcompile.passes import emit
-    >>> from rpcompile.plan import StagePlan
+    >>> from rpcompile.ir.plan import StagePlan
     >>> p = emit(StagePlan.from_str("2|1|2"), gpus=2, microbatches=4)
     >>> verify(p) is p
     True
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from collections import Counter
 
-from rpcompile.costs import CostTable
-from rpcompile.plan import StageKind
-from rpcompile.program import CHUNK_OPS, COMPUTE_OPS, HOST_OPS, MB_OPS, Instr, Op, Program, ProgramError
+from rpcompile.ir.costs import CostTable
+from rpcompile.ir.plan import StageKind
+from rpcompile.ir.program import CHUNK_OPS, COMPUTE_OPS, HOST_OPS, MB_OPS, Instr, Op, Program, ProgramError
 
 FIRST = 2  # logical iteration of the window's first instance (>= every `since` in use)
 

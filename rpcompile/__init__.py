@@ -6,13 +6,13 @@ verify -> runtime. Importing the package touches no device.
     >>> import rpcompile
     >>> c = rpcompile.compile(model, gpus=8, example=batch)   # doctest: +SKIP
 """
-from rpcompile.costs import CostTable
-from rpcompile.graph import Layer, LayerGraph, Value
-from rpcompile.hardware import Hardware
-from rpcompile.optim import SGD, AdamW
-from rpcompile.plan import StagePlan
-from rpcompile.program import Instr, Op, Program, ProgramError
-from rpcompile.passes.symbolic import SeqLenLimit, max_seq_len  # noqa: E402 - passes import the IR types above
+from rpcompile.ir.costs import CostTable
+from rpcompile.ir.graph import Layer, LayerGraph, Value
+from rpcompile.ir.hardware import Hardware
+from rpcompile.ir.optim import SGD, AdamW
+from rpcompile.ir.plan import StagePlan
+from rpcompile.ir.program import Instr, Op, Program, ProgramError
+from rpcompile.passes._seqlen import SeqLenLimit, max_seq_len
 from rpcompile.api import Compiled, compile, load  # noqa: E402
 from rpcompile.cli import finetune  # noqa: E402 - the fine-tuning command as a function
 from rpcompile import checkpoint, passes, runtime  # noqa: E402,F401 - submodules as attributes

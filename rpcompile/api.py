@@ -12,14 +12,19 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from rpcompile import checkpoint
+from rpcompile import checkpoint, passes
 from rpcompile.batch import check_batch, describe_change, signature
-from rpcompile.graph import LayerGraph
-from rpcompile.hardware import Hardware
-from rpcompile.optim import SGD, AdamW
+from rpcompile.ir.graph import LayerGraph
+from rpcompile.ir.hardware import Hardware
+from rpcompile.ir.optim import SGD, AdamW
 from rpcompile.options import Options, check_model, default_microbatches, options
 from rpcompile.pipeline import Frozen, compile_passes, frozen_of, plan_pipeline
 from rpcompile.replan import Variant, Variants, plan_for
+from rpcompile.runtime import simulate
+from rpcompile.runtime.distributed import DistConfig, GradReducer, init_group
+from rpcompile.runtime.executor import Runtime
+from rpcompile.runtime.optimizer import HostState
+from rpcompile.runtime.simulator import Record
 
 __all__ = ["compile", "Compiled", "load", "Options", "default_microbatches", "plan_pipeline"]
 
@@ -78,7 +83,6 @@ class Compiled:
 
     def __init__(self, model: torch.nn.Module, opts: Options, example: Any, *, dist: Any = False,
                  process_group: Any = None, frozen: Frozen | None = None) -> None:
-        from rpcompile.runtime.optimizer import HostState
         self._model, self.options, self._example = model, opts, example
         (self.graph, self.costs, self.plan, self.program, self.microbatches,
          self._units) = compile_passes(model, example, opts, frozen=frozen)  # units: sub-blocks, if it cut them
@@ -103,7 +107,6 @@ class Compiled:
         return list(self._runtime.skipped)
 
     def _new_runtime(self, start: int, graph: LayerGraph | None = None, program: Any = None):
-        from rpcompile.runtime.executor import Runtime
         rt = Runtime(graph or self.graph, program or self.program, self.state, backend=self.options.backend,
                      seed=self.options.seed + self.rank, start_iteration=start,  # per-rank dropout
                      on_nonfinite=self.options.on_nonfinite)
@@ -207,7 +210,6 @@ class Compiled:
     @property
     def last_timeline(self) -> list:
         """The measured run of the last step: simulator `Record`s (worker, lane, op, start, end; seconds)."""
-        from rpcompile.runtime.simulator import Record
         steps = self.steps - 1
         return [Record(name, name, steps, w, lane, name.split(" ", 1)[1][0], start, end)
                 for name, w, lane, start, end in self._runtime.last_timeline]
@@ -228,8 +230,6 @@ class Compiled:
         Returns:
             A Timeline (iteration time, bubble, exposed communication, peak memory per worker).
         """
-        from rpcompile import passes
-        from rpcompile.runtime import simulate
         hw = Hardware.preset(hardware) if isinstance(hardware, str) else hardware
         costs = passes.estimate_costs(self.graph, self._example if example is None else example, mode="predict",
                                       hardware=hw, microbatches=self.microbatches, progress=False)
@@ -335,7 +335,6 @@ def _data_parallel(state: Any, dist: Any, process_group: Any) -> Any:
     """A GradReducer over `process_group` (runtime/distributed.py) that has broadcast rank 0's weights; None if off."""
     if not dist and process_group is None:
         return None
-    from rpcompile.runtime.distributed import DistConfig, GradReducer, init_group
     cfg = dist if isinstance(dist, DistConfig) else DistConfig()
     reducer = GradReducer(state, init_group(cfg, process_group), cfg)
     reducer.broadcast_state()

@@ -16,8 +16,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from rpcompile.hardware import Hardware
-from rpcompile.optim import SGD, AdamW
+from rpcompile.ir.hardware import Hardware
+from rpcompile.ir.optim import SGD, AdamW
 
 __all__ = ["Options", "options", "default_microbatches", "parse_dtype", "check_model"]
 
@@ -141,4 +141,4 @@ def check_model(model: Any) -> None:
         if p.device.type == "meta":
             raise ValueError(f"model parameter {name!r} is on the meta device (no weights to train); load real "
                              f"weights first. To plan a model you cannot allocate, use `python -m rpcompile plan` "
-                             f"or rpcompile.planning.plan_model, which run on meta")
+                             f"or rpcompile.cli.planning.plan_model, which run on meta")

@@ -14,10 +14,17 @@ from typing import Any
 
 import torch
 
+from rpcompile import passes
 from rpcompile.batch import batch_size, check_batch
-from rpcompile.costs import CostTable
-from rpcompile.graph import LayerGraph
+from rpcompile.hostmem import check_host_memory
+from rpcompile.ir.costs import CostTable
+from rpcompile.ir.graph import LayerGraph
+from rpcompile.ir.plan import StagePlan
 from rpcompile.options import Options, default_microbatches
+from rpcompile.passes._stage_memory import memory_refusal
+from rpcompile.passes.timing import default_round_size
+from rpcompile.passes.trace import sublayer_units
+from rpcompile.runtime import simulate, steady_iterations
 
 __all__ = ["plan_pipeline", "compile_passes", "Frozen", "frozen_of", "MEASURED_TIE"]
 
@@ -64,8 +71,6 @@ def _head_args(graph: LayerGraph) -> dict | None:
 def _rebuild(model: torch.nn.Module, example: Any, opts: Options, frozen: Frozen):
     """plan_pipeline with the frozen decisions: trace and shard as before, emit the saved plan, verify, and
     check the host memory (a checkpoint may be loaded on a smaller machine)."""
-    from rpcompile import passes
-    from rpcompile.plan import StagePlan
     units = frozen.layers if frozen.layers is not None else opts.layers
     graph = passes.trace(model, example, loss_fn=opts.loss_fn, layers=units)
     if frozen.head:
@@ -122,7 +127,7 @@ def _passes(model: torch.nn.Module, example: Any, opts: Options, m: int, mode: s
 
     Note: layer units. Without `layers=`, the decoder blocks are the units. When one block does
     not fit a worker at this length (a backward stage holds its whole workspace), the blocks are
-    cut into their sub-blocks (norms, attention, MLP: `presets.sublayer_units`) and planned again,
+    cut into their sub-blocks (norms, attention, MLP: `passes.trace.sublayer_units`) and planned again,
     as `max_seq_len` assumes; only if that does not fit either is the run refused, with the layer,
     its bytes by term and the budget.
     """
@@ -130,7 +135,6 @@ def _passes(model: torch.nn.Module, example: Any, opts: Options, m: int, mode: s
     graph, costs = _layers_and_costs(model, example, opts, m, mode, opts.layers, budget)
     why, units = _refusal(costs, budget), None
     if why is not None and opts.layers is None:
-        from rpcompile.presets import sublayer_units
         try:
             units = sublayer_units(model)
         except ValueError:  # no list of decoder blocks to cut
@@ -144,7 +148,6 @@ def _passes(model: torch.nn.Module, example: Any, opts: Options, m: int, mode: s
     # 4-5. choose the stage grouping (and, for a hardware target, the round size) and emit the program
     plan, program = _plan_and_emit(graph, costs, opts, m, budget, tie=MEASURED_TIE if mode == "measure" else 0.0)
     # 6. check it: dependencies, coverage, the per-layer rules R1-R5, device memory; then host memory
-    from rpcompile import passes
     passes.verify(program, costs=costs, memory_budget=budget)
     _check_host(graph, costs, plan, opts, m, program.round_size)
     return graph, costs, plan, program, m, units
@@ -152,7 +155,6 @@ def _passes(model: torch.nn.Module, example: Any, opts: Options, m: int, mode: s
 
 def _layers_and_costs(model, example, opts: Options, m: int, mode: str, layers, budget: int | None):
     """trace -> estimate_costs -> shard_lm_head -> estimate_costs, with the layer units `layers`."""
-    from rpcompile import passes
     # 1. trace the model into layers with explicit values across every cut
     graph = passes.trace(model, example, loss_fn=opts.loss_fn, layers=layers)
     if not any(v.requires_grad for v in graph.params.values()):
@@ -172,7 +174,6 @@ def _refusal(costs: CostTable, budget: int | None) -> str | None:
     """Why even one layer per stage does not fit `budget` (names the layer and its terms); None if it fits."""
     if budget is None:
         return None
-    from rpcompile.passes._seqlen import memory_refusal
     return memory_refusal(costs, budget)
 
 
@@ -190,9 +191,6 @@ def _plan_and_emit(graph: LayerGraph, costs: CostTable, opts: Options, m: int, b
     a round holds all M microbatches' saved inputs on the host, hence the check); more workers
     take the default.
     """
-    from rpcompile import passes
-    from rpcompile.passes.timing import default_round_size
-    from rpcompile.runtime import simulate, steady_iterations
 
     def emitted(r: int):
         plan = passes.partition(costs, gpus=opts.gpus, microbatches=m, round_size=r, memory_budget=budget,
@@ -218,7 +216,6 @@ def _plan_and_emit(graph: LayerGraph, costs: CostTable, opts: Options, m: int, b
 
 def _check_host(graph: LayerGraph, costs: CostTable, plan, opts: Options, m: int, round_size: int) -> None:
     """`check_host_memory` of the run at `round_size` (raises ValueError naming the bytes when it does not fit)."""
-    from rpcompile.hostmem import check_host_memory
     check_host_memory(graph, costs, plan, microbatches=m, staleness=opts.staleness, optimizer=opts.optimizer,
                       dtype=opts.dtype, hardware=opts.hardware, gpus=opts.gpus, round_size=round_size)
 
@@ -234,7 +231,6 @@ def _fits_host(graph: LayerGraph, costs: CostTable, plan, opts: Options, m: int,
 
 def _shard_head(graph: LayerGraph, shards: int | str, costs: CostTable, budget: int | None = None) -> LayerGraph:
     """shard_lm_head when the graph ends in a supported LM head; the graph itself otherwise."""
-    from rpcompile import passes
     if shards == 1:
         return graph
     try:

@@ -25,9 +25,9 @@ its optimizer steps of iteration t-1.
 """
 from __future__ import annotations
 
-from rpcompile.costs import CostTable
-from rpcompile.plan import StagePlan
-from rpcompile.program import Instr, Op, Program, Ref
+from rpcompile.ir.costs import CostTable
+from rpcompile.ir.plan import StagePlan
+from rpcompile.ir.program import Instr, Op, Program, Ref
 
 _Item = tuple[str, int, int]  # ("F" | "B", group, microbatch) in a GPU's compute order
 

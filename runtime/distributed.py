@@ -46,7 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rpcompile.program import Op
+from rpcompile.ir.program import Op
 
 __all__ = ["DistConfig", "GradReducer", "init_group", "ring_allreduce_time", "shard"]
 

@@ -3,13 +3,25 @@
     >>> with Runtime(graph, emit(plan, gpus=2, microbatches=4), HostState.from_graph(graph, optimizer=AdamW())) as rt:
     ...     loss = rt.step(batch)
 
-Each worker has an issuing thread that walks the program in order and calls
-the Op's handler (`runtime/handlers.py`): it waits on the host only until the
-instruction's producers are *issued* (the board), makes its stream wait on
-their events, and queues the work. The host lanes (`runtime/host_lanes.py`)
-accumulate gradients, step and copy. The host blocks on device work only where
-host code consumes it: the losses `step` returns, a gradient slot the host
-adds up, the uploads a copy must not overwrite (R1).
+`Runtime` composes parts that each own their state and are handed what they
+need:
+
+- `Iterations` (`runtime/iterations.py`): the next iteration `t`, what each
+  iteration in flight runs, its loss downloads and loss scale;
+- `IssueBoard` (`runtime/board.py`): which instruction instances are issued;
+- `Issuer` (`runtime/issuer.py`): per worker, an issuing thread that walks the
+  program in order, waits on the host only until the instruction's producers
+  are *issued*, makes its stream wait on their events and calls the Op's
+  handler from the dispatch table;
+- `IssueHandlers` (`runtime/handlers.py`): one handler per Op, and the device
+  side's per-iteration tables (slots, uploaded inputs, outputs);
+- `HostLanes` (`runtime/host_lanes.py`): the threads that accumulate
+  gradients, step and copy, with their events, staging and undo backups;
+- `Recovery` (`runtime/recovery.py`): drain, prune, undo a failure.
+
+The host blocks on device work only where host code consumes it: the losses
+`step` returns, a gradient slot the host adds up, the uploads a copy must not
+overwrite (R1).
 
 Note: iterations and staleness. `step` runs iteration t (t counts calls) on the
 template's workers shifted by t * program.shift and returns once t's losses
@@ -30,24 +42,23 @@ leaves groups already stepped stepped (no undo log).
 from __future__ import annotations
 
 import atexit
-import threading
 import weakref
 from typing import Any
 
-
-from rpcompile.program import Op
 from rpcompile.runtime.board import IssueBoard
 from rpcompile.runtime.devices import make_workers
-from rpcompile.runtime.handlers import HANDLER_NAMES, HostVal, IssueHandlers
+from rpcompile.runtime.handlers import IssueHandlers
 from rpcompile.runtime.host_lanes import HostLanes
+from rpcompile.runtime.issuer import Issuer
+from rpcompile.runtime.iterations import Iterations
 from rpcompile.runtime.layout import slot_capacities, stage_layouts
 from rpcompile.runtime.pool import BufferPool
-from rpcompile.runtime.program_info import EVAL_BASE, ProgramInfo, dep_kind, forward_only
+from rpcompile.runtime.program_info import EVAL_BASE, ProgramInfo, forward_only
 from rpcompile.runtime.recovery import Recovery
 from rpcompile.runtime.stage_exec import (LayerRunner, chunk_elements, has_random_ops, split_batch, stage_io,
                                           tracked_buffers)
-from rpcompile.runtime.streams import Abort, StreamContext, wait_all
-from rpcompile.runtime.transfer import LaneThread, RuntimeFailure, make_delay, protocol_deps
+from rpcompile.runtime.streams import StreamContext, wait_all
+from rpcompile.runtime.transfer import RuntimeFailure, make_delay, protocol_deps
 
 __all__ = ["Runtime", "run", "RuntimeFailure", "DEP_KINDS"]
 
@@ -55,7 +66,7 @@ DEP_KINDS = ("act_up>compute", "param_up>compute", "compute>act_down", "compute>
              "copy>param_up", "reader>release")  # what `drop` may name (a test switch)
 
 
-class Runtime(IssueHandlers, HostLanes, Recovery):
+class Runtime:
     """Runs a Program on N workers (CUDA devices or host workers) against a HostState.
 
     Args:
@@ -76,6 +87,12 @@ class Runtime(IssueHandlers, HostLanes, Recovery):
             of its optimizer steps): "raise" (NonFiniteError, a FloatingPointError, from the next
             call; the iteration is undone) or "skip" (its steps apply nothing; listed in `skipped`).
             Not checked with fp16 dynamic loss scaling, which skips such iterations itself.
+
+    Note: what it owns. The pieces derived once from the program and the graph (workers, host
+    pool, stage layouts, runners, ...) are built here and handed to the parts, which own the
+    changing state (see the module docstring); `Runtime` itself changes only `closed` and the
+    evaluation count. `t`, `first` and `skipped` read the parts' records; `handlers` (the
+    dispatch table), `issuers` and `lanes` (the threads) are the parts' own objects.
     """
 
     def __init__(self, graph, program, state, *, backend: str = "auto", devices=None, seed: int = 0,
@@ -89,13 +106,11 @@ class Runtime(IssueHandlers, HostLanes, Recovery):
         if on_nonfinite not in ("raise", "skip"):
             raise ValueError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
         self.on_nonfinite = on_nonfinite
-        self.skipped: list[int] = []  # iterations skipped for a non-finite loss or gradient
-        self._bad: dict[int, int] = {}  # iteration -> lowest layer group with a non-finite gradient
         self.ctx = StreamContext(timeout=timeout, delay=make_delay(lane_delay))
         self.workers = make_workers(program.gpus, self.ctx, backend, devices, poison)
         self.pin = self.workers[0].kind == "cuda"
         self.host_pool = BufferPool("host", self.ctx, pin=self.pin, poison="release" if poison else None,
-                                  counter="host_allocations")
+                                    counter="host_allocations")
         self.io = stage_io(graph, program.plan)
         self.tracked = {l: {n: state.buffers[n] for n in bufs}  # layer -> host copies of its running statistics
                         for l, bufs in tracked_buffers(graph).items()}
@@ -107,130 +122,83 @@ class Runtime(IssueHandlers, HostLanes, Recovery):
         self.eval_info: ProgramInfo | None = None
         self.chunk_elems, _ = chunk_elements(program, self.io, state)
         self.layouts = stage_layouts(program, self.io, state, self.chunk_elems)
-        self._slots_made = [0] * program.gpus  # per worker: parameter slots taken so far (their buffer parity)
         self.capacity = slot_capacities(program, self.layouts)  # buffer sizes over a rotation period
-        self.handlers = {op: getattr(self, name) for op, name in HANDLER_NAMES.items()}
+        # the parts, each owning its state (docstrings of their classes), in the order they need each other
+        self.iterations = Iterations(program, start_iteration)
         self.board = IssueBoard(self.ctx)
-        self.t = self.first = start_iteration  # the next iteration; the first this runtime runs
-        self._committed = start_iteration  # iterations < this can no longer be undone
-        self._lock = threading.Lock()
-        self._info: dict[int, ProgramInfo] = {}
-        self.slots, self.inputs, self.outs, self.rc, self.hostvals = {}, {}, {}, {}, {}
-        self.hev: dict[tuple, Any] = {}  # (t, name) -> HostEvent of host work (steps, copies, accumulations)
-        self.losses: dict[int, list] = {}
-        self.scales: dict[int, float] = {}
-        self.shapes: dict[Any, tuple] = {}  # host key -> (shape, dtype) seen: later buffers are bound at issue
-        self._staging: dict[int, dict] = {}
-        self._backups: dict[int, dict] = {}
-        self._backup_bufs: dict[tuple, list] = {}
+        self.host = HostLanes(ctx=self.ctx, state=state, graph=graph, layouts=self.layouts, its=self.iterations,
+                              board=self.board, host_pool=self.host_pool, drop=self.drop, poison=poison,
+                              pin=self.pin, on_nonfinite=on_nonfinite)
+        self.issue = IssueHandlers(graph=graph, io=self.io, layouts=self.layouts, capacity=self.capacity,
+                                   tracked=self.tracked, runners=self.runners, workers=self.workers,
+                                   host_pool=self.host_pool, state=state, ctx=self.ctx, drop=self.drop,
+                                   board=self.board, its=self.iterations, host=self.host)
+        self.issuer = Issuer(ctx=self.ctx, workers=self.workers, drop=self.drop, board=self.board,
+                             its=self.iterations, host=self.host, table=self.issue.table())
+        self.handlers, self.issuers, self.lanes = self.issuer.handlers, self.issuer.threads, self.host.lanes
+        self.recovery = Recovery(ctx=self.ctx, threads=(self.issuers, list(self.lanes.values())),
+                                 workers=self.workers, host_pool=self.host_pool, board=self.board,
+                                 its=self.iterations, host=self.host, handlers=self.issue, state=state,
+                                 program=program, max_back=self.train_info.max_back)
         self._evals = 0
         self.closed = False
-        self.issuers = [LaneThread(f"w{w}/issue", lambda f: f()) for w in range(program.gpus)]
-        self.lanes = {name: LaneThread(f"h/{name}", lambda f: f()) for name in ("accumulate", "optimizer", "copy")}
         for th in self.issuers + list(self.lanes.values()):
             th.start()
         me = weakref.ref(self)
         self._at_exit = lambda: me() is not None and me().close()  # threads must not outlive torch
         atexit.register(self._at_exit)
 
-    # -- small lookups used by the handlers -----------------------------------------------------------
-    def info_of(self, t: int) -> ProgramInfo:
-        return self._info[t]
+    @property
+    def t(self) -> int:
+        """The next training iteration `step` runs."""
+        return self.iterations.t
 
-    def program_of(self, t: int):
-        return self._info[t].program
+    @property
+    def first(self) -> int:
+        """The first iteration this runtime runs (earlier ones count as complete)."""
+        return self.iterations.first
 
-    def worker_of(self, t: int, ins) -> int:
-        """Physical worker of instruction `ins` in iteration t (host instructions: -1)."""
-        return self.physical(t, ins.worker)
+    @property
+    def skipped(self) -> list[int]:
+        """Iterations skipped for a non-finite loss or gradient (on_nonfinite="skip")."""
+        return self.host.skipped
 
-    def physical(self, t: int, w: int) -> int:
-        """Physical worker of template worker w in iteration t (evaluation runs are not rotated)."""
-        if w < 0 or t >= EVAL_BASE:
-            return w
-        return (w + t * self.program.shift) % self.program.gpus
-
-    def label(self, t: int, ins, w: int) -> str:
-        return ins.name if w < 0 else f"w{w} {ins.short}"
-
-    def keys(self, t: int, ins, info: ProgramInfo) -> list[tuple[int, str]]:
-        """The (iteration, name) instances `ins` of iteration t depends on (vacuous refs dropped)."""
-        return [(t - r.back, r.name) for r in info.deps[ins.name] if t - r.back >= self.first and t >= r.since]
-
-    # -- issuing ----------------------------------------------------------------------------------------
-    def _issue_iteration(self, t: int, tw: int) -> None:
-        """Issuer body: every device instruction of template worker `tw` in iteration t, in program order."""
-        info = self._info[t]
-        for ins in info.by_worker.get(tw, ()):
-            if self.ctx.failure.abandoned(t):
-                return
-            try:
-                self._issue(t, ins, info)
-            except Abort:
-                return
-            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
-                self.ctx.failure.fail(t, self.label(t, ins, self.worker_of(t, ins)), exc)
-                return
-
-    def _issue(self, t: int, ins, info: ProgramInfo) -> None:
-        """Wait for the producers to be issued, make the stream wait on their events, run the handler."""
-        w = self.worker_of(t, ins)
-        stream = self.workers[w].streams[ins.lane.value]
-        label = self.label(t, ins, w)
-        for key in self.keys(t, ins, info):
-            prod = info.by_name[key[1]]
-            if prod.is_host:  # R2 (a P reads the new copy) waits here; R4 (a G) waits in the accumulate lane
-                if ins.op is Op.PARAM_UP and "copy>param_up" not in self.drop:
-                    stream.wait(self.hev[key], t)
-                continue
-            events = self.board.get(key, t, label)
-            if prod.op is Op.RELEASE or ins.op is Op.GRAD_DOWN and prod.op is Op.GRAD_DOWN:
-                continue  # buffer reuse is the pool's; G-after-G orders the accumulation lane only
-            if dep_kind(prod.op, ins.op) in self.drop:
-                continue
-            for ev in events:
-                stream.wait(ev, t)
-        self.board.publish((t, ins.name), self.handlers[ins.op](t, ins, w))
-
+    # -- one iteration's submission and losses ---------------------------------------------------------
     def _submit(self, t: int, info: ProgramInfo, mbs: list[dict]) -> list:
         """Stage iteration t's microbatch inputs and queue its work on every issuer (and host lane).
 
         Returns:
             The list the loss downloads fill with (host buffer, event) per microbatch.
         """
-        self._info[t] = info
-        losses = self.losses[t] = [None] * len(mbs)
-        for j, inputs in enumerate(mbs):
-            for n, v in inputs.items():
-                readers = info.readers.get(("a", j, n), 0)
-                if readers:
-                    self.hostvals[(t, "a", j, n)] = HostVal(tensor=v, readers=readers)
+        losses = self.iterations.begin(t, info, len(mbs))
+        self.issue.stage_inputs(t, info, mbs)
         if not info.forward_only:
-            self._host_events(t, info)
-            if t not in self.scales:
-                self.scales[t] = self.state.begin_iteration()
-        for tw in range(info.program.gpus):
-            self.issuers[self.physical(t, tw)].submit(lambda t=t, tw=tw: self._issue_iteration(t, tw))
+            self.host.make_events(t, info)
+            self.iterations.fix_scale(t, self.state.begin_iteration)
+        self.issuer.submit(t, info)
         if not info.forward_only:
-            for name, body in (("accumulate", self._lane_accumulate), ("optimizer", self._lane_optimizer),
-                               ("copy", self._lane_copy)):
-                self.lanes[name].submit(lambda t=t, body=body: self._run_lane(body, t))
+            self.host.submit(t)
         return losses
 
     def _losses(self, t: int, info: ProgramInfo, pairs: list) -> float:
         """Wait (one host wait) for iteration t's microbatch losses; their mean.
 
-        In training the commit check (`_check_finite`) reads them too and frees their buffers.
+        In training the commit check (`HostLanes._check_finite`) reads them too and frees their buffers.
         """
         for name in info.loss_downs:
             self.board.get((t, name), t, "step")
         wait_all([ev for _, ev in pairs], self.ctx, t)
         values = [float(h.get()) for h, _ in pairs]
         if info.forward_only:
-            self.losses.pop(t, None)
+            self.iterations.take_losses(t)
             for h, _ in pairs:
                 self.host_pool.give(h, [])
         return sum(values) / len(values)
+
+    def _check_open(self) -> None:
+        """Raise RuntimeError if the runtime is closed."""
+        if self.closed:
+            raise RuntimeError("this runtime is closed (close() or leaving `with`); compile again to train")
 
     # -- the public calls -------------------------------------------------------------------------------
     def step(self, batch: Any) -> float:
@@ -243,14 +211,14 @@ class Runtime(IssueHandlers, HostLanes, Recovery):
         """
         self._check_open()
         if self.ctx.failure.error is not None:
-            self._recover()
+            self.recovery.recover()
         t = self.t
         mbs = split_batch(self.graph, batch, self.program.microbatches)  # a bad batch raises before anything runs
         pairs = self._submit(t, self.train_info, mbs)
-        self.t = t + 1
-        loss = self._guard(lambda: self._losses(t, self.train_info, pairs), t)
+        self.iterations.advance()
+        loss = self.recovery.guard(lambda: self._losses(t, self.train_info, pairs), t)
         self._stock_pools(t)
-        self._prune()
+        self.recovery.prune()
         return loss
 
     def _stock_pools(self, t: int) -> None:
@@ -282,12 +250,12 @@ class Runtime(IssueHandlers, HostLanes, Recovery):
         mbs = split_batch(self.graph, batch, self.program.microbatches)
         t = EVAL_BASE + self._evals
         self._evals += 1
-        made = list(self._slots_made)  # training's buffer parities go on after the evaluation's slots
+        made = self.issue.slot_counts()  # training's buffer parities go on after the evaluation's slots
         pairs = self._submit(t, self.eval_info, mbs)
-        loss = self._guard(lambda: self._losses(t, self.eval_info, pairs), t)
+        loss = self.recovery.guard(lambda: self._losses(t, self.eval_info, pairs), t)
         self.flush()
-        self._info.pop(t, None)
-        self._slots_made = made
+        self.iterations.end(t)
+        self.issue.restore_slot_counts(made)
         return loss
 
     def flush(self) -> None:
@@ -297,10 +265,10 @@ class Runtime(IssueHandlers, HostLanes, Recovery):
             RuntimeFailure: a background instruction (e.g. an optimizer step) failed.
         """
         self._check_open()
-        self._drain()
+        self.recovery.drain()
         if self.ctx.failure.error is not None:
-            self._recover()
-        self._prune()
+            self.recovery.recover()
+        self.recovery.prune()
 
     def stats(self, t: int | None = None) -> dict[str, Any]:
         """Counters of iteration t (default: the last one stepped; call `flush()` first for complete numbers).
@@ -312,6 +280,7 @@ class Runtime(IssueHandlers, HostLanes, Recovery):
         return self.stats_of(self.t - 1 if t is None else t)
 
     def stats_of(self, t: int) -> dict[str, Any]:
+        """Counters of iteration t (see `stats`)."""
         return self.ctx.stats.get(t)
 
     @property
@@ -335,7 +304,7 @@ class Runtime(IssueHandlers, HostLanes, Recovery):
             return
         atexit.unregister(self._at_exit)
         try:
-            self._drain()
+            self.recovery.drain()
         finally:
             self.closed = True
             self.ctx.failure.fail(1 << 62, "close", RuntimeError("runtime closed"))  # release any waiter

@@ -1,16 +1,14 @@
 """Issue handlers: one per Op, each queues its instruction's work on its worker's stream (DESIGN.md 3a).
 
-A handler runs in the issuing thread of its worker once the instruction's
-producers are issued and its stream waits on their events. It submits one
-closure to the stream, records the stream's event after it and returns the
-events for the board. Everything a closure reads comes from `Cell`s and pool
-`Handle`s, which are filled when their producer *runs*: at once on CUDA
-(submit launches the work), later on a host stream thread. A buffer's release
-(`pool.give`) happens at issue time, with the events of its last users, as the
-host does with a GPU; the pool makes the next user's stream wait for them.
-
-The per-iteration tables (`slots`, `inputs`, `outs`, `rc`, `hostvals`) are
-keyed by (iteration, stage, microbatch or round); the Runtime owns them.
+A handler runs in the issuing thread of its worker (`runtime/issuer.py`) once
+the instruction's producers are issued and its stream waits on their events.
+It submits one closure to the stream, records the stream's event after it and
+returns the events for the board. Everything a closure reads comes from
+`Cell`s and pool `Handle`s (`runtime/values.py`), which are filled when their
+producer *runs*: at once on CUDA (submit launches the work), later on a host
+stream thread. A buffer's release (`pool.give`) happens at issue time, with
+the events of its last users, as the host does with a GPU; the pool makes the
+next user's stream wait for them.
 """
 from __future__ import annotations
 
@@ -18,58 +16,74 @@ from typing import Any
 
 import torch
 
-from rpcompile.program import Op
+from rpcompile.ir.program import Op
 from rpcompile.runtime.devices import saved_tensors_bytes, tensor_bytes
 from rpcompile.runtime.stage_exec import grads_of, up_keys
+from rpcompile.runtime.values import Cell, HostVal, ParamSlot
 
-__all__ = ["Cell", "HostVal", "ParamSlot", "IssueHandlers"]
-
-
-class Cell:
-    """A value produced by a stream item, read by later items (after waiting for its event)."""
-
-    __slots__ = ("value", "ready")
-
-    def __init__(self) -> None:
-        self.value, self.ready = None, False
-
-    def set(self, value: Any) -> None:
-        self.value, self.ready = value, True
-
-    def get(self) -> Any:
-        if not self.ready:
-            raise RuntimeError("read a value before its producer ran (a missing dependency)")
-        return self.value
-
-
-class HostVal:
-    """A value on the host that uploads read: a batch tensor, or a pool handle a download fills."""
-
-    __slots__ = ("tensor", "handle", "event", "left", "events")
-
-    def __init__(self, tensor=None, handle=None, event=None, readers: int = 0) -> None:
-        self.tensor, self.handle, self.event = tensor, handle, event
-        self.left, self.events = readers, []  # uploads still to issue; their events
-
-    def get(self) -> torch.Tensor:
-        return self.tensor if self.tensor is not None else self.handle.get()
-
-
-class ParamSlot:
-    """A stage slot's device parameters (views into flat pool buffers per dtype) and gradient buffers."""
-
-    __slots__ = ("flat", "params", "grad_flat", "grads_ready", "last")
-
-    def __init__(self) -> None:
-        self.flat: dict = {}  # dtype -> Handle of the flat parameter buffer
-        self.params: dict[str, torch.Tensor] = {}  # name -> view (trainable: a leaf that requires grad)
-        self.grad_flat: dict = {}  # dtype -> Handle of the flat gradient buffer (FB/B stages)
-        self.grads_ready = False
-        self.last: dict[str, Any] = {}  # lane -> the last event of this slot on it (for the release)
+__all__ = ["IssueHandlers", "HANDLER_NAMES"]
 
 
 class IssueHandlers:
-    """The per-Op issue handlers of `Runtime` (a mixin; see runtime/executor.py for the state)."""
+    """The per-Op issue handlers (`table()`: Op -> handler(t, ins, w) returning the events for the board).
+
+    Owns the device side's per-iteration tables, each entry made by one handler and taken by a later one:
+        slots: (t, stage, round) -> ParamSlot, from the slot's first user to its release (E).
+        inputs: (t, stage, mb, grad) -> device buffers an upload (U) fills, until the compute takes them.
+        outs: (t, stage, mb) -> Cell of a compute's outputs, until its download (D) takes it.
+        rc: (t, stage, mb) -> (Cell of a recompute's graph, its saved inputs), until the backward (B).
+        hostvals: (t, "a" | "g", mb, ...) -> HostVal a batch input or a download leaves for its uploads.
+        shapes: host key -> (shape, dtype) seen: later buffers of that key are bound at issue.
+        slots_made: per worker, the parameter slots taken so far (their buffer parity).
+
+    Handed (what it changes there: pool buffers, stream work, the worker stores' byte counts, the
+    board's running-statistics chain, the loss downloads via `its.set_loss`, the stats):
+        graph, io (stage_io), layouts (stage_layouts), capacity (slot_capacities), tracked (layer ->
+        host copies of its running statistics), runners (a LayerRunner per worker), workers, host_pool,
+        state (the compute-copy blocks P reads), ctx (StreamContext: stats), drop (test switch),
+        board (IssueBoard), its (Iterations), host (HostLanes: the pinned gradient staging G fills).
+    """
+
+    def __init__(self, *, graph: Any, io: Any, layouts: Any, capacity: Any, tracked: dict, runners: list,
+                 workers: list, host_pool: Any, state: Any, ctx: Any, drop: frozenset, board: Any, its: Any,
+                 host: Any) -> None:
+        self.graph, self.io, self.layouts, self.capacity = graph, io, layouts, capacity
+        self.tracked, self.runners, self.workers, self.host_pool = tracked, runners, workers, host_pool
+        self.state, self.ctx, self.drop, self.board, self.its, self.host = state, ctx, drop, board, its, host
+        self.slots: dict[tuple, ParamSlot] = {}
+        self.inputs: dict[tuple, dict] = {}
+        self.outs: dict[tuple, Cell] = {}
+        self.rc: dict[tuple, tuple] = {}
+        self.hostvals: dict[tuple, HostVal] = {}
+        self.shapes: dict[Any, tuple] = {}
+        self._slots_made = [0] * len(workers)
+
+    def table(self) -> dict:
+        """The dispatch table: Op -> this object's handler for it."""
+        return {op: getattr(self, name) for op, name in HANDLER_NAMES.items()}
+
+    # -- the tables' life, for Runtime and Recovery --------------------------------------------------
+    def stage_inputs(self, t: int, info: Any, mbs: list[dict]) -> None:
+        """Leave iteration t's microbatch inputs (those an upload reads) for their uploads."""
+        for j, inputs in enumerate(mbs):
+            for n, v in inputs.items():
+                readers = info.readers.get(("a", j, n), 0)
+                if readers:
+                    self.hostvals[(t, "a", j, n)] = HostVal(tensor=v, readers=readers)
+
+    def slot_counts(self) -> list[int]:
+        """The per-worker slot counts (an evaluation saves them: training's parities go on after it)."""
+        return list(self._slots_made)
+
+    def restore_slot_counts(self, counts: list[int]) -> None:
+        """Set the per-worker slot counts back to `counts` (from `slot_counts`)."""
+        self._slots_made = list(counts)
+
+    def forget_from(self, u: int) -> None:
+        """Drop every table entry of the abandoned iterations >= u (after a drain: nothing issues)."""
+        for d in (self.slots, self.inputs, self.outs, self.rc, self.hostvals):
+            for k in [k for k in d if k[0] >= u]:
+                del d[k]
 
     # -- helpers -----------------------------------------------------------------------------------
     def _slot(self, t: int, stage: int, rnd: int, w: int, stream: Any) -> ParamSlot:
@@ -118,7 +132,7 @@ class IssueHandlers:
         cs = self.workers[w].streams["compute"]
         cs.submit(fn, label, t)
         ev = cs.record(t, label)
-        self.slots[(t, ins.stage, ins.mb // self.program_of(t).round_size)].last["compute"] = ev
+        self.slots[(t, ins.stage, ins.mb // self.its.program_of(t).round_size)].last["compute"] = ev
         return ev
 
     def _chain(self, t: int, ins, w: int) -> dict:
@@ -129,19 +143,19 @@ class IssueHandlers:
         Evaluation reads them without writing back, and needs no chain.
         """
         layers = [l for l in self.io[ins.stage].layers if l in self.tracked]
-        if not layers or self.info_of(t).forward_only:
+        if not layers or self.its.info_of(t).forward_only:
             return {l: self.tracked[l] for l in layers}
-        cs, m = self.workers[w].streams["compute"], self.program_of(t).microbatches
+        cs, m = self.workers[w].streams["compute"], self.its.program_of(t).microbatches
         prev = (t, ins.mb - 1) if ins.mb > 0 else (t - 1, m - 1)
         for l in layers:
-            if prev[0] >= self.first:
-                for ev in self.board.get((prev[0], f"chain {l}.m{prev[1]}"), t, self.label(t, ins, w)):
+            if prev[0] >= self.its.first:
+                for ev in self.board.get((prev[0], f"chain {l}.m{prev[1]}"), t, self.its.label(t, ins, w)):
                     cs.wait(ev, t)
         return {l: self.tracked[l] for l in layers}
 
     def _chained(self, t: int, ins, ev) -> None:
         """Publish this forward as the tracked-buffer chain's latest member."""
-        if not self.info_of(t).forward_only:
+        if not self.its.info_of(t).forward_only:
             for l in self.io[ins.stage].layers:
                 if l in self.tracked:
                     self.board.publish((t, f"chain {l}.m{ins.mb}"), (ev,))
@@ -157,7 +171,7 @@ class IssueHandlers:
             for c in copies:
                 flat[c.dtype].get()[c.dst:c.dst + c.numel].copy_(blocks[c.src_block][c.src:c.src + c.numel],
                                                                    non_blocking=True)
-        label = self.label(t, ins, w)
+        label = self.its.label(t, ins, w)
         pu.submit(run, label, t)
         ev = pu.record(t, label)
         slot.last["param_up"] = ev
@@ -182,7 +196,7 @@ class IssueHandlers:
                     pool.bind(dst[n], tuple(src.shape), src.dtype, au, t)
                 dst[n].get().copy_(src, non_blocking=True)
                 self.ctx.stats.add(t, "bytes_to_device", tensor_bytes(src))
-        label = self.label(t, ins, w)
+        label = self.its.label(t, ins, w)
         au.submit(run, label, t)
         ev = au.record(t, label)
         for k, hv in vals.values():
@@ -202,9 +216,9 @@ class IssueHandlers:
         """
         io, worker = self.io[ins.stage], self.workers[w]
         inputs, cell = self._take_inputs(t, ins), Cell()
-        slot = self._slot(t, ins.stage, ins.mb // self.program_of(t).round_size, w, worker.streams["compute"])
+        slot = self._slot(t, ins.stage, ins.mb // self.its.program_of(t).round_size, w, worker.streams["compute"])
         runner, loss_only = self.runners[w], io.kind.value == "FB"
-        bufs, keep = self._chain(t, ins, w), not self.info_of(t).forward_only
+        bufs, keep = self._chain(t, ins, w), not self.its.info_of(t).forward_only
 
         def run() -> None:
             env_in = {n: h.get() for n, h in inputs.items()}
@@ -219,7 +233,7 @@ class IssueHandlers:
     def _launch(self, t: int, ins, w: int, run, cell: Cell, used, *, chain: bool = True) -> tuple:
         """Queue `run` on worker w's compute stream (after the previous stage when `chain`), give the `used`
         buffers back to the pool after it, and keep `cell` as the instruction's outputs."""
-        ev = self._compute(t, ins, w, run, self.label(t, ins, w))
+        ev = self._compute(t, ins, w, run, self.its.label(t, ins, w))
         if chain:
             self._chained(t, ins, ev)
         self._give(self.workers[w].pool, used, [ev])
@@ -231,9 +245,9 @@ class IssueHandlers:
         io, worker = self.io[ins.stage], self.workers[w]
         cs = worker.streams["compute"]
         inputs, cell = self._take_inputs(t, ins), Cell()
-        slot = self._slot(t, ins.stage, ins.mb // self.program_of(t).round_size, w, cs)
+        slot = self._slot(t, ins.stage, ins.mb // self.its.program_of(t).round_size, w, cs)
         self._grads(t, ins, w, slot, cs)
-        runner, scale = self.runners[w], self.scales[t] / self.program_of(t).microbatches
+        runner, scale = self.runners[w], self.its.scales[t] / self.its.program_of(t).microbatches
         bufs = self._chain(t, ins, w)
 
         def run() -> None:
@@ -252,7 +266,7 @@ class IssueHandlers:
         """R: forward again from the saved input, same RNG seeds as the forward; the graph goes to a Cell."""
         io, worker = self.io[ins.stage], self.workers[w]
         inputs, cell = self._take_inputs(t, ins), Cell()
-        slot = self._slot(t, ins.stage, ins.mb // self.program_of(t).round_size, w, worker.streams["compute"])
+        slot = self._slot(t, ins.stage, ins.mb // self.its.program_of(t).round_size, w, worker.streams["compute"])
         runner = self.runners[w]
 
         def run() -> None:
@@ -260,7 +274,7 @@ class IssueHandlers:
             with torch.enable_grad(), saved_tensors_bytes(worker.store, slot.params, env_in) as ws:
                 env = runner.forward(io.layers, slot.params, env_in, t, ins.mb, grad_of=io.grad_out)
             cell.set((env, ws[0]))
-        ev = self._compute(t, ins, w, run, self.label(t, ins, w))
+        ev = self._compute(t, ins, w, run, self.its.label(t, ins, w))
         self.rc[(t, ins.stage, ins.mb)] = (cell, inputs)
         return (ev,)
 
@@ -269,7 +283,7 @@ class IssueHandlers:
         io, worker = self.io[ins.stage], self.workers[w]
         cs = worker.streams["compute"]
         (rc, saved), gin = self.rc.pop((t, ins.stage, ins.mb)), self._take_inputs(t, ins, grad=True)
-        slot = self._slot(t, ins.stage, ins.mb // self.program_of(t).round_size, w, cs)
+        slot = self._slot(t, ins.stage, ins.mb // self.its.program_of(t).round_size, w, cs)
         self._grads(t, ins, w, slot, cs)
         cell = Cell()
 
@@ -288,7 +302,7 @@ class IssueHandlers:
 
     def _act_down(self, t: int, ins, w: int) -> tuple:
         """D: download an F stage's outputs, or a backward's input gradients (and the loss), to host buffers."""
-        worker, info, io = self.workers[w], self.info_of(t), self.io[ins.stage]
+        worker, info, io = self.workers[w], self.its.info_of(t), self.io[ins.stage]
         ad, pool = worker.streams["act_down"], self.host_pool
         cell = self.outs.pop((t, ins.stage, ins.mb))
         if io.kind.value == "F":
@@ -320,26 +334,26 @@ class IssueHandlers:
                 h.get().copy_(v, non_blocking=True)
                 self.ctx.stats.add(t, "bytes_to_host", tensor_bytes(v))
             worker.store.add(-tensor_bytes(out))
-        label = self.label(t, ins, w)
+        label = self.its.label(t, ins, w)
         ad.submit(run, label, t)
         ev = ad.record(t, label)
         for k in keys.values():
             self.hostvals[(t,) + k] = HostVal(handle=dst[k], event=ev, readers=info.readers[k])
         if loss:
-            self.losses[t][ins.mb] = (dst[("loss", ins.mb)], ev)
+            self.its.set_loss(t, ins.mb, (dst[("loss", ins.mb)], ev))
         return (ev,)
 
     def _grad_down(self, t: int, ins, w: int) -> tuple:
         """G: download a chunk of the slot's gradient buffers into the stage's pinned staging buffers."""
         gd = self.workers[w].streams["grad_down"]
         slot = self.slots[(t, ins.stage, ins.round)]
-        staging = self.staging_for(t, ins, gd)
+        staging = self.host.staging_for(t, ins, gd)
         ranges, grad_flat = self.layouts[ins.stage].downloads[ins.chunk], slot.grad_flat
 
         def run() -> None:
             for d, lo, hi in ranges:
                 staging[d][lo:hi].copy_(grad_flat[d].get()[lo:hi], non_blocking=True)
-        label = self.label(t, ins, w)
+        label = self.its.label(t, ins, w)
         gd.submit(run, label, t)
         ev = gd.record(t, label)
         slot.last["grad_down"] = ev
@@ -350,7 +364,8 @@ class IssueHandlers:
         """E: return the slot's parameter and gradient buffers to the pool, after their last users."""
         slot = self.slots.pop((t, ins.stage, ins.round), None) or ParamSlot()
         pool = self.workers[w].pool
-        self.workers[w].streams["compute"].submit(lambda: None, self.label(t, ins, w), t)  # its place in the timeline
+        label = self.its.label(t, ins, w)
+        self.workers[w].streams["compute"].submit(lambda: None, label, t)  # its place in the timeline
         self._give(pool, slot.flat.values(), [slot.last.get(k) for k in ("param_up", "compute")])
         self._give(pool, slot.grad_flat.values(), [slot.last.get(k) for k in ("compute", "grad_down")])
         return tuple(e for e in slot.last.values() if e is not None)

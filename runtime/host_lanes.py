@@ -11,19 +11,23 @@ program's order (which makes the fp32 gradient sums bit-reproducible):
 - copy: COPY.l after the uploads that read the old version (R1, one host wait)
   and the step that made the new one; with staleness 1 the overwritten copy
   is backed up until the iteration commits, so a failure can be undone.
+
+`HostLanes` owns these threads and everything they keep between iterations;
+the issuers reach it only for a host event (R2) and a stage's staging buffers.
 """
 from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from typing import Any, Iterator
 
 import torch
 
-from rpcompile.program import Op
+from rpcompile.ir.program import Op
 from rpcompile.runtime.pool import poison
 from rpcompile.runtime.streams import Abort, HostEvent, wait_all
-from rpcompile.runtime.transfer import NonFiniteError
+from rpcompile.runtime.transfer import LaneThread, NonFiniteError
 
 __all__ = ["HostLanes", "naming"]
 
@@ -45,19 +49,79 @@ def naming(name: str) -> Iterator[None]:
 
 
 class HostLanes:
-    """Host-lane bodies of `Runtime` (a mixin; see runtime/executor.py for the state)."""
+    """The host lanes: gradient accumulation, optimizer steps and copies of each training iteration.
 
-    def _host_events(self, t: int, info: Any) -> None:
+    Owns:
+        lanes: "accumulate", "optimizer", "copy" -> its LaneThread (the caller may queue work on one,
+            e.g. a learning-rate change between optimizer steps).
+        events: (t, name) -> HostEvent of each STEP, COPY, G accumulation and staging slot's release.
+        staging: stage -> the pinned gradient staging buffers (per dtype) its G chunks fill.
+        committed: iterations < this have passed their commit point (their first STEP): no undo.
+        skipped: iterations skipped for a non-finite loss or gradient (on_nonfinite="skip").
+        backups: iteration -> compute-copy blocks its COPYs overwrote before it committed (staleness 1),
+            in persistent buffers (`_backup_bufs`); bad: iteration -> lowest group with a non-finite gradient.
+
+    Handed: ctx (StreamContext), state (HostState: its gradients, steps and copies are this object's to
+    run), graph (layer names for messages), layouts (stage_layouts), its (Iterations: lookups, and the
+    loss downloads the commit check takes), board (IssueBoard: the device events of G), host_pool
+    (the loss buffers it frees), drop (test switch), poison, pin, on_nonfinite ("raise" | "skip").
+    """
+
+    def __init__(self, *, ctx: Any, state: Any, graph: Any, layouts: Any, its: Any, board: Any, host_pool: Any,
+                 drop: frozenset, poison: bool, pin: bool, on_nonfinite: str) -> None:
+        self.ctx, self.state, self.graph, self.layouts, self.its, self.board = ctx, state, graph, layouts, its, board
+        self.host_pool, self.drop, self.poison, self.pin = host_pool, drop, poison, pin
+        self.on_nonfinite = on_nonfinite
+        self.lanes = {name: LaneThread(f"h/{name}", lambda f: f()) for name in ("accumulate", "optimizer", "copy")}
+        self.events: dict[tuple, HostEvent] = {}
+        self.staging: dict[int, dict] = {}
+        self.committed = its.first
+        self.skipped: list[int] = []
+        self._backups: dict[int, dict] = {}
+        self._backup_bufs: dict[tuple, list] = {}
+        self._bad: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    # -- for Runtime, the issuers and Recovery ---------------------------------------------------------
+    def make_events(self, t: int, info: Any) -> None:
         """Create iteration t's host events: each STEP and COPY, each G's accumulation, each staging slot."""
         for i in info.program.instrs:
             if i.is_host or i.op is Op.GRAD_DOWN:
-                self.hev[(t, i.name)] = HostEvent(self.ctx, t, f"{i.name} (iteration {t})")
+                self.events[(t, i.name)] = HostEvent(self.ctx, t, f"{i.name} (iteration {t})")
         for stage, rnd in info.grad_slots:
-            self.hev[(t, f"free {stage}.{rnd}")] = HostEvent(self.ctx, t, f"staging of stage {stage} round {rnd}")
+            self.events[(t, f"free {stage}.{rnd}")] = HostEvent(self.ctx, t, f"staging of stage {stage} round {rnd}")
+
+    def submit(self, t: int) -> None:
+        """Queue iteration t's body on each lane (after `make_events`)."""
+        for name, body in (("accumulate", self._lane_accumulate), ("optimizer", self._lane_optimizer),
+                           ("copy", self._lane_copy)):
+            self.lanes[name].submit(lambda t=t, body=body: self._run_lane(body, t))
+
+    def event(self, key: tuple) -> HostEvent:
+        """The HostEvent of host work `key` = (iteration, name)."""
+        return self.events[key]
+
+    def forget(self, keep) -> None:
+        """Drop the host events whose iteration fails `keep(iteration)`."""
+        with self._lock:
+            for k in [k for k in self.events if not keep(k[0])]:
+                del self.events[k]
+
+    def undo_from(self, u: int) -> None:
+        """Undo the abandoned iterations >= u (after a drain): restore the compute copies they overwrote,
+        forget their events and non-finite records."""
+        for t in sorted((t for t in self._backups if t >= u), reverse=True):
+            for key, v in self._backups.pop(t).items():
+                self.state.blocks[key].copy_(v)
+        with self._lock:
+            for k in [k for k in self.events if k[0] >= u]:
+                del self.events[k]
+            for t in [t for t in self._bad if t >= u]:
+                del self._bad[t]
 
     def staging_for(self, t: int, ins, stream: Any) -> dict:
         """The stage's pinned gradient staging buffers; the first chunk of a slot waits for the previous slot."""
-        bufs = self._staging.get(ins.stage)
+        bufs = self.staging.get(ins.stage)
         if bufs is None:
             lay = self.layouts[ins.stage]
             bufs = {d: torch.empty(n, dtype=d, pin_memory=self.pin) for d, n in lay.grad_sizes.items()}
@@ -65,43 +129,44 @@ class HostLanes:
                 for b in bufs.values():
                     poison(b)
             self.ctx.stats.add(t, "host_allocations", len(bufs))
-            self._staging[ins.stage] = bufs
-        info = self.info_of(t)
+            self.staging[ins.stage] = bufs
+        info = self.its.info_of(t)
         if ins.chunk == info.first_chunk[ins.stage]:
             prev = (t, ins.round - 1) if ins.round > 0 else (t - 1, info.program.rounds - 1)
-            ev = self.hev.get((prev[0], f"free {ins.stage}.{prev[1]}")) if prev[0] >= self.first else None
+            ev = self.events.get((prev[0], f"free {ins.stage}.{prev[1]}")) if prev[0] >= self.its.first else None
             stream.wait(ev, t)
         return bufs
 
+    # -- the lanes' work ---------------------------------------------------------------------------------
     def _lane_accumulate(self, t: int) -> None:
         """Accumulate iteration t's gradients into the fp32 buffers: round by round, slots in program order.
 
         One host wait per round: for every gradient download of the round (their slots end at
         different times on different workers; the optimizer needs all of them anyway).
         """
-        info = self.info_of(t)
+        info = self.its.info_of(t)
         for rnd in range(info.program.rounds):
             gs = [g for g in info.grads if g.round == rnd]
             events = []
             for g in gs:
-                with naming(self.label(t, g, self.worker_of(t, g))):
+                with naming(self.its.label(t, g, self.its.worker_of(t, g))):
                     events += list(self.board.get((t, g.name), t, f"h accumulate {g.short}"))
-                    for key in self.keys(t, g, info):
+                    for key in self.its.keys(t, g, info):
                         if info.by_name[key[1]].is_host:  # R4: the optimizer took the last iteration's gradient
-                            self.hev[key].wait()
+                            self.events[key].wait()
             if "grad_down>step" not in self.drop:
                 wait_all(events, self.ctx, t)
             slot: list[str] = []
             for g in gs:
                 slot.append(g.name)
                 if g.name in info.last_chunk:
-                    with naming(self.label(t, g, self.worker_of(t, g))):
+                    with naming(self.its.label(t, g, self.its.worker_of(t, g))):
                         self._accumulate_slot(t, g, slot)
                     slot = []
 
     def _accumulate_slot(self, t: int, g, names: list[str]) -> None:
         """Add one slot's staging buffers into the fp32 gradients; free the staging for the next slot."""
-        bufs, lay = self._staging[g.stage], self.layouts[g.stage]
+        bufs, lay = self.staging[g.stage], self.layouts[g.stage]
         check = self.state.scaler is None  # fp16 dynamic loss scaling handles inf/nan itself
         for name, s in lay.grads.items():
             part = bufs[s.dtype][s.offset:s.offset + s.numel].view(s.shape)
@@ -112,13 +177,13 @@ class HostLanes:
         if self.poison:
             for b in bufs.values():
                 poison(b)
-        self.hev[(t, f"free {g.stage}.{g.round}")]._set()
+        self.events[(t, f"free {g.stage}.{g.round}")]._set()
         for name in names:
-            self.hev[(t, name)]._set()
+            self.events[(t, name)]._set()
 
     def _lane_optimizer(self, t: int) -> None:
         """Run iteration t's optimizer steps (layers descending)."""
-        info = self.info_of(t)
+        info = self.its.info_of(t)
         for o in info.host[Op.STEP]:
             with naming(o.name):
                 self._step_one(t, o, info)
@@ -126,19 +191,19 @@ class HostLanes:
     def _step_one(self, t: int, o, info: Any) -> None:
         """One STEP of the optimizer lane."""
         self._host_deps(t, o, info)
-        if self._committed <= t:  # the first step: every gradient of t is in, t can no longer fail
+        if self.committed <= t:  # the first step: every gradient of t is in, t can no longer fail
             self._check_finite(t)
             with self._lock:
-                self._committed = t + 1
+                self.committed = t + 1
                 self._backups.pop(t, None)
             if self.state.needs_global:  # clipping / dynamic loss scale: the global statistics need every
                 self.state.grads_complete_all()  # group; only here, where they are all in (a later call
         self.state.step(o.layer)                 # would complete iteration t+1 while it still accumulates)
-        self.hev[(t, o.name)]._set()
+        self.events[(t, o.name)]._set()
 
     def _check_finite(self, t: int) -> None:
         """The commit point's check: a NaN/inf loss or gradient of iteration t raises or skips the iteration."""
-        pairs = self.losses.pop(t, [])
+        pairs = self.its.take_losses(t)
         wait_all([ev for _, ev in pairs], self.ctx, t)
         losses = [float(h.get()) for h, _ in pairs]
         for h, _ in pairs:
@@ -161,7 +226,7 @@ class HostLanes:
 
     def _lane_copy(self, t: int) -> None:
         """Run iteration t's master -> compute copies."""
-        info = self.info_of(t)
+        info = self.its.info_of(t)
         for c in info.host[Op.COPY]:
             with naming(c.name):
                 self._copy_one(t, c, info)
@@ -170,13 +235,13 @@ class HostLanes:
         """One COPY of the copy lane."""
         self._host_deps(t, c, info)
         with self._lock:
-            if info.program.staleness == 1 and t >= self._committed:
+            if info.program.staleness == 1 and t >= self.committed:
                 bak = self._backups.setdefault(t, {})
                 for key, block in self.state.blocks.items():
                     if key[0] == c.layer and key not in bak:
                         bak[key] = self._backup_buffer(key, block, t)
         self.state.copy(c.layer)
-        self.hev[(t, c.name)]._set()
+        self.events[(t, c.name)]._set()
 
     def _backup_buffer(self, key: tuple, block: torch.Tensor, t: int) -> torch.Tensor:
         """A copy of a host block in a persistent buffer (two per block: iterations t and t+1 may both copy)."""
@@ -193,10 +258,10 @@ class HostLanes:
     def _host_deps(self, t: int, ins, info: Any) -> None:
         """Wait for a host instruction's dependencies: host events, accumulations, device events (one wait)."""
         device = []
-        for key in self.keys(t, ins, info):
+        for key in self.its.keys(t, ins, info):
             prod = info.by_name[key[1]]
             if prod.is_host or prod.op is Op.GRAD_DOWN:
-                self.hev[key].wait()
+                self.events[key].wait()
             else:
                 device += list(self.board.get(key, t, ins.name))
         wait_all(device, self.ctx, t)

@@ -41,8 +41,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rpcompile.optim import SGD, AdamW, DynamicLossScale, make_torch_optimizer
+from rpcompile.ir.optim import SGD, AdamW, DynamicLossScale, make_torch_optimizer
 from rpcompile.runtime.layout import host_blocks, view
+from rpcompile.runtime.stage_exec import tracked_buffers
 from rpcompile.runtime.state_io import StateIO
 
 __all__ = ["HostState", "make_torch_optimizer"]
@@ -160,7 +161,6 @@ class HostState(StateIO):
             >>> HostState.from_graph(g, optimizer=rpcompile.AdamW(), dtype=torch.bfloat16).groups[0]
             ('model.embed_tokens.weight',)
         """
-        from rpcompile.runtime.stage_exec import tracked_buffers
         kwargs.setdefault("buffers", {n: b for _, bufs in tracked_buffers(graph).items() for n, b in bufs.items()})
         return cls(graph.parameters(), graph.param_owners(), len(graph.layers), tied=graph.tied, **kwargs)
 

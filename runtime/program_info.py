@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from rpcompile.plan import StageKind, StagePlan  # noqa: F401 - StagePlan for the doctest
-from rpcompile.program import COMPUTE_OPS, Instr, Op, Program, Ref
+from rpcompile.ir.plan import StageKind, StagePlan  # noqa: F401 - StagePlan for the doctest
+from rpcompile.ir.program import COMPUTE_OPS, Instr, Op, Program, Ref
 from rpcompile.runtime.stage_exec import count_readers
 
 __all__ = ["ProgramInfo", "forward_only", "dep_kind", "EVAL_BASE"]

@@ -1,4 +1,4 @@
-"""Failure recovery and quiescence for the Runtime: drain every thread, undo an abandoned iteration.
+"""Failure recovery and quiescence for the Runtime: drain every thread, prune old records, undo a failure.
 
 See the module Note of `runtime/executor.py` for the semantics: after a failure
 in iteration u the state is that after iteration u-1, the next call raises a
@@ -17,13 +17,26 @@ __all__ = ["Recovery"]
 
 
 class Recovery:
-    """Waiting, pruning and failure recovery of `Runtime` (a mixin; see runtime/executor.py for the state)."""
+    """Waits for quiescence, forgets unreachable records and undoes a failed iteration.
 
-    def _check_open(self) -> None:
-        if self.closed:
-            raise RuntimeError("this runtime is closed (close() or leaving `with`); compile again to train")
+    Owns no record of its own. It changes the failure record (`ctx.failure`: failing a caller-side
+    wait, resetting it after the undo), the workers' and pools' accounting, and the other parts'
+    state only through their own calls: `its.forget` / `its.rewind`, `board.forget`,
+    `host.forget` / `host.undo_from`, `handlers.forget_from`, `state.discard_grads`.
 
-    def _guard(self, fn, t: int) -> Any:
+    Handed: ctx (StreamContext), threads (groups of LaneThreads in drain order: the issuers, then the
+    host lanes), workers, host_pool, board (IssueBoard), its (Iterations), host
+    (HostLanes), handlers (IssueHandlers), state (HostState), program (the template, for the grid),
+    max_back (how far back, in iterations, the training program's refs reach).
+    """
+
+    def __init__(self, *, ctx: Any, threads: tuple[list, ...], workers: list, host_pool: Any, board: Any, its: Any,
+                 host: Any, handlers: Any, state: Any, program: Any, max_back: int) -> None:
+        self.ctx, self.threads, self.workers, self.host_pool, self.board = ctx, threads, workers, host_pool, board
+        self.its, self.host, self.handlers, self.state = its, host, handlers, state
+        self.program, self.max_back = program, max_back
+
+    def guard(self, fn, t: int) -> Any:
         """Run a caller-side wait; a failure (or the wait's own timeout) is recovered and re-raised."""
         try:
             return fn()
@@ -31,12 +44,12 @@ class Recovery:
             pass
         except BaseException as exc:  # noqa: BLE001
             self.ctx.failure.fail(t, "step", exc)
-        self._drain()
-        self._recover()
+        self.drain()
+        self.recover()
 
-    def _drain(self) -> None:
+    def drain(self) -> None:
         """Block until the issuers, the host lanes and then every stream have run what they were given."""
-        for group in (self.issuers, list(self.lanes.values())):
+        for group in self.threads:
             marks = []
             for th in group:
                 ev = threading.Event()
@@ -48,45 +61,32 @@ class Recovery:
         for w in self.workers:
             w.synchronize()
 
-    def _prune(self) -> None:
+    def prune(self) -> None:
         """Forget records no instruction can reach any more (refs reach back at most one iteration)."""
-        back = self.train_info.max_back + 2  # a ref reaches max_back iterations back from an unfinished one
-        keep = lambda it: it >= self.t - back  # noqa: E731
+        back = self.max_back + 2  # a ref reaches max_back iterations back from an unfinished one
+        now = self.its.t
+        keep = lambda it: it >= now - back  # noqa: E731
         self.board.forget(keep)
-        with self._lock:
-            for d in (self.hev,):
-                for k in [k for k in d if not keep(k[0])]:
-                    del d[k]
-            for t in [t for t in self._info if not keep(t) and t < EVAL_BASE]:
-                del self._info[t]
-                self.scales.pop(t, None)
-        self.ctx.stats.forget({t for t in range(self.t - back, self.t + 1)})
+        self.host.forget(keep)
+        self.its.forget(keep)
+        self.ctx.stats.forget({t for t in range(now - back, now + 1)})
 
-    def _recover(self) -> None:
+    def recover(self) -> None:
         """Drain, undo the abandoned iterations and raise the failure as RuntimeFailure."""
-        self._drain()
+        self.drain()
         exc, name, _, tb = self.ctx.failure.error
         u = self.ctx.failure.failed_from
-        u = min(u, self.t)
-        for t in sorted((t for t in self._backups if t >= u), reverse=True):
-            for key, v in self._backups.pop(t).items():
-                self.state.blocks[key].copy_(v)
+        u = min(u, self.its.t)
+        self.host.undo_from(u)  # compute copies restored, events and non-finite records dropped
         self.state.discard_grads()  # the abandoned iteration's partial gradients
-        with self._lock:
-            for d in (self.slots, self.inputs, self.outs, self.rc, self.hostvals, self.hev):
-                for k in [k for k in d if k[0] >= u]:
-                    del d[k]
-            for d in (self.losses, self._info, self._bad):
-                for t in [t for t in d if t >= u]:
-                    del d[t]
+        self.handlers.forget_from(u)
         for w in self.workers:
             w.store.bytes = 0
             w.pool.forget_keys()
         self.host_pool.forget_keys()
         self.board.forget(lambda it: it < u)
         self.ctx.failure.reset()
-        if u < EVAL_BASE:
-            self.t = u
+        self.its.rewind(u)
         grid = self.program.shifted(u if u < EVAL_BASE else 0).grid(
             mark=name if name[:1] in ("w", "h") else None, context=4)
         if isinstance(exc, NonFiniteError):  # not a fault of the machine: say what to do, no traceback

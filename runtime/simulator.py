@@ -38,10 +38,10 @@ import json
 import math
 from dataclasses import dataclass
 
-from rpcompile.costs import CostTable
+from rpcompile.ir.costs import CostTable
 from rpcompile.passes.timing import steady_state_window
-from rpcompile.plan import StageKind
-from rpcompile.program import COMPUTE_OPS, Instr, Lane, Op, Program
+from rpcompile.ir.plan import StageKind
+from rpcompile.ir.program import COMPUTE_OPS, Instr, Lane, Op, Program
 from rpcompile.runtime.distributed import ring_allreduce_time
 from rpcompile.runtime.sim_events import Job, StuckError, exposed_waits, peak_usage, run_jobs
 

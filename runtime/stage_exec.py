@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from rpcompile.graph import LayerGraph
-from rpcompile.plan import StageKind, StagePlan
+from rpcompile.ir.graph import LayerGraph
+from rpcompile.ir.plan import StageKind, StagePlan
 from rpcompile.runtime.rng import WorkerRandom, layer_seed
 
 __all__ = ["StageIO", "stage_io", "LayerRunner", "tracked_buffers", "layer_seed", "split_batch", "has_random_ops", "flat_ranges",

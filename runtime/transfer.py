@@ -20,6 +20,8 @@ import threading
 import zlib
 from typing import Any, Callable
 
+from rpcompile.ir.program import Op, Ref
+
 __all__ = ["LaneThread", "make_delay", "RuntimeFailure", "NonFiniteError", "protocol_deps"]
 
 
@@ -113,7 +115,6 @@ def protocol_deps(program: Any, touches: dict[int, set[int]]) -> dict[str, tuple
         accumulation is bit-reproducible); and the commit point: the first optimizer step
         of an iteration waits for all its gradient downloads (steps are all-or-nothing).
     """
-    from rpcompile.program import Op, Ref
     deps = {i.name: list(i.deps) for i in program.instrs}
     readers: dict[int, list[str]] = {}
     last_g: dict[int, str] = {}

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rpcompile.optim import SGD, AdamW
+from rpcompile.ir.optim import SGD, AdamW
 
 
 def eager_optimizer(config: AdamW | SGD, params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:

@@ -52,7 +52,7 @@ def test_unknown_model_lists_the_presets(tmp_path):
 
 def run_plan(capsys, *args):
     """`python -m rpcompile plan ...` in this process -> (exit status, stdout, stderr)."""
-    from rpcompile.__main__ import main
+    from rpcompile.cli.main import main
     rc = main(["plan", *args])
     out = capsys.readouterr()
     return rc, out.out, out.err

@@ -1,12 +1,12 @@
 """The command line refuses bad values in one line on stderr with exit status 2 (issue 14 item 7), lists the
 train config keys, keeps a plan whose baseline cannot be built, and prints max_seq_len with what binds it
-(issue 13). Everything runs `rpcompile.__main__.main` in this process."""
+(issue 13). Everything runs `rpcompile.cli.main.main` in this process."""
 import json
 from dataclasses import fields
 
 import pytest
 
-from rpcompile.__main__ import main
+from rpcompile.cli.main import main
 
 SMALL = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,
          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 4096}
@@ -79,7 +79,7 @@ def test_train_config_that_is_not_an_object_or_not_json_is_one_line(capsys, tmp_
 
 
 def test_train_help_lists_every_config_key_with_its_meaning(capsys):
-    from rpcompile.train import RunConfig
+    from rpcompile.cli.train import RunConfig
     with pytest.raises(SystemExit) as done:
         main(["train", "--help"])
     out = capsys.readouterr().out

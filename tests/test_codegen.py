@@ -9,8 +9,8 @@ from rpcompile import CostTable, Op, StagePlan
 from rpcompile.passes import emit, iteration_time, verify
 from rpcompile.passes.codegen import pack_chunks
 from rpcompile.passes.timing import default_round_size, schedule
-from rpcompile.plan import StageKind
-from rpcompile.program import COMPUTE_OPS, Ref
+from rpcompile.ir.plan import StageKind
+from rpcompile.ir.program import COMPUTE_OPS, Ref
 from tests.strategies import plans
 
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import rpcompile
-from rpcompile.hardware import Hardware
+from rpcompile.ir.hardware import Hardware
 from rpcompile.runtime.distributed import DistConfig, ring_allreduce_time, shard
-from rpcompile.zoo import LlamaConfig, TinyLlama
+from rpcompile.cli.zoo import LlamaConfig, TinyLlama
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = LlamaConfig(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, ffn=64, max_seq=32)

@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import models  # noqa: E402
 from rpcompile import AdamW, StagePlan  # noqa: E402
 from rpcompile.passes import emit, trace  # noqa: E402
-from rpcompile.program import Op  # noqa: E402
+from rpcompile.ir.program import Op  # noqa: E402
 from rpcompile.runtime.executor import Runtime, RuntimeFailure  # noqa: E402
 from rpcompile.runtime.optimizer import HostState  # noqa: E402
 

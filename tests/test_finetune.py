@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("transformers")
 
 from rpcompile import checkpoint  # noqa: E402
-from rpcompile.__main__ import main  # noqa: E402
+from rpcompile.cli.main import main  # noqa: E402
 from rpcompile.cli import FinetuneConfig, finetune  # noqa: E402
 from rpcompile.cli.data import pack, read_documents  # noqa: E402
 from rpcompile.cli.finetune import CHECKPOINT  # noqa: E402

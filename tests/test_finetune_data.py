@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 import rpcompile  # noqa: E402
 from rpcompile.cli.data import IGNORE, Document, pack, read_documents  # noqa: E402
 from rpcompile.cli.schedule import lr_at  # noqa: E402
-from rpcompile.zoo import LlamaConfig, TinyLlama  # noqa: E402
+from rpcompile.cli.zoo import LlamaConfig, TinyLlama  # noqa: E402
 import hf_fixtures as fx  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""Tests for the LayerGraph IR (rpcompile/graph.py), built by hand from tiny fx modules."""
+"""Tests for the LayerGraph IR (rpcompile/ir/graph.py), built by hand from tiny fx modules."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,7 +8,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from rpcompile.graph import Layer, LayerGraph, Value
+from rpcompile.ir.graph import Layer, LayerGraph, Value
 
 
 class _Split(nn.Module):

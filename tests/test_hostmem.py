@@ -5,11 +5,11 @@ import torch
 
 import rpcompile
 from rpcompile import CostTable, StagePlan
-from rpcompile.hardware import Hardware
+from rpcompile.ir.hardware import Hardware
 from rpcompile.hostmem import check_host_memory, host_bytes
 from rpcompile.passes import trace
 from rpcompile.runtime.optimizer import HostState
-from rpcompile.zoo import LlamaConfig, TinyLlama
+from rpcompile.cli.zoo import LlamaConfig, TinyLlama
 
 CFG = LlamaConfig(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, ffn=64, max_seq=32)
 
@@ -95,7 +95,7 @@ def test_the_limit_is_the_hardware_or_this_machines_ram(monkeypatch):
     with pytest.raises(ValueError, match=r"the cpu host memory is 1\.0 MiB .*state alone is over.*LoRA"):
         check_host_memory(model, microbatches=1, hardware=small)  # no plan yet: only the state counts
     check_host_memory(model, microbatches=1, hardware=small, limit=2**30)  # an explicit limit wins
-    monkeypatch.setattr("rpcompile.hardware._host_memory", lambda: 2**20)
+    monkeypatch.setattr("rpcompile.ir.hardware._host_memory", lambda: 2**20)
     with pytest.raises(ValueError, match="this machine's RAM is 1.0 MiB"):
         check_host_memory(model, microbatches=1)
 
@@ -108,10 +108,10 @@ def test_compile_refuses_a_run_that_does_not_fit_the_host():
 
 
 def test_compile_without_a_hardware_target_checks_this_machines_ram(monkeypatch):
-    monkeypatch.setattr("rpcompile.hardware._host_memory", lambda: 2**16)
+    monkeypatch.setattr("rpcompile.ir.hardware._host_memory", lambda: 2**16)
     with pytest.raises(ValueError, match=r"host memory: the run needs .* but this machine's RAM is 0\.1 MiB"):
         rpcompile.compile(TinyLlama(CFG), gpus=2, example=batch(), microbatches=2)
-    monkeypatch.setattr("rpcompile.hardware._host_memory", lambda: 2**34)
+    monkeypatch.setattr("rpcompile.ir.hardware._host_memory", lambda: 2**34)
     rpcompile.compile(TinyLlama(CFG), gpus=2, example=batch(), microbatches=2).close()
 
 
@@ -125,10 +125,10 @@ def test_one_worker_takes_one_round_of_all_microbatches_when_the_host_holds_it(m
         run = dict(microbatches=4, gpus=1, optimizer=c.options.optimizer)
         whole, single = (host_bytes(c.graph, c.costs, c.plan, round_size=r, **run).total for r in (4, 1))
     assert single < whole
-    monkeypatch.setattr("rpcompile.hardware._host_memory", lambda: (single + whole) // 2)
+    monkeypatch.setattr("rpcompile.ir.hardware._host_memory", lambda: (single + whole) // 2)
     with rpcompile.compile(TinyLlama(CFG), **kw) as c:
         assert c.program.round_size == 1
-    monkeypatch.setattr("rpcompile.hardware._host_memory", lambda: 2**34)
+    monkeypatch.setattr("rpcompile.ir.hardware._host_memory", lambda: 2**34)
     with rpcompile.compile(TinyLlama(CFG), gpus=2, example=batch(), microbatches=4) as c:
         assert c.program.round_size == 2
 
@@ -139,8 +139,8 @@ def test_load_checks_the_host_memory_of_the_checkpoints_run(tmp_path, monkeypatc
     with rpcompile.compile(TinyLlama(CFG), gpus=2, example=batch(), microbatches=2) as c:
         c.step(batch())
         c.save(tmp_path / "ckpt")
-    monkeypatch.setattr("rpcompile.hardware._host_memory", lambda: 2**16)
+    monkeypatch.setattr("rpcompile.ir.hardware._host_memory", lambda: 2**16)
     with pytest.raises(ValueError, match=r"host memory: the run needs .* but this machine's RAM is 0\.1 MiB"):
         rpcompile.load(tmp_path / "ckpt", TinyLlama(CFG))
-    monkeypatch.setattr("rpcompile.hardware._host_memory", lambda: 2**34)
+    monkeypatch.setattr("rpcompile.ir.hardware._host_memory", lambda: 2**34)
     rpcompile.load(tmp_path / "ckpt", TinyLlama(CFG)).close()

@@ -16,7 +16,8 @@ import models as M  # noqa: E402
 import rpcompile  # noqa: E402
 from rpcompile import CostTable, Hardware, StagePlan, max_seq_len  # noqa: E402
 from rpcompile.passes import estimate_costs, trace  # noqa: E402
-from rpcompile.passes._seqlen import memory_refusal, round_saved_bytes  # noqa: E402
+from rpcompile.passes._stage_memory import memory_refusal
+from rpcompile.passes.host_bytes import round_saved_bytes  # noqa: E402
 
 pytest.importorskip("transformers")
 
@@ -50,7 +51,7 @@ def _limit(model, budget: int, layers=None):
 
 
 def test_compile_at_the_predicted_limit_fits_and_past_it_is_refused_naming_the_layer() -> None:
-    from rpcompile.presets import sublayer_units
+    from rpcompile.passes.trace import sublayer_units
     torch.manual_seed(0)
     model, budget = _llama(128, 344), 5 * 2 ** 20
     blocks = _limit(model, budget)
@@ -97,7 +98,8 @@ def test_host_state_counts_frozen_parameters_at_their_own_dtype_only() -> None:
         p.requires_grad_(p.dim() == 1)
     lora.model.embed_tokens.to(torch.bfloat16)  # a frozen bf16 part: its compute copy only, 2 bytes each
     graph = trace(lora, M.lm_batch(batch=2, seq=16))
-    sc = CostTable.symbolic(graph, M.lm_batch(batch=2, seq=16), Hardware.preset("cpu"))
+    sc = estimate_costs(graph, M.lm_batch(batch=2, seq=16), mode="predict", hardware=Hardware.preset("cpu"),
+                        symbolic=True)
     state = dict(sc.host_state)
     emb = lora.model.embed_tokens.weight.numel()
     frozen = sum(p.numel() for p in lora.parameters() if not p.requires_grad) - emb

@@ -13,7 +13,7 @@ from torch import nn
 from torch.func import functional_call
 
 import rpcompile
-from rpcompile.optim import DynamicLossScale
+from rpcompile.ir.optim import DynamicLossScale
 from rpcompile.runtime.optimizer import HostState
 
 V, D, R = 11, 8, 2

@@ -1,5 +1,6 @@
 """StagePlan: per-stage time and memory, t_max, the printed table."""
 from rpcompile import CostTable, StagePlan
+from rpcompile.passes import with_report
 
 
 def test_stage_times_and_t_max():
@@ -18,5 +19,5 @@ def test_str_round_trip_and_table():
     p = StagePlan.from_str("2,2|1|3,1")
     assert p.to_str() == "2,2|1|3,1" and str(p) == "StagePlan(2,2|1|3,1)"
     c = CostTable.from_lists([1e-3] * 5, [2e-3] * 5)
-    e = p.evaluated(c, gpus=2, microbatches=2)
+    e = with_report(p, c, gpus=2, microbatches=2)
     assert e == p and "share of t_max" in str(e) and "bubble" in str(e)

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from rpcompile import CostTable, Instr, Op, Program, StagePlan
 from rpcompile.passes import emit
-from rpcompile.program import CHUNK_OPS, HOST_OPS, MB_OPS, Lane, Ref
+from rpcompile.ir.program import CHUNK_OPS, HOST_OPS, MB_OPS, Lane, Ref
 
 small = st.integers(0, 40)
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import rpcompile
-from rpcompile.zoo import LlamaConfig, TinyLlama
+from rpcompile.cli.zoo import LlamaConfig, TinyLlama
 
 CFG = LlamaConfig(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, ffn=64, max_seq=32)
 
@@ -168,7 +168,7 @@ def test_on_nonfinite_skip_skips_and_counts():
 
 def test_fp16_dynamic_loss_scaling_keeps_its_skip_and_lower():
     """With a DynamicLossScale the overflow is the scaler's to handle: it skips and halves, nothing raises."""
-    from rpcompile.optim import DynamicLossScale
+    from rpcompile.ir.optim import DynamicLossScale
     from rpcompile.passes import emit, trace
     from rpcompile.runtime.executor import Runtime
     from rpcompile.runtime.optimizer import HostState
@@ -238,7 +238,7 @@ def test_resume_with_perturbed_measurements_is_bit_identical(tmp_path, staleness
     script = textwrap.dedent(f"""
         import random, dataclasses, torch, rpcompile
         import rpcompile.passes as P, rpcompile.passes.cost as C
-        from rpcompile.zoo import TinyLlama
+        from rpcompile.cli.zoo import TinyLlama
         from tests.test_reliability import CFG, _batch
         orig, rng, calls = C.estimate_costs, random.Random(7), []
         def noisy(*a, **kw):

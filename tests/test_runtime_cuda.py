@@ -17,7 +17,7 @@ import models  # noqa: E402
 import rpcompile  # noqa: E402
 from rpcompile import AdamW, CostTable, StagePlan  # noqa: E402
 from rpcompile.passes import emit, trace  # noqa: E402
-from rpcompile.program import Op  # noqa: E402
+from rpcompile.ir.program import Op  # noqa: E402
 from rpcompile.runtime.executor import Runtime, RuntimeFailure  # noqa: E402
 from rpcompile.runtime.optimizer import HostState  # noqa: E402
 

@@ -11,7 +11,7 @@ import pytest
 
 from rpcompile import CostTable, StagePlan
 from rpcompile.passes.timing import ScheduleTimes, default_round_size, iteration_time, steady_state_window
-from rpcompile.plan import StageKind
+from rpcompile.ir.plan import StageKind
 
 
 # ---- reference implementation: `git show HEAD:passes/timing.py`, verbatim but for the names ----

@@ -6,7 +6,7 @@ import pytest
 from rpcompile import CostTable, Instr, ProgramError, StagePlan
 from rpcompile.passes import emit, verify
 from rpcompile.passes.verify import RULES
-from rpcompile.program import Ref
+from rpcompile.ir.program import Ref
 
 PLAN = StagePlan.from_str("2,1|1|1,2")   # F0 F1 X2 B3 B4, layers 0..3
 

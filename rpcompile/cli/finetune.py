@@ -35,8 +35,11 @@ from typing import Any, Callable
 
 import torch
 
+from rpcompile.api import compile, load
 from rpcompile.cli.data import pack, read_documents
+from rpcompile.cli.hf import add_lora, check_model, export, load_model, load_tokenizer, trainable_module
 from rpcompile.cli.schedule import SCHEDULES, lr_at
+from rpcompile.ir.optim import AdamW
 
 __all__ = ["FinetuneConfig", "FinetuneResult", "finetune", "CHECKPOINT", "RUN_FILE", "DTYPES"]
 
@@ -151,9 +154,6 @@ def finetune(cfg: FinetuneConfig, *, on_step: Callable[[int, float], None] | Non
         >>> finetune(FinetuneConfig(model="tiny/", data="notes.txt", out="tuned/", steps=10)).steps  # doctest: +SKIP
         10
     """
-    import rpcompile
-    from rpcompile.cli.hf import add_lora, check_model, export, load_model, load_tokenizer, trainable_module
-
     _check(cfg)
     cuda = torch.cuda.is_available()
     dtype = DTYPES[cfg.dtype] or (torch.bfloat16 if cuda else torch.float32)
@@ -182,15 +182,15 @@ def finetune(cfg: FinetuneConfig, *, on_step: Callable[[int, float], None] | Non
     os.makedirs(cfg.out, exist_ok=True)
     ckpt = os.path.join(cfg.out, CHECKPOINT)
     if cfg.resume:
-        c = rpcompile.load(ckpt, module)
+        c = load(ckpt, module)
     else:
         with open(os.path.join(cfg.out, RUN_FILE), "w") as f:  # written before any checkpoint exists
             json.dump(run, f, indent=1)
-        c = rpcompile.compile(module, gpus=gpus, example=train.batch(0, size, cfg.seed), microbatches=micro,
-                              staleness=cfg.staleness, dtype=dtype, seed=cfg.seed,
-                              optimizer=rpcompile.AdamW(lr=lr, weight_decay=cfg.weight_decay,
-                                                        max_grad_norm=cfg.max_grad_norm),
-                              memory_budget=_budget(cfg, cuda), lm_head_shards=cfg.lm_head_shards)
+        c = compile(module, gpus=gpus, example=train.batch(0, size, cfg.seed), microbatches=micro,
+                    staleness=cfg.staleness, dtype=dtype, seed=cfg.seed,
+                    optimizer=AdamW(lr=lr, weight_decay=cfg.weight_decay,
+                                    max_grad_norm=cfg.max_grad_norm),
+                    memory_budget=_budget(cfg, cuda), lm_head_shards=cfg.lm_head_shards)
     _describe(cfg, module, train, c, total, size)
     evals: list[tuple[int, float]] = []
     with c:

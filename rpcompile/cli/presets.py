@@ -14,6 +14,13 @@ import json
 import os
 from typing import Any
 
+import torch
+
+from rpcompile.cli.attention import register
+from rpcompile.ir.hardware import Hardware
+from rpcompile.passes._seqlen import max_seq_len
+from rpcompile.passes.trace import sublayer_units, trace
+
 # name -> (transformers config class, config fields)
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3-1.7b": ("Qwen3Config", dict(
@@ -68,7 +75,7 @@ def default_attention(cfg) -> str:
 
     transformers' SDPA path is used where the model supports it (flash / memory-efficient kernels on
     CUDA, the flash kernel on CPU); a model without one (GPT-OSS: attention sinks) gets
-    `rpcompile.attention.sdpa_with_sinks`, the same attention through one SDPA call.
+    `rpcompile.cli.attention.sdpa_with_sinks`, the same attention through one SDPA call.
 
     >>> default_attention(config_for("llama3.1-8b"))
     'sdpa'
@@ -77,7 +84,6 @@ def default_attention(cfg) -> str:
     cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(cfg), None)
     if cls is None or getattr(cls, "_supports_sdpa", False):
         return "sdpa"
-    from rpcompile.attention import register
     return register()
 
 
@@ -99,7 +105,6 @@ def build_meta(name_or_path: str, dtype=None, attn_implementation: str | None = 
     >>> build_meta("qwen3-1.7b").config._attn_implementation
     'sdpa'
     """
-    import torch
     tf = _transformers()
     cfg = config_for(name_or_path)
     cfg._attn_implementation = attn_implementation or cfg._attn_implementation or default_attention(cfg)
@@ -114,37 +119,8 @@ def build_meta(name_or_path: str, dtype=None, attn_implementation: str | None = 
 
 def example_batch(vocab: int, batch: int, seq: int, device: str = "cpu") -> dict:
     """A token batch (input_ids and labels) of the given shape."""
-    import torch
     ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
     return {"input_ids": ids, "labels": ids.clone()}
-
-
-def sublayer_units(model) -> list[str]:
-    """Layer-unit patterns that cut every decoder block into its sub-blocks (norms, attention, MLP).
-
-    For `trace(..., layers=)`. A backward stage then recomputes and differentiates one sub-block,
-    not a whole decoder layer, so the activations it holds are those of attention or of the MLP:
-    at long sequences this is what lets a layer's workspace fit (`seq_len_limit`). The sub-blocks
-    are the decoder block's children that own parameters; the residual adds run as glue.
-
-    >>> sublayer_units(build_meta("llama3.1-8b"))[:3]
-    ['model.embed_tokens', 'model.layers.*.self_attn', 'model.layers.*.mlp']
-    """
-    from rpcompile.passes.trace import _detect_units
-    units = _detect_units(model)
-    blocks = [u for u in units if u.rsplit(".", 1)[-1].isdigit()]
-    if not blocks:
-        raise ValueError(f"{type(model).__name__} has no list of decoder blocks to cut into sub-blocks")
-    inner: dict[str, list[str]] = {}  # block list (an encoder-decoder has two) -> its sub-block patterns
-    for b in blocks:
-        parent = b.rsplit(".", 1)[0]
-        if parent not in inner:
-            inner[parent] = [f"{parent}.*.{c}" for c, m in model.get_submodule(b).named_children()
-                             if next(m.parameters(), None) is not None]
-    out: list[str] = []
-    for u in units:
-        out += inner[u.rsplit(".", 1)[0]] if u in blocks else [u]
-    return list(dict.fromkeys(out))
 
 
 def long_sequence_graph(name_or_path: str, *, frozen_base: bool = False,
@@ -165,7 +141,6 @@ def long_sequence_graph(name_or_path: str, *, frozen_base: bool = False,
     >>> [layer.name for layer in long_sequence_graph("qwen3-1.7b").layers][1:3]   # doctest: +SKIP
     ['model.layers.0.input_layernorm', 'model.layers.0.self_attn']
     """
-    from rpcompile.passes import trace
     impl = experts_implementation or ("eager" if frozen_base else None)
     net = build_meta(name_or_path, experts_implementation=impl)
     if frozen_base:
@@ -192,8 +167,6 @@ def seq_len_limit(name_or_path: str, hardware: Any = "rtx4090", *, gpus: int | N
 
     >>> print(seq_len_limit("qwen3-1.7b", host_memory=2048 * 2**30))   # doctest: +SKIP
     """
-    from rpcompile.hardware import Hardware
-    from rpcompile.passes.symbolic import max_seq_len
     hw = Hardware.preset(hardware) if isinstance(hardware, str) else hardware
     graph = long_sequence_graph(name_or_path, frozen_base=frozen_base, experts_implementation=experts_implementation)
     return max_seq_len(graph, hw, gpus=gpus, microbatch_size=microbatch_size, microbatches=microbatches,

@@ -125,21 +125,6 @@ class CostTable:
         return {f.name: sum(getattr(self, f.name)) for f in fields(self)
                 if f.name != "names" and getattr(self, f.name) is not None}
 
-    @classmethod
-    def symbolic(cls, graph, example, hardware, *, microbatches: int = 1):
-        """Predicted costs as sympy expressions in B (microbatch size) and S (sequence length).
-
-        Same as `rpcompile.passes.estimate_costs(graph, example, mode="predict",
-        hardware=hardware, microbatches=microbatches, symbolic=True)`.
-
-        Returns:
-            A `rpcompile.passes.symbolic.SymbolicCosts`; `.at(B, S)` gives a CostTable.
-        """
-        from rpcompile.passes.cost import estimate_costs
-
-        return estimate_costs(graph, example, mode="predict", hardware=hardware, microbatches=microbatches,
-                              symbolic=True, progress=False)
-
     def __str__(self) -> str:
         cols = list(_COLUMNS) + [(f, None, h) for f, h in (("fwd_flops", "fwd FLOP"), ("bwd_flops", "bwd FLOP"))
                                  if getattr(self, f) is not None]

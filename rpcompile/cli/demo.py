@@ -15,6 +15,19 @@ from dataclasses import dataclass
 
 import torch
 
+from rpcompile.api import Options, compile, plan_pipeline
+from rpcompile.cli.gantt import compute_bubble, plot_panels
+from rpcompile.cli.zoo import LlamaConfig, TinyLlama
+from rpcompile.ir.hardware import Hardware
+from rpcompile.ir.optim import AdamW
+from rpcompile.runtime import simulate, steady_iterations
+
+# The folders whose .py and .md files make the corpus, in this order: the package's own (relative to
+# rpcompile/), then passes/, runtime/ and docs/ (next to rpcompile/ in a checkout; an installed package
+# holds passes/ and runtime/ inside rpcompile/, so those are looked for there too).
+_PACKAGE_FOLDERS = ("", "ir", "cli")
+_SIBLING_FOLDERS = ("passes", "runtime", "docs")
+
 
 @dataclass(frozen=True, slots=True)
 class DemoConfig:
@@ -33,23 +46,24 @@ class DemoConfig:
 
 
 def corpus() -> bytes:
-    """The project's own source and docs as one byte string."""
-    import rpcompile
-    pkg = os.path.dirname(os.path.abspath(rpcompile.__file__))
-    roots = [pkg, os.path.dirname(pkg)]
+    """The project's own source and docs as one byte string (fixed folder order, sorted file names)."""
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # rpcompile/cli/demo.py -> rpcompile/
+    root = os.path.dirname(pkg)
+    folders = [os.path.join(pkg, f) for f in _PACKAGE_FOLDERS] + [root]  # root: README.md, when installed -e
+    for f in _SIBLING_FOLDERS:
+        beside, inside = os.path.join(root, f), os.path.join(pkg, f)
+        folders.append(beside if os.path.isdir(beside) else inside)
     chunks = []
-    for root in roots:
-        for folder in ("", "passes", "runtime", "docs"):
-            d = os.path.join(root, folder) if folder else root
-            if not os.path.isdir(d):
-                continue
-            for name in sorted(os.listdir(d)):
-                if name.endswith((".py", ".md")):
-                    with open(os.path.join(d, name), "rb") as f:
-                        chunks.append(f.read())
+    for d in folders:
+        if not os.path.isdir(d):
+            continue
+        for name in sorted(os.listdir(d)):
+            if name.endswith((".py", ".md")):
+                with open(os.path.join(d, name), "rb") as f:
+                    chunks.append(f.read())
     data = b"\n".join(dict.fromkeys(chunks))  # a file reachable twice counts once
     if len(data) < 10_000:
-        raise RuntimeError(f"found only {len(data)} bytes of text under {roots}")
+        raise RuntimeError(f"found only {len(data)} bytes of text under {root}")
     return data
 
 
@@ -76,12 +90,6 @@ def _bar(i: int, n: int, loss: float, tps: float, bubble: float, tty: bool) -> N
 
 def run(cfg: DemoConfig = DemoConfig()) -> float:
     """Train, print the IRs and progress, write the charts; returns the final loss."""
-    import rpcompile
-    from rpcompile.api import Options, plan_pipeline
-    from rpcompile.gantt import compute_bubble
-    from rpcompile.runtime import simulate, steady_iterations
-    from rpcompile.zoo import LlamaConfig, TinyLlama
-
     torch.manual_seed(cfg.seed)
     data = corpus()
     model = TinyLlama(LlamaConfig(vocab=256, dim=128, layers=4, heads=4, kv_heads=2, ffn=344,
@@ -90,9 +98,9 @@ def run(cfg: DemoConfig = DemoConfig()) -> float:
     example = next(stream)
     print(f"rpcompile demo: {sum(p.numel() for p in model.parameters()):,} parameters, "
           f"{len(data):,} bytes of text, {cfg.gpus} workers, {cfg.microbatches} microbatches\n")
-    c = rpcompile.compile(model, gpus=cfg.gpus, example=example, microbatches=cfg.microbatches,
-                          optimizer=rpcompile.AdamW(lr=cfg.lr, weight_decay=0.0), seed=cfg.seed,
-                          memory_budget=int(cfg.memory_mib * 2**20))
+    c = compile(model, gpus=cfg.gpus, example=example, microbatches=cfg.microbatches,
+                optimizer=AdamW(lr=cfg.lr, weight_decay=0.0), seed=cfg.seed,
+                memory_budget=int(cfg.memory_mib * 2**20))
     print("== layer graph ==", c.graph, "", "== plan ==", c.plan, "", "== program (one iteration) ==",
           c.program, "", sep="\n")
     tty = sys.stdout.isatty()
@@ -110,7 +118,7 @@ def run(cfg: DemoConfig = DemoConfig()) -> float:
     # The same model planned for 8x RTX 4090 with predicted costs, then simulated.
     opts = Options(gpus=8, microbatches=16, staleness=1, optimizer=c.options.optimizer, dtype=torch.bfloat16,
                    loss_fn=None, layers=None, lm_head_shards="auto",
-                   hardware=rpcompile.Hardware.preset("rtx4090"), memory_budget=None, backend="host", seed=0)
+                   hardware=Hardware.preset("rtx4090"), memory_budget=None, backend="host", seed=0)
     big = {k: v.repeat(2, 1) for k, v in example.items()}
     _, costs8, plan8, program8, _ = plan_pipeline(model, big, opts, mode="predict")
     sim = simulate(program8, costs8, opts.hardware, iterations=steady_iterations(program8))
@@ -124,7 +132,6 @@ def run(cfg: DemoConfig = DemoConfig()) -> float:
 
 def _charts(cfg: DemoConfig, measured, sim) -> None:
     """gantt.png (measured | simulated) when matplotlib is installed; Chrome traces always."""
-    from rpcompile.gantt import plot_panels
     sim.to_chrome_trace(os.path.join(cfg.out, "simulated-8x4090.json"))
     try:
         plot_panels(os.path.join(cfg.out, "gantt.png"),

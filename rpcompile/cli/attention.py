@@ -17,7 +17,7 @@ in S without a mask (and the flash kernel runs on CUDA):
   sink column and the dummy row added.
 
 `register()` adds it to transformers' attention and mask registries under
-`NAME`; `rpcompile.presets.build_meta` uses it for models without SDPA.
+`NAME`; `rpcompile.cli.presets.build_meta` uses it for models without SDPA.
 
     >>> register()
     'rpcompile_attention'

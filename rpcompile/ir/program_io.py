@@ -1,7 +1,10 @@
 """Text, CSV and Chrome-trace views of a Program (helpers behind Program's methods).
 
+They read a program's fields (`plan`, `gpus`, `instrs`, ...) and import only
+the instruction records, so that `program.py` can call them.
+
     >>> from rpcompile.passes import emit
-    >>> from rpcompile.plan import StagePlan
+    >>> from rpcompile.ir.plan import StagePlan
     >>> print(grid(emit(StagePlan.from_str("|1|"), gpus=1, microbatches=1)))
     Program(|1|, gpus=1, microbatches=1, round_size=1, staleness=1, g0=0)
       step  w0        host
@@ -16,14 +19,15 @@ from __future__ import annotations
 
 import csv
 import json
+from typing import Any  # a program is read by its fields: program.py imports this module
 
 from tabulate import tabulate
 
-from rpcompile.plan import StagePlan
-from rpcompile.program import Chunk, Instr, Program, Ref
+from rpcompile.ir.plan import StagePlan
+from rpcompile.ir.instr import Chunk, Instr
 
 
-def grid(program: Program, mark: str | None = None, context: int | None = None) -> str:
+def grid(program: Any, mark: str | None = None, context: int | None = None) -> str:
     """Per-worker instruction columns (program order, all lanes), host column last.
 
     Args:
@@ -57,7 +61,7 @@ def grid(program: Program, mark: str | None = None, context: int | None = None) 
 _META = ("plan", "gpus", "microbatches", "round_size", "staleness", "worker_offset", "next_offset")
 
 
-def to_csv(program: Program, path) -> None:
+def to_csv(program: Any, path) -> None:
     """Rows: ('meta', key, value), ('chunk', stage, index, bytes, pieces), ('instr', text)."""
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
@@ -71,8 +75,8 @@ def to_csv(program: Program, path) -> None:
             w.writerow(["instr", str(i)])
 
 
-def from_csv(path) -> Program:
-    """Read a program written by `to_csv`."""
+def read_csv(path) -> dict:
+    """The fields of a program written by `to_csv` (`Program(**read_csv(path))` rebuilds it)."""
     meta: dict = {}
     chunks, instrs = [], []
     with open(path, newline="") as f:
@@ -94,10 +98,10 @@ def from_csv(path) -> Program:
     missing = [k for k in _META if k not in meta]
     if missing:
         raise ValueError(f"{path}: missing program fields {missing}")
-    return Program(instrs=tuple(instrs), chunks=tuple(chunks), **meta)
+    return dict(instrs=tuple(instrs), chunks=tuple(chunks), **meta)
 
 
-def unit_times(program: Program) -> dict[str, tuple[float, float]]:
+def unit_times(program: Any) -> dict[str, tuple[float, float]]:
     """Placeholder timeline of one iteration: each instruction takes 1 after its deps and lane predecessor."""
     end: dict[str, float] = {}
     lane_end: dict = {}
@@ -110,7 +114,7 @@ def unit_times(program: Program) -> dict[str, tuple[float, float]]:
     return out
 
 
-def to_chrome_trace(program: Program, path, timeline=None) -> None:
+def to_chrome_trace(program: Any, path, timeline=None) -> None:
     """Write chrome://tracing JSON: one complete ('X') event per instruction, pid = worker, tid = lane."""
     if timeline is None:
         times, scale = unit_times(program), 1.0
@@ -131,4 +135,4 @@ def to_chrome_trace(program: Program, path, timeline=None) -> None:
                    "otherData": {"plan": program.plan.to_str(), "gpus": program.gpus}}, f)
 
 
-__all__ = ["grid", "to_csv", "from_csv", "to_chrome_trace", "unit_times", "Ref"]
+__all__ = ["grid", "to_csv", "read_csv", "to_chrome_trace", "unit_times"]

@@ -7,11 +7,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from tabulate import tabulate
 
-from rpcompile.hardware import Hardware
+from rpcompile import passes
+from rpcompile.api import Options, plan_pipeline
+from rpcompile.cli.presets import build_meta, example_batch, seq_len_limit
 from rpcompile.hostmem import HostBytes, check_host_memory
-from rpcompile.optim import AdamW
+from rpcompile.ir.hardware import Hardware
+from rpcompile.ir.optim import AdamW
+from rpcompile.runtime import simulate, steady_iterations
+from rpcompile.runtime.baselines import gpipe, interleaved_1f1b, looped_bfs, one_f_one_b
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +56,7 @@ def plan_model(model: str, *, gpus: int = 8, hardware: str | Hardware = "rtx4090
     """Build `model` on meta, predict its costs on `hardware`, plan, simulate, compare.
 
     Args:
-        model: a name from `rpcompile.presets.MODELS` or a config.json path.
+        model: a name from `rpcompile.cli.presets.MODELS` or a config.json path.
         gpus, hardware, seq, microbatches, staleness: the target run.
         microbatch_size: sequences per microbatch (the example batch is microbatches x this).
         frozen_base: plan a LoRA-style run: every matrix is frozen, only the 1-D weights (norms)
@@ -59,18 +65,12 @@ def plan_model(model: str, *, gpus: int = 8, hardware: str | Hardware = "rtx4090
     Returns:
         A PlanResult; `.table()` compares our schedule with GPipe, 1F1B, interleaved and looped-BFS
         (a baseline that cannot be built for this run says why in its row); `.max_seq` is
-        `rpcompile.presets.seq_len_limit` for the same machine, GPUs, microbatches and microbatch size.
+        `rpcompile.cli.presets.seq_len_limit` for the same machine, GPUs, microbatches and microbatch size.
     Raises:
         ValueError: a bad argument (named), or the run does not fit the host memory
             (`rpcompile.hostmem.check_host_memory`: the parameters' state is checked before planning,
             the saved activations once the plan is known).
     """
-    import torch
-    from rpcompile import passes
-    from rpcompile.api import Options, plan_pipeline
-    from rpcompile.presets import build_meta, example_batch
-    from rpcompile.runtime import simulate, steady_iterations
-
     for name, v in (("gpus", gpus), ("seq", seq), ("microbatches", microbatches),
                     ("microbatch_size", microbatch_size)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -111,8 +111,6 @@ def plan_model(model: str, *, gpus: int = 8, hardware: str | Hardware = "rtx4090
 
 def _baseline_rows(costs, gpus: int, microbatches: int, tokens: int, hw: Hardware) -> list[tuple]:
     """One row per bound-stage baseline; one that cannot be built for this run says why in its own row."""
-    from rpcompile.runtime import simulate
-    from rpcompile.runtime.baselines import gpipe, interleaved_1f1b, looped_bfs, one_f_one_b
     builders = (("GPipe", gpipe), ("1F1B", one_f_one_b), ("interleaved 1F1B (V=2)", interleaved_1f1b),
                 ("looped BFS (V=2)", looped_bfs))
     rows = []
@@ -129,7 +127,6 @@ def _baseline_rows(costs, gpus: int, microbatches: int, tokens: int, hw: Hardwar
 
 def _seq_limit(model: str, hw: Hardware, **kwargs):
     """(`presets.seq_len_limit(model, hw, **kwargs)`, None), or (None, why it could not be computed)."""
-    from rpcompile.presets import seq_len_limit
     try:
         return seq_len_limit(model, hw, host_memory=hw.host_memory, **kwargs), None
     except Exception as exc:  # noqa: BLE001 - reported in the output: the plan itself still stands

@@ -16,6 +16,11 @@ import os
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+from rpcompile.api import compile, load
+from rpcompile.cli.demo import DemoConfig, batches
+from rpcompile.cli.zoo import LlamaConfig, TinyLlama
+from rpcompile.ir.optim import AdamW
+
 
 def _key(default: Any, meaning: str) -> Any:
     """A RunConfig field with its meaning (listed by `python -m rpcompile train --help`)."""
@@ -123,10 +128,6 @@ def config_help() -> str:
 
 def train(cfg: RunConfig) -> list[float]:
     """Run `cfg`; returns the losses of the steps it ran."""
-    import rpcompile
-    from rpcompile.demo import DemoConfig, batches
-    from rpcompile.zoo import LlamaConfig, TinyLlama
-
     with open(cfg.text, "rb") as f:
         data = f.read()
     if len(data) < cfg.seq + 2:
@@ -135,14 +136,14 @@ def train(cfg: RunConfig) -> list[float]:
                                   kv_heads=cfg.heads, ffn=cfg.dim * 8 // 3, max_seq=cfg.seq), seed=cfg.seed)
     stream = batches(data, DemoConfig(batch=cfg.batch, seq=cfg.seq, seed=cfg.seed))
     if cfg.resume and cfg.save and os.path.exists(cfg.save):
-        c = rpcompile.load(cfg.save, model)
+        c = load(cfg.save, model)
         for _ in range(c.steps):  # the data stream continues where the run stopped
             next(stream)
         print(f"resumed {cfg.save} at step {c.steps}")
     else:
-        c = rpcompile.compile(model, gpus=cfg.gpus, example=next(stream),
-                              microbatches=cfg.microbatches, staleness=cfg.staleness,
-                              optimizer=rpcompile.AdamW(lr=cfg.lr, weight_decay=0.0), seed=cfg.seed)
+        c = compile(model, gpus=cfg.gpus, example=next(stream),
+                    microbatches=cfg.microbatches, staleness=cfg.staleness,
+                    optimizer=AdamW(lr=cfg.lr, weight_decay=0.0), seed=cfg.seed)
         stream = batches(data, DemoConfig(batch=cfg.batch, seq=cfg.seq, seed=cfg.seed))  # from the start
     losses = []
     with c:

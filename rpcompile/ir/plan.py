@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Sequence
+from dataclasses import dataclass, field
+from typing import Sequence
 
 from tabulate import tabulate
 
-if TYPE_CHECKING:
-    from rpcompile.costs import CostTable
+from rpcompile.ir.costs import CostTable, _fmt
 
 
 class StageKind(str, enum.Enum):
@@ -57,7 +56,7 @@ class StagePlan:
     fwd: tuple[range, ...]  # forward stages, ascending
     fused: range            # the fused forward+backward stage (the last layers, through the loss)
     bwd: tuple[range, ...]  # backward stages in execution order (descending layers)
-    # Evaluation attached at construction by `evaluated()` (never mutated); not part of equality.
+    # Evaluation attached at construction by `passes.with_report()` (never mutated); not part of equality.
     report: "PlanReport | None" = field(default=None, compare=False, repr=False)
     # Derived from the three groupings in __post_init__ (stage records in slot order).
     _stages: tuple = field(default=(), init=False, compare=False, repr=False)
@@ -160,7 +159,7 @@ class StagePlan:
         (`act_bytes[last]`, current and next) and the outgoing one. An estimate
         used for feasibility, not an allocator trace.
 
-        >>> from rpcompile.costs import CostTable
+        >>> from rpcompile.ir.costs import CostTable
         >>> c = CostTable.from_lists([1, 1], [2, 2], param_bytes=[10, 20], grad_bytes=[10, 20])
         >>> StagePlan.from_str("1|1|1").stage_memory(c, gpus=2)
         (20, 50, 40)
@@ -188,37 +187,6 @@ class StagePlan:
             out.append(mem)
         return tuple(out)
 
-    def describe(self, costs: "CostTable", *, gpus: int, microbatches: int, round_size: int | None = None,
-                 staleness: int = 0, memory_budget: int | None = None) -> "PlanReport":
-        """Evaluate the plan: stage times and memory, t_max, iteration time, bubble.
-
-        Args:
-            costs: the cost table.
-            gpus, microbatches, round_size, staleness: as for `iteration_time`.
-            memory_budget: device bytes per worker, shown in the table (None: no limit).
-        Returns:
-            A PlanReport; `str()` of it is the table.
-
-        >>> from rpcompile.costs import CostTable
-        >>> c = CostTable.from_lists([1.0] * 4, [2.0] * 4)
-        >>> r = StagePlan.from_str("3|1|3").describe(c, gpus=1, microbatches=2)
-        >>> r.t_max, r.iteration_time
-        (9.0, 30.0)
-        """
-        from rpcompile.passes.timing import iteration_time  # passes import this module
-        times = self.stage_times(costs)
-        t = iteration_time(self, costs, gpus=gpus, microbatches=microbatches, round_size=round_size,
-                           staleness=staleness)
-        bubble = 1.0 - microbatches * sum(times) / (gpus * t) if t > 0 else 0.0  # as `bubble_ratio`
-        return PlanReport(
-            stages=self.stages, times=times, memory=self.stage_memory(costs, gpus=gpus), t_max=max(times),
-            iteration_time=t, bubble_ratio=bubble,
-            gpus=gpus, microbatches=microbatches, staleness=staleness, memory_budget=memory_budget)
-
-    def evaluated(self, costs: "CostTable", **kwargs) -> "StagePlan":
-        """A copy carrying `describe(costs, **kwargs)` as `report`, so that `print(plan)` shows the table."""
-        return replace(self, report=self.describe(costs, **kwargs))
-
     def __str__(self) -> str:
         return f"StagePlan({self.to_str()})" if self.report is None else str(self.report)
 
@@ -227,9 +195,12 @@ class StagePlan:
 class PlanReport:
     """A plan's evaluation under one cost table and schedule; `str()` is a table.
 
-    >>> from rpcompile.costs import CostTable
+    Made by `rpcompile.passes.describe_plan` (it times the plan):
+
+    >>> from rpcompile.ir.costs import CostTable
+    >>> from rpcompile.passes import describe_plan
     >>> c = CostTable.from_lists([1e-3] * 2, [2e-3] * 2)
-    >>> print(StagePlan.from_str("1|1|1").describe(c, gpus=2, microbatches=2))  # doctest: +NORMALIZE_WHITESPACE
+    >>> print(describe_plan(StagePlan.from_str("1|1|1"), c, gpus=2, microbatches=2))  # doctest: +NORMALIZE_WHITESPACE
     stage    kind    layers    time      memory    share of t_max
     -------  ------  --------  --------  --------  ----------------
     F1       F       0         1.000 ms    0 B       33%
@@ -250,7 +221,6 @@ class PlanReport:
     memory_budget: int | None       # device bytes per worker, None = no limit
 
     def __str__(self) -> str:
-        from rpcompile.costs import _fmt
         rows = []
         for s, t, m in zip(self.stages, self.times, self.memory):
             lay = f"{s.layers.start}" if len(s.layers) == 1 else f"{s.layers.start}-{s.layers.stop - 1}"

@@ -1,0 +1,176 @@
+"""Command line: python -m rpcompile {demo, plan, simulate, train, finetune} ...
+
+    python -m rpcompile demo
+    python -m rpcompile plan --model llama3.1-8b --gpus 8 --hardware rtx4090 --seq 2048 --microbatches 16
+    python -m rpcompile plan --model qwen3-32b --host-memory 1024 --micro-batch-size 2
+    python -m rpcompile simulate --program program.csv [--costs costs.json] --hardware rtx4090
+    python -m rpcompile train --config run.json          # train --help lists the config keys
+    python -m rpcompile finetune --model DIR --data train.jsonl --out DIR [--lora 8] [--save-every 100]
+
+A bad value (a count below 1, an unknown config key, a string where a number
+goes) is one line on stderr and exit status 2, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from rpcompile.cli.demo import DemoConfig, run
+from rpcompile.cli.finetune import finetune
+from rpcompile.cli.finetune_args import add_arguments, config_from_args
+from rpcompile.cli.planning import plan_model
+from rpcompile.cli.presets import MODELS
+from rpcompile.cli.train import RunConfig, config_help, train
+from rpcompile.ir.costs import CostTable
+from rpcompile.ir.hardware import Hardware
+from rpcompile.ir.program import Program
+from rpcompile.runtime import simulate
+
+
+class _BadUsage(Exception):
+    """A command line argparse refused: printed by `main` as one line (no usage block, no traceback)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a refused command line raised as `_BadUsage` instead of printing usage and exiting."""
+
+    def error(self, message: str):
+        raise _BadUsage(f"{self.prog}: error: {message} (see {self.prog} --help)")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (refused with the value, naming the option)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Train the embedded tiny Llama on the repository's own text."""
+    run(DemoConfig(steps=args.steps, out=args.out))
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Plan a model on meta for a target machine and compare with the baselines."""
+    t = time.perf_counter()
+    if args.host_memory is not None and not args.host_memory > 0:
+        raise ValueError(f"--host-memory must be a positive number of GiB, got {args.host_memory:g}")
+    limit = None if args.host_memory is None else int(args.host_memory * 2**30)
+    r = plan_model(args.model, gpus=args.gpus, hardware=args.hardware, seq=args.seq,
+                   microbatches=args.microbatches, staleness=args.staleness, frozen_base=args.frozen_base,
+                   host_memory=limit, microbatch_size=args.micro_batch_size)  # raises (exit 2) over the host
+    n = args.micro_batch_size
+    size = f"{r.params / 1e9:.2f}B" if r.params >= 1e8 else f"{r.params / 1e6:.2f}M"
+    print(f"{args.model}: {size} parameters, {len(r.costs)} layers, "
+          f"{args.gpus}x {args.hardware}, seq {args.seq}, {args.microbatches} microbatches of "
+          f"{n} sequence{'s' if n > 1 else ''}\n")
+    print(r.plan, "", r.table(), "", sep="\n")
+    source = "--host-memory" if limit is not None else f"{args.hardware} preset"
+    print(f"host memory: {r.host} needed of {r.host_memory / 2**30:,.1f} GiB ({source}): fits")
+    where = f"{args.gpus}x {args.hardware}, {n} sequence{'s' if n > 1 else ''} per microbatch"
+    if r.max_seq is not None:  # the length, then what stops a longer one (SeqLenLimit's str)
+        print(f"max_seq_len on {where}: {r.max_seq}")
+    else:
+        print(f"max_seq_len on {where}: n/a ({r.max_seq_why})")
+    print(f"planned in {time.perf_counter() - t:.1f} s")
+    if args.save_program:
+        r.program.to_csv(args.save_program)
+        with open(args.save_program + ".costs.json", "w") as f:
+            json.dump(r.costs.to_lists(), f)
+        print(f"wrote {args.save_program} and {args.save_program}.costs.json")
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    """Simulate a saved program (CSV) with saved costs (JSON) on a hardware preset."""
+    program = Program.from_csv(args.program)
+    costs_path = args.costs or args.program + ".costs.json"
+    try:
+        with open(costs_path) as f:
+            costs = CostTable.from_lists(**json.load(f))
+    except FileNotFoundError:
+        n = program.plan.num_layers
+        print(f"no cost file {costs_path!r}: using unit costs (fwd 1 ms, bwd 2 ms per layer, no bytes)")
+        costs = CostTable.from_lists(fwd=[1e-3] * n, bwd=[2e-3] * n)
+    t = simulate(program, costs, Hardware.preset(args.hardware), iterations=args.iterations)
+    print(t.summary())
+    if args.trace:
+        t.to_chrome_trace(args.trace)
+        print(f"wrote {args.trace}")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """Train from a JSON run config (see rpcompile.cli.train.RunConfig)."""
+    train(RunConfig.from_json(args.config))  # a bad key or value: ValueError naming it
+    return 0
+
+
+def cmd_finetune(args: argparse.Namespace) -> int:
+    """Fine-tune a Hugging Face model folder on a data file (see rpcompile.cli.finetune)."""
+    finetune(config_from_args(args))
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    """The argument parser; each sub-command's `func` is its handler."""
+    p = _Parser(prog="python -m rpcompile", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("demo", help="train a tiny Llama on this repository's text (2 workers)")
+    d.add_argument("--steps", type=positive_int, default=200)
+    d.add_argument("--out", default="rpcompile-demo")
+    d.set_defaults(func=cmd_demo)
+    pl = sub.add_parser("plan", help="plan a model for a machine, on meta, vs the baselines")
+    pl.add_argument("--model", required=True, help=f"one of {sorted(MODELS)} or a config.json path")
+    pl.add_argument("--gpus", type=positive_int, default=8)
+    pl.add_argument("--hardware", default="rtx4090")
+    pl.add_argument("--seq", type=positive_int, default=2048, help="tokens per sequence")
+    pl.add_argument("--microbatches", type=positive_int, default=16, help="microbatches per iteration")
+    pl.add_argument("--micro-batch-size", type=positive_int, default=1, metavar="N",
+                    help="sequences per microbatch (default 1)")
+    pl.add_argument("--staleness", type=int, default=1, choices=(0, 1))
+    pl.add_argument("--frozen-base", action="store_true",
+                    help="LoRA-style: freeze every matrix (no grads, masters or optimizer state for them)")
+    pl.add_argument("--host-memory", type=float, metavar="GiB",
+                    help="host memory of the target machine in GiB (default: the hardware preset's)")
+    pl.add_argument("--save-program", help="write the program (CSV) and costs (JSON) here")
+    pl.set_defaults(func=cmd_plan)
+    s = sub.add_parser("simulate", help="simulate a saved program")
+    s.add_argument("--program", required=True)
+    s.add_argument("--costs", help="CostTable JSON (default: PROGRAM.costs.json)")
+    s.add_argument("--hardware", default="rtx4090")
+    s.add_argument("--iterations", type=positive_int, default=1)
+    s.add_argument("--trace", help="write a Chrome trace here")
+    s.set_defaults(func=cmd_simulate)
+    t = sub.add_parser("train", help="train from a JSON run config",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, description="Train a byte-level Llama on a text file from a JSON run config, e.g.\n"
+                       '  {"text": "corpus.txt", "steps": 100, "gpus": 2, "lr": 0.003, "save": "run.ckpt"}',
+                       epilog="config keys (a JSON object; every key but text is optional):\n" + config_help())
+    t.add_argument("--config", required=True, metavar="JSON", help="the run config file")
+    t.set_defaults(func=cmd_train)
+    f = sub.add_parser("finetune", help="fine-tune a Hugging Face model folder on a .txt/.jsonl file")
+    add_arguments(f)
+    f.set_defaults(func=cmd_finetune)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one sub-command; bad input is one line on stderr and exit status 2, not a traceback."""
+    try:
+        args = parser().parse_args(argv)
+    except _BadUsage as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    try:
+        return args.func(args)
+    except (ValueError, ImportError, FileNotFoundError) as exc:
+        print(f"python -m rpcompile {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+

@@ -1,0 +1,116 @@
+"""The iterations in flight: what each one runs, on which workers, and what its caller collects.
+
+The runtime's parts share these per-iteration records: `Runtime` begins an
+iteration here, the issuers and handlers look up its ProgramInfo and rotation,
+the loss downloads (D handlers) leave their buffers, the commit check (host
+lanes) or an evaluation takes them, and `Recovery` rewinds to a failed one.
+
+    >>> from rpcompile.ir.plan import StagePlan
+    >>> from rpcompile.passes import emit
+    >>> its = Iterations(emit(StagePlan.from_str("1|1|1"), gpus=2, microbatches=2), first=0)
+    >>> its.t, its.physical(1, 0) == its.program.shift % 2
+    (0, True)
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+from rpcompile.runtime.program_info import EVAL_BASE, ProgramInfo
+
+__all__ = ["Iterations"]
+
+
+class Iterations:
+    """The one owner of the per-iteration records (iteration numbers: training t >= first, evaluations >= EVAL_BASE).
+
+    Owns:
+        t: the next training iteration `step` runs (`advance`, `rewind`).
+        first: the first iteration this runtime runs; earlier ones count as complete.
+        info: iteration -> the ProgramInfo it runs (the training template's, or the evaluation's).
+        losses: iteration -> per microbatch (host buffer, event) of its loss download, or None until
+            its D instruction is issued (`set_loss`; taken by `take_losses`).
+        scales: iteration -> the factor its loss is multiplied by (fixed once; a rewound iteration keeps it).
+
+    Handed:
+        program: the template Program (its rotation: `gpus`, `shift`).
+    """
+
+    def __init__(self, program: Any, first: int) -> None:
+        self.program = program
+        self.t = self.first = first
+        self.info: dict[int, ProgramInfo] = {}
+        self.losses: dict[int, list] = {}
+        self.scales: dict[int, float] = {}
+        self._lock = threading.Lock()
+
+    # -- lookups ------------------------------------------------------------------------------------
+    def info_of(self, t: int) -> ProgramInfo:
+        """The ProgramInfo iteration t runs."""
+        return self.info[t]
+
+    def program_of(self, t: int) -> Any:
+        """The Program iteration t runs."""
+        return self.info[t].program
+
+    def physical(self, t: int, w: int) -> int:
+        """Physical worker of template worker w in iteration t (host: -1; evaluation runs are not rotated)."""
+        if w < 0 or t >= EVAL_BASE:
+            return w
+        return (w + t * self.program.shift) % self.program.gpus
+
+    def worker_of(self, t: int, ins: Any) -> int:
+        """Physical worker of instruction `ins` in iteration t (host instructions: -1)."""
+        return self.physical(t, ins.worker)
+
+    def label(self, t: int, ins: Any, w: int) -> str:
+        """The name of instruction `ins` on physical worker w, as failures and timelines show it."""
+        return ins.name if w < 0 else f"w{w} {ins.short}"
+
+    def keys(self, t: int, ins: Any, info: ProgramInfo) -> list[tuple[int, str]]:
+        """The (iteration, name) instances `ins` of iteration t depends on (vacuous refs dropped)."""
+        return [(t - r.back, r.name) for r in info.deps[ins.name] if t - r.back >= self.first and t >= r.since]
+
+    # -- the records' life ------------------------------------------------------------------------------
+    def begin(self, t: int, info: ProgramInfo, microbatches: int) -> list:
+        """Record that iteration t runs `info`; returns its (empty) per-microbatch loss list."""
+        self.info[t] = info
+        losses = self.losses[t] = [None] * microbatches
+        return losses
+
+    def fix_scale(self, t: int, new: Callable[[], float]) -> None:
+        """Give iteration t the loss scale `new()` unless it has one (a rewound iteration keeps its own)."""
+        if t not in self.scales:
+            self.scales[t] = new()
+
+    def set_loss(self, t: int, mb: int, pair: tuple) -> None:
+        """Leave microbatch mb's loss download (host buffer, event) for whoever takes iteration t's losses."""
+        self.losses[t][mb] = pair
+
+    def take_losses(self, t: int) -> list:
+        """Remove and return iteration t's loss downloads (empty if already taken)."""
+        return self.losses.pop(t, [])
+
+    def advance(self) -> None:
+        """The training iteration `t` has been submitted: the next `step` runs t + 1."""
+        self.t += 1
+
+    def end(self, t: int) -> None:
+        """Forget an evaluation run t (after it completed)."""
+        self.info.pop(t, None)
+
+    def forget(self, keep: Callable[[int], bool]) -> None:
+        """Drop the ProgramInfo and loss scale of training iterations failing `keep(iteration)`."""
+        with self._lock:
+            for t in [t for t in self.info if not keep(t) and t < EVAL_BASE]:
+                del self.info[t]
+                self.scales.pop(t, None)
+
+    def rewind(self, u: int) -> None:
+        """Drop the records of the abandoned iterations >= u; a training u becomes the next `step`'s."""
+        with self._lock:
+            for d in (self.losses, self.info):
+                for t in [t for t in d if t >= u]:
+                    del d[t]
+        if u < EVAL_BASE:
+            self.t = u
