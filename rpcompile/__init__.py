@@ -9,7 +9,7 @@ verify -> runtime. Importing the package touches no device.
 from rpcompile.ir.costs import CostTable
 from rpcompile.ir.graph import Layer, LayerGraph, Value
 from rpcompile.ir.hardware import Hardware
-from rpcompile.ir.optim import SGD, AdamW
+from rpcompile.ir.optim import SGD, AdamW, DynamicLossScale
 from rpcompile.ir.plan import StagePlan
 from rpcompile.ir.program import Instr, Op, Program, ProgramError
 from rpcompile.passes._seqlen import SeqLenLimit, max_seq_len
@@ -18,4 +18,5 @@ from rpcompile.cli import finetune  # noqa: E402 - the fine-tuning command as a 
 from rpcompile import checkpoint, passes, runtime  # noqa: E402,F401 - submodules as attributes
 
 __all__ = ["compile", "load", "Compiled", "LayerGraph", "Layer", "Value", "CostTable", "StagePlan", "Program",
-           "Instr", "Op", "ProgramError", "Hardware", "AdamW", "SGD", "max_seq_len", "SeqLenLimit", "finetune"]
+           "Instr", "Op", "ProgramError", "Hardware", "AdamW", "SGD", "DynamicLossScale", "max_seq_len", "SeqLenLimit",
+           "finetune"]

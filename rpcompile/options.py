@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from rpcompile.ir.hardware import Hardware
-from rpcompile.ir.optim import SGD, AdamW
+from rpcompile.ir.optim import SGD, AdamW, DynamicLossScale
 
 __all__ = ["Options", "options", "default_microbatches", "parse_dtype", "check_model"]
 
@@ -45,6 +45,7 @@ class Options:
     backend: str                               # runtime backend: "auto", "host" or "cuda"
     seed: int                                  # base seed of per-(iteration, microbatch, layer) randomness
     on_nonfinite: str = "raise"                # a NaN/inf loss or gradient: "raise" FloatingPointError, or "skip"
+    loss_scale: float | DynamicLossScale | None = None  # None: off; a constant; DynamicLossScale (fp16)
 
 
 def default_microbatches(batch: int, gpus: int) -> int:
@@ -97,7 +98,7 @@ def _optimizer(opt: Any) -> AdamW | SGD:
 def options(*, gpus: Any, microbatches: Any = None, staleness: Any = 1, optimizer: Any = None, dtype: Any = None,
             loss_fn: Callable | None = None, layers: Sequence[str] | None = None, lm_head_shards: Any = "auto",
             hardware: Hardware | str | None = None, memory_budget: Any = None, backend: str = "auto",
-            seed: Any = 0, on_nonfinite: str = "raise") -> Options:
+            seed: Any = 0, on_nonfinite: str = "raise", loss_scale: Any = None) -> Options:
     """Check compile()'s arguments and build the Options (see `rpcompile.compile` for their meaning).
 
     Raises:
@@ -117,6 +118,10 @@ def options(*, gpus: Any, microbatches: Any = None, staleness: Any = 1, optimize
         raise ValueError(f"seed must be an int, got {seed!r}")
     if on_nonfinite not in ON_NONFINITE:
         raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
+    if not (loss_scale is None or isinstance(loss_scale, DynamicLossScale) or isinstance(loss_scale, (int, float))
+            and not isinstance(loss_scale, bool) and 0 < loss_scale < float("inf")):
+        raise ValueError(f"loss_scale must be None, a finite number > 0 or rpcompile.DynamicLossScale(...), "
+                         f"got {loss_scale!r}")
     if loss_fn is not None and not callable(loss_fn):
         raise ValueError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     if isinstance(hardware, str):
@@ -126,7 +131,7 @@ def options(*, gpus: Any, microbatches: Any = None, staleness: Any = 1, optimize
     return Options(gpus=gpus, microbatches=microbatches, staleness=staleness, optimizer=_optimizer(optimizer),
                    dtype=parse_dtype(dtype), loss_fn=loss_fn, layers=layers, lm_head_shards=lm_head_shards,
                    hardware=hardware, memory_budget=memory_budget, backend=backend, seed=seed,
-                   on_nonfinite=on_nonfinite)
+                   on_nonfinite=on_nonfinite, loss_scale=loss_scale)
 
 
 def check_model(model: Any) -> None:

@@ -47,7 +47,10 @@ class RMSNorm(nn.Module):
         self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+        """Normalised in fp32, as transformers' LlamaRMSNorm: in fp16 the backward of rsqrt (-u^-1.5 / 2,
+        ~6e4 for activations of scale 0.02) overflows; the same bits as before in fp32."""
+        h = x.float()
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 class Rotary(nn.Module):
@@ -59,11 +62,13 @@ class Rotary(nn.Module):
         inv = 1.0 / cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)
         self.register_buffer("inv_freq", inv, persistent=False)
 
-    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of shape (T, head_dim), computed in fp32 and cast to `dtype` (the activations'),
+        as transformers' Llama does: fp32 tables would promote q and k in a bf16/fp16 model."""
         pos = torch.arange(ids.shape[1], device=ids.device, dtype=torch.float32)
-        ang = torch.outer(pos, self.inv_freq)
+        ang = torch.outer(pos, self.inv_freq.float())
         emb = torch.cat([ang, ang], dim=-1)
-        return emb.cos(), emb.sin()
+        return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -129,7 +134,7 @@ class TinyLlama(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         x = self.embed(input_ids)
-        cos, sin = self.rotary(input_ids)
+        cos, sin = self.rotary(input_ids, x.dtype)
         for block in self.layers:
             x = block(x, cos, sin)
         logits = self.lm_head(self.norm(x))
