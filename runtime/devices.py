@@ -8,9 +8,15 @@ Two backends implement the same stream/event model (`runtime/streams.py`):
 - host workers (`backend="host"`, machines without CUDA): each stream is an
   executor thread, buffers are CPU tensors;
 - CUDA workers: `torch.cuda.Stream`s (activation lanes at high priority) on
-  one device. Several workers may share one GPU.
+  one device, issued through `LaunchStream` (`runtime/launch.py`). Several
+  workers may share one GPU (up to the streams torch's pools hold apart);
+- host workers with CUDA's issuing pattern (`backend="host-cuda"`, tests and
+  benchmarks): the same `LaunchStream` issuing side as CUDA over host streams,
+  so the issuer blocks (or does not) exactly where the CUDA backend's does;
+  `"host-cuda-old"`: the CUDA backend's issuing before the backlog, which
+  blocked the issuer on host work.
 
-Both take their buffers from the same stream-aware pool (`runtime/pool.py`).
+All take their buffers from the same stream-aware pool (`runtime/pool.py`).
 
     >>> from rpcompile.runtime.streams import StreamContext
     >>> [w] = make_workers(1, StreamContext(), backend="host"); sorted(w.streams)
@@ -25,13 +31,16 @@ from typing import Any
 
 import torch
 
+from rpcompile.runtime.cuda_streams import CudaStream, EventWatcher, check_stream_pool
+from rpcompile.runtime.launch import HostOps, LaunchStream
 from rpcompile.runtime.pool import BufferPool
-from rpcompile.runtime.streams import CudaStream, HostStream, StreamContext
+from rpcompile.runtime.streams import HostStream, StreamContext
 
-__all__ = ["Store", "Worker", "make_workers", "tensor_bytes", "saved_tensors_bytes", "LANES"]
+__all__ = ["Store", "Worker", "make_workers", "tensor_bytes", "saved_tensors_bytes", "LANES", "BACKENDS"]
 
 LANES = ("compute", "act_up", "param_up", "act_down", "grad_down")
 HIGH_PRIORITY = ("act_up", "act_down")
+BACKENDS = ("auto", "host", "cuda", "host-cuda", "host-cuda-old")  # see the module docstring
 
 
 def tensor_bytes(obj: Any) -> int:
@@ -101,17 +110,28 @@ class Worker:
         ctx: the runtime's StreamContext.
         device: "cpu" (host worker) or a CUDA device.
         poison: test mode: poison pool buffers when handed out.
+        issue: host workers only: None (host streams), "cuda" (CUDA's issuing side over host streams)
+            or "cuda-old" (the same, blocking the issuer on host work as the CUDA backend once did).
     """
 
-    def __init__(self, index: int, ctx: StreamContext, device: Any = "cpu", poison: bool = False) -> None:
+    def __init__(self, index: int, ctx: StreamContext, device: Any = "cpu", poison: bool = False,
+                 issue: str | None = None) -> None:
         self.index = index
         self.device = torch.device(device)
         self.kind = "cuda" if self.device.type == "cuda" else "host"
         self.store = Store(f"w{index}")
+        self.watcher: EventWatcher | None = None  # CUDA: runs the events' `then` callbacks
         mode = "take" if poison else None
         if self.kind == "cuda":
+            self.watcher = EventWatcher(f"w{index}", ctx, self.device)
             self.streams = {lane: CudaStream(f"w{index}/{lane}", ctx, self.device,
-                                             priority=-1 if lane in HIGH_PRIORITY else 0, worker=index, lane=lane)
+                                             priority=-1 if lane in HIGH_PRIORITY else 0, worker=index, lane=lane,
+                                             watcher=self.watcher)
+                            for lane in LANES}
+        elif issue is not None:
+            self.streams = {lane: LaunchStream(f"w{index}/{lane}", ctx,
+                                               HostOps(HostStream(f"w{index}/{lane}", ctx, worker=index, lane=lane)),
+                                               worker=index, lane=lane, old=issue == "cuda-old")
                             for lane in LANES}
         else:
             self.streams = {lane: HostStream(f"w{index}/{lane}", ctx, worker=index, lane=lane) for lane in LANES}
@@ -124,9 +144,11 @@ class Worker:
             s.synchronize()
 
     def close(self) -> None:
-        """Stop the stream threads (host workers)."""
+        """Stop the stream threads (and the CUDA event watcher)."""
         for s in self.streams.values():
             s.close()
+        if self.watcher is not None:
+            self.watcher.close()
 
     def __repr__(self) -> str:
         return f"Worker(w{self.index} on {self.device})"
@@ -139,17 +161,24 @@ def make_workers(gpus: int, ctx: StreamContext, backend: str = "auto", devices: 
     Args:
         gpus: number of workers N.
         ctx: the runtime's StreamContext.
-        backend: "auto" (CUDA if available, else host), "host" or "cuda".
+        backend: "auto" (CUDA if available, else host), "host", "cuda", or (tests, benchmarks)
+            "host-cuda" / "host-cuda-old": host workers issuing as the CUDA backend does / did.
         devices: for CUDA, the device of each worker (cycled); default all visible devices, cycled.
         poison: test mode (see `runtime/pool.py`).
+    Raises:
+        ValueError: an unknown backend, or more CUDA workers per GPU than torch has distinct streams for.
     """
     if backend == "auto":
         backend = "cuda" if torch.cuda.is_available() else "host"
-    if backend == "host":
-        return [Worker(i, ctx, "cpu", poison) for i in range(gpus)]
+    if backend in ("host", "host-cuda", "host-cuda-old"):
+        issue = None if backend == "host" else backend[len("host-"):]
+        return [Worker(i, ctx, "cpu", poison, issue) for i in range(gpus)]
     if backend != "cuda":
-        raise ValueError(f"backend must be 'auto', 'host' or 'cuda', got {backend!r}")
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if not torch.cuda.is_available():
         raise RuntimeError("backend='cuda' but torch.cuda.is_available() is False")
     devs = list(devices) if devices else [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-    return [Worker(i, ctx, devs[i % len(devs)], poison) for i in range(gpus)]
+    mine = [devs[i % len(devs)] for i in range(gpus)]
+    high = sum(1 for lane in LANES if lane in HIGH_PRIORITY)
+    check_stream_pool(mine, low=len(LANES) - high, high=high)
+    return [Worker(i, ctx, mine[i], poison) for i in range(gpus)]

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from rpcompile.ir.program import Op
+from rpcompile.runtime.cuda_streams import thread_device
 from rpcompile.runtime.program_info import ProgramInfo, dep_kind
 from rpcompile.runtime.streams import Abort
 from rpcompile.runtime.transfer import LaneThread
@@ -23,7 +24,8 @@ class Issuer:
     """Issues each iteration's device instructions on the workers' streams.
 
     Owns:
-        threads: one issuing LaneThread per physical worker.
+        threads: one issuing LaneThread per physical worker (it sets its worker's device first: a
+            CUDA call from a thread without one would create a context on GPU 0).
         handlers: the dispatch table, Op -> handler(t, ins, w) returning the instance's events (tests
             may replace an entry to inject a fault).
 
@@ -36,7 +38,7 @@ class Issuer:
                  table: dict) -> None:
         self.ctx, self.workers, self.drop, self.board, self.its, self.host = ctx, workers, drop, board, its, host
         self.handlers = table
-        self.threads = [LaneThread(f"w{w}/issue", lambda f: f()) for w in range(len(workers))]
+        self.threads = [LaneThread(f"w{w}/issue", thread_device(workers[w].device)) for w in range(len(workers))]
 
     def submit(self, t: int, info: ProgramInfo) -> None:
         """Queue iteration t's device instructions on the issuer of each template worker's physical worker."""

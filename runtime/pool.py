@@ -13,8 +13,9 @@ A handle may be created before its buffer exists (`handle()`, bound later by
 consumers have been issued and have already released the buffer.
 
 Poison mode (tests): device buffers are filled with NaN (integers: the
-smallest value) when handed out, host buffers when their last user is done,
-so a missing dependency reads poison instead of the right numbers.
+smallest value) when handed out, host buffers when their last user is done
+(its event *completed*, not merely issued), so a missing dependency reads
+poison instead of the right numbers.
 
     >>> from rpcompile.runtime.streams import Abort, StreamContext, wait_all, HostStream
     >>> ctx = StreamContext(); s = HostStream("w0/x", ctx)
@@ -252,15 +253,21 @@ class BufferPool:
             self._cond.notify_all()
 
     def _idle(self, buf: torch.Tensor, gen: int) -> None:
-        """The buffer's last user finished: stop accounting it (and poison it, host side), unless retaken."""
+        """The buffer's last user finished: stop accounting it (and poison it, host side), unless retaken.
+
+        Called from the events' `then` once they completed (a CUDA event's `then` runs on the worker's
+        watcher when the GPU has reached it, not when it was issued). The poison is written under the
+        pool's lock: a `bind` that retakes the buffer meanwhile sees it either before (and skips it)
+        or after the fill, so the next user's writes, queued after `bind` returns, come after it.
+        """
         with self._lock:
             if self._gen.get(id(buf)) != gen or id(buf) not in self._live:
                 return
             used = self._live.pop(id(buf))
+            if self.poison == "release":
+                poison(buf)
         if self.store is not None:
             self.store.add(-used)
-        if self.poison == "release":
-            poison(buf)
 
 
 def _nbytes(t: torch.Tensor) -> int:

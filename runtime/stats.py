@@ -12,24 +12,34 @@ the steady state.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 __all__ = ["Stats", "COUNTERS"]
 
-COUNTERS = ("host_waits", "issue_waits", "host_allocations", "device_allocations", "bytes_to_device",
-            "bytes_to_host")
+COUNTERS = ("host_waits", "issue_waits", "issue_blocked_s", "deferred_waits", "host_allocations",
+            "device_allocations", "bytes_to_device", "bytes_to_host")
 
 
 class Stats:
-    """Counters and instruction timings keyed by iteration (None: work outside any iteration)."""
+    """Counters and instruction timings keyed by iteration (None: work outside any iteration).
 
-    def __init__(self) -> None:
+    Args:
+        timeout: seconds `records` waits for a CUDA item's end event before it raises TimeoutError.
+
+    Counters: host_waits (the host blocked on device work), issue_waits (an issuing thread blocked on
+    host work) and issue_blocked_s (seconds it blocked there), deferred_waits (a stream's wait on unfinished host work queued behind it instead of
+    blocking the issuer, `runtime/launch.py`), allocations, bytes each way.
+    """
+
+    def __init__(self, timeout: float = 60.0) -> None:
+        self.timeout = timeout
         self._lock = threading.Lock()
         self._counts: dict[Any, dict[str, int]] = {}
         self._records: dict[Any, list] = {}  # it -> [(label, stream, start, end)] (host: seconds)
-        self._cuda: dict[Any, list] = {}  # it -> [(label, stream, start event, end event)]
+        self._cuda: dict[Any, list] = {}  # it -> [(label, stream, start event, end event, host seconds)]
 
-    def add(self, it: Any, key: str, n: int = 1) -> None:
+    def add(self, it: Any, key: str, n: float = 1) -> None:
         """Add `n` to counter `key` of iteration `it`."""
         with self._lock:
             c = self._counts.setdefault(it, {})
@@ -42,19 +52,39 @@ class Stats:
 
     def busy_cuda(self, it: Any, stream: str, label: str, start: Any, end: Any) -> None:
         """Record a CUDA item by its start and end events (resolved when the iteration is read)."""
+        now = time.perf_counter()  # when it was issued: aligns the devices' clocks (see `records`)
         with self._lock:
-            self._cuda.setdefault(it, []).append((label, stream, start, end))
+            self._cuda.setdefault(it, []).append((label, stream, start, end, now))
 
     def records(self, it: Any) -> list[tuple[str, str, float, float]]:
-        """(label, stream, start, end) of iteration `it`'s items; CUDA items relative to the first one."""
+        """(label, stream, start, end) of iteration `it`'s items; CUDA items in seconds from the first one.
+
+        Note: `cudaEventElapsedTime` needs both events on one device, so each device's items are
+        timed against that device's first start event (its reference). The references are placed
+        relative to each other by when their items were issued on the host (`busy_cuda`), which
+        is as close as the devices' clocks can be related without a common event.
+        """
         with self._lock:
             host, cuda = list(self._records.get(it, ())), list(self._cuda.get(it, ()))
-        if cuda:
-            first = cuda[0][2]
-            for label, stream, a, b in cuda:
-                b.synchronize()
-                host.append((label, stream, first.elapsed_time(a) / 1e3, first.elapsed_time(b) / 1e3))
+        refs: dict[Any, tuple[Any, float]] = {}  # device -> (its first start event, host time of that item)
+        for _, _, a, _, now in cuda:
+            refs.setdefault(getattr(a, "device", None), (a, now))
+        base = min((now for _, now in refs.values()), default=0.0)
+        for label, stream, a, b, _ in cuda:
+            ref, now = refs[getattr(a, "device", None)]
+            self._wait(b, label)
+            off = now - base
+            host.append((label, stream, off + ref.elapsed_time(a) / 1e3, off + ref.elapsed_time(b) / 1e3))
         return host
+
+    def _wait(self, ev: Any, label: str) -> None:
+        """Poll a CUDA event until it completed; TimeoutError after `timeout` (a stuck GPU)."""
+        deadline, nap = time.monotonic() + self.timeout, 2e-5
+        while not ev.query():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"waited {self.timeout:.0f}s for the end of {label} on the GPU (a hang?)")
+            time.sleep(nap)
+            nap = min(2 * nap, 1e-3)
 
     def get(self, it: Any) -> dict[str, Any]:
         """The counters of iteration `it` (missing ones are 0) and `busy_s`: seconds per stream."""

@@ -4,12 +4,16 @@ A stream runs the work submitted to it later, in order; an event completes when
 its stream reaches it. `stream.wait(event)` makes the stream's later work wait
 for the event without blocking the host; `event.wait()` blocks the host.
 
-- `CudaStream` / `CudaEvent`: `torch.cuda.Stream` and `torch.cuda.Event`.
-  `submit(fn)` runs `fn` at once in the calling thread under the stream, so
-  the kernels and copies it launches are queued on that stream.
-- `HostStream` / `HostEvent`: an in-order executor thread per stream, so the
-  host backend has the same deferred, out-of-order-across-streams behaviour a
-  GPU has. The test hook's random delays run inside it, before each item.
+- `HostStream` / `HostEvent` (here): an in-order executor thread per stream,
+  so the host backend has the same deferred, out-of-order-across-streams
+  behaviour a GPU has. The test hook's random delays run inside it, before
+  each item.
+- `LaunchStream` (`runtime/launch.py`): the issuing side of a GPU stream,
+  which launches work from the calling thread and never blocks it on host
+  work; `CudaStream` / `CudaEvent` (`runtime/cuda_streams.py`) drive
+  `torch.cuda.Stream` / `torch.cuda.Event` with it. Host workers can run the
+  same issuing side over host streams (`backend="host-cuda"`), so the CPU
+  suite runs CUDA's issuing pattern too.
 
 A failure anywhere (`Failure.fail`) abandons its iteration and every later one:
 their queued items are skipped and their events complete as *aborted*, which
@@ -30,12 +34,9 @@ from collections.abc import Callable
 from queue import SimpleQueue
 from typing import Any
 
-import torch
-
 from rpcompile.runtime.stats import Stats
 
-__all__ = ["Abort", "Failure", "StreamContext", "HostEvent", "HostStream", "CudaEvent", "CudaStream",
-           "wait_all"]
+__all__ = ["Abort", "Failure", "StreamContext", "HostEvent", "HostStream", "wait_all"]
 
 
 class Abort(Exception):
@@ -45,7 +46,8 @@ class Abort(Exception):
 class Failure:
     """The first failure of a runtime, and the events to release when it happens.
 
-    Iterations >= `failed_from` are abandoned. Every HostEvent registers itself
+    Iterations >= `failed_from` are abandoned. Every HostEvent (and every
+    LaunchEvent whose record waits in a stream's backlog) registers itself
     until it completes, so `fail` can complete the abandoned ones as aborted.
     """
 
@@ -104,7 +106,7 @@ class StreamContext:
                  stats: Stats | None = None) -> None:
         self.timeout, self.delay = timeout, delay
         self.failure = Failure()
-        self.stats = stats or Stats()
+        self.stats = stats or Stats(timeout=timeout)
 
 
 class HostEvent:
@@ -253,83 +255,6 @@ class HostStream:
         """Stop the thread after its queued items."""
         self._q.put(None)
         self._thread.join(timeout=self.ctx.timeout)
-
-
-class CudaEvent:
-    """A `torch.cuda.Event` recorded on a stream (blocking sync: a host wait sleeps, it does not spin)."""
-
-    __slots__ = ("ev", "stream", "label")
-
-    def __init__(self, stream: "CudaStream", label: str = "") -> None:
-        self.ev = torch.cuda.Event(blocking=True)
-        self.ev.record(stream.stream)
-        self.stream, self.label = stream, label
-
-    aborted = False
-
-    def query(self) -> bool:
-        return self.ev.query()
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Block the host until the GPU has reached the event."""
-        self.ev.synchronize()
-
-    def then(self, fn: Callable[[], None]) -> None:
-        """Call `fn()` when the event completes (here: at once; CUDA accounting is at issue time)."""
-        fn()
-
-
-class CudaStream:
-    """A CUDA stream: `submit(fn)` launches fn's kernels and copies on it now, from the calling thread.
-
-    Args:
-        name: e.g. "w2/act_up".
-        ctx: the runtime's StreamContext.
-        device: the CUDA device.
-        priority: -1 (high: activation lanes) or 0.
-    """
-
-    kind = "cuda"
-
-    def __init__(self, name: str, ctx: StreamContext, device: torch.device, priority: int = 0,
-                 worker: int = -1, lane: str = "") -> None:
-        self.name, self.ctx, self.device, self.worker, self.lane = name, ctx, device, worker, lane
-        self.stream = torch.cuda.Stream(device=device, priority=priority)
-
-    def submit(self, fn: Callable[[], Any], label: str = "", it: int | None = None) -> None:
-        """Launch `fn()`'s work on this stream now; timing is taken with events if stats ask for it."""
-        if self.ctx.delay is not None:
-            s = self.ctx.delay(self.worker, self.lane, label)
-            if s > 0:
-                time.sleep(s)
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            start = torch.cuda.Event(enable_timing=True)
-            start.record(self.stream)
-            fn()
-            end = torch.cuda.Event(enable_timing=True)
-            end.record(self.stream)
-        self.ctx.stats.busy_cuda(it, self.name, label, start, end)
-
-    def record(self, it: int | None = None, label: str = "") -> CudaEvent:
-        return CudaEvent(self, label or self.name)
-
-    def wait(self, ev: Any, it: int | None = None, label: str = "") -> None:
-        """Device-side wait for a CUDA event; a host event blocks the calling (issuing) thread instead."""
-        if ev is None:
-            return
-        if isinstance(ev, CudaEvent):
-            self.stream.wait_event(ev.ev)
-        elif not ev.query():
-            self.ctx.stats.add(it, "issue_waits")
-            ev.wait()
-        elif ev.aborted:
-            raise Abort(ev.label)
-
-    def synchronize(self) -> None:
-        self.stream.synchronize()
-
-    def close(self) -> None:
-        """Nothing to stop (CUDA streams have no thread)."""
 
 
 def wait_all(events: list, ctx: StreamContext, it: int | None) -> None:

@@ -5,6 +5,12 @@ shows up on the CPU as it would on a GPU: poison mode fills pool buffers with
 NaN when handed out (host buffers when released) and random delays reorder the
 streams. Each test that drops one kind of dependency proves that the poison
 test can fail.
+
+The runtime tests run in two issuing modes (`MODES`): "host" (host streams
+take every wait themselves) and "host-cuda" (the CUDA backend's issuing side,
+`runtime/launch.py`, over host streams: the issuer launches directly, a wait on
+unfinished host work puts the stream's later work in a backlog), so the CPU
+suite runs CUDA's issuing pattern too.
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ from rpcompile.runtime.pool import BufferPool  # noqa: E402
 from rpcompile.runtime.streams import Abort, HostEvent, HostStream, StreamContext  # noqa: E402
 
 OPT = AdamW(lr=1e-2, eps=1e-4, impl="foreach")
+MODES = ("host", "host-cuda")  # backends: host streams; CUDA's issuing side over host streams
 PLAN3 = "2,2|1|1,1,1,1"  # llama, 5 layers, 3 workers: several slots per worker, tied-free
 
 
@@ -45,9 +52,9 @@ def _program(graph, plan: str, gpus: int, mbs: int, staleness: int, round_size: 
                 staleness=staleness, costs=costs)
 
 
-def _train(graph, prog, steps: int, mbs: int, **kw) -> dict:
+def _train(graph, prog, steps: int, mbs: int, backend: str = "host", **kw) -> dict:
     state = HostState.from_graph(graph, optimizer=OPT)
-    with Runtime(graph, prog, state, backend="host", timeout=20, **kw) as rt:
+    with Runtime(graph, prog, state, backend=backend, timeout=20, **kw) as rt:
         for s in range(steps):
             rt.step(_batch(s, mbs))
         rt.flush()
@@ -117,17 +124,19 @@ def test_pool_reuses_after_the_last_users_and_poisons():
 
 
 # -- the runtime in poison mode ----------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", MODES)
 @pytest.mark.parametrize("gpus,plan,mbs,staleness", [(2, "2,2|1|1,3", 4, 1), (3, PLAN3, 6, 0),
                                                       (4, "1,1,1,1|1|1,1,1,1", 8, 1)])
-def test_poison_with_random_delays_is_bit_identical_and_finite(gpus, plan, mbs, staleness):
-    """20 runs (poison on, random stream delays, multi-chunk transfers): the same bits every time, all finite."""
+def test_poison_with_random_delays_is_bit_identical_and_finite(gpus, plan, mbs, staleness, backend):
+    """20 runs (poison on, random stream delays, multi-chunk transfers): the same bits every time, all finite
+    (the reference is the plain host backend in every mode)."""
     graph = _graph()
     prog = _program(graph, plan, gpus, mbs, staleness)
     assert max(sum(1 for c in prog.chunks if c.stage == s.index) for s in prog.plan.stages) > 1
     ref = _train(graph, prog, 3, mbs)
-    runs = 20 if gpus == 3 else 5
+    runs = (20 if backend == "host" else 10) if gpus == 3 else 5
     for k in range(runs):
-        got = _train(graph, prog, 3, mbs, poison=True, lane_delay=k)
+        got = _train(graph, prog, 3, mbs, backend, poison=True, lane_delay=k)
         for n in ref:
             assert torch.isfinite(got[n]).all(), f"run {k}: {n} not finite"
             assert torch.equal(got[n], ref[n]), f"run {k}: {n} differs"
@@ -146,15 +155,16 @@ def _slow_transfers(seed: int):
     return delay
 
 
+@pytest.mark.parametrize("backend", MODES)
 @pytest.mark.parametrize("kind", DEP_KINDS)
-def test_each_dropped_dependency_is_detected(kind):
+def test_each_dropped_dependency_is_detected(kind, backend):
     """With one kind of dependency dropped, poison mode plus delays sees it within 20 runs."""
     graph = _graph()
     prog = _program(graph, PLAN3, 3, 6, 0)
     ref = _train(graph, prog, 3, 6)
     for k in range(20):
         try:
-            got = _train(graph, prog, 3, 6, poison=True, lane_delay=_slow_transfers(k), drop=(kind,))
+            got = _train(graph, prog, 3, 6, backend, poison=True, lane_delay=_slow_transfers(k), drop=(kind,))
         except (RuntimeFailure, FloatingPointError):
             return  # a value read before its producer ran, or poison (NaN) reaching a gradient
         if any(not torch.equal(got[n], ref[n]) for n in ref):
@@ -233,3 +243,42 @@ def test_an_output_that_is_its_input_is_downloaded_from_a_copy():
         assert got == pytest.approx(want, rel=1e-5), plan
         for name, p in state.parameters_fp32().items():
             assert torch.allclose(p, ref[name].float(), rtol=1e-5, atol=1e-6), (plan, name)
+
+
+# -- CUDA's issuing pattern on host workers (issue 22, 1d) ----------------------------------------------------
+@pytest.mark.parametrize("backend,staleness", [("host-cuda", 0), ("host-cuda", 1), ("host-cuda-old", 1)])
+def test_cuda_issuing_equals_the_oracle(backend, staleness):
+    """The CUDA backend's issuing side over host streams (and its old, blocking one) trains as the oracle."""
+    from oracle import reference_train
+    from rpcompile.runtime.stage_exec import split_batch
+    model = models.llama(0)
+    batches = [_batch(s, 6) for s in range(3)]
+    graph = trace(model, batches[0])
+    loss_fn = lambda m, b: sum(m(**p).loss for p in split_batch(graph, b, 6)) / 6  # noqa: E731
+    want, ref = reference_train(model, batches, optimizer=OPT, staleness=staleness, loss_fn=loss_fn)
+    state = HostState.from_graph(graph, optimizer=OPT)
+    with Runtime(graph, emit(StagePlan.from_str(PLAN3), gpus=3, microbatches=6, staleness=staleness), state,
+                 backend=backend, timeout=20, lane_delay=5) as rt:
+        got = [rt.step(b) for b in batches]
+        rt.flush()
+    assert got == pytest.approx(want, rel=1e-5)
+    for name, p in state.parameters_fp32().items():
+        assert torch.allclose(p, ref[name].float(), rtol=1e-5, atol=1e-6), name
+
+
+def test_cuda_issuing_never_blocks_the_issuer_on_host_work():
+    """Staleness 1, steps back to back, rounds of 2: uploads wait for COPYs and gradient downloads for their
+    staging buffer (host work). The old CUDA issuing blocked the issuer there (issue_waits); the backlog
+    queues those waits behind the stream instead (deferred_waits), and the issuer never blocks."""
+    graph = _graph()
+    prog = _program(graph, PLAN3, 3, 6, 1, round_size=3)
+    counts = {}
+    for backend in ("host-cuda-old", "host-cuda"):
+        state = HostState.from_graph(graph, optimizer=OPT)
+        with Runtime(graph, prog, state, backend=backend, timeout=20, lane_delay=_slow_transfers(1)) as rt:
+            for s in range(4):
+                rt.step(_batch(s, 6))
+            rt.flush()
+            counts[backend] = [sum(rt.stats_of(t)[k] for t in range(1, 4)) for k in ("issue_waits", "deferred_waits")]
+    assert counts["host-cuda-old"][0] > 0 and counts["host-cuda-old"][1] == 0, counts
+    assert counts["host-cuda"][0] == 0 and counts["host-cuda"][1] > 0, counts
