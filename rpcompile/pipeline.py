@@ -85,9 +85,10 @@ def _rebuild(model: torch.nn.Module, example: Any, opts: Options, frozen: Frozen
 
 
 def _budget(opts: Options) -> int | None:
-    """Device bytes per worker: the option, else 90% of the hardware's memory, else none."""
-    if opts.memory_budget is None and opts.hardware is not None:
-        return int(0.9 * opts.hardware.device_memory)
+    """Device bytes per worker a plan's stages may use: the option (else 90% of the hardware's memory)
+    less the hardware's cuBLAS workspaces (`Hardware.stage_budget`); without hardware the option, or none."""
+    if opts.hardware is not None:
+        return opts.hardware.stage_budget(opts.memory_budget)
     return opts.memory_budget
 
 

@@ -25,10 +25,12 @@ def tok():
 
 def test_pack_puts_eos_after_each_document_and_pads_only_the_end(tok):
     docs = [Document("hello world", False), Document("the plan", False), Document("a", False)]
-    p = pack(docs, tok, seq=8)
     want = [t for d in docs for t in (*tok(d.text)["input_ids"], tok.eos_token_id)]
+    seq = next(s for s in (8, 7, 9, 6, 10) if len(want) % s >= 2)  # a padded last sequence (a one-token
+    # one is dropped instead: tests/test_cli_safety.py)
+    p = pack(docs, tok, seq=seq)
     flat_ids, flat_labels = p.ids.flatten().tolist(), p.labels.flatten().tolist()
-    assert p.ids.shape == (-(-len(want) // 8), 8) and p.tokens == len(want) and p.documents == 3
+    assert p.ids.shape == (-(-len(want) // seq), seq) and p.tokens == len(want) and p.documents == 3
     assert flat_ids[:len(want)] == want and flat_labels[:len(want)] == want
     assert set(flat_labels[len(want):]) == {IGNORE} and set(flat_ids[len(want):]) == {tok.pad_token_id}
 
@@ -118,7 +120,7 @@ def test_set_lr_applies_to_the_update_of_the_next_step(staleness):
     want, ref = _eager_sgd(model, batches, lrs, staleness)
     c = rpcompile.compile(copy.deepcopy(model), gpus=2, example=batches[0], microbatches=2, staleness=staleness,
                           optimizer=rpcompile.SGD(lr=1.0, impl="foreach"), memory_budget=2**18,
-                          lm_head_shards=1)
+                          lm_head_shards=1, backend="host")
     assert len(c.plan.to_str().replace("|", ",").split(",")) > 2, c.plan.to_str()  # a real pipeline
     with c:
         got = []

@@ -104,22 +104,23 @@ def test_compile_refuses_a_run_that_does_not_fit_the_host():
     tiny_host = Hardware.preset("cpu").replace(host_memory=2**16)  # TinyLlama's AdamW state needs ~0.5 MiB
     with pytest.raises(ValueError, match=r"host memory: the run needs .* bytes: weights"):
         rpcompile.compile(TinyLlama(CFG), gpus=2, example=batch(), microbatches=2, hardware=tiny_host,
-                          memory_budget=2**20)
+                          memory_budget=2**20, backend="host")
 
 
 def test_compile_without_a_hardware_target_checks_this_machines_ram(monkeypatch):
     monkeypatch.setattr("rpcompile.ir.hardware._host_memory", lambda: 2**16)
     with pytest.raises(ValueError, match=r"host memory: the run needs .* but this machine's RAM is 0\.1 MiB"):
-        rpcompile.compile(TinyLlama(CFG), gpus=2, example=batch(), microbatches=2)
+        rpcompile.compile(TinyLlama(CFG), gpus=2, example=batch(), microbatches=2, backend="host")
     monkeypatch.setattr("rpcompile.ir.hardware._host_memory", lambda: 2**34)
-    rpcompile.compile(TinyLlama(CFG), gpus=2, example=batch(), microbatches=2).close()
+    rpcompile.compile(TinyLlama(CFG), gpus=2, example=batch(), microbatches=2, backend="host").close()
 
 
 def test_one_worker_takes_one_round_of_all_microbatches_when_the_host_holds_it(monkeypatch):
     # Without a hardware target one worker runs R = M (each stage's parameters move once per iteration, not
     # M times); a round then holds all M microbatches' saved inputs on the host, so when only R = 1 fits
     # the host compile falls back to it. More workers keep the default round size.
-    kw = dict(gpus=1, example=batch(), microbatches=4, memory_budget=2**18)  # a backward stage: saved inputs
+    kw = dict(gpus=1, example=batch(), microbatches=4, memory_budget=2**18,  # a backward stage: saved inputs
+              backend="host")
     with rpcompile.compile(TinyLlama(CFG), **kw) as c:
         assert c.program.round_size == 4
         run = dict(microbatches=4, gpus=1, optimizer=c.options.optimizer)
@@ -129,14 +130,14 @@ def test_one_worker_takes_one_round_of_all_microbatches_when_the_host_holds_it(m
     with rpcompile.compile(TinyLlama(CFG), **kw) as c:
         assert c.program.round_size == 1
     monkeypatch.setattr("rpcompile.ir.hardware._host_memory", lambda: 2**34)
-    with rpcompile.compile(TinyLlama(CFG), gpus=2, example=batch(), microbatches=4) as c:
+    with rpcompile.compile(TinyLlama(CFG), gpus=2, example=batch(), microbatches=4, backend="host") as c:
         assert c.program.round_size == 2
 
 
 def test_load_checks_the_host_memory_of_the_checkpoints_run(tmp_path, monkeypatch):
     # A checkpoint rebuilds its saved plan without planning; on a machine whose RAM cannot hold the run,
     # load refuses it as compile would, instead of failing later in training.
-    with rpcompile.compile(TinyLlama(CFG), gpus=2, example=batch(), microbatches=2) as c:
+    with rpcompile.compile(TinyLlama(CFG), gpus=2, example=batch(), microbatches=2, backend="host") as c:
         c.step(batch())
         c.save(tmp_path / "ckpt")
     monkeypatch.setattr("rpcompile.ir.hardware._host_memory", lambda: 2**16)

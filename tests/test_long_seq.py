@@ -60,14 +60,15 @@ def test_compile_at_the_predicted_limit_fits_and_past_it_is_refused_naming_the_l
     assert lim.length > blocks.length  # longer than whole decoder blocks allow
     batch = M.lm_batch(batch=2, seq=lim.length, vocab=VOCAB)
     with rpcompile.compile(model, gpus=2, example=batch, microbatches=2, staleness=0, memory_budget=budget,
-                           optimizer=rpcompile.SGD(lr=1e-3)) as c:
+                           optimizer=rpcompile.SGD(lr=1e-3), backend="host") as c:
         loss = c.step(batch)
         peaks = c._runtime.peak_memory()
     assert math.isfinite(loss) and 0 < max(peaks) <= budget, (peaks, budget)
     longer = M.lm_batch(batch=2, seq=int(1.25 * lim.length), vocab=VOCAB)
     threads = threading.active_count()
     with pytest.raises(ValueError, match="memory budget") as refused:
-        rpcompile.compile(model, gpus=2, example=longer, microbatches=2, staleness=0, memory_budget=budget)
+        rpcompile.compile(model, gpus=2, example=longer, microbatches=2, staleness=0, memory_budget=budget,
+                          backend="host")
     assert threading.active_count() == threads  # refused before any worker started
     msg = str(refused.value)  # compile names the layer, the term and the bytes too
     assert "'model.layers." in msg and "workspace (saved tensors + backward transients)" in msg and "bytes)" in msg

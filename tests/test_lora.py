@@ -56,7 +56,7 @@ def mean_microbatch_loss(model: nn.Module, b: dict[str, torch.Tensor]) -> torch.
 def compiled(model: nn.Module, staleness: int) -> rpcompile.Compiled:
     """The model compiled for 2 host workers with a budget small enough to force a pipeline."""
     return rpcompile.compile(model, gpus=2, example=batch(0), microbatches=MICROBATCHES, staleness=staleness,
-                             optimizer=OPT, memory_budget=2**20)
+                             optimizer=OPT, memory_budget=2**20, backend="host")
 
 
 def named(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -133,7 +133,7 @@ def test_frozen_groups_with_global_clipping_match_the_oracle():
     batches = [batch(i) for i in range(4)]
     want, ref = reference_train(model, batches, optimizer=opt, staleness=1, loss_fn=mean_microbatch_loss)
     with rpcompile.compile(model, gpus=2, example=batch(0), microbatches=MICROBATCHES, staleness=1,
-                           optimizer=opt, memory_budget=262144) as c:
+                           optimizer=opt, memory_budget=262144, backend="host") as c:
         assert c.plan.num_stages > 3
         got = [c.step(b) for b in batches]
         end = named(c.model())

@@ -1,8 +1,9 @@
 """The CUDA backend (streams, events, pinned buffers, the stream-aware pool). Skipped without CUDA.
 
-Run by `bash bench/gpu.sh` on a machine with a GPU. Several workers share one
-GPU here: each has its own five streams, so the multi-worker protocol runs on
-real streams even with one device.
+Run by `bash bench/gpu.sh` on a machine with a GPU (by path, ~1-2 min on an H200). Several workers
+share one GPU here: each has its own five streams, so the multi-worker protocol runs on real streams
+even with one device. The helpers `predicted_peak` and `bf16_runs` are plain functions, so
+`tests/test_gpu_readiness.py` checks them on the CPU.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import models  # noqa: E402
 import rpcompile  # noqa: E402
 from rpcompile import AdamW, CostTable, StagePlan  # noqa: E402
+from rpcompile.ir.hardware import blas_workspace_bytes  # noqa: E402
 from rpcompile.passes import emit, trace  # noqa: E402
 from rpcompile.ir.program import Op  # noqa: E402
 from rpcompile.runtime.executor import Runtime, RuntimeFailure  # noqa: E402
@@ -42,10 +44,11 @@ def _train(graph, backend: str, gpus: int, mbs: int, staleness: int, batches, **
     return losses, state.parameters_fp32(), stats
 
 
-@pytest.mark.parametrize("gpus,mbs,staleness", [(1, 4, 0), (2, 4, 1), (4, 8, 1)])
-def test_cuda_matches_host(gpus, mbs, staleness):
-    """1, 2 and 4 workers on one GPU, multi-chunk transfers: CUDA equals the host backend within 1e-4."""
-    graph = trace(models.llama(), models.lm_batch(batch=4, seq=8))
+@pytest.mark.parametrize("gpus,mbs,staleness,attn", [(1, 4, 0, "sdpa"), (2, 4, 1, "eager"), (4, 8, 1, "sdpa")])
+def test_cuda_matches_host(gpus, mbs, staleness, attn):
+    """1, 2 and 4 workers on one GPU, multi-chunk transfers, SDPA (the default users get: CUDA's fused
+    kernels vs the CPU's) and eager attention: CUDA equals the host backend within 1e-4."""
+    graph = trace(models.llama(attn=attn), models.lm_batch(batch=4, seq=8))
     assert any(sum(1 for c in _program(graph, gpus, mbs, staleness).chunks if c.stage == s) > 1 for s in range(5))
     batches = [models.lm_batch(batch=mbs, seq=8, seed=s) for s in range(3)]
     lc, pc, stats = _train(graph, "cuda", gpus, mbs, staleness, batches)
@@ -65,22 +68,48 @@ def test_cuda_poison_and_delays_bit_identical():
     assert all(torch.equal(runs[0][n], r[n]) and torch.isfinite(r[n]).all() for r in runs[1:] for n in r)
 
 
-def test_compile_bf16_with_dropout_end_to_end_and_evaluate():
-    """compile() on CUDA in bf16 with attention dropout: trains, reproducible, evaluate matches the loss scale."""
-    batch = models.lm_batch(batch=8, seq=16)
+def bf16_runs(tmp_path, backend: str, *, attn: str = "eager", dropout: float = 0.2, steps: int = 8, **compile_kw):
+    """Train in bf16 from one compile, then again from its step-0 checkpoint: [(losses, evaluate, stats, plan)] x 2.
 
-    def run():
-        with rpcompile.compile(models.llama(attention_dropout=0.2), gpus=2, example=batch, microbatches=4,
-                               dtype=torch.bfloat16, optimizer=AdamW(lr=3e-3), seed=5) as c:
-            losses = [c.step(batch) for _ in range(8)]
+    The plan is pinned: the second run loads the checkpoint (its saved costs and plan, nothing measured
+    again), since two compiles from measured costs may choose different plans. `compile_kw` go to compile.
+    """
+    batch, path = models.lm_batch(batch=8, seq=16), str(tmp_path / "step0.rp")
+
+    def train(c):
+        with c:
+            losses = [c.step(batch) for _ in range(steps)]
             ev = c.evaluate(batch)
-            return losses, ev, c.stats()
-    l1, ev1, stats = run()
-    l2, ev2, _ = run()
-    assert l1 == l2 and ev1 == ev2  # per-worker generators, seeded per (iteration, microbatch, layer)
+            return losses, ev, c.stats(), c.plan.to_str()
+    model = lambda: models.llama(attn=attn, attention_dropout=dropout)  # noqa: E731
+    c = rpcompile.compile(model(), gpus=2, example=batch, microbatches=4, dtype=torch.bfloat16,
+                          optimizer=AdamW(lr=3e-3), seed=5, backend=backend, **compile_kw)
+    c.save(path)
+    first = train(c)
+    return [first, train(rpcompile.load(path, model()))]
+
+
+def test_compile_bf16_with_dropout_end_to_end_and_evaluate(tmp_path):
+    """compile() on CUDA in bf16 with attention dropout: trains, reproducible, evaluate matches the loss scale."""
+    (l1, ev1, stats, p1), (l2, ev2, _, p2) = bf16_runs(tmp_path, "cuda")
+    assert p1 == p2 and l1 == l2 and ev1 == ev2  # per-worker generators, seeded per (iteration, microbatch, layer)
     assert all(torch.isfinite(torch.tensor(l1))) and l1[-1] < l1[0]
     assert 0 < ev1 < l1[0] * 1.5
     assert stats["device_allocations"] == 0 and stats["host_allocations"] == 0
+
+
+def test_compile_bf16_sdpa_end_to_end(tmp_path):
+    """bf16 with SDPA (flash / memory-efficient kernels) trains; SDPA dropout is refused, naming the op."""
+    (l1, ev1, stats, p1), (l2, _, _, p2) = bf16_runs(tmp_path, "cuda", attn="sdpa", dropout=0.0, steps=6)
+    assert p1 == p2 and l2 == pytest.approx(l1, rel=2e-2)  # a fused backward may accumulate with atomics
+    assert all(torch.isfinite(torch.tensor(l1))) and l1[-1] < l1[0] and 0 < ev1 < l1[0] * 1.5
+    assert stats["device_allocations"] == 0
+    batch = models.lm_batch(batch=4, seq=16)
+    with pytest.raises(Exception, match="attention dropout to 0"):  # fused kernels draw from the global RNG
+        with rpcompile.compile(models.llama(attn="sdpa", attention_dropout=0.2), gpus=1, example=batch,
+                               microbatches=2, backend="cuda") as c:
+            c.step(batch)
+            c.stats()
 
 
 class _MLP(torch.nn.Module):
@@ -97,15 +126,41 @@ class _MLP(torch.nn.Module):
         return torch.nn.functional.mse_loss(x, y)
 
 
+def predicted_peak(plan: StagePlan, costs: CostTable, capability: tuple[int, int], gpus: int = 1) -> int:
+    """A worker's predicted device bytes: its largest stage, plus the cuBLAS workspaces of its compute stream.
+
+    The workspaces (32 MiB on sm90, ~9 MiB elsewhere) come from the caching allocator outside the
+    plan's buffers, once per (handle, stream): `Hardware.blas_workspace`, which `Hardware.stage_budget`
+    takes off the budget the stages must fit.
+    """
+    return max(plan.stage_memory(costs, gpus=gpus)) + blas_workspace_bytes(capability)
+
+
+def test_a_new_streams_blas_workspaces_fit_the_hardware_figure():
+    """The first matmuls on a new stream (cuBLAS, a cuBLASLt bias epilogue, bf16) allocate at most the
+    `blas_workspace_bytes` that `Hardware.measure()` records for this GPU."""
+    a = torch.randn(256, 256, device="cuda")
+    bias, a16 = torch.randn(256, device="cuda"), a.bfloat16()
+    b16 = bias.bfloat16()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    before = torch.cuda.memory_allocated()
+    with torch.cuda.stream(s):
+        outs = [torch.addmm(bias, a, a), a @ a, torch.nn.functional.linear(a16, a16, b16)]
+    s.synchronize()
+    grew = torch.cuda.memory_allocated() - before - sum(o.nbytes for o in outs)
+    assert 0 <= grew <= blas_workspace_bytes(torch.cuda.get_device_capability()), grew
+
+
 def test_cuda_peak_memory_within_the_plan_prediction():
-    """max_memory_allocated of one worker stays within the plan's predicted per-stage peak + 15%."""
+    """max_memory_allocated of one worker stays within the plan's predicted peak (stages + cuBLAS workspace) + 15%."""
     from rpcompile.passes.cost import estimate_costs
     torch.manual_seed(0)
     batch = (torch.randn(256, 1024), torch.randn(256, 1024))
     graph = trace(_MLP(1024, 8), batch)
     plan = StagePlan.from_str("2,2,2|2|2,2,2")
     costs = estimate_costs(graph, batch, mode="measure", device="cuda", microbatches=4, progress=False)
-    predicted = max(plan.stage_memory(costs, gpus=1))
+    predicted = predicted_peak(plan, costs, torch.cuda.get_device_capability())
     state = HostState.from_graph(graph, optimizer=OPT, pin_memory=True)
     prog = emit(plan, gpus=1, microbatches=4, staleness=1, costs=costs)
     torch.cuda.synchronize()

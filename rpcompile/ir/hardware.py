@@ -10,14 +10,17 @@ Nothing here touches a device at import time.
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 import statistics
 import time
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Mapping
 
 import torch
 
-__all__ = ["Hardware", "dtype_key"]
+__all__ = ["Hardware", "dtype_key", "blas_workspace_bytes"]
 
 _ALIASES = MappingProxyType({
     "fp32": "float32", "float": "float32", "tf32": "tf32", "bf16": "bfloat16", "fp16": "float16",
@@ -29,6 +32,38 @@ def dtype_key(dtype: torch.dtype | str) -> str:
     """The `peak_flops` key of a dtype: torch.bfloat16, "bf16", "bfloat16" -> "bfloat16"."""
     name = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else str(dtype).lower()
     return _ALIASES.get(name, name)
+
+
+def blas_workspace_bytes(capability: tuple[int, int], env: Mapping[str, str] | None = None) -> int:
+    """Bytes of BLAS workspace torch allocates for one (cuBLAS handle, stream) that runs matmuls.
+
+    Args:
+        capability: the GPU's compute capability (major, minor), e.g. `torch.cuda.get_device_capability()`.
+        env: the environment to read the overrides from (default `os.environ`, read at call time).
+    Returns:
+        The cuBLAS workspace plus the cuBLASLt one, in bytes.
+
+    Note: torch's rule (aten/src/ATen/cuda/CublasHandlePool.cpp). The cuBLAS workspace is
+    `CUBLAS_WORKSPACE_CONFIG` (":SIZE:COUNT" pairs in KiB, summed), by default ":4096:2:16:8"
+    (8 MiB + 128 KiB), 32 MiB on sm90 (Hopper); the cuBLASLt workspace (bias epilogues, bf16
+    GEMMs) is `CUBLASLT_WORKSPACE_SIZE` KiB (default 1 MiB), at most the cuBLAS one, and none when
+    `TORCH_CUBLASLT_UNIFIED_WORKSPACE=1` makes it share the cuBLAS one. Both come from the caching
+    allocator the first time a handle meets a stream and stay allocated, so `memory_allocated`
+    counts them once per worker: each worker runs its matmuls from one thread on its compute stream.
+
+    >>> blas_workspace_bytes((8, 9), env={}) // 1024, blas_workspace_bytes((9, 0), env={}) // 2**20
+    (9344, 33)
+    """
+    env = os.environ if env is None else env
+    pairs = re.findall(r":([0-9]+):([0-9]+)", env.get("CUBLAS_WORKSPACE_CONFIG", ""))
+    if pairs:
+        blas = sum(int(size) * 1024 * int(count) for size, count in pairs)
+    else:
+        blas = 32 * 2**20 if tuple(capability) == (9, 0) else 4096 * 1024 * 2 + 16 * 1024 * 8
+    lt_env = env.get("CUBLASLT_WORKSPACE_SIZE", "")
+    lt = int(lt_env) * 1024 if lt_env.isdigit() else 2**20
+    unified = env.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "").lower() in ("1", "true", "yes", "on")
+    return blas + (0 if unified else min(lt, blas))
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +91,9 @@ class Hardware:
     net_bandwidth: float = 12.5e9  # inter-node bytes/s per server and direction (100 Gb/s NIC)
     net_latency: float = 10e-6  # per-message inter-node latency, s
     notes: str = field(default="", compare=False)  # where the numbers come from
+    # cuBLAS + cuBLASLt workspace torch allocates per worker compute stream (`blas_workspace_bytes`), outside
+    # the plan's buffers; `stage_budget` takes it off each worker's budget. 0: none (host workers)
+    blas_workspace: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peak_flops", {dtype_key(k): float(v) for k, v in dict(self.peak_flops).items()})
@@ -65,6 +103,8 @@ class Hardware:
                   "host_memory", "gpus", "optimizer_bytes_per_s"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"Hardware.{f} must be > 0, got {getattr(self, f)!r}")
+        if self.blas_workspace < 0:
+            raise ValueError(f"Hardware.blas_workspace must be >= 0 bytes, got {self.blas_workspace!r}")
         if self.link_latency < 0 or self.op_latency < 0 or self.net_latency < 0:
             raise ValueError("Hardware latencies must be >= 0")
         if self.nodes < 1 or not self.net_bandwidth > 0:
@@ -85,10 +125,28 @@ class Hardware:
     def roofline(self, flops: float, nbytes: float, dtype: torch.dtype | str = "float32") -> float:
         """Seconds for one op: max(compute time at efficiency x peak, memory time), no launch cost.
 
-        >>> Hardware.preset("rtx4090").roofline(330e12 * 0.5, 0, "bf16")
+        >>> Hardware.preset("rtx4090").roofline(330e12 * 0.6, 0, "bf16")
         1.0
         """
         return max(flops / (self.flops(dtype) * self.efficiency), nbytes / self.mem_bandwidth)
+
+    def stage_budget(self, memory_budget: int | None = None, usable: float = 0.9) -> int:
+        """Device bytes per worker that a plan's stages may use: the budget less the BLAS workspace.
+
+        Args:
+            memory_budget: device bytes per worker (default `usable * device_memory`, as `compile`'s).
+            usable: the share of the device memory a worker may use when no budget is given.
+        Returns:
+            `memory_budget - blas_workspace` (0 if that is negative): what `StagePlan.stage_memory`
+            must fit, since every worker's compute stream also holds its cuBLAS workspaces.
+
+        >>> h = Hardware.preset("h100"); h.stage_budget(2**30) == 2**30 - h.blas_workspace == 2**30 - 33 * 2**20
+        True
+        >>> Hardware.preset("cpu").stage_budget() == int(0.9 * Hardware.preset("cpu").device_memory)
+        True
+        """
+        budget = int(usable * self.device_memory) if memory_budget is None else int(memory_budget)
+        return max(budget - self.blas_workspace, 0)
 
     def replace(self, **changes) -> "Hardware":
         """A copy with some fields changed, e.g. `hw.replace(gpus=4)`."""
@@ -130,7 +188,8 @@ class Hardware:
             gpus: device count (default: CUDA device count, or 1 host worker on the CPU).
             budget_s: rough time budget for all measurements.
         Returns:
-            A Hardware named "measured-<device>" with efficiency 0.9 (peak_flops are already achieved rates).
+            A Hardware named "measured-<device>" with efficiency 0.9 (peak_flops are already achieved rates);
+            on CUDA `blas_workspace` is torch's for the device's compute capability (`blas_workspace_bytes`).
 
         >>> hw = Hardware.measure("cpu"); hw.flops("float32") > 0
         True
@@ -146,18 +205,20 @@ class Hardware:
             dev_mem = torch.cuda.get_device_properties(dev).total_memory
             count = gpus or torch.cuda.device_count()
             op_lat = 5e-6
+            blas = blas_workspace_bytes(torch.cuda.get_device_capability(dev))
         else:
             h2d = d2h = _copy_bandwidth(dev, per, "copy")
             count = gpus or 1
             op_lat = _op_latency(dev, per / 2)
-            dev_mem = 0
+            dev_mem = blas = 0
         host = _host_memory()
         opt = _adam_rate(per * 2)
         return cls(name=f"measured-{dev.type}", peak_flops=peak, efficiency=0.9,
                    device_memory=dev_mem or max(host // max(count, 1) // 2, 1), mem_bandwidth=mem_bw,
                    h2d_bandwidth=h2d, d2h_bandwidth=d2h, host_memory=host, gpus=count,
                    optimizer_bytes_per_s=opt, link_latency=10e-6 if dev.type == "cuda" else 2e-6,
-                   op_latency=op_lat, notes=f"measured with torch {torch.__version__} in ~{budget_s:.0f} s")
+                   op_latency=op_lat, blas_workspace=blas,
+                   notes=f"measured with torch {torch.__version__} in ~{budget_s:.0f} s")
 
 
 def _timeit(fn, dev: torch.device, budget: float, max_reps: int = 50) -> float:
@@ -250,6 +311,7 @@ def _host_memory() -> int:
 
 
 _GB = 10 ** 9
+_BLAS_DEFAULT = blas_workspace_bytes((8, 0), env={})  # torch's default workspaces off Hopper (9.1 MiB)
 # Public spec-sheet numbers. Dense (no sparsity) tensor-core peaks. Host side: a typical 8-GPU
 # server (host memory and the CPU AdamW rate are our assumptions, not vendor figures).
 _PRESETS = MappingProxyType({
@@ -260,24 +322,28 @@ _PRESETS = MappingProxyType({
         peak_flops={"bfloat16": 330e12, "float16": 330e12, "tf32": 82.6e12, "float32": 82.6e12},
         h2d_bandwidth=32 * _GB, d2h_bandwidth=32 * _GB,  # PCIe 4.0 x16, per direction
         host_memory=512 * 2 ** 30, gpus=8, optimizer_bytes_per_s=20 * _GB,
+        blas_workspace=_BLAS_DEFAULT,  # sm89
         notes="NVIDIA Ada GPU architecture whitepaper (RTX 4090); PCIe 4.0 x16"),
     "rtx5090": dict(
         name="rtx5090", efficiency=0.6, device_memory=32 * _GB, mem_bandwidth=1792 * _GB,
         peak_flops={"bfloat16": 419e12, "float16": 419e12, "tf32": 104.8e12, "float32": 104.8e12},
         h2d_bandwidth=64 * _GB, d2h_bandwidth=64 * _GB,  # PCIe 5.0 x16, per direction
         host_memory=512 * 2 ** 30, gpus=8, optimizer_bytes_per_s=20 * _GB,
+        blas_workspace=_BLAS_DEFAULT,  # sm120
         notes="NVIDIA Blackwell GeForce whitepaper (RTX 5090, fp16-accumulate dense); PCIe 5.0 x16"),
     "a800": dict(
         name="a800", efficiency=0.7, device_memory=80 * _GB, mem_bandwidth=2039 * _GB,
         peak_flops={"bfloat16": 312e12, "float16": 312e12, "tf32": 156e12, "float32": 19.5e12},
         h2d_bandwidth=32 * _GB, d2h_bandwidth=32 * _GB,  # PCIe 4.0 x16
         host_memory=1024 * 2 ** 30, gpus=8, optimizer_bytes_per_s=30 * _GB,
+        blas_workspace=_BLAS_DEFAULT,  # sm80
         notes="A800 80GB = A100 80GB compute (NVIDIA A100 datasheet); PCIe 4.0 x16"),
     "h100": dict(
         name="h100", efficiency=0.7, device_memory=80 * _GB, mem_bandwidth=3350 * _GB,
         peak_flops={"bfloat16": 989.5e12, "float16": 989.5e12, "tf32": 494.7e12, "float32": 66.9e12},
         h2d_bandwidth=64 * _GB, d2h_bandwidth=64 * _GB,  # PCIe 5.0 x16
         host_memory=2048 * 2 ** 30, gpus=8, optimizer_bytes_per_s=40 * _GB,
+        blas_workspace=blas_workspace_bytes((9, 0), env={}),  # sm90: a 32 MiB cuBLAS workspace
         notes="NVIDIA H100 SXM5 datasheet (dense); PCIe 5.0 x16 host link"),
     "cpu": dict(
         name="cpu", efficiency=0.8, device_memory=16 * 2 ** 30, mem_bandwidth=20 * _GB,
