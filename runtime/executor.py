@@ -42,6 +42,7 @@ leaves groups already stepped stepped (no undo log).
 from __future__ import annotations
 
 import atexit
+import math
 import weakref
 from typing import Any
 
@@ -57,10 +58,10 @@ from rpcompile.runtime.program_info import EVAL_BASE, ProgramInfo, forward_only
 from rpcompile.runtime.recovery import Recovery
 from rpcompile.runtime.stage_exec import (LayerRunner, chunk_elements, has_random_ops, split_batch, stage_io,
                                           tracked_buffers)
-from rpcompile.runtime.streams import StreamContext, wait_all
+from rpcompile.runtime.streams import StreamContext
 from rpcompile.runtime.transfer import RuntimeFailure, make_delay, protocol_deps
 
-__all__ = ["Runtime", "run", "RuntimeFailure", "DEP_KINDS"]
+__all__ = ["Runtime", "run", "RuntimeFailure", "DEP_KINDS", "check_pinned"]
 
 DEP_KINDS = ("act_up>compute", "param_up>compute", "compute>act_down", "compute>grad_down", "grad_down>step",
              "copy>param_up", "reader>release")  # what `drop` may name (a test switch)
@@ -84,8 +85,9 @@ class Runtime:
         poison: test mode: pool buffers are NaN when handed out, host buffers when released.
         drop: test switch: dependency kinds (names in DEP_KINDS) the runtime does NOT wait for.
         on_nonfinite: a NaN/inf loss or gradient, caught at an iteration's commit point (before any
-            of its optimizer steps): "raise" (NonFiniteError, a FloatingPointError, from the next
-            call; the iteration is undone) or "skip" (its steps apply nothing; listed in `skipped`).
+            of its optimizer steps): "raise" (NonFiniteError, a FloatingPointError, from the `step`
+            whose loss is non-finite, else from the next call; the iteration is undone) or "skip" (its
+            steps apply nothing; listed in `skipped`).
             Not checked with fp16 dynamic loss scaling, which skips such iterations itself.
 
     Note: what it owns. The pieces derived once from the program and the graph (workers, host
@@ -109,6 +111,7 @@ class Runtime:
         self.ctx = StreamContext(timeout=timeout, delay=make_delay(lane_delay))
         self.workers = make_workers(program.gpus, self.ctx, backend, devices, poison)
         self.pin = self.workers[0].kind == "cuda"
+        check_pinned(state, self.workers[0].kind)
         self.host_pool = BufferPool("host", self.ctx, pin=self.pin, poison="release" if poison else None,
                                     counter="host_allocations")
         self.io = stage_io(graph, program.plan)
@@ -183,16 +186,12 @@ class Runtime:
     def _losses(self, t: int, info: ProgramInfo, pairs: list) -> float:
         """Wait (one host wait) for iteration t's microbatch losses; their mean.
 
-        In training the commit check (`HostLanes._check_finite`) reads them too and frees their buffers.
+        In training the commit check (`HostLanes._check_finite`) reads them too (`Iterations.read_losses`:
+        the first reader hands the buffers back, so t+1's loss downloads never wait for t's commit).
         """
         for name in info.loss_downs:
             self.board.get((t, name), t, "step")
-        wait_all([ev for _, ev in pairs], self.ctx, t)
-        values = [float(h.get()) for h, _ in pairs]
-        if info.forward_only:
-            self.iterations.take_losses(t)
-            for h, _ in pairs:
-                self.host_pool.give(h, [])
+        values = self.iterations.read_losses(t, self.ctx, lambda h: self.host_pool.give(h, []))
         return sum(values) / len(values)
 
     def _check_open(self) -> None:
@@ -207,6 +206,9 @@ class Runtime:
         Raises:
             ValueError: the batch does not split into the program's microbatches.
             RuntimeFailure: an instruction failed (see the module Note; the next call works).
+            NonFiniteError: (a FloatingPointError) the loss it would return is NaN/inf, with
+                on_nonfinite="raise" and no dynamic loss scale: the iteration is undone first. A
+                non-finite gradient under a finite loss raises from the next call.
             RuntimeError: the runtime is closed.
         """
         self._check_open()
@@ -219,7 +221,20 @@ class Runtime:
         loss = self.recovery.guard(lambda: self._losses(t, self.train_info, pairs), t)
         self._stock_pools(t)
         self.recovery.prune()
+        if not math.isfinite(loss) and self.on_nonfinite == "raise" and self.state.scaler is None:
+            self._raise_from_commit(t)
         return loss
+
+    def _raise_from_commit(self, t: int) -> None:
+        """A non-finite loss to return: let iteration t reach its commit check, which fails it; raise that here.
+
+        The check (`HostLanes._check_finite`, before any of t's optimizer steps) records the failure;
+        draining waits for it, and `recover` undoes t and raises the NonFiniteError from this `step`
+        instead of from the next call.
+        """
+        self.recovery.drain()
+        if self.ctx.failure.error is not None:
+            self.recovery.recover()
 
     def _stock_pools(self, t: int) -> None:
         """Stock each worker's pool with as many buffers of each shape as any worker's holds (`BufferPool.stock`).
@@ -329,6 +344,22 @@ class Runtime:
         """Start new per-worker peak measurements."""
         for w in self.workers:
             w.store.reset_peak()
+
+
+def check_pinned(state: Any, kind: str) -> None:
+    """Refuse CUDA workers a HostState whose compute-copy blocks are pageable (their uploads would synchronise).
+
+    `cudaMemcpyAsync` from pageable memory stages through a driver buffer and may block the host, so
+    every parameter upload would stall its issuer. `compile` pins; a HostState built by hand needs
+    `pin_memory=True`.
+    """
+    if kind != "cuda":
+        return
+    pageable = [k for k, b in state.blocks.items() if not b.is_pinned()]
+    if pageable:
+        raise ValueError(f"HostState: {len(pageable)} compute-copy block(s) are not pinned (first: layer group "
+                         f"{pageable[0][0]}, {pageable[0][1]}); CUDA workers upload from pinned memory only: build it with "
+                         f"HostState.from_graph(..., pin_memory=True)")
 
 
 def run(graph, program, state, batches, **kwargs: Any) -> list[float]:

@@ -19,7 +19,7 @@ import torch
 from rpcompile.ir.program import Op
 from rpcompile.runtime.devices import saved_tensors_bytes, tensor_bytes
 from rpcompile.runtime.stage_exec import grads_of, up_keys
-from rpcompile.runtime.values import Cell, HostVal, ParamSlot
+from rpcompile.runtime.values import CallerSide, Cell, HostVal, ParamSlot, keep_for
 
 __all__ = ["IssueHandlers", "HANDLER_NAMES"]
 
@@ -64,12 +64,25 @@ class IssueHandlers:
 
     # -- the tables' life, for Runtime and Recovery --------------------------------------------------
     def stage_inputs(self, t: int, info: Any, mbs: list[dict]) -> None:
-        """Leave iteration t's microbatch inputs (those an upload reads) for their uploads."""
+        """Copy iteration t's microbatch inputs (those an upload reads) into host pool buffers for their uploads.
+
+        The copy is synchronous, on the caller's thread: `step` may return before the uploads run, so
+        the caller may change or free its batch at once; a CUDA batch is read in the caller's stream
+        order (a blocking device-to-host copy); and uploads read pinned memory where CUDA is (a
+        pageable source may make `cudaMemcpyAsync` synchronous). The buffers go back to the pool when
+        the last upload reading them has run.
+        """
+        caller = CallerSide(self.ctx)
         for j, inputs in enumerate(mbs):
             for n, v in inputs.items():
                 readers = info.readers.get(("a", j, n), 0)
                 if readers:
-                    self.hostvals[(t, "a", j, n)] = HostVal(tensor=v, readers=readers)
+                    # two persistent buffers per input, by iteration parity: when t is staged, t-1's last
+                    # uploads may still read theirs; t-2's were issued before t-1's losses came back
+                    key = ("in", t % 2, j, n, tuple(v.shape), v.dtype)
+                    h = self.host_pool.take(tuple(v.shape), v.dtype, caller, t, key=key)
+                    h.get().copy_(v)
+                    self.hostvals[(t, "a", j, n)] = HostVal(tensor=h.get(), handle=h, readers=readers)
 
     def slot_counts(self) -> list[int]:
         """The per-worker slot counts (an evaluation saves them: training's parities go on after it)."""
@@ -318,7 +331,6 @@ class IssueHandlers:
         for k, h in dst.items():
             if k in self.shapes:
                 pool.bind(h, *self.shapes[k], ad, t, key=(tag,) + k)
-        cuda = worker.kind == "cuda"
 
         def run() -> None:
             out = cell.get()
@@ -329,8 +341,7 @@ class IssueHandlers:
                 if h.tensor is None:
                     self.shapes[k] = (tuple(v.shape), v.dtype)
                     pool.bind(h, tuple(v.shape), v.dtype, ad, t)  # warm-up: not keyed (see BufferPool.bind)
-                if cuda:
-                    v.record_stream(ad.stream)
+                keep_for(v, ad)  # a device value the download still reads (a CPU value needs nothing)
                 h.get().copy_(v, non_blocking=True)
                 self.ctx.stats.add(t, "bytes_to_host", tensor_bytes(v))
             worker.store.add(-tensor_bytes(out))

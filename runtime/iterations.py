@@ -17,6 +17,7 @@ import threading
 from typing import Any, Callable
 
 from rpcompile.runtime.program_info import EVAL_BASE, ProgramInfo
+from rpcompile.runtime.streams import wait_all
 
 __all__ = ["Iterations"]
 
@@ -29,7 +30,9 @@ class Iterations:
         first: the first iteration this runtime runs; earlier ones count as complete.
         info: iteration -> the ProgramInfo it runs (the training template's, or the evaluation's).
         losses: iteration -> per microbatch (host buffer, event) of its loss download, or None until
-            its D instruction is issued (`set_loss`; taken by `take_losses`).
+            its D instruction is issued (`set_loss`; read once by `read_losses`).
+        values: iteration -> its microbatch losses as floats, once read (the buffers are then back
+            in the pool: the next iteration's loss downloads reuse them without waiting for a commit).
         scales: iteration -> the factor its loss is multiplied by (fixed once; a rewound iteration keeps it).
 
     Handed:
@@ -41,6 +44,7 @@ class Iterations:
         self.t = self.first = first
         self.info: dict[int, ProgramInfo] = {}
         self.losses: dict[int, list] = {}
+        self.values: dict[int, list[float]] = {}
         self.scales: dict[int, float] = {}
         self._lock = threading.Lock()
 
@@ -87,9 +91,26 @@ class Iterations:
         """Leave microbatch mb's loss download (host buffer, event) for whoever takes iteration t's losses."""
         self.losses[t][mb] = pair
 
-    def take_losses(self, t: int) -> list:
-        """Remove and return iteration t's loss downloads (empty if already taken)."""
-        return self.losses.pop(t, [])
+    def read_losses(self, t: int, ctx: Any, give: Callable[[Any], None]) -> list[float]:
+        """Iteration t's microbatch losses, read once from their downloads (one host wait if still running).
+
+        The caller of `step` and the commit check both read them; whichever comes first reads the
+        host buffers and hands them back (`give(handle)`) at once, the other gets the same floats.
+        Every loss download of t must have been issued (`set_loss`) before this is called.
+        """
+        with self._lock:
+            if t in self.values:
+                return self.values[t]
+            pairs = list(self.losses.get(t, []))
+        wait_all([ev for _, ev in pairs], ctx, t)
+        with self._lock:
+            if t in self.values:
+                return self.values[t]
+            values = self.values[t] = [float(h.get()) for h, _ in pairs]
+            self.losses.pop(t, None)
+        for h, _ in pairs:
+            give(h)
+        return values
 
     def advance(self) -> None:
         """The training iteration `t` has been submitted: the next `step` runs t + 1."""
@@ -97,7 +118,9 @@ class Iterations:
 
     def end(self, t: int) -> None:
         """Forget an evaluation run t (after it completed)."""
-        self.info.pop(t, None)
+        with self._lock:
+            self.info.pop(t, None)
+            self.values.pop(t, None)
 
     def forget(self, keep: Callable[[int], bool]) -> None:
         """Drop the ProgramInfo and loss scale of training iterations failing `keep(iteration)`."""
@@ -105,11 +128,13 @@ class Iterations:
             for t in [t for t in self.info if not keep(t) and t < EVAL_BASE]:
                 del self.info[t]
                 self.scales.pop(t, None)
+            for t in [t for t in self.values if not keep(t) and t < EVAL_BASE]:
+                del self.values[t]
 
     def rewind(self, u: int) -> None:
         """Drop the records of the abandoned iterations >= u; a training u becomes the next `step`'s."""
         with self._lock:
-            for d in (self.losses, self.info):
+            for d in (self.losses, self.values, self.info):
                 for t in [t for t in d if t >= u]:
                     del d[t]
         if u < EVAL_BASE:

@@ -59,10 +59,22 @@ class WorkerRandom(TorchDispatchMode):
     def __init__(self, generator: torch.Generator, seed: int) -> None:
         super().__init__()
         self.generator, self.seed = generator, seed
+        # a CPU random op inside a CUDA worker's layer draws from a CPU generator seeded alike: a
+        # generator only serves ops on its own device type
+        self.cpu = generator if generator.device.type == "cpu" else torch.Generator()
 
     def __enter__(self) -> "WorkerRandom":
         self.generator.manual_seed(self.seed)
+        if self.cpu is not self.generator:
+            self.cpu.manual_seed(self.seed)
         return super().__enter__()
+
+    def _for(self, args: tuple, kwargs: dict) -> torch.Generator:
+        """The generator for an op: the one of its device (a `device=` argument, else its first tensor's; else the CPU)."""
+        dev = kwargs.get("device")
+        if dev is None:
+            dev = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        return self.cpu if dev is None or torch.device(dev).type == "cpu" else self.generator
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None) -> Any:  # noqa: D105
         kwargs = dict(kwargs or {})
@@ -70,7 +82,7 @@ class WorkerRandom(TorchDispatchMode):
         names = [a.name for a in schema.arguments]
         if "generator" in names:
             if kwargs.get("generator") is None and not _positional(names, args, "generator"):
-                kwargs["generator"] = self.generator
+                kwargs["generator"] = self._for(args, kwargs)
             return func(*args, **kwargs)
         base = schema.name.split("::")[-1]
         if base == "native_dropout":
@@ -81,7 +93,7 @@ class WorkerRandom(TorchDispatchMode):
         packet = func.overloadpacket
         alt = "generator" if func._overloadname == "default" else f"{func._overloadname}_generator"
         if alt in packet.overloads():
-            return getattr(packet, alt)(*args, generator=self.generator, **kwargs)
+            return getattr(packet, alt)(*args, generator=self._for(args, kwargs), **kwargs)
         return func(*args, **kwargs)
 
     def _native_dropout(self, x: torch.Tensor, p: float, train: bool | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,7 +101,7 @@ class WorkerRandom(TorchDispatchMode):
         if train is False or p == 0:
             return x.clone(), torch.ones_like(x, dtype=torch.bool)
         p1m = 1.0 - p
-        mask = torch.empty_like(x, dtype=torch.bool).bernoulli_(p1m, generator=self.generator)
+        mask = torch.empty_like(x, dtype=torch.bool).bernoulli_(p1m, generator=self._for((x,), {}))
         return x * mask * (1.0 / p1m if p1m > 0 else 0.0), mask
 
 

@@ -25,8 +25,8 @@ from rpcompile.ir.graph import LayerGraph
 from rpcompile.ir.plan import StageKind, StagePlan
 from rpcompile.runtime.rng import WorkerRandom, layer_seed
 
-__all__ = ["StageIO", "stage_io", "LayerRunner", "tracked_buffers", "layer_seed", "split_batch", "has_random_ops", "flat_ranges",
-           "up_keys", "count_readers", "chunk_elements", "grads_of"]
+__all__ = ["StageIO", "stage_io", "LayerRunner", "tracked_buffers", "layer_seed", "split_batch", "has_random_ops",
+           "random_layers", "flat_ranges", "up_keys", "count_readers", "chunk_elements", "grads_of"]
 
 _RANDOM_FNS = ("dropout", "bernoulli", "rand", "randn", "randint", "randperm", "multinomial", "normal")
 
@@ -123,18 +123,32 @@ def tracked_buffers(graph: LayerGraph) -> dict[int, dict[str, torch.Tensor]]:
 
 def has_random_ops(graph: LayerGraph) -> bool:
     """True if a layer may draw random numbers (dropout p > 0, attention dropout, rand* in glue)."""
-    for lay in graph.layers:
-        for m in lay.module.modules():
-            if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0:
+    return bool(random_layers(graph))
+
+
+def random_layers(graph: LayerGraph) -> frozenset[int]:
+    """The layers that may draw random numbers: only they run under `WorkerRandom`.
+
+    The dispatch mode sends every aten op of a layer through Python, so a layer
+    with no random op (an LM-head shard, a norm, a block without dropout) runs
+    without it.
+    """
+    return frozenset(lay.index for lay in graph.layers if _draws(lay))
+
+
+def _draws(lay) -> bool:
+    """True if layer `lay` may draw random numbers."""
+    for m in lay.module.modules():
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0:
+            return True
+        for attr in ("attention_dropout", "dropout", "dropout_p"):
+            v = getattr(m, attr, 0.0)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
                 return True
-            for attr in ("attention_dropout", "dropout", "dropout_p"):
-                v = getattr(m, attr, 0.0)
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
-                    return True
-        for node in lay.module.graph.nodes:
-            name = getattr(node.target, "__name__", str(node.target)).lower()
-            if node.op in ("call_function", "call_method") and any(r in name for r in _RANDOM_FNS):
-                return True
+    for node in lay.module.graph.nodes:
+        name = getattr(node.target, "__name__", str(node.target)).lower()
+        if node.op in ("call_function", "call_method") and any(r in name for r in _RANDOM_FNS):
+            return True
     return False
 
 
@@ -175,6 +189,7 @@ class LayerRunner:
     def __init__(self, graph: LayerGraph, device: torch.device, seed: int,
                  generator: torch.Generator | None) -> None:
         self.graph, self.device, self.seed, self.generator = graph, device, seed, generator
+        self.random = random_layers(graph) if generator is not None else frozenset()  # layers under WorkerRandom
         self.modules = []
         for lay in graph.layers:
             memo = {id(p): torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
@@ -195,7 +210,7 @@ class LayerRunner:
             mod_buffers[n].copy_(b, non_blocking=True)
         args = tuple(env[n] for n in lay.inputs)
         mine = {p: params[p] for p in lay.params}
-        if self.generator is None:
+        if index not in self.random:
             outs = torch.func.functional_call(self.modules[index], mine, args)
         else:
             with WorkerRandom(self.generator, layer_seed(self.seed, iteration, mb, index)):

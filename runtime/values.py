@@ -14,7 +14,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["Cell", "HostVal", "ParamSlot"]
+from rpcompile.runtime.streams import Abort, wait_all
+
+__all__ = ["Cell", "HostVal", "ParamSlot", "CallerSide", "keep_for"]
 
 
 class Cell:
@@ -58,3 +60,35 @@ class ParamSlot:
         self.grad_flat: dict = {}  # dtype -> Handle of the flat gradient buffer (FB/B stages)
         self.grads_ready = False
         self.last: dict[str, Any] = {}  # lane -> the last event of this slot on it (for the release)
+
+
+class CallerSide:
+    """The calling thread as a pool's "stream": a buffer it takes waits on the host for the last users' events.
+
+    For host buffers the caller writes synchronously (the microbatch inputs `step` stages).
+    """
+
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx
+
+    def wait(self, ev: Any, it: int | None = None, label: str = "") -> None:
+        """Host-block until `ev` completed (counted as a host wait if it had not).
+
+        An event aborted with an earlier, abandoned iteration (its readers never ran) frees the
+        buffer as well; only an abort of iteration `it` itself is raised.
+        """
+        try:
+            wait_all([ev], self.ctx, it)
+        except Abort:
+            if self.ctx.failure.abandoned(it):
+                raise
+
+    def submit(self, fn: Any, label: str = "", it: int | None = None) -> None:
+        """Run `fn` now, on the caller's thread."""
+        fn()
+
+
+def keep_for(value: torch.Tensor, stream: Any) -> None:
+    """Tell CUDA's caching allocator that `stream` still reads `value` (CUDA tensors only: no CPU kernel)."""
+    if value.is_cuda:
+        value.record_stream(stream.stream)
