@@ -7,7 +7,9 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
+import threading
 from typing import Any, Callable, Sequence
 
 import torch
@@ -16,7 +18,7 @@ from rpcompile import checkpoint, passes
 from rpcompile.batch import check_batch, describe_change, signature
 from rpcompile.ir.graph import LayerGraph
 from rpcompile.ir.hardware import Hardware
-from rpcompile.ir.optim import SGD, AdamW
+from rpcompile.ir.optim import SGD, AdamW, DynamicLossScale
 from rpcompile.options import Options, check_model, default_microbatches, options
 from rpcompile.pipeline import Frozen, compile_passes, frozen_of, plan_pipeline
 from rpcompile.replan import Variant, Variants, plan_for
@@ -34,7 +36,8 @@ def compile(model: torch.nn.Module, gpus: int = 8, *, example: Any, microbatches
             loss_fn: Callable | None = None, layers: Sequence[str] | None = None,
             lm_head_shards: int | str = "auto", hardware: Hardware | str | None = None,
             memory_budget: int | None = None, backend: str = "auto", seed: int = 0,
-            on_nonfinite: str = "raise", dist: Any = False, process_group: Any = None) -> "Compiled":
+            on_nonfinite: str = "raise", loss_scale: float | DynamicLossScale | None = None, dist: Any = False,
+            process_group: Any = None) -> "Compiled":
     """Compile `model` for RoundPipe training on `gpus` workers.
 
     Args:
@@ -56,6 +59,9 @@ def compile(model: torch.nn.Module, gpus: int = 8, *, example: Any, microbatches
             (FloatingPointError naming the step and the first layer group; the weights and optimizer
             state stay those of the last good step) or "skip" (the step is skipped and counted in
             `Compiled.skipped_steps`). fp16 dynamic loss scaling keeps its own skip-and-lower rule.
+        loss_scale: None (off), a constant factor, or `rpcompile.DynamicLossScale()` (torch GradScaler's
+            rule: an iteration with an inf/nan gradient is skipped and halves the scale). Use it with
+            `dtype=torch.float16`, whose gradients underflow without it; bf16 needs none.
         dist: data parallelism across processes: True or a `rpcompile.runtime.distributed.DistConfig`.
             `example` and `step`'s batches are then this process's shard (see DistConfig, `shard`).
         process_group: the torch.distributed group to train over (implies dist; default: the
@@ -69,27 +75,47 @@ def compile(model: torch.nn.Module, gpus: int = 8, *, example: Any, microbatches
     """
     opts = options(gpus=gpus, microbatches=microbatches, staleness=staleness, optimizer=optimizer, dtype=dtype,
                    loss_fn=loss_fn, layers=layers, lm_head_shards=lm_head_shards, hardware=hardware,
-                   memory_budget=memory_budget, backend=backend, seed=seed, on_nonfinite=on_nonfinite)
+                   memory_budget=memory_budget, backend=backend, seed=seed, on_nonfinite=on_nonfinite,
+                   loss_scale=loss_scale)
     check_model(model)
     return Compiled(model, opts, example, dist=dist, process_group=process_group)
 
 
+def _one_caller(method: Callable) -> Callable:
+    """Run a `Compiled` method under the handle's lock: calls from several threads run one at a time."""
+    @functools.wraps(method)
+    def locked(self, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
+
+
 class Compiled:
     """A compiled model: the IRs, the runtime and the host-resident training state.
+
+    One handle, one caller at a time: `step`, `evaluate`, `stats`, `set_lr`, `state_dict`,
+    `load_state_dict`, `save`, `model` and `close` take the handle's lock, so calls from several
+    threads are serialised (each runs whole, in the order the threads get the lock) instead of
+    racing on the iteration counter.
 
     Attributes:
         graph, costs, plan, program: the compiler's IRs (all printable).
     """
 
     def __init__(self, model: torch.nn.Module, opts: Options, example: Any, *, dist: Any = False,
-                 process_group: Any = None, frozen: Frozen | None = None) -> None:
+                 process_group: Any = None, frozen: Frozen | None = None, resume: dict | None = None) -> None:
+        self._lock = threading.RLock()  # one caller at a time (see `_one_caller`)
         self._model, self.options, self._example = model, opts, example
         (self.graph, self.costs, self.plan, self.program, self.microbatches,
          self._units) = compile_passes(model, example, opts, frozen=frozen)  # units: sub-blocks, if it cut them
         self._signature, self._variants = signature(example), Variants()  # one program per batch signature
         self._variants.put(self._signature, self._variant())
         self.state = HostState.from_graph(self.graph, optimizer=opts.optimizer, dtype=opts.dtype,
+                                          loss_scale=opts.loss_scale,
                                           pin_memory=opts.backend != "host")  # pinned only where CUDA is
+        if resume is not None:  # a checkpoint of another model or plan is refused before any thread starts
+            checkpoint.check(resume)
+            self.state.check_state_dict(resume["host"])
         # data parallel (issue #9): rank 0's weights everywhere; each group's gradient averaged before its step
         self._dist = _data_parallel(self.state, dist, process_group)
         self.rank, self.world_size = (self._dist.rank, self._dist.world) if self._dist else (0, 1)
@@ -147,13 +173,21 @@ class Compiled:
             self._runtime = self._new_runtime(start)
         check_batch(batch, self.microbatches, like=self.graph)
 
+    @_one_caller
     def step(self, batch: Any) -> float:
         """One training iteration (forward, backward, optimizer); returns the mean microbatch loss.
+
+        The batch's tensors are copied (into pinned host buffers where CUDA is) before `step` returns,
+        so the caller may reuse or change them at once, although the iteration's lower backward
+        stages and its optimizer steps still run.
 
         Raises:
             ValueError: the batch does not fit the compiled model (names the value).
             RuntimeFailure: an instruction failed; the state is that before the failed iteration.
             FloatingPointError: a non-finite loss or gradient (on_nonfinite="raise"); nothing applied.
+                A non-finite loss raises from the `step` that computed it, a non-finite gradient
+                under a finite loss from the next call (with staleness 1 it is found after `step`
+                returned).
             RuntimeError: the handle is closed.
         """
         self._prepare(batch)
@@ -167,6 +201,7 @@ class Compiled:
             raise
         return self._dist.average(loss) if self._dist else loss  # data parallel: mean over processes
 
+    @_one_caller
     def stats(self) -> dict[str, Any]:
         """What the last step cost: host waits, allocations, bytes each way and busy seconds per lane.
 
@@ -185,6 +220,7 @@ class Compiled:
         self._runtime.flush()
         return self._runtime.stats()
 
+    @_one_caller
     def set_lr(self, lr: float) -> None:
         """Set the CPU optimizer's learning rate, from the update made with the next `step`'s gradient on.
 
@@ -214,6 +250,7 @@ class Compiled:
         return [Record(name, name, steps, w, lane, name.split(" ", 1)[1][0], start, end)
                 for name, w, lane, start, end in self._runtime.last_timeline]
 
+    @_one_caller
     def evaluate(self, batch: Any) -> float:
         """Forward only with the weights the next step would read; returns the mean microbatch loss."""
         self._prepare(batch)
@@ -236,17 +273,20 @@ class Compiled:
         return simulate(self.program, costs, hw, iterations=iterations)
 
     # -- state ------------------------------------------------------------------------------
+    @_one_caller
     def state_dict(self) -> dict[str, Any]:
         """Full training state: weights, masters, optimizer state (incl. a pending update), step, RNG."""
         self._check_open()
         self._runtime.flush()
         opts = {k: v for k, v in dataclasses.asdict(self.options).items() if k != "loss_fn"}
         opts["optimizer"], opts["hardware"] = self.options.optimizer, self.options.hardware
+        opts["loss_scale"] = self.options.loss_scale  # asdict would turn a DynamicLossScale into a dict
         return {"format": checkpoint.FORMAT, "steps": self.steps, "plan": self.plan.to_str(),
                 "frozen": dataclasses.asdict(frozen_of(self.graph, self.costs, self.program, self._units)),
                 "host": self.state.state_dict(), "options": opts, "example": self._example,
                 "rng": torch.get_rng_state()}
 
+    @_one_caller
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Resume from `state_dict()`: the next step continues the run bit for bit.
 
@@ -262,11 +302,13 @@ class Compiled:
         torch.set_rng_state(sd["rng"])
         self._runtime = self._new_runtime(int(sd["steps"]))
 
+    @_one_caller
     def save(self, path: str) -> None:
         """Write `state_dict()` atomically (temporary file in the same folder, then rename); data parallel: rank 0 only."""
         if self.rank == 0:  # every rank holds the same state
             checkpoint.save(self.state_dict(), path)
 
+    @_one_caller
     def model(self) -> torch.nn.Module:
         """The user's module with the current weights (every update applied, a pending one too)."""
         self._check_open()
@@ -281,6 +323,7 @@ class Compiled:
                     buffers[name].copy_(b)
         return self._model
 
+    @_one_caller
     def close(self) -> None:
         """Stop the runtime's threads (and the data-parallel reducer); later calls raise RuntimeError."""
         if self.closed:
@@ -326,8 +369,12 @@ def load(path: str, model: torch.nn.Module, *, loss_fn: Callable | None = None, 
     sd = checkpoint.load(path)
     opts = Options(**{**sd["options"], "loss_fn": loss_fn})
     frozen = Frozen(**sd["frozen"]) if "frozen" in sd else None  # the saved plan, not a re-measured one
-    c = Compiled(model, opts, sd["example"], dist=dist, process_group=process_group, frozen=frozen)
-    c.load_state_dict(sd)
+    c = Compiled(model, opts, sd["example"], dist=dist, process_group=process_group, frozen=frozen, resume=sd)
+    try:
+        c.load_state_dict(sd)
+    except BaseException:
+        c.close()  # no worker thread outlives a failed load
+        raise
     return c
 
 

@@ -26,6 +26,7 @@ import torch
 
 from rpcompile.ir.program import Op
 from rpcompile.runtime.pool import poison
+from rpcompile.runtime.program_info import EVAL_BASE
 from rpcompile.runtime.streams import Abort, HostEvent, wait_all
 from rpcompile.runtime.transfer import LaneThread, NonFiniteError
 
@@ -119,6 +120,15 @@ class HostLanes:
             for t in [t for t in self._bad if t >= u]:
                 del self._bad[t]
 
+    def fail_caller(self, t: int, exc: BaseException) -> None:
+        """Record a failure of the caller's own wait for iteration t (an interrupt, a timeout).
+
+        An iteration that has committed (its optimizer steps run, nothing can undo them) is
+        finished, not abandoned: the failure then abandons only the iterations after it.
+        """
+        with self._lock:
+            self.ctx.failure.fail(t + 1 if t < EVAL_BASE and self.committed > t else t, "step", exc)
+
     def staging_for(self, t: int, ins, stream: Any) -> dict:
         """The stage's pinned gradient staging buffers; the first chunk of a slot waits for the previous slot."""
         bufs = self.staging.get(ins.stage)
@@ -193,7 +203,9 @@ class HostLanes:
         self._host_deps(t, o, info)
         if self.committed <= t:  # the first step: every gradient of t is in, t can no longer fail
             self._check_finite(t)
-            with self._lock:
+            with self._lock:  # atomic with `fail_caller`: t commits, or it is abandoned, never both
+                if self.ctx.failure.abandoned(t):
+                    raise Abort(f"{o.name}: iteration {t} abandoned before its commit")
                 self.committed = t + 1
                 self._backups.pop(t, None)
             if self.state.needs_global:  # clipping / dynamic loss scale: the global statistics need every
@@ -203,11 +215,7 @@ class HostLanes:
 
     def _check_finite(self, t: int) -> None:
         """The commit point's check: a NaN/inf loss or gradient of iteration t raises or skips the iteration."""
-        pairs = self.its.take_losses(t)
-        wait_all([ev for _, ev in pairs], self.ctx, t)
-        losses = [float(h.get()) for h, _ in pairs]
-        for h, _ in pairs:
-            self.host_pool.give(h, [])
+        losses = self.its.read_losses(t, self.ctx, lambda h: self.host_pool.give(h, []))
         bad, group = self._bad.pop(t, None), None
         if self.state.scaler is not None or (bad is None and all(map(math.isfinite, losses))):
             return

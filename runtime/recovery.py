@@ -43,7 +43,7 @@ class Recovery:
         except Abort:
             pass
         except BaseException as exc:  # noqa: BLE001
-            self.ctx.failure.fail(t, "step", exc)
+            self.host.fail_caller(t, exc)
         self.drain()
         self.recover()
 
@@ -72,7 +72,12 @@ class Recovery:
         self.ctx.stats.forget({t for t in range(now - back, now + 1)})
 
     def recover(self) -> None:
-        """Drain, undo the abandoned iterations and raise the failure as RuntimeFailure."""
+        """Drain, undo the abandoned iterations and raise the failure as RuntimeFailure.
+
+        An interrupt (a BaseException that is not an Exception: Ctrl-C's KeyboardInterrupt,
+        SystemExit) is re-raised unchanged once the iteration is undone, so `except
+        KeyboardInterrupt` and retry loops around `step` see it as such.
+        """
         self.drain()
         exc, name, _, tb = self.ctx.failure.error
         u = self.ctx.failure.failed_from
@@ -89,6 +94,8 @@ class Recovery:
         self.its.rewind(u)
         grid = self.program.shifted(u if u < EVAL_BASE else 0).grid(
             mark=name if name[:1] in ("w", "h") else None, context=4)
+        if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: undone, and still what it was
+            raise exc
         if isinstance(exc, NonFiniteError):  # not a fault of the machine: say what to do, no traceback
             raise NonFiniteError(str(exc), exc.iteration, exc.group) from None
         what = "evaluation" if u >= EVAL_BASE else f"iteration {u}"

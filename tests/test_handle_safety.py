@@ -1,0 +1,195 @@
+"""A handle under hostile but realistic use (issue 23): Ctrl-C, threads, failed loads, killed saves."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import rpcompile
+from rpcompile import checkpoint
+
+
+class _MLP(nn.Module):
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.Sequential(nn.Sequential(nn.Linear(8, width), nn.ReLU()),
+                                    nn.Sequential(nn.Linear(width, 8), nn.ReLU()), nn.Linear(8, 1))
+
+    def forward(self, x, y):
+        return nn.functional.mse_loss(self.blocks(x), y)
+
+
+def _xy(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
+
+
+def _compile(model=None, **kw):
+    return rpcompile.compile(model or _MLP(), gpus=2, example=_xy(0), microbatches=2, backend="host",
+                             optimizer=rpcompile.AdamW(lr=1e-2, impl="foreach"), **kw)
+
+
+def _threads() -> set[str]:
+    return {t.name for t in threading.enumerate() if t.name.startswith("rpcompile")}
+
+
+# -- 3. interrupts stay interrupts ------------------------------------------------------------------------------
+def _interrupted_second_step(hold_commit: bool):
+    """Two steps; Ctrl-C arrives while the caller waits for step 1's losses. Returns (error, handle)."""
+    c = _compile()
+    c.step(_xy(0))
+    c._runtime.flush()
+    good = c.state_dict()["host"]
+    gate = threading.Event()
+    add, real = c.state.accumulate_grad, c._runtime.iterations.read_losses
+    if hold_commit:  # iteration 1's gradients, and so its commit, wait until after the interrupt
+        c.state.accumulate_grad = lambda name, part: (gate.wait(30), add(name, part))[1]
+    timer: list = []
+
+    def slow(t, ctx, give):  # the caller is waiting for the losses when Ctrl-C arrives
+        if threading.current_thread() is threading.main_thread() and not timer:  # not the commit check's read
+            timer.append(threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)))
+            timer.append(threading.Timer(0.5, gate.set))  # the gradients arrive after the interrupt
+            for tm in timer:
+                tm.start()
+            threading.Event().wait(5)  # interrupted by the signal's KeyboardInterrupt
+        return real(t, ctx, give)
+
+    c._runtime.iterations.read_losses = slow
+    with pytest.raises(KeyboardInterrupt) as err:
+        c.step(_xy(1))
+    c._runtime.iterations.read_losses, c.state.accumulate_grad = real, add
+    return err.value, c, good
+
+
+def test_ctrl_c_before_the_commit_raises_keyboard_interrupt_with_the_step_undone():
+    exc, c, good = _interrupted_second_step(hold_commit=True)
+    with c:
+        assert type(exc) is KeyboardInterrupt  # not wrapped into a RuntimeFailure
+        assert c.steps == 1
+        now = c.state.state_dict()
+        for key in ("master", "compute"):
+            assert all(torch.equal(now[key][n], good[key][n]) for n in good[key]), key
+        c.step(_xy(1))  # iteration 1 again
+        assert c.steps == 2
+
+
+def test_ctrl_c_after_the_commit_raises_keyboard_interrupt_with_the_step_done():
+    exc, c, _ = _interrupted_second_step(hold_commit=False)
+    with c:
+        assert type(exc) is KeyboardInterrupt
+        assert c.steps == 2  # its update had started: the step completed, and counts
+        got = {n: p.detach().clone() for n, p in c.model().named_parameters()}
+    with _compile() as ref:
+        ref.step(_xy(0)), ref.step(_xy(1))
+        want = dict(ref.model().named_parameters())
+    assert all(torch.equal(got[n], want[n]) for n in want)
+
+
+# -- 4. one handle, one caller at a time ----------------------------------------------------------------------
+def test_two_threads_stepping_one_handle_are_serialised_and_equal_the_sequential_run():
+    b = _xy(3)
+    with _compile() as c:
+        errors: list[BaseException] = []
+
+        def loop() -> None:
+            try:
+                for _ in range(50):
+                    c.step(b)
+            except BaseException as exc:  # noqa: BLE001 - the test reports it
+                errors.append(exc)
+
+        threads = [threading.Thread(target=loop) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        assert c.steps == 100
+        got = {n: p.detach().clone() for n, p in c.model().named_parameters()}
+    with _compile() as ref:
+        for _ in range(100):
+            ref.step(b)
+        want = dict(ref.model().named_parameters())
+    assert all(torch.equal(got[n], want[n]) for n in want)
+
+
+# -- 6. a failed load leaves no thread behind ------------------------------------------------------------------
+def test_a_failed_load_leaves_no_thread_and_is_refused_before_workers_start(tmp_path):
+    path = str(tmp_path / "run.ckpt")
+    with _compile() as c:
+        c.step(_xy(0))
+        c.save(path)
+    before = _threads()
+    started = []
+    real = rpcompile.runtime.executor.Runtime.__init__
+    rpcompile.runtime.executor.Runtime.__init__ = lambda self, *a, **k: (started.append(1), real(self, *a, **k))[1]
+    try:
+        for _ in range(3):
+            with pytest.raises(ValueError):
+                rpcompile.load(path, _MLP(width=16))  # another shape: refused
+    finally:
+        rpcompile.runtime.executor.Runtime.__init__ = real
+    assert started == [] and _threads() == before
+
+
+def test_a_load_failing_after_its_workers_started_closes_them(tmp_path, monkeypatch):
+    path = str(tmp_path / "run.ckpt")
+    with _compile() as c:
+        c.step(_xy(0))
+        c.save(path)
+    before = _threads()
+
+    def broken(self, sd):
+        raise RuntimeError("disk went away")
+
+    monkeypatch.setattr(rpcompile.api.Compiled, "load_state_dict", broken)
+    with pytest.raises(RuntimeError, match="disk went away"):
+        rpcompile.load(path, _MLP())
+    assert _threads() == before
+
+
+# -- 5. a killed save's temporary file is removed by the next save or load of the path ------------------------
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+@pytest.mark.parametrize("then", ["save", "load"])
+def test_a_killed_saves_temporary_file_is_removed_next_time(tmp_path, then):
+    path = str(tmp_path / "run.ckpt")
+    checkpoint.save({"format": checkpoint.FORMAT, "steps": 1}, path)
+    stale = tmp_path / f".run.ckpt.tmp-{_dead_pid()}-abc123.rp"  # what a SIGKILL mid-save leaves
+    stale.write_bytes(b"\0" * 4096)
+    alive = tmp_path / f".run.ckpt.tmp-{os.getppid()}-def456.rp"  # another process's save in progress
+    alive.write_bytes(b"\0" * 16)
+    other = tmp_path / f".other.ckpt.tmp-{_dead_pid()}-x.rp"  # another path's: not ours to remove
+    other.write_bytes(b"\0")
+    if then == "save":
+        checkpoint.save({"format": checkpoint.FORMAT, "steps": 2}, path)
+    else:
+        assert checkpoint.load(path)["steps"] == 1
+    assert not stale.exists() and alive.exists() and other.exists()
+
+
+def test_a_save_killed_by_sigkill_leaves_a_temporary_file_the_next_load_removes(tmp_path):
+    path = str(tmp_path / "run.ckpt")
+    checkpoint.save({"format": checkpoint.FORMAT, "steps": 1}, path)
+    script = (f"import os, signal, torch\nfrom rpcompile import checkpoint\n"
+              f"real = torch.save\n"
+              f"def dying(obj, f):\n    f.write(b'x' * 1000)\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+              f"torch.save = dying\n"
+              f"checkpoint.save({{'format': checkpoint.FORMAT, 'steps': 2}}, {path!r})\n")
+    proc = subprocess.run([sys.executable, "-c", script], timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    assert [f for f in os.listdir(tmp_path) if ".tmp-" in f]  # the killed save's leftover
+    assert checkpoint.load(path)["steps"] == 1  # the previous checkpoint is intact
+    assert [f for f in os.listdir(tmp_path) if ".tmp-" in f] == []
