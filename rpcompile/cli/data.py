@@ -9,11 +9,21 @@ Formats:
     .jsonl  one JSON object per line with a "text" string, or a chat "messages" list of
             {"role", "content"} dicts, formatted with the tokenizer's chat template when it has one.
 
+Files are read as UTF-8 (a leading BOM is skipped) and split into lines at "\n"
+only, dropping one trailing "\r" per line: U+2028, U+2029 and U+0085 are
+characters inside a line, as JSON allows them unescaped in strings (not
+`str.splitlines`, which splits at them).
+
 Packing: every document is followed by the tokenizer's EOS and the documents are
 concatenated and cut into sequences of `seq` tokens (a document may span two
 sequences). The last sequence is filled up with the pad token; its labels there
 are -100, so padding adds nothing to the loss. Labels are the input ids
 (Hugging Face causal LMs shift them inside the model).
+
+A last sequence that would hold a single token is dropped (with that token):
+after the shift it has nothing to predict, so its mean loss would be 0/0 = NaN;
+no target is lost, since a sequence's first token is never a target. Every
+packed sequence holds at least 2 real tokens.
 """
 from __future__ import annotations
 
@@ -48,8 +58,9 @@ def read_documents(path: str, tokenizer: Any = None, *, whole_file: bool = False
         The documents, in file order.
     Raises:
         FileNotFoundError: no such file.
-        ValueError: an unknown extension, no document at all, a line that is not JSON, or a
-            JSON line with neither a "text" string nor a "messages" list (names file and line).
+        ValueError: an unknown extension, bytes that are not UTF-8, no document at all, a line that
+            is not JSON, or a JSON line with neither a "text" string nor a "messages" list (each
+            names the file, and the line where there is one).
 
     Example:
         >>> [d.text for d in read_documents("notes.txt")]   # doctest: +SKIP
@@ -58,16 +69,15 @@ def read_documents(path: str, tokenizer: Any = None, *, whole_file: bool = False
     if not os.path.isfile(path):
         raise FileNotFoundError(f"data file {path!r} does not exist")
     ext = os.path.splitext(path)[1].lower()
-    with open(path, encoding="utf-8") as f:
-        raw = f.read()
+    raw = _read_text(path)
     if ext == ".txt" and whole_file:
         docs = [Document(raw, False)] if raw.strip() else []
     elif ext == ".txt":
-        docs = [Document(line, False) for line in raw.splitlines() if line.strip()]
+        docs = [Document(line, False) for line in _lines(raw) if line.strip()]
     elif ext == ".jsonl":
         if whole_file:
             raise ValueError(f"--whole-file applies to .txt files, not {path!r}")
-        docs = [_json_document(line, path, i, tokenizer) for i, line in enumerate(raw.splitlines(), 1)
+        docs = [_json_document(line, path, i, tokenizer) for i, line in enumerate(_lines(raw), 1)
                 if line.strip()]
     else:
         raise ValueError(f"data file {path!r}: unknown extension {ext!r}; use .txt (text) or .jsonl "
@@ -75,6 +85,26 @@ def read_documents(path: str, tokenizer: Any = None, *, whole_file: bool = False
     if not docs:
         raise ValueError(f"data file {path!r} holds no documents (it is empty or blank)")
     return docs
+
+
+def _read_text(path: str) -> str:
+    """The file decoded as UTF-8 (BOM skipped); ValueError naming the file and the line of a bad byte."""
+    with open(path, "rb") as f:
+        blob = f.read()
+    try:
+        return blob.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = blob[:exc.start].count(b"\n") + 1
+        raise ValueError(f"data file {path!r} line {line}: not UTF-8 text (byte {blob[exc.start]:#04x}: "
+                         f"{exc.reason}); save it as UTF-8") from None
+
+
+def _lines(text: str) -> list[str]:
+    """`text` split at "\n" only, one trailing "\r" dropped per line (U+2028 and the like stay inside)."""
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()  # the newline that ends the last line
+    return [line[:-1] if line.endswith("\r") else line for line in lines]
 
 
 def _json_document(line: str, path: str, lineno: int, tokenizer: Any) -> Document:
@@ -161,9 +191,10 @@ def pack(docs: list[Document], tokenizer: Any, seq: int) -> Packed:
         tokenizer: a Hugging Face tokenizer with an EOS token.
         seq: tokens per sequence.
     Returns:
-        A `Packed`; the last sequence is padded (pad token, else EOS; label -100).
+        A `Packed`; the last sequence is padded (pad token, else EOS; label -100). A last
+        sequence of one token is dropped (it predicts nothing: see the module docstring).
     Raises:
-        ValueError: the tokenizer has no EOS token, or `seq` < 2.
+        ValueError: the tokenizer has no EOS token, `seq` < 2, or the documents make a single token.
 
     Example:
         >>> p = pack([Document("hello", False)], tok, seq=8); p.labels[0]   # doctest: +SKIP
@@ -184,6 +215,10 @@ def pack(docs: list[Document], tokenizer: Any, seq: int) -> Packed:
             for i, ids in zip(idx, enc):
                 encoded[i] = list(ids)
     flat = [t for ids in encoded for t in (*ids, eos)]
+    if len(flat) % seq == 1:  # a one-token last sequence: 0 targets after the shift, a 0/0 loss
+        flat.pop()
+    if not flat:
+        raise ValueError(f"the {len(docs)} document(s) make a single token (an EOS): nothing to train on")
     n = -(-len(flat) // seq)
     ids = torch.full((n * seq,), pad, dtype=torch.long)
     labels = torch.full((n * seq,), IGNORE, dtype=torch.long)

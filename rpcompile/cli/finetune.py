@@ -18,9 +18,14 @@ at the end `save_pretrained` into `out`.
 Files in `out`: the exported model and tokenizer (or the LoRA adapters),
 `rpcompile-checkpoint.rp` (the full training state, incl. the optimizer's
 pending staleness-1 update and the RNG) and `rpcompile-run.json` (the settings
-and a fingerprint of the data). The data position and the schedule step are
-both the checkpoint's step count, so `resume=True` continues bit for bit; it
-refuses settings that differ from the run's.
+and a fingerprint of the data; written atomically). The data position and the
+schedule step are both the checkpoint's step count, so `resume=True` continues
+bit for bit; it refuses settings that differ from the run's.
+
+A finished run is never overwritten by accident: an `out` that holds a run record,
+a checkpoint, or model, adapter or tokenizer files is refused unless the run is
+resumed (`resume=True`) or replaced (`overwrite=True`, which deletes those files
+first).
 """
 from __future__ import annotations
 
@@ -36,8 +41,10 @@ from typing import Any, Callable
 import torch
 
 from rpcompile.api import compile, load
+from rpcompile.checkpoint import write_text_atomic
 from rpcompile.cli.data import pack, read_documents
-from rpcompile.cli.hf import add_lora, check_model, export, load_model, load_tokenizer, trainable_module
+from rpcompile.cli.hf import TOKENIZER_FILES, add_lora, check_model, export, load_model, load_tokenizer, \
+    trainable_module
 from rpcompile.cli.schedule import SCHEDULES, lr_at
 from rpcompile.ir.optim import AdamW
 
@@ -47,8 +54,13 @@ CHECKPOINT = "rpcompile-checkpoint.rp"  # in `out`: the training state (rpcompil
 RUN_FILE = "rpcompile-run.json"  # in `out`: the run's settings and data fingerprint, checked on resume
 DTYPES = {"auto": None, "fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
           "bfloat16": torch.bfloat16}  # --dtype names; auto: bf16 on CUDA, fp32 on the CPU
-FREE = ("out", "data", "resume", "save_every", "eval", "eval_every", "progress")  # a resume may change these
-# (the data file is checked by the fingerprint of its packed tokens instead of its path)
+# a resume may change these (the data file is checked by the fingerprint of its packed tokens, not its path)
+FREE = ("out", "data", "resume", "overwrite", "save_every", "eval", "eval_every", "progress")
+# what a run writes into `out` (and `out/adapter`): found there, it is refused without --resume or --overwrite
+RUN_OUTPUTS = (RUN_FILE, CHECKPOINT, "config.json", "generation_config.json", "adapter_config.json",
+               "special_tokens_map.json", "chat_template.jinja", *TOKENIZER_FILES)
+WEIGHTS = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")  # ... and the weight files'
+# endings (*.safetensors, sharded model-00001-of-00002.safetensors, pytorch_model.bin, their index files)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +93,8 @@ class FinetuneConfig:
     save_every: int = 0  # write the checkpoint every K steps and at the end; 0 = never
     eval_every: int = 0  # eval loss every K steps (needs eval); 0 = only at the end
     resume: bool = False  # continue the run from out/rpcompile-checkpoint.rp
+    overwrite: bool = False  # out holds a run or a model: replace it (its run record, checkpoint, model,
+    # adapter and tokenizer files are deleted just before training starts); False: such an out is refused
     seed: int = 0  # data order, adapter initialisation, dropout
     whole_file: bool = False  # .txt data: the whole file is one document
     memory_gib: float | None = None  # device memory per worker in GiB for the planner; None = 90% of the
@@ -129,6 +143,41 @@ def _check(cfg: FinetuneConfig) -> None:
         raise ValueError("--eval-every needs --eval FILE")
     if cfg.memory_gib is not None and not cfg.memory_gib > 0:
         raise ValueError(f"--memory-gib must be > 0, got {cfg.memory_gib}")
+    if cfg.resume and cfg.overwrite:
+        raise ValueError("give --resume (continue the run in --out) or --overwrite (replace it), not both")
+
+
+def _check_out(cfg: FinetuneConfig) -> None:
+    """Raise unless `cfg.out` is a folder this run may write: writable, and no other run's unless told."""
+    out = os.path.abspath(cfg.out)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise NotADirectoryError(f"--out {cfg.out!r} is a file, not a folder: give a folder for the trained model")
+    existing = out
+    while not os.path.exists(existing):  # the nearest existing folder above: os.makedirs creates the rest
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise NotADirectoryError(f"--out {cfg.out!r}: {existing!r} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise PermissionError(f"--out {cfg.out!r}: cannot write in {existing!r} (permission denied)")
+    if os.path.isdir(out) and os.path.isdir(cfg.model) and os.path.samefile(out, cfg.model):
+        raise ValueError(f"--out {cfg.out!r} is the --model folder: give another folder (it would replace the "
+                         f"model being trained)")
+    found = _previous_run(cfg.out)
+    if found and not cfg.resume and not cfg.overwrite:
+        names = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+        raise ValueError(f"--out {cfg.out!r} already holds a run or a model ({names}): continue that run with "
+                         f"--resume, replace it with --overwrite, or give another --out")
+
+
+def _previous_run(out: str) -> list[str]:
+    """The files of `out` (and `out/adapter`) a run writes: run record, checkpoint, model, adapters, tokenizer."""
+    found = []
+    for folder in (out, os.path.join(out, "adapter")):
+        if os.path.isdir(folder):
+            found += [os.path.relpath(os.path.join(folder, n), out) for n in sorted(os.listdir(folder))
+                      if (n in RUN_OUTPUTS or n.endswith(WEIGHTS)) and os.path.isfile(os.path.join(folder, n))]
+    return sorted(found, key=lambda n: (n not in (RUN_FILE, CHECKPOINT), not n.endswith(WEIGHTS), n))  # the
+    # run's own files first, then the weights
 
 
 def finetune(cfg: FinetuneConfig, *, on_step: Callable[[int, float], None] | None = None) -> FinetuneResult:
@@ -141,7 +190,9 @@ def finetune(cfg: FinetuneConfig, *, on_step: Callable[[int, float], None] | Non
     Returns:
         A `FinetuneResult`: steps, the losses of this call, eval losses, the output folder.
     Raises:
-        FileNotFoundError / ValueError / ImportError: bad input, named (the CLI prints one line, exit 2).
+        FileNotFoundError / ValueError / ImportError: bad input, named (the CLI prints one line, exit 2);
+            ValueError too for an `out` that holds a run or a model, without `resume` or `overwrite`.
+        NotADirectoryError / PermissionError: `out` is a file, or cannot be written.
 
     Note:
         The learning rate of step t, `lr_at(t)`, is set just before `step(batch_t)`, so it is
@@ -155,6 +206,7 @@ def finetune(cfg: FinetuneConfig, *, on_step: Callable[[int, float], None] | Non
         10
     """
     _check(cfg)
+    _check_out(cfg)  # before anything slow: a finished run is never overwritten by accident
     cuda = torch.cuda.is_available()
     dtype = DTYPES[cfg.dtype] or (torch.bfloat16 if cuda else torch.float32)
     tokenizer = load_tokenizer(cfg.model)  # everything that can be wrong is checked before the weights load
@@ -165,9 +217,6 @@ def finetune(cfg: FinetuneConfig, *, on_step: Callable[[int, float], None] | Non
     run = _run_record(cfg, train)
     if cfg.resume:
         _check_resume(cfg, run)
-    elif os.path.exists(os.path.join(cfg.out, CHECKPOINT)):
-        raise ValueError(f"{cfg.out!r} already holds a run's checkpoint ({CHECKPOINT}): continue it with --resume, "
-                         f"or give another --out")
     model = load_model(cfg.model, dtype=dtype)
     gpus = cfg.gpus or (torch.cuda.device_count() if cuda else 2)
     micro = cfg.microbatches or 2 * gpus
@@ -184,8 +233,10 @@ def finetune(cfg: FinetuneConfig, *, on_step: Callable[[int, float], None] | Non
     if cfg.resume:
         c = load(ckpt, module)
     else:
-        with open(os.path.join(cfg.out, RUN_FILE), "w") as f:  # written before any checkpoint exists
-            json.dump(run, f, indent=1)
+        if cfg.overwrite:
+            _remove_previous(cfg.out)
+        # written before any checkpoint exists, atomically: a kill leaves the old record or the new one
+        write_text_atomic(os.path.join(cfg.out, RUN_FILE), json.dumps(run, indent=1))
         c = compile(module, gpus=gpus, example=train.batch(0, size, cfg.seed), microbatches=micro,
                     staleness=cfg.staleness, dtype=dtype, seed=cfg.seed,
                     optimizer=AdamW(lr=lr, weight_decay=cfg.weight_decay,
@@ -258,6 +309,32 @@ def _run_record(cfg: FinetuneConfig, train: Any) -> dict[str, Any]:
     return {"settings": settings, "data": {"sequences": len(train), "tokens": train.tokens, "sha256": digest}}
 
 
+def _remove_previous(out: str) -> None:
+    """--overwrite: delete the files a run wrote into `out` (see `_previous_run`), saying how many."""
+    found = _previous_run(out)
+    for name in found:
+        os.remove(os.path.join(out, name))
+    if found:
+        print(f"--overwrite: removed {len(found)} files of the previous run or model in {out}")
+
+
+def _read_run(path: str) -> dict[str, Any]:
+    """The run record at `path`; ValueError naming it if it is not valid JSON or not a run record."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+        if not isinstance(saved, dict) or not isinstance(saved.get("settings"), dict) or "data" not in saved:
+            raise ValueError(f"a JSON {type(saved).__name__}, without 'settings' and 'data'")
+    except json.JSONDecodeError as exc:
+        why = f"not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+    except ValueError as exc:  # UnicodeDecodeError included
+        why = str(exc)
+    else:
+        return saved
+    raise ValueError(f"--resume: the run record {path!r} is corrupt ({why}); restore it, or start the run over "
+                     f"with --overwrite")
+
+
 def _check_resume(cfg: FinetuneConfig, run: dict[str, Any]) -> None:
     """Raise unless out/ holds a checkpoint of a run with the same settings and data."""
     path, ckpt = os.path.join(cfg.out, RUN_FILE), os.path.join(cfg.out, CHECKPOINT)
@@ -265,8 +342,7 @@ def _check_resume(cfg: FinetuneConfig, run: dict[str, Any]) -> None:
         missing = ckpt if not os.path.isfile(ckpt) else path
         raise FileNotFoundError(f"--resume: {missing!r} does not exist (run with --save-every K to write "
                                 f"checkpoints)")
-    with open(path) as f:
-        saved = json.load(f)
+    saved = _read_run(path)
     diff = [f"{k}={saved['settings'].get(k)!r} then, {v!r} now" for k, v in run["settings"].items()
             if k not in FREE and saved["settings"].get(k) != v]
     if diff:

@@ -68,6 +68,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--eval-every", type=int, default=d.eval_every, metavar="K",
                    help="eval loss every K steps (needs --eval; the final model is always evaluated)")
     r.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    r.add_argument("--overwrite", action="store_true",
+                   help="--out holds a run or a model: replace it (deletes its run record, checkpoint and the model, "
+                   "adapter and tokenizer files before training; without --overwrite or --resume such an --out is "
+                   "refused)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -80,5 +84,5 @@ def config_from_args(a: argparse.Namespace) -> FinetuneConfig:
         warmup=a.warmup, schedule=a.schedule, weight_decay=a.weight_decay,
         max_grad_norm=a.max_grad_norm or None, staleness=a.staleness, dtype=a.dtype, lora=a.lora,
         lora_alpha=a.lora_alpha, lora_targets=targets, merge=a.merge, save_every=a.save_every,
-        eval_every=a.eval_every, resume=a.resume, seed=a.seed, whole_file=a.whole_file, memory_gib=a.memory_gib,
-        lm_head_shards=a.lm_head_shards, progress=not a.no_progress)
+        eval_every=a.eval_every, resume=a.resume, overwrite=a.overwrite, seed=a.seed, whole_file=a.whole_file,
+        memory_gib=a.memory_gib, lm_head_shards=a.lm_head_shards, progress=not a.no_progress)

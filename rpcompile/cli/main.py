@@ -8,7 +8,9 @@
     python -m rpcompile finetune --model DIR --data train.jsonl --out DIR [--lora 8] [--save-every 100]
 
 A bad value (a count below 1, an unknown config key, a string where a number
-goes) is one line on stderr and exit status 2, never a traceback.
+goes), a file that cannot be read or written (any OSError: missing, a folder
+where a file goes, no permission) and a non-finite loss (FloatingPointError) are
+one line on stderr and exit status 2, never a traceback.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import json
 import sys
 import time
 
+from rpcompile.checkpoint import write_text_atomic
 from rpcompile.cli.demo import DemoConfig, run
 from rpcompile.cli.finetune import finetune
 from rpcompile.cli.finetune_args import add_arguments, config_from_args
@@ -82,8 +85,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"planned in {time.perf_counter() - t:.1f} s")
     if args.save_program:
         r.program.to_csv(args.save_program)
-        with open(args.save_program + ".costs.json", "w") as f:
-            json.dump(r.costs.to_lists(), f)
+        write_text_atomic(args.save_program + ".costs.json", json.dumps(r.costs.to_lists()))
         print(f"wrote {args.save_program} and {args.save_program}.costs.json")
     return 0
 
@@ -161,8 +163,18 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+REFUSED = (ValueError, ImportError, OSError, FloatingPointError)  # what `main` prints as one line, exit 2
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run one sub-command; bad input is one line on stderr and exit status 2, not a traceback."""
+    """Run one sub-command; bad input is one line on stderr and exit status 2, not a traceback.
+
+    Note:
+        Caught: `REFUSED` (ValueError, ImportError, OSError such as FileNotFoundError,
+        NotADirectoryError, IsADirectoryError or PermissionError, and FloatingPointError such
+        as the runtime's NonFiniteError). Only the message's first line is printed (a
+        runtime error's grid follows it); anything else is a bug and keeps its traceback.
+    """
     try:
         args = parser().parse_args(argv)
     except _BadUsage as exc:
@@ -170,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.func(args)
-    except (ValueError, ImportError, FileNotFoundError) as exc:
-        print(f"python -m rpcompile {args.command}: error: {exc}", file=sys.stderr)
+    except REFUSED as exc:
+        line = str(exc).strip().split("\n")[0].strip() or type(exc).__name__
+        print(f"python -m rpcompile {args.command}: error: {line}", file=sys.stderr)
         return 2
 

@@ -4,6 +4,8 @@
      "dim": 128, "layers": 4, "lr": 0.003, "save": "run.ckpt"}
 
 With "resume": true and an existing "save" file, training continues from it.
+The "save" path is checked before anything is built (its folder exists and is
+writable, the path is not a folder), so a bad path fails at once, not hours later.
 `python -m rpcompile train --help` lists every key (`RunConfig`); an unknown key
 or a value of the wrong type is refused naming the key (`RunConfig.from_json`).
 """
@@ -126,8 +128,30 @@ def config_help() -> str:
     return "\n".join(f"  {a:<{w0}}  {b:<{w1}}  {c}" for a, b, c in rows)
 
 
+def check_save_path(path: str) -> None:
+    """Raise an OSError naming 'save' unless a checkpoint can be written at `path` (checked before compiling).
+
+    Example:
+        >>> check_save_path("no-such-folder/run.ckpt")
+        Traceback (most recent call last):
+        FileNotFoundError: 'save' 'no-such-folder/run.ckpt': the folder 'no-such-folder' does not exist; create it first
+    """
+    folder = os.path.dirname(path) or "."
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"'save' {path!r} is a folder; give a file path such as "
+                                f"{os.path.join(path, 'run.ckpt')!r}")
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise NotADirectoryError(f"'save' {path!r}: {folder!r} is a file, not a folder")
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"'save' {path!r}: the folder {folder!r} does not exist; create it first")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise PermissionError(f"'save' {path!r}: cannot write in the folder {folder!r} (permission denied)")
+
+
 def train(cfg: RunConfig) -> list[float]:
     """Run `cfg`; returns the losses of the steps it ran."""
+    if cfg.save:
+        check_save_path(cfg.save)
     with open(cfg.text, "rb") as f:
         data = f.read()
     if len(data) < cfg.seq + 2:
