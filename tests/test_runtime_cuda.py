@@ -190,3 +190,61 @@ def test_cuda_fault_recovers():
         rt.handlers[Op.BACKWARD] = orig
         rt.step(models.lm_batch(batch=4, seq=8, seed=2))
         rt.flush()
+
+
+# -- the review's findings that only a GPU can show (issue 22; the CPU sides are in test_cuda_review.py and
+#    test_runtime_review.py) -----------------------------------------------------------------------------------
+def test_cuda_issuer_never_blocks_on_host_work_and_matches_host():
+    """1d: back-to-back staleness-1 steps on 2 workers: no issuing thread blocked on host work."""
+    graph = trace(models.llama(attn="sdpa"), models.lm_batch(batch=4, seq=8))
+    batches = [models.lm_batch(batch=4, seq=8, seed=s) for s in range(4)]
+    lc, pc, stats = _train(graph, "cuda", 2, 4, 1, batches)
+    lh, ph, _ = _train(graph, "host", 2, 4, 1, batches)
+    assert stats["issue_waits"] == 0 and stats["issue_blocked_s"] == 0
+    assert lc == pytest.approx(lh, rel=1e-4)
+
+
+def test_cuda_batch_on_another_stream_is_read_in_the_callers_order():
+    """1c: a batch written on the caller's stream right before step() trains as the same batch on the CPU."""
+    graph = trace(models.llama(attn="sdpa"), models.lm_batch(batch=4, seq=8))
+    cpu = [models.lm_batch(batch=4, seq=8, seed=s) for s in range(2)]
+    side = torch.cuda.Stream()
+    gpu = []
+    for b in cpu:
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(50_000_000)  # the copies below land late on the caller's stream
+            gpu.append({k: v.cuda(non_blocking=True) for k, v in b.items()})
+    with torch.cuda.stream(side):
+        lg, pg, _ = _train(graph, "cuda", 2, 4, 0, gpu)
+    lh, ph, _ = _train(graph, "cuda", 2, 4, 0, cpu)
+    assert lg == pytest.approx(lh, rel=1e-5)  # a fused attention backward may accumulate with atomics
+    assert all(torch.allclose(pg[n], ph[n], rtol=1e-5, atol=1e-6) for n in ph)
+
+
+def test_cuda_event_wait_has_a_deadline():
+    """1f: an event behind a long kernel: wait(timeout) raises TimeoutError instead of hanging."""
+    from rpcompile.runtime.devices import make_workers
+    from rpcompile.runtime.streams import StreamContext
+    ctx = StreamContext(timeout=60.0)
+    w = make_workers(1, ctx, "cuda", None, False)[0]
+    try:
+        s = w.streams["compute"]
+        s.submit(lambda: torch.cuda._sleep(2_000_000_000), "sleep", 0)  # seconds of GPU time
+        ev = s.record(0, "after sleep")
+        with pytest.raises(TimeoutError):
+            ev.wait(timeout=0.2)
+    finally:
+        torch.cuda.synchronize()
+        w.close()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_cuda_stats_on_two_devices():
+    """1b: stats() and the measured timeline with workers on two GPUs (elapsed_time within one device)."""
+    graph = trace(models.llama(attn="sdpa"), models.lm_batch(batch=4, seq=8))
+    state = HostState.from_graph(graph, optimizer=OPT, pin_memory=True)
+    with Runtime(graph, _program(graph, 2, 4, 1), state, backend="cuda", devices=["cuda:0", "cuda:1"],
+                 timeout=60) as rt:
+        rt.step(models.lm_batch(batch=4, seq=8))
+        rt.flush()
+        assert rt.stats()["busy_s"] and rt.last_timeline
