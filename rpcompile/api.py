@@ -26,6 +26,7 @@ from rpcompile.runtime import simulate
 from rpcompile.runtime.distributed import DistConfig, GradReducer, init_group
 from rpcompile.runtime.executor import Runtime
 from rpcompile.runtime.optimizer import HostState
+from rpcompile.runtime.stage_exec import token_weights, trained_tokens
 from rpcompile.runtime.simulator import Record
 
 __all__ = ["compile", "Compiled", "load", "Options", "default_microbatches", "plan_pipeline"]
@@ -36,8 +37,8 @@ def compile(model: torch.nn.Module, gpus: int = 8, *, example: Any, microbatches
             loss_fn: Callable | None = None, layers: Sequence[str] | None = None,
             lm_head_shards: int | str = "auto", hardware: Hardware | str | None = None,
             memory_budget: int | None = None, backend: str = "auto", seed: int = 0,
-            on_nonfinite: str = "raise", loss_scale: float | DynamicLossScale | None = None, dist: Any = False,
-            process_group: Any = None) -> "Compiled":
+            on_nonfinite: str = "raise", loss_scale: float | DynamicLossScale | None = None,
+            loss_mean: str = "microbatch", dist: Any = False, process_group: Any = None) -> "Compiled":
     """Compile `model` for RoundPipe training on `gpus` workers.
 
     Args:
@@ -62,6 +63,14 @@ def compile(model: torch.nn.Module, gpus: int = 8, *, example: Any, microbatches
         loss_scale: None (off), a constant factor, or `rpcompile.DynamicLossScale()` (torch GradScaler's
             rule: an iteration with an inf/nan gradient is skipped and halves the scale). Use it with
             `dtype=torch.float16`, whose gradients underflow without it; bf16 needs none.
+        loss_mean: what a step's loss averages over. "microbatch" (default): the mean of the
+            microbatch losses. "tokens", for models that take `labels` and return the mean NLL over
+            their trained targets (transformers causal LMs: the shifted labels that are not -100): the
+            sum of the token NLLs over every trained token of the step (all microbatches; with dist,
+            all processes) divided by the number of those tokens. Microbatch m's loss is weighted by
+            n_m / N, the counts read from the batch's labels (N all-reduced over the processes) before
+            anything runs; a microbatch with no trained token counts for nothing (no NaN). The update
+            is this loss's gradient, and `step` / `evaluate` return it. Composes with loss_scale.
         dist: data parallelism across processes: True or a `rpcompile.runtime.distributed.DistConfig`.
             `example` and `step`'s batches are then this process's shard (see DistConfig, `shard`).
         process_group: the torch.distributed group to train over (implies dist; default: the
@@ -76,7 +85,7 @@ def compile(model: torch.nn.Module, gpus: int = 8, *, example: Any, microbatches
     opts = options(gpus=gpus, microbatches=microbatches, staleness=staleness, optimizer=optimizer, dtype=dtype,
                    loss_fn=loss_fn, layers=layers, lm_head_shards=lm_head_shards, hardware=hardware,
                    memory_budget=memory_budget, backend=backend, seed=seed, on_nonfinite=on_nonfinite,
-                   loss_scale=loss_scale)
+                   loss_scale=loss_scale, loss_mean=loss_mean)
     check_model(model)
     return Compiled(model, opts, example, dist=dist, process_group=process_group)
 
@@ -108,6 +117,8 @@ class Compiled:
         self._model, self.options, self._example = model, opts, example
         (self.graph, self.costs, self.plan, self.program, self.microbatches,
          self._units) = compile_passes(model, example, opts, frozen=frozen)  # units: sub-blocks, if it cut them
+        if opts.loss_mean == "tokens":
+            trained_tokens(self.graph, example, self.microbatches)  # no `labels`: refused before any thread starts
         self._signature, self._variants = signature(example), Variants()  # one program per batch signature
         self._variants.put(self._signature, self._variant())
         self.state = HostState.from_graph(self.graph, optimizer=opts.optimizer, dtype=opts.dtype,
@@ -173,9 +184,33 @@ class Compiled:
             self._runtime = self._new_runtime(start)
         check_batch(batch, self.microbatches, like=self.graph)
 
+    def _weights(self, batch: Any, what: str) -> tuple[list[float] | None, tuple[int, int] | None]:
+        """loss_mean="tokens": per-microbatch loss weights world * n_m / N and (this rank's tokens, N); else None.
+
+        N is summed over the processes (one int all-reduce) here, before the step's backward runs.
+        """
+        if self.options.loss_mean != "tokens":
+            return None, None
+        counts = trained_tokens(self.graph, batch, self.microbatches)
+        local = sum(counts)
+        total = self._dist.total(local, f"{what} token count") if self._dist else local
+        return token_weights(counts, total, self.world_size), (local, total)
+
+    def _result(self, loss: float, counts: tuple[int, int] | None, what: str) -> float:
+        """The loss `step` / `evaluate` return: data parallel, the mean over the processes (see DistConfig)."""
+        if not self._dist:
+            return loss
+        if counts is not None and not self._dist.cfg.average_loss:  # this rank's own token mean
+            local, total = counts
+            return loss * total / (self.world_size * local) if local else 0.0
+        return self._dist.average(loss, what)
+
     @_one_caller
     def step(self, batch: Any) -> float:
-        """One training iteration (forward, backward, optimizer); returns the mean microbatch loss.
+        """One training iteration (forward, backward, optimizer); returns the step's loss.
+
+        The loss is the mean microbatch loss, or with loss_mean="tokens" the mean over the step's
+        trained tokens (data parallel: over every process's, in both cases).
 
         The batch's tensors are copied (into pinned host buffers where CUDA is) before `step` returns,
         so the caller may reuse or change them at once, although the iteration's lower backward
@@ -193,13 +228,14 @@ class Compiled:
         self._prepare(batch)
         if self._dist:
             self._dist.check()  # a failed data-parallel step cannot be re-run in place
+        weights, counts = self._weights(batch, "step")  # loss_mean="tokens": n_m / N, N over all processes
         try:
-            loss = self._runtime.step(batch)
+            loss = self._runtime.step(batch, weights)
         except BaseException as exc:
             if self._dist:
                 self._dist.fail(exc)
             raise
-        return self._dist.average(loss) if self._dist else loss  # data parallel: mean over processes
+        return self._result(loss, counts, "loss")  # data parallel: mean over processes
 
     @_one_caller
     def stats(self) -> dict[str, Any]:
@@ -252,10 +288,11 @@ class Compiled:
 
     @_one_caller
     def evaluate(self, batch: Any) -> float:
-        """Forward only with the weights the next step would read; returns the mean microbatch loss."""
+        """Forward only with the weights the next step would read; returns the loss, weighted as `step`'s."""
         self._prepare(batch)
-        loss = self._runtime.evaluate(batch)
-        return self._dist.average(loss, "evaluate loss") if self._dist else loss
+        weights, counts = self._weights(batch, "evaluate")
+        loss = self._runtime.evaluate(batch, weights)
+        return self._result(loss, counts, "evaluate loss")
 
     def simulate(self, hardware: Hardware | str = "rtx4090", iterations: int = 1, *, example: Any = None):
         """Simulate this program on `hardware`, with layer costs predicted for that hardware.

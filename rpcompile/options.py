@@ -26,6 +26,7 @@ DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.floa
           "fp64": torch.float64, "float64": torch.float64, "double": torch.float64}
 BACKENDS = ("auto", "host", "cuda")
 ON_NONFINITE = ("raise", "skip")
+LOSS_MEANS = ("microbatch", "tokens")
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +47,8 @@ class Options:
     seed: int                                  # base seed of per-(iteration, microbatch, layer) randomness
     on_nonfinite: str = "raise"                # a NaN/inf loss or gradient: "raise" FloatingPointError, or "skip"
     loss_scale: float | DynamicLossScale | None = None  # None: off; a constant; DynamicLossScale (fp16)
+    loss_mean: str = "microbatch"              # a step's loss: "microbatch" (mean of the microbatch losses) or
+                                               # "tokens" (sum of token NLLs / trained tokens; needs `labels`)
 
 
 def default_microbatches(batch: int, gpus: int) -> int:
@@ -98,7 +101,8 @@ def _optimizer(opt: Any) -> AdamW | SGD:
 def options(*, gpus: Any, microbatches: Any = None, staleness: Any = 1, optimizer: Any = None, dtype: Any = None,
             loss_fn: Callable | None = None, layers: Sequence[str] | None = None, lm_head_shards: Any = "auto",
             hardware: Hardware | str | None = None, memory_budget: Any = None, backend: str = "auto",
-            seed: Any = 0, on_nonfinite: str = "raise", loss_scale: Any = None) -> Options:
+            seed: Any = 0, on_nonfinite: str = "raise", loss_scale: Any = None,
+            loss_mean: Any = "microbatch") -> Options:
     """Check compile()'s arguments and build the Options (see `rpcompile.compile` for their meaning).
 
     Raises:
@@ -122,6 +126,9 @@ def options(*, gpus: Any, microbatches: Any = None, staleness: Any = 1, optimize
             and not isinstance(loss_scale, bool) and 0 < loss_scale < float("inf")):
         raise ValueError(f"loss_scale must be None, a finite number > 0 or rpcompile.DynamicLossScale(...), "
                          f"got {loss_scale!r}")
+    if loss_mean not in LOSS_MEANS:
+        raise ValueError(f"loss_mean must be one of {LOSS_MEANS} ('tokens': the mean over the step's trained "
+                         f"tokens, for models that take `labels`), got {loss_mean!r}")
     if loss_fn is not None and not callable(loss_fn):
         raise ValueError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     if isinstance(hardware, str):
@@ -131,7 +138,7 @@ def options(*, gpus: Any, microbatches: Any = None, staleness: Any = 1, optimize
     return Options(gpus=gpus, microbatches=microbatches, staleness=staleness, optimizer=_optimizer(optimizer),
                    dtype=parse_dtype(dtype), loss_fn=loss_fn, layers=layers, lm_head_shards=lm_head_shards,
                    hardware=hardware, memory_budget=memory_budget, backend=backend, seed=seed,
-                   on_nonfinite=on_nonfinite, loss_scale=loss_scale)
+                   on_nonfinite=on_nonfinite, loss_scale=loss_scale, loss_mean=loss_mean)
 
 
 def check_model(model: Any) -> None:

@@ -56,7 +56,8 @@ class DistConfig:
     """Options of data-parallel training (compile(..., dist=DistConfig(...)); dist=True uses the defaults)."""
 
     timeout_s: float = 300.0   # seconds a collective waits for the other processes before it raises
-    average_loss: bool = True  # step()/evaluate() return the mean loss over all processes (one scalar all-reduce)
+    average_loss: bool = True  # step()/evaluate() return the mean loss over all processes (one scalar all-reduce);
+                               # False: this rank's own (loss_mean="tokens": over its own trained tokens)
 
 
 def ring_allreduce_time(nbytes: float, nodes: int, bandwidth: float, latency: float) -> float:
@@ -244,6 +245,15 @@ class GradReducer:
         buf = torch.tensor([value], dtype=torch.float64, device=self._device(self.group))
         self._collective(f"{what} average", dist.all_reduce, buf, group=self.group)
         return float(buf.item()) / self.world
+
+    def total(self, value: int, what: str = "token count") -> int:
+        """The sum of the int `value` over the processes (the caller's thread, main group; always reduced).
+
+        Token weighting uses it for the step's trained-token count, before the step's backward runs.
+        """
+        buf = torch.tensor([int(value)], dtype=torch.int64, device=self._device(self.group))
+        self._collective(f"{what} sum", dist.all_reduce, buf, group=self.group)
+        return int(buf.item())
 
     def check(self) -> None:
         """Raise if a failure broke this data-parallel run (the processes no longer agree on the step)."""

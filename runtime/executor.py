@@ -167,13 +167,16 @@ class Runtime:
         return self.host.skipped
 
     # -- one iteration's submission and losses ---------------------------------------------------------
-    def _submit(self, t: int, info: ProgramInfo, mbs: list[dict]) -> list:
+    def _submit(self, t: int, info: ProgramInfo, mbs: list[dict], weights: list[float] | None = None) -> list:
         """Stage iteration t's microbatch inputs and queue its work on every issuer (and host lane).
+
+        `weights`: each microbatch's factor in the iteration's loss (None: 1 / M each); set before
+        anything is issued, so the fused stage's backward uses them.
 
         Returns:
             The list the loss downloads fill with (host buffer, event) per microbatch.
         """
-        losses = self.iterations.begin(t, info, len(mbs))
+        losses = self.iterations.begin(t, info, len(mbs), weights)
         self.issue.stage_inputs(t, info, mbs)
         if not info.forward_only:
             self.host.make_events(t, info)
@@ -184,7 +187,7 @@ class Runtime:
         return losses
 
     def _losses(self, t: int, info: ProgramInfo, pairs: list) -> float:
-        """Wait (one host wait) for iteration t's microbatch losses; their mean.
+        """Wait (one host wait) for iteration t's microbatch losses; their mean (weighted if t has weights).
 
         In training the commit check (`HostLanes._check_finite`) reads them too (`Iterations.read_losses`:
         the first reader hands the buffers back, so t+1's loss downloads never wait for t's commit).
@@ -192,7 +195,7 @@ class Runtime:
         for name in info.loss_downs:
             self.board.get((t, name), t, "step")
         values = self.iterations.read_losses(t, self.ctx, lambda h: self.host_pool.give(h, []))
-        return sum(values) / len(values)
+        return self.iterations.mean(t, values)
 
     def _check_open(self) -> None:
         """Raise RuntimeError if the runtime is closed."""
@@ -200,8 +203,15 @@ class Runtime:
             raise RuntimeError("this runtime is closed (close() or leaving `with`); compile again to train")
 
     # -- the public calls -------------------------------------------------------------------------------
-    def step(self, batch: Any) -> float:
+    def step(self, batch: Any, weights: list[float] | None = None) -> float:
         """Run one training iteration on `batch` (one global batch); returns the mean microbatch loss.
+
+        Args:
+            batch: the iteration's batch.
+            weights: optional, per microbatch, the factor its loss counts with (token weighting:
+                n_m / N, see `stage_exec.token_weights`); the loss returned is then the weighted
+                sum, and the gradient that of the weighted sum. A weight-0 microbatch is left out of
+                both (no backward, its loss counts as 0).
 
         Raises:
             ValueError: the batch does not split into the program's microbatches.
@@ -216,7 +226,7 @@ class Runtime:
             self.recovery.recover()
         t = self.t
         mbs = split_batch(self.graph, batch, self.program.microbatches)  # a bad batch raises before anything runs
-        pairs = self._submit(t, self.train_info, mbs)
+        pairs = self._submit(t, self.train_info, mbs, weights)
         self.iterations.advance()
         loss = self.recovery.guard(lambda: self._losses(t, self.train_info, pairs), t)
         self._stock_pools(t)
@@ -252,11 +262,13 @@ class Runtime:
         for w in self.workers:
             w.pool.stock(most, t)
 
-    def evaluate(self, batch: Any) -> float:
+    def evaluate(self, batch: Any, weights: list[float] | None = None) -> float:
         """Forward only with the weights the next step reads, streamed through the workers; no state change.
 
+        `weights`: as for `step` (per-microbatch loss factors; None: the mean).
+
         Returns:
-            The mean microbatch loss.
+            The mean microbatch loss (the weighted sum with `weights`).
         """
         self.flush()
         if self.eval_info is None:
@@ -266,7 +278,7 @@ class Runtime:
         t = EVAL_BASE + self._evals
         self._evals += 1
         made = self.issue.slot_counts()  # training's buffer parities go on after the evaluation's slots
-        pairs = self._submit(t, self.eval_info, mbs)
+        pairs = self._submit(t, self.eval_info, mbs, weights)
         loss = self.recovery.guard(lambda: self._losses(t, self.eval_info, pairs), t)
         self.flush()
         self.iterations.end(t)

@@ -254,13 +254,19 @@ class IssueHandlers:
         return (ev,)
 
     def _fused(self, t: int, ins, w: int) -> tuple:
-        """X: forward through the loss and backward (grad_output = scale / M); input grads and loss to a Cell."""
+        """X: forward through the loss and backward (grad_output = loss scale x the microbatch's weight, 1 / M
+        unless token weighting gave it one); input grads and loss to a Cell.
+
+        A microbatch of weight 0 (token weighting: no trained token, so its mean loss is 0/0 = NaN) runs
+        its forward but no backward: its input gradients are zeros, its parameters get nothing, and its
+        loss goes down as 0 (0 x NaN would still be NaN).
+        """
         io, worker = self.io[ins.stage], self.workers[w]
         cs = worker.streams["compute"]
         inputs, cell = self._take_inputs(t, ins), Cell()
         slot = self._slot(t, ins.stage, ins.mb // self.its.program_of(t).round_size, w, cs)
         self._grads(t, ins, w, slot, cs)
-        runner, scale = self.runners[w], self.its.scales[t] / self.its.program_of(t).microbatches
+        runner, scale = self.runners[w], self.its.grad_factor(t, ins.mb)
         bufs = self._chain(t, ins, w)
 
         def run() -> None:
@@ -268,9 +274,11 @@ class IssueHandlers:
             with torch.enable_grad(), saved_tensors_bytes(worker.store, slot.params, env_in) as ws:
                 env = runner.forward(io.layers, slot.params, env_in, t, ins.mb, grad_of=io.grad_out, buffers=bufs)
                 loss = env[self.graph.loss]
-                loss.backward(torch.full_like(loss, scale))
+                if scale != 0.0:
+                    loss.backward(torch.full_like(loss, scale))
             worker.store.add(-ws[0])
-            out = {"grads": _private(grads_of(env, io.grad_out, {}), env_in), "loss": loss.detach()}
+            loss = loss.detach() if scale != 0.0 else torch.zeros_like(loss.detach())
+            out = {"grads": _private(grads_of(env, io.grad_out, {}), env_in), "loss": loss}
             worker.store.add(tensor_bytes(out))
             cell.set(out)
         return self._launch(t, ins, w, run, cell, inputs.values())

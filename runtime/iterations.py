@@ -34,6 +34,9 @@ class Iterations:
         values: iteration -> its microbatch losses as floats, once read (the buffers are then back
             in the pool: the next iteration's loss downloads reuse them without waiting for a commit).
         scales: iteration -> the factor its loss is multiplied by (fixed once; a rewound iteration keeps it).
+        weights: iteration -> per microbatch, the factor its loss counts with in the iteration's loss
+            (token weighting: n_m / N; 0 for a microbatch with nothing to train), given with its batch;
+            absent: the plain mean, 1 / M each.
 
     Handed:
         program: the template Program (its rotation: `gpus`, `shift`).
@@ -46,6 +49,7 @@ class Iterations:
         self.losses: dict[int, list] = {}
         self.values: dict[int, list[float]] = {}
         self.scales: dict[int, float] = {}
+        self.weights: dict[int, list[float]] = {}
         self._lock = threading.Lock()
 
     # -- lookups ------------------------------------------------------------------------------------
@@ -76,9 +80,16 @@ class Iterations:
         return [(t - r.back, r.name) for r in info.deps[ins.name] if t - r.back >= self.first and t >= r.since]
 
     # -- the records' life ------------------------------------------------------------------------------
-    def begin(self, t: int, info: ProgramInfo, microbatches: int) -> list:
-        """Record that iteration t runs `info`; returns its (empty) per-microbatch loss list."""
+    def begin(self, t: int, info: ProgramInfo, microbatches: int, weights: list[float] | None = None) -> list:
+        """Record that iteration t runs `info` (with per-microbatch loss `weights`, None: the mean); returns
+        its (empty) per-microbatch loss list."""
         self.info[t] = info
+        if weights is None:
+            self.weights.pop(t, None)
+        else:
+            if len(weights) != microbatches:
+                raise ValueError(f"weights: {len(weights)} loss weights for {microbatches} microbatches")
+            self.weights[t] = [float(w) for w in weights]
         losses = self.losses[t] = [None] * microbatches
         return losses
 
@@ -86,6 +97,24 @@ class Iterations:
         """Give iteration t the loss scale `new()` unless it has one (a rewound iteration keeps its own)."""
         if t not in self.scales:
             self.scales[t] = new()
+
+    def grad_factor(self, t: int, mb: int) -> float:
+        """The factor microbatch mb's loss is multiplied by before its backward: loss scale x weight."""
+        w = self.weights.get(t)
+        return self.scales[t] / self.program_of(t).microbatches if w is None else self.scales[t] * w[mb]
+
+    def weight(self, t: int, mb: int) -> float | None:
+        """Microbatch mb's weight in iteration t's loss (None: the plain mean)."""
+        w = self.weights.get(t)
+        return None if w is None else w[mb]
+
+    def mean(self, t: int, values: list[float]) -> float:
+        """Iteration t's loss from its microbatch losses: their mean, or their weighted sum (a weight-0
+        microbatch is left out, so its NaN (0/0 trained tokens) counts for nothing)."""
+        w = self.weights.get(t)
+        if w is None:
+            return sum(values) / len(values)
+        return sum(x * v for x, v in zip(w, values) if x != 0.0)
 
     def set_loss(self, t: int, mb: int, pair: tuple) -> None:
         """Leave microbatch mb's loss download (host buffer, event) for whoever takes iteration t's losses."""
@@ -121,6 +150,7 @@ class Iterations:
         with self._lock:
             self.info.pop(t, None)
             self.values.pop(t, None)
+            self.weights.pop(t, None)
 
     def forget(self, keep: Callable[[int], bool]) -> None:
         """Drop the ProgramInfo and loss scale of training iterations failing `keep(iteration)`."""
@@ -128,13 +158,14 @@ class Iterations:
             for t in [t for t in self.info if not keep(t) and t < EVAL_BASE]:
                 del self.info[t]
                 self.scales.pop(t, None)
+                self.weights.pop(t, None)
             for t in [t for t in self.values if not keep(t) and t < EVAL_BASE]:
                 del self.values[t]
 
     def rewind(self, u: int) -> None:
         """Drop the records of the abandoned iterations >= u; a training u becomes the next `step`'s."""
         with self._lock:
-            for d in (self.losses, self.values, self.info):
+            for d in (self.losses, self.values, self.info, self.weights):
                 for t in [t for t in d if t >= u]:
                     del d[t]
         if u < EVAL_BASE:

@@ -26,7 +26,7 @@ from rpcompile.ir.plan import StageKind, StagePlan
 from rpcompile.runtime.rng import WorkerRandom, layer_seed
 
 __all__ = ["StageIO", "stage_io", "LayerRunner", "tracked_buffers", "layer_seed", "split_batch", "has_random_ops",
-           "random_layers", "flat_ranges", "up_keys", "count_readers", "chunk_elements", "grads_of"]
+           "random_layers", "flat_ranges", "up_keys", "count_readers", "chunk_elements", "grads_of", "trained_tokens", "token_weights"]
 
 _RANDOM_FNS = ("dropout", "bernoulli", "rand", "randn", "randint", "randperm", "multinomial", "normal")
 
@@ -174,6 +174,46 @@ def split_batch(graph: LayerGraph, batch: Any, microbatches: int) -> list[dict[s
         for m in range(microbatches):
             out[m][name] = parts[m].contiguous()
     return out
+
+
+def trained_tokens(graph: LayerGraph, batch: Any, microbatches: int, ignore_index: int = -100) -> list[int]:
+    """Per microbatch, the targets its loss averages over: shifted `labels` that are not `ignore_index`.
+
+    As transformers' causal LMs count them (`(labels[..., 1:] != -100).sum()`); the microbatches are cut
+    as `split_batch` cuts them.
+
+        >>> trained_tokens(graph, {"input_ids": ids, "labels": torch.tensor([[5, 6, 7], [5, -100, -100]])}, 2)  # doctest: +SKIP
+        [2, 0]
+
+    Raises:
+        ValueError: the batch is not a dict with a `labels` tensor.
+    """
+    labels = batch.get("labels") if isinstance(batch, dict) else None
+    if not isinstance(labels, torch.Tensor):
+        raise ValueError(f"loss_mean='tokens' needs the batch to be a dict with a `labels` tensor (the model's "
+                         f"targets, -100 where nothing is trained); got "
+                         f"{'a dict without labels' if isinstance(batch, dict) else type(batch).__name__}")
+    v = graph.values.get("labels") if "labels" in graph.inputs else None
+    bd = 0 if v is None or v.batch_dim is None else v.batch_dim
+    if labels.dim() == 0 or labels.shape[bd] % microbatches:
+        raise ValueError(f"input 'labels' of shape {tuple(labels.shape)} does not split into {microbatches} "
+                         f"microbatches")
+    return [int((part[..., 1:] != ignore_index).sum()) for part in labels.tensor_split(microbatches, dim=bd)]
+
+
+def token_weights(counts: list[int], total: int, world: int = 1) -> list[float]:
+    """Each microbatch's factor in the step's loss: world * n_m / N (N: the step's trained tokens, all ranks).
+
+    The world factor undoes the data-parallel average of gradients and losses over `world` ranks, so
+    their mean is sum(NLL) / N over every rank's tokens.
+
+        >>> token_weights([3, 1], 4), token_weights([3, 0], 6, world=2)
+        ([0.75, 0.25], [1.0, 0.0])
+    """
+    if total <= 0:
+        raise ValueError("loss_mean='tokens': the step has no trained token (every shifted label is -100), so "
+                         "its loss is 0/0; drop the batch or train on some of its labels")
+    return [world * n / total for n in counts]
 
 
 class LayerRunner:

@@ -86,3 +86,19 @@ def reference_train(model: nn.Module, batches: Iterable[Any], *, optimizer: Adam
         opt.zero_grad(set_to_none=True)
         versions.append(snapshot())
     return losses, {k: v.detach().clone() for k, v in master.state_dict().items()}
+
+
+def token_mean_loss(model: nn.Module, batch: dict, ignore_index: int = -100) -> torch.Tensor:
+    """sum(token NLL over trained targets) / their number, from a causal LM's logits (loss_mean="tokens").
+
+    The targets are the shifted labels that are not `ignore_index`, as transformers counts them;
+    computed directly with `cross_entropy(reduction="sum")` on the shifted logits, not via the model's loss.
+
+    Example:
+        >>> loss = token_mean_loss(llama(), {"input_ids": ids, "labels": labels})   # doctest: +SKIP
+    """
+    logits = model(input_ids=batch["input_ids"]).logits
+    shift_logits, shift_labels = logits[:, :-1].float(), batch["labels"][:, 1:]
+    nll = torch.nn.functional.cross_entropy(shift_logits.reshape(-1, shift_logits.shape[-1]),
+                                            shift_labels.reshape(-1), ignore_index=ignore_index, reduction="sum")
+    return nll / (shift_labels != ignore_index).sum()
