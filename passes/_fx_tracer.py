@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.fx as fx
 
-__all__ = ["UntraceableError", "LayerTracer", "make_root", "autowrap_masks"]
+__all__ = ["UntraceableError", "LayerTracer", "make_root", "autowrap_masks", "leaf_function"]
 
 _PLAIN = (str, int, float, bool, complex, type(None), torch.dtype, torch.device, torch.layout,
           torch.memory_format, torch.Size, slice, range, enum.Enum, type(Ellipsis))
@@ -79,15 +79,23 @@ def autowrap_masks(model: torch.nn.Module) -> Iterator[None]:
             for key, val in list(d.items()):
                 if id(val) in fns and not isinstance(val, type):
                     saved.append((d, key, val))
-                    d[key] = _leaf_function(val)
+                    d[key] = leaf_function(val)
         yield
     finally:
         for d, key, val in reversed(saved):
             d[key] = val
 
 
-def _leaf_function(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap `fn` so that a call with proxy arguments records one call_function node."""
+def leaf_function(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap `fn` so that a call with proxy arguments records one call_function node (an fx leaf).
+
+    Without proxies it simply calls `fn`, so a wrapped function can be used everywhere; its
+    arguments must be values fx can record (tensors, plain constants), not modules.
+
+    >>> double = leaf_function(lambda x: 2 * x)
+    >>> double(3)
+    6
+    """
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
