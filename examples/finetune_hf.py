@@ -1,12 +1,16 @@
 """Fine-tune a local Hugging Face model folder on a data file with your own loop.
 
-What `python -m rpcompile finetune` does, written out: read and pack the data,
-load the model offline, compile it for RoundPipe, set the scheduled learning
-rate before every step, and `save_pretrained` the result. Add LoRA with
+What `python -m rpcompile finetune` does, written out: read the data (chat
+rows train the assistant replies: `--train-on`), pack it so documents stay
+apart (`--packing`: positions restart per document), load the model offline,
+compile it for RoundPipe with the token-weighted loss (`loss_mean="tokens"`),
+set the scheduled learning rate before every step, and `save_pretrained` the
+result. Add LoRA with
 `rpcompile.cli.hf.add_lora` (compile `trainable_module(peft_model)`), an eval
 loop with `c.evaluate(batch)`, checkpoints with `c.save(path)`.
 
-    python examples/finetune_hf.py --model ./Qwen3-1.7B --data train.jsonl --out ./tuned --steps 100 --seq 1024
+    python examples/finetune_hf.py --model ./Qwen3-1.7B --data chat.jsonl --out ./tuned --steps 100 --seq 1024 \
+        --train-on assistant --packing whole
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ import argparse
 import torch
 
 import rpcompile
-from rpcompile.cli.data import pack, read_documents
+from rpcompile.cli.data import PACKINGS, TRAIN_ON, pack, read_documents, read_template
 from rpcompile.cli.hf import export, load_model, load_tokenizer
 from rpcompile.cli.schedule import lr_at
 
@@ -30,14 +34,23 @@ def main(argv: list[str] | None = None) -> list[float]:
     p.add_argument("--gpus", type=int, default=torch.cuda.device_count() or 2, help="workers")
     p.add_argument("--microbatches", type=int, default=4, help="one sequence each")
     p.add_argument("--lr", type=float, default=2e-5)
+    p.add_argument("--train-on", choices=TRAIN_ON, help="default: assistant for chat rows, all for text")
+    p.add_argument("--packing", choices=PACKINGS, default="whole")
+    p.add_argument("--chat-template", help="a jinja chat template file instead of the tokenizer's")
     args = p.parse_args(argv)
 
     tokenizer = load_tokenizer(args.model)
-    data = pack(read_documents(args.data, tokenizer), tokenizer, seq=args.seq)  # labels -100 on padding
+    if args.chat_template:
+        tokenizer.chat_template = read_template(args.chat_template)  # also saved with the model
+    docs = read_documents(args.data, tokenizer, train_on=args.train_on)  # each with its trained characters
+    # batches of input_ids, labels (-100: not trained) and position_ids (0 at each document start)
+    data = pack(docs, tokenizer, seq=args.seq, packing=args.packing)
+    print(f"{len(docs)} rows, {data.documents} documents, {len(data)} sequences, {data.trained} trained tokens, "
+          f"{data.truncated} documents truncated")
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     model = load_model(args.model, dtype=dtype)  # AutoModelForCausalLM, offline, use_cache=False
     c = rpcompile.compile(model, gpus=args.gpus, example=data.batch(0, args.microbatches, seed=0),
-                          microbatches=args.microbatches, dtype=dtype,
+                          microbatches=args.microbatches, dtype=dtype, loss_mean="tokens",
                           optimizer=rpcompile.AdamW(lr=args.lr, weight_decay=0.0, max_grad_norm=1.0))
     print(c.plan)
     losses = []

@@ -3,7 +3,11 @@
 `model_folder(path)` writes a 2-layer LlamaForCausalLM (hidden 32) with
 `save_pretrained`, and beside it a byte-level BPE tokenizer trained on a small
 text (the repository's README), wrapped as `PreTrainedTokenizerFast`, with EOS,
-pad and a chat template. `write_jsonl` / `write_txt` make data files.
+pad and a chat template. `turn_tokenizer()` is the same tokenizer with a
+chat template of distinct turn markers (<|im_start|>role ... <|im_end|>, added
+as special tokens) and a generation prompt, for the loss-masking tests;
+`model_folder(path, tok=turn_tokenizer())` saves a model sized for it.
+`write_jsonl` / `write_txt` make data files.
 
     >>> folder = model_folder(tmp_path / "tiny")                 # doctest: +SKIP
     >>> AutoModelForCausalLM.from_pretrained(folder)             # doctest: +SKIP
@@ -17,6 +21,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 300  # BPE vocabulary (256 bytes + 4 specials + merges)
 POSITIONS = 64  # max_position_embeddings of the tiny model
 CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+TURN_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TURN_MARKERS = ["<|im_start|>", "<|im_end|>"]
 
 
 def corpus_lines() -> list[str]:
@@ -42,12 +49,21 @@ def tokenizer(chat: bool = True):
     return fast
 
 
-def model_folder(path, *, with_tokenizer: bool = True, seed: int = 0) -> str:
-    """Write the tiny Llama (and its tokenizer) to `path` with save_pretrained; returns the folder."""
+def turn_tokenizer(chat: bool = True):
+    """`tokenizer(chat=False)` with the turn markers as special tokens and (optionally) TURN_TEMPLATE."""
+    fast = tokenizer(chat=False)
+    fast.add_special_tokens({"additional_special_tokens": TURN_MARKERS})
+    if chat:
+        fast.chat_template = TURN_TEMPLATE
+    return fast
+
+
+def model_folder(path, *, with_tokenizer: bool = True, seed: int = 0, tok=None) -> str:
+    """Write the tiny Llama (and its tokenizer: `tok`, default `tokenizer()`) to `path`; returns the folder."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     folder = str(path)
-    tok = tokenizer()
+    tok = tok if tok is not None else tokenizer()
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=POSITIONS,
                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)

@@ -127,9 +127,9 @@ def test_every_command_turns_os_and_floating_point_errors_into_one_line(capsys, 
 def test_one_token_tail_trains_and_evaluates_finite(files, tmp_path):
     ids = [t for d in read_documents(files.tail) for t in (*files.tok(d.text)["input_ids"], files.tok.eos_token_id)]
     assert len(ids) % SEQ == 1  # the data leaves one token for a last sequence
-    p = pack(read_documents(files.tail), files.tok, SEQ)
-    real = (p.labels != IGNORE).sum(dim=1)
-    assert len(p) == len(ids) // SEQ and bool((real >= 2).all()) and p.tokens == len(ids) - 1  # the tail is dropped
+    p = pack(read_documents(files.tail), files.tok, SEQ, packing="split")  # the tail exists when cut every SEQ
+    targets = (p.labels[:, 1:] != IGNORE).sum(dim=1)
+    assert len(p) == len(ids) // SEQ and bool((targets >= 1).all()) and p.tokens == len(ids) - 1  # tail dropped
     # one sequence per microbatch, every sequence trained and evaluated
     r = finetune(FinetuneConfig(model=files.model, data=files.tail, eval=files.tail, out=str(tmp_path / "o"),
                                 micro_batch_size=1, microbatches=2, steps=-(-len(p) // 2), **SMALL))
@@ -138,12 +138,14 @@ def test_one_token_tail_trains_and_evaluates_finite(files, tmp_path):
 
 
 def test_pack_never_emits_a_sequence_with_fewer_than_two_tokens(files):
-    for n in range(2, 3 * 8 + 2):
-        p = pack([Document("", False)] * n, files.tok, seq=8)  # n EOS tokens
-        assert len(p) == n // 8 + (n % 8 > 1) and p.tokens == n - (n % 8 == 1), n
-        assert bool(((p.labels != IGNORE).sum(dim=1) >= 2).all())
-    with pytest.raises(ValueError, match="single token"):
-        pack([Document("", False)], files.tok, seq=8)
+    # issue 24: a document's first token is never a target, so a lone EOS trains nothing; "a" + EOS trains 1
+    for n in range(1, 3 * 4 + 2):
+        for packing in ("whole", "split", "none"):
+            p = pack([Document("a", False)] * n, files.tok, seq=8, packing=packing)  # n two-token documents
+            assert bool(((p.labels[:, 1:] != IGNORE).sum(dim=1) >= 1).all()), (n, packing)  # a target in each
+            assert p.trained == n and len(p) == (n if packing == "none" else -(-n // 4)), (n, packing)
+    with pytest.raises(ValueError, match="no token to train on"):
+        pack([Document("", False)] * 5, files.tok, seq=8)
 
 
 # item 7: data files and the run record

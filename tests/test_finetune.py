@@ -38,16 +38,23 @@ def config(files, out, **kw) -> FinetuneConfig:
     return FinetuneConfig(model=files.model, data=files.train, out=str(out), **{**SMALL, **kw})
 
 
-def hf_loss(model, data_file, size=4, microbatches=2) -> float:
-    """The handle's eval loss computed by transformers: per batch the mean of its microbatch losses, then the mean."""
+def hf_loss(model, data_file) -> float:
+    """The handle's eval loss computed by transformers: each packed document alone (its own forward), the NLL
+    summed over every trained target / their number (the token-weighted loss)."""
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(files_model_of(model))
-    batches = pack(read_documents(data_file, tok), tok, SMALL["seq"]).eval_batches(size)
-    with torch.no_grad():
-        per = [sum(model(input_ids=i, labels=y).loss.item()
-                   for i, y in zip(b["input_ids"].chunk(microbatches), b["labels"].chunk(microbatches))) / microbatches
-               for b in batches]
-    return sum(per) / len(per)
+    p = pack(read_documents(data_file, tok), tok, SMALL["seq"])
+    total = 0.0
+    for r in range(len(p)):
+        starts = [i for i, x in enumerate(p.positions[r].tolist()) if x == 0] + [p.ids.shape[1]]
+        for a, b in zip(starts, starts[1:]):  # a document (or the padding, which trains nothing)
+            labels = p.labels[r, a:b]
+            if (labels[1:] != -100).any():
+                with torch.no_grad():
+                    logits = model(input_ids=p.ids[r:r + 1, a:b]).logits[0].float()
+                total += torch.nn.functional.cross_entropy(logits[:-1], labels[1:], ignore_index=-100,
+                                                           reduction="sum").item()
+    return total / p.trained
 
 
 def files_model_of(model) -> str:
@@ -67,7 +74,8 @@ def test_thirty_steps_lower_the_loss_and_the_folder_loads_with_the_handles_loss(
     r = finetune(config(files, tmp_path / "out", steps=30, eval=files.eval, eval_every=10))
     assert r.steps == 30 and len(r.losses) == 30
     assert sum(r.losses[-5:]) / 5 < sum(r.losses[:5]) / 5 - 0.3, r.losses
-    assert [s for s, _ in r.evals] == [10, 20, 30] and r.evals[-1][1] < before - 0.3
+    assert [s for s, _ in r.evals] == [0, 10, 20, 30] and r.evals[-1][1] < before - 0.3
+    assert abs(r.evals[0][1] - before) < 1e-5  # the step-0 eval: the untrained model
 
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True)
     tok = AutoTokenizer.from_pretrained(tmp_path / "out", local_files_only=True)
@@ -126,7 +134,8 @@ def lora_run(files, tmp_path_factory):
     args = ["--model", files.model, "--data", fx.write_jsonl(d / "chat.jsonl", chat_rows()), "--out", str(out),
             "--steps", "8", "--seq", "32", "--micro-batch-size", "2", "--microbatches", "2", "--gpus", "2",
             "--lr", "1e-2", "--memory-gib", str(SMALL["memory_gib"]), "--lm-head-shards", "1", "--lora", "8",
-            "--lora-targets", "q_proj,v_proj", "--merge", "--save-every", "4"]
+            "--lora-targets", "q_proj,v_proj", "--merge", "--save-every", "4",
+            "--packing", "split"]  # the README's lines are long: whole would truncate most replies away at --seq 32
     stdout, stderr = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
         rc = main(["finetune", *args])
@@ -197,7 +206,7 @@ def test_bad_input_is_one_line_and_exit_2(files, tmp_path, capsys):
     assert "holds no documents" in bad_input(capsys, *common, "--data", empty)
     wrong = fx.write_jsonl(tmp_path / "wrong.jsonl", [{"text": "fine"}, {"prompt": "a", "completion": "b"}])
     err = bad_input(capsys, *common, "--data", wrong)
-    assert "wrong.jsonl' line 2: needs a 'text' string or a 'messages' list, found ['completion', 'prompt']" in err
+    assert "wrong.jsonl' line 2 is a prompt/completion row, but line 1 is a text row" in err  # one kind per file
     bare = fx.model_folder(tmp_path / "no-tokenizer", with_tokenizer=False)
     err = bad_input(capsys, "--model", bare, "--data", files.train, "--out", str(tmp_path / "o"))
     assert "no-tokenizer' has no tokenizer" in err

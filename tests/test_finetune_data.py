@@ -28,10 +28,13 @@ def test_pack_puts_eos_after_each_document_and_pads_only_the_end(tok):
     want = [t for d in docs for t in (*tok(d.text)["input_ids"], tok.eos_token_id)]
     seq = next(s for s in (8, 7, 9, 6, 10) if len(want) % s >= 2)  # a padded last sequence (a one-token
     # one is dropped instead: tests/test_cli_safety.py)
-    p = pack(docs, tok, seq=seq)
+    p = pack(docs, tok, seq=seq, packing="split")
     flat_ids, flat_labels = p.ids.flatten().tolist(), p.labels.flatten().tolist()
     assert p.ids.shape == (-(-len(want) // seq), seq) and p.tokens == len(want) and p.documents == 3
-    assert flat_ids[:len(want)] == want and flat_labels[:len(want)] == want
+    lengths = [len(tok(d.text)["input_ids"]) + 1 for d in docs]
+    starts = {sum(lengths[:i]) for i in range(len(docs))}  # each document's first token
+    assert flat_ids[:len(want)] == want  # no token predicts across a document boundary (issue 24):
+    assert flat_labels[:len(want)] == [IGNORE if i in starts else t for i, t in enumerate(want)]
     assert set(flat_labels[len(want):]) == {IGNORE} and set(flat_ids[len(want):]) == {tok.pad_token_id}
 
 
@@ -52,14 +55,17 @@ def test_chat_messages_use_the_tokenizers_template(tmp_path, tok):
     p = pack([doc], tok, seq=64)
     want = tok(doc.text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     assert p.ids[0, :len(want)].tolist() == want
-    plain = fx.tokenizer(chat=False)  # no template: "role: content" lines
-    assert read_documents(path, plain)[0].text == "user: what is a stage?\nassistant: layers"
+    plain = fx.tokenizer(chat=False)  # no template: refused (issue 24: no "role: content" fallback)
+    with pytest.raises(ValueError, match="line 1: messages rows are rendered with a chat template"):
+        read_documents(path, plain)
 
 
 @pytest.mark.parametrize("rows, match", [
     ([], "holds no documents"),
-    ([{"prompt": "x"}], r"line 1: needs a 'text' string or a 'messages' list, found \['prompt'\]"),
-    ([{"text": "ok"}, {"messages": [{"role": "user"}]}], "line 2: each message must be"),
+    ([{"prompt": "x"}], r"line 1: needs a 'text' string, a 'messages' list, .* found \['prompt'\]"),
+    ([{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
+      {"messages": [{"role": "user"}]}],
+     "line 2: each message must be"),
 ])
 def test_bad_jsonl_names_file_and_line(tmp_path, tok, rows, match):
     path = fx.write_jsonl(tmp_path / "bad.jsonl", rows)

@@ -1,29 +1,49 @@
-"""Fine-tuning data: documents from a .txt or .jsonl file, tokenized and packed into fixed-length sequences.
+"""Fine-tuning data: documents from a .txt or .jsonl file, each with the characters it trains on.
 
-    >>> docs = read_documents("train.jsonl", tokenizer)            # doctest: +SKIP
-    >>> data = pack(docs, tokenizer, seq=512)                      # doctest: +SKIP
-    >>> batch = data.batch(step=0, size=8, seed=0)                 # {"input_ids", "labels"}, (8, 512)
+    >>> docs = read_documents("chat.jsonl", tokenizer)             # doctest: +SKIP
+    >>> data = pack(docs, tokenizer, seq=512)                      # doctest: +SKIP (rpcompile.cli.packing)
+    >>> data.batch(step=0, size=8, seed=0).keys()                  # doctest: +SKIP
+    dict_keys(['input_ids', 'labels', 'position_ids'])
 
-Formats:
-    .txt    one document per non-blank line, or the whole file as one document (`whole_file=True`).
-    .jsonl  one JSON object per line with a "text" string, or a chat "messages" list of
-            {"role", "content"} dicts, formatted with the tokenizer's chat template when it has one.
+Formats (the kind of row is detected per file; a file mixes no kinds):
+    .txt        one document per non-blank line, or the whole file as one document (`whole_file=True`).
+    .jsonl      one JSON object per line, one of:
+        text               {"text": "..."} (another key with `text_field`, `--text-field NAME`);
+        messages           {"messages": [{"role": "system|user|assistant", "content": "..."}, ...]};
+        sharegpt           {"conversations": [{"from": "system|human|gpt", "value": "..."}, ...]},
+                           read as messages (human -> user, gpt -> assistant);
+        prompt/completion  {"prompt": "...", "completion": "..."}: the text prompt + completion.
+
+Conversations (messages and sharegpt rows) are rendered with the chat template
+(the tokenizer's, or `chat_template`); without one they are refused: there is no
+"role: content" fallback.
+
+What is trained (`train_on`; None picks "assistant" for conversations and
+"all" for text):
+    assistant  every assistant message. For assistant message i the trained characters run
+               from the end of render(messages[:i], add_generation_prompt=True) to the end of
+               render(messages[:i+1]): the reply and whatever the template closes it with (the
+               end-of-turn marker). Both renders must be prefixes of render(messages).
+    last       only the final assistant message, by the same rule.
+    all        every token of the rendered conversation.
+A token is trained when its first character lies in a trained span (the fast
+tokenizer's offsets, `return_offsets_mapping`); the tokens a tokenizer adds
+itself (a BOS: empty offsets) are not. A conversation with no assistant message
+is refused under assistant and last (it has nothing to train). The EOS that
+packing puts after each document is trained under all, never after a masked
+conversation (its closing marker ends it).
+
+Prompt/completion rows train the completion and the EOS after it, every prompt
+token -100 (under `all`: everything). Text rows train everything; assistant and
+last are refused for them.
 
 Files are read as UTF-8 (a leading BOM is skipped) and split into lines at "\n"
 only, dropping one trailing "\r" per line: U+2028, U+2029 and U+0085 are
 characters inside a line, as JSON allows them unescaped in strings (not
 `str.splitlines`, which splits at them).
 
-Packing: every document is followed by the tokenizer's EOS and the documents are
-concatenated and cut into sequences of `seq` tokens (a document may span two
-sequences). The last sequence is filled up with the pad token; its labels there
-are -100, so padding adds nothing to the loss. Labels are the input ids
-(Hugging Face causal LMs shift them inside the model).
-
-A last sequence that would hold a single token is dropped (with that token):
-after the shift it has nothing to predict, so its mean loss would be 0/0 = NaN;
-no target is lost, since a sequence's first token is never a target. Every
-packed sequence holds at least 2 real tokens.
+Packing into sequences (positions, document boundaries, truncation) is
+`rpcompile.cli.packing`; `pack`, `Packed` and `IGNORE` are re-exported here.
 """
 from __future__ import annotations
 
@@ -32,59 +52,90 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+from rpcompile.cli.packing import IGNORE, PACKINGS, Packed, pack  # re-exported
 
-__all__ = ["Document", "read_documents", "pack", "Packed", "IGNORE"]
+__all__ = ["Document", "read_documents", "read_template", "pack", "Packed", "IGNORE", "TRAIN_ON", "PACKINGS"]
 
-IGNORE = -100  # the label of a padding position (cross_entropy's ignore_index)
+TRAIN_ON = ("assistant", "last", "all")  # --train-on choices (None: assistant for conversations, all for text)
+SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant", "user": "user",
+                  "assistant": "assistant", "tool": "tool"}  # sharegpt "from" -> messages "role"
+CONVERSATIONAL = ("messages", "sharegpt")  # row kinds rendered with the chat template
 
 
 @dataclass(frozen=True, slots=True)
 class Document:
-    """One training document as text, with how it was made (for the tokenizer's special tokens)."""
+    """One training document as text, with how it was made and which of its characters are trained."""
 
     text: str  # the document
     templated: bool  # True: made by the chat template, which adds its own special tokens
+    spans: tuple[tuple[int, int], ...] | None = None  # trained character ranges [start, end); None: all
+    train_eos: bool = True  # the EOS packed after the document is a target
 
 
-def read_documents(path: str, tokenizer: Any = None, *, whole_file: bool = False) -> list[Document]:
-    """The documents of a .txt or .jsonl file.
+def read_documents(path: str, tokenizer: Any = None, *, whole_file: bool = False, train_on: str | None = None,
+                   text_field: str = "text", chat_template: str | None = None) -> list[Document]:
+    """The documents of a .txt or .jsonl file, with their trained characters (see the module docstring).
 
     Args:
         path: the data file.
-        tokenizer: formats chat `messages` with its chat template (needed only for those).
+        tokenizer: renders conversations with its chat template (needed only for those).
         whole_file: .txt only: the whole file is one document instead of one per line.
+        train_on: "assistant", "last" or "all"; None: assistant for conversations, all for text.
+        text_field: the key of the text in text rows.
+        chat_template: a jinja chat template used instead of the tokenizer's.
     Returns:
-        The documents, in file order.
+        The documents, one per row, in file order.
     Raises:
         FileNotFoundError: no such file.
         ValueError: an unknown extension, bytes that are not UTF-8, no document at all, a line that
-            is not JSON, or a JSON line with neither a "text" string nor a "messages" list (each
-            names the file, and the line where there is one).
+            is not JSON, a row of no known kind or of another kind than the file's first, a bad
+            message, conversations without a chat template, a conversation with no assistant
+            message under assistant/last, or assistant/last on text (each names the file, and the
+            line where there is one).
 
     Example:
-        >>> [d.text for d in read_documents("notes.txt")]   # doctest: +SKIP
-        ['first line', 'second line']
+        >>> d = read_documents("chat.jsonl", tok)[0]; d.text[slice(*d.spans[0])]   # doctest: +SKIP
+        'Paris.<|im_end|>\\n'
     """
+    if train_on not in (None, *TRAIN_ON):
+        raise ValueError(f"--train-on must be one of {TRAIN_ON}, got {train_on!r}")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"data file {path!r} does not exist")
     ext = os.path.splitext(path)[1].lower()
     raw = _read_text(path)
-    if ext == ".txt" and whole_file:
-        docs = [Document(raw, False)] if raw.strip() else []
-    elif ext == ".txt":
-        docs = [Document(line, False) for line in _lines(raw) if line.strip()]
+    if ext == ".txt":
+        _text_only(train_on, path)
+        if whole_file:
+            docs = [Document(raw, False)] if raw.strip() else []
+        else:
+            docs = [Document(line, False) for line in _lines(raw) if line.strip()]
     elif ext == ".jsonl":
         if whole_file:
             raise ValueError(f"--whole-file applies to .txt files, not {path!r}")
-        docs = [_json_document(line, path, i, tokenizer) for i, line in enumerate(_lines(raw), 1)
-                if line.strip()]
+        docs = _jsonl_documents(raw, path, tokenizer, train_on, text_field, chat_template)
     else:
         raise ValueError(f"data file {path!r}: unknown extension {ext!r}; use .txt (text) or .jsonl "
-                         f"(objects with 'text' or 'messages')")
+                         f"(text, messages, sharegpt or prompt/completion rows)")
     if not docs:
         raise ValueError(f"data file {path!r} holds no documents (it is empty or blank)")
     return docs
+
+
+def read_template(path: str) -> str:
+    """The jinja chat template in file `path` (--chat-template); FileNotFoundError or ValueError naming it."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--chat-template {path!r} does not exist")
+    text = _read_text(path)
+    if not text.strip():
+        raise ValueError(f"--chat-template {path!r} is empty")
+    return text
+
+
+def _text_only(train_on: str | None, path: str) -> None:
+    """Refuse assistant/last for text data (there is no reply to pick)."""
+    if train_on not in (None, "all"):
+        raise ValueError(f"--train-on {train_on} needs conversations or prompt/completion rows, and data file "
+                         f"{path!r} holds text; use --train-on all")
 
 
 def _read_text(path: str) -> str:
@@ -107,121 +158,110 @@ def _lines(text: str) -> list[str]:
     return [line[:-1] if line.endswith("\r") else line for line in lines]
 
 
-def _json_document(line: str, path: str, lineno: int, tokenizer: Any) -> Document:
-    """One .jsonl line as a Document."""
-    where = f"data file {path!r} line {lineno}"
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{where} is not JSON: {exc.msg} (column {exc.colno})") from None
-    if isinstance(obj, dict) and isinstance(obj.get("text"), str):
-        return Document(obj["text"], False)
-    if isinstance(obj, dict) and isinstance(obj.get("messages"), list):
-        return _chat_document(obj["messages"], where, tokenizer)
-    keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
-    raise ValueError(f"{where}: needs a 'text' string or a 'messages' list, found {keys}")
+def _row_kind(obj: Any, text_field: str) -> str | None:
+    """The kind of one JSON row: text, messages, sharegpt, prompt/completion, or None."""
+    if not isinstance(obj, dict):
+        return None
+    if isinstance(obj.get(text_field), str):
+        return "text"
+    if isinstance(obj.get("messages"), list):
+        return "messages"
+    if isinstance(obj.get("conversations"), list):
+        return "sharegpt"
+    if isinstance(obj.get("prompt"), str) and isinstance(obj.get("completion"), str):
+        return "prompt/completion"
+    return None
 
 
-def _chat_document(messages: list, where: str, tokenizer: Any) -> Document:
-    """Chat messages as text: the tokenizer's chat template, else 'role: content' lines."""
+def _jsonl_documents(raw: str, path: str, tokenizer: Any, train_on: str | None, text_field: str,
+                     chat_template: str | None) -> list[Document]:
+    """Every non-blank .jsonl line as a Document; the first row fixes the file's kind."""
+    docs, kind, first = [], None, 0
+    for lineno, line in enumerate(_lines(raw), 1):
+        if not line.strip():
+            continue
+        where = f"data file {path!r} line {lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where} is not JSON: {exc.msg} (column {exc.colno})") from None
+        this = _row_kind(obj, text_field)
+        if this is None:
+            keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+            raise ValueError(f"{where}: needs a {text_field!r} string, a 'messages' list, a sharegpt "
+                             f"'conversations' list, or 'prompt' and 'completion' strings; found {keys}")
+        if kind is None:
+            kind, first = this, lineno
+            if kind == "text":
+                _text_only(train_on, path)
+            template = chat_template or getattr(tokenizer, "chat_template", None)
+            if kind in CONVERSATIONAL and not template:
+                raise ValueError(f"{where}: {kind} rows are rendered with a chat template and the tokenizer has "
+                                 f"none; give one with --chat-template FILE")
+        elif this != kind:
+            raise ValueError(f"{where} is a {this} row, but line {first} is a {kind} row (one kind of row per "
+                             f"file)")
+        docs.append(_document(obj, kind, where, tokenizer, train_on, text_field, template))
+    return docs
+
+
+def _document(obj: dict, kind: str, where: str, tokenizer: Any, train_on: str | None, text_field: str,
+              template: str | None) -> Document:
+    """One row of a known kind as a Document."""
+    if kind == "text":
+        return Document(obj[text_field], False)
+    if kind == "prompt/completion":
+        text = obj["prompt"] + obj["completion"]
+        return Document(text, False) if train_on == "all" else Document(text, False, ((len(obj["prompt"]),
+                                                                                       len(text)),), True)
+    messages = _messages(obj["messages"], where) if kind == "messages" else _sharegpt(obj["conversations"], where)
+    return _conversation(messages, where, tokenizer, template, train_on or "assistant")
+
+
+def _messages(messages: list, where: str) -> list[dict]:
+    """A 'messages' list, checked: each a {"role": str, "content": str} dict."""
     for m in messages:
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             raise ValueError(f"{where}: each message must be {{'role': str, 'content': str}}, got {m!r}")
-    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        return Document(tokenizer.apply_chat_template(messages, tokenize=False), True)
-    return Document("\n".join(f"{m['role']}: {m['content']}" for m in messages), False)
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
-@dataclass(frozen=True, slots=True)
-class Packed:
-    """Packed token sequences: `ids` (n, seq) and `labels` (n, seq), -100 on padding."""
-
-    ids: torch.Tensor  # (sequences, seq) int64 token ids
-    labels: torch.Tensor  # (sequences, seq) int64: the ids, IGNORE where padded
-    tokens: int  # real (non-padding) tokens, EOS included
-    documents: int  # documents packed
-
-    def __len__(self) -> int:
-        return self.ids.shape[0]
-
-    def order(self, epoch: int, seed: int) -> torch.Tensor:
-        """The sequence order of one epoch: a permutation drawn from (seed, epoch) alone."""
-        return torch.randperm(len(self), generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
-
-    def batch(self, step: int, size: int, seed: int) -> dict[str, torch.Tensor]:
-        """The batch of training step `step`: sequences step*size .. step*size+size-1 of the shuffled epochs.
-
-        The epochs are laid end to end (each its own permutation), so the data
-        position is a function of the step alone and a resumed run reads on exactly
-        where it stopped.
-
-        Example:
-            >>> data.batch(step=3, size=8, seed=0)["input_ids"].shape   # doctest: +SKIP
-            torch.Size([8, 512])
-        """
-        n = len(self)
-        rows, cache = [], {}
-        for k in range(step * size, step * size + size):
-            epoch, i = divmod(k, n)
-            if epoch not in cache:
-                cache[epoch] = self.order(epoch, seed)
-            rows.append(int(cache[epoch][i]))
-        return {"input_ids": self.ids[rows], "labels": self.labels[rows]}
-
-    def eval_batches(self, size: int) -> list[dict[str, torch.Tensor]]:
-        """Every sequence in file order, in batches of `size`; the last batch is filled up from the start.
-
-        Example:
-            >>> len(data.eval_batches(8)) == -(-len(data) // 8)   # doctest: +SKIP
-            True
-        """
-        n = len(self)
-        out = []
-        for start in range(0, n, size):
-            rows = [k % n for k in range(start, start + size)]
-            out.append({"input_ids": self.ids[rows], "labels": self.labels[rows]})
-        return out
+def _sharegpt(turns: list, where: str) -> list[dict]:
+    """A sharegpt 'conversations' list as messages (human -> user, gpt -> assistant)."""
+    out = []
+    for t in turns:
+        if not (isinstance(t, dict) and t.get("from") in SHAREGPT_ROLES and isinstance(t.get("value"), str)):
+            raise ValueError(f"{where}: each sharegpt turn must be {{'from': one of {sorted(SHAREGPT_ROLES)}, "
+                             f"'value': str}}, got {t!r}")
+        out.append({"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]})
+    return out
 
 
-def pack(docs: list[Document], tokenizer: Any, seq: int) -> Packed:
-    """Tokenize `docs`, put EOS after each, concatenate, and cut into sequences of `seq` tokens.
+def _conversation(messages: list[dict], where: str, tokenizer: Any, template: str, train_on: str) -> Document:
+    """A conversation rendered with the chat template, its trained spans by the module docstring's rule."""
+    def render(msgs: list[dict], prompt: bool = False) -> str:
+        try:
+            return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=prompt,
+                                                 chat_template=template)
+        except Exception as exc:  # jinja's TemplateError and whatever the template raises itself
+            text = str(exc).strip().splitlines()
+            raise ValueError(f"{where}: the chat template failed: {text[0] if text else type(exc).__name__}") \
+                from None
 
-    Args:
-        docs: from `read_documents`.
-        tokenizer: a Hugging Face tokenizer with an EOS token.
-        seq: tokens per sequence.
-    Returns:
-        A `Packed`; the last sequence is padded (pad token, else EOS; label -100). A last
-        sequence of one token is dropped (it predicts nothing: see the module docstring).
-    Raises:
-        ValueError: the tokenizer has no EOS token, `seq` < 2, or the documents make a single token.
+    full = render(messages)
+    if train_on == "all":
+        return Document(full, True)
+    replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not replies:
+        raise ValueError(f"{where}: the conversation has no assistant message, so --train-on {train_on} trains "
+                         f"nothing in it")
+    spans = []
+    for i in replies[-1:] if train_on == "last" else replies:
+        start, end = render(messages[:i], prompt=True), render(messages[:i + 1])
+        if not (end.startswith(start) and full.startswith(end)):
+            raise ValueError(f"{where}: the chat template renders message {i + 1} (assistant) so that the "
+                             f"conversation up to it is not a prefix of the whole; the trained span is undefined "
+                             f"(use --train-on all, or a template that renders turns in order)")
+        spans.append((len(start), len(end)))
+    return Document(full, True, tuple(spans), False)
 
-    Example:
-        >>> p = pack([Document("hello", False)], tok, seq=8); p.labels[0]   # doctest: +SKIP
-        tensor([  31,   72,   79,    2, -100, -100, -100, -100])
-    """
-    if seq < 2:
-        raise ValueError(f"seq must be >= 2 tokens, got {seq}")
-    eos = tokenizer.eos_token_id
-    if eos is None:
-        raise ValueError(f"the tokenizer ({type(tokenizer).__name__}) has no EOS token to separate documents; "
-                         f"set eos_token in its tokenizer_config.json")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    encoded: list[list[int]] = [[] for _ in docs]
-    for templated in (False, True):  # one batched tokenizer call per kind (a chat template adds its own BOS)
-        idx = [i for i, d in enumerate(docs) if d.templated == templated]
-        if idx:
-            enc = tokenizer([docs[i].text for i in idx], add_special_tokens=not templated)["input_ids"]
-            for i, ids in zip(idx, enc):
-                encoded[i] = list(ids)
-    flat = [t for ids in encoded for t in (*ids, eos)]
-    if len(flat) % seq == 1:  # a one-token last sequence: 0 targets after the shift, a 0/0 loss
-        flat.pop()
-    if not flat:
-        raise ValueError(f"the {len(docs)} document(s) make a single token (an EOS): nothing to train on")
-    n = -(-len(flat) // seq)
-    ids = torch.full((n * seq,), pad, dtype=torch.long)
-    labels = torch.full((n * seq,), IGNORE, dtype=torch.long)
-    ids[:len(flat)] = torch.tensor(flat, dtype=torch.long)
-    labels[:len(flat)] = ids[:len(flat)]
-    return Packed(ids.view(n, seq), labels.view(n, seq), len(flat), len(docs))

@@ -9,11 +9,17 @@
     True
 
 The run: load the folder offline (`AutoModelForCausalLM`, `AutoTokenizer`),
-optionally add LoRA adapters (peft), read and pack the data
-(`rpcompile.cli.data`), compile for RoundPipe, then per step set the
-scheduled learning rate (`rpcompile.cli.schedule`) and `step` one batch; eval
-loss every `eval_every` steps; an atomic checkpoint every `save_every` steps;
-at the end `save_pretrained` into `out`.
+optionally add LoRA adapters (peft), read, mask and pack the data
+(`rpcompile.cli.data`: which tokens are trained, `train_on`;
+`rpcompile.cli.packing`: documents kept apart, `packing`) and print one summary
+line (rows, documents, sequences, trained tokens, documents truncated), compile
+for RoundPipe with the token-weighted loss (`loss_mean="tokens"`: a step's loss
+is the NLL summed over its trained tokens / their number), then per step set
+the scheduled learning rate (`rpcompile.cli.schedule`) and `step` one batch
+(`input_ids`, `labels`, `position_ids`); eval loss before the first step, every
+`eval_every` steps and at the end, weighted by trained tokens the same way; an
+atomic checkpoint every `save_every` steps; at the end `save_pretrained` into
+`out` (with the `chat_template` given, if any).
 
 Files in `out`: the exported model and tokenizer (or the LoRA adapters),
 `rpcompile-checkpoint.rp` (the full training state, incl. the optimizer's
@@ -42,7 +48,8 @@ import torch
 
 from rpcompile.api import compile, load
 from rpcompile.checkpoint import write_text_atomic
-from rpcompile.cli.data import pack, read_documents
+from rpcompile.cli.data import PACKINGS, TRAIN_ON, pack, read_documents, read_template
+from rpcompile.cli.packed_attention import use_packed_attention
 from rpcompile.cli.hf import TOKENIZER_FILES, add_lora, check_model, export, load_model, load_tokenizer, \
     trainable_module
 from rpcompile.cli.schedule import SCHEDULES, lr_at
@@ -68,7 +75,8 @@ class FinetuneConfig:
     """One fine-tuning run; every field but the three paths has a default."""
 
     model: str  # local save_pretrained folder: config.json, weights, tokenizer (read offline)
-    data: str  # training data: .txt (a document per line) or .jsonl ("text" or chat "messages")
+    data: str  # training data: .txt (a document per line) or .jsonl (rows of text, chat "messages", sharegpt
+    # "conversations", or "prompt" + "completion"; one kind per file)
     out: str  # output folder: the trained model + tokenizer, the checkpoint, rpcompile-run.json
     eval: str | None = None  # held-out data (same formats): eval loss every eval_every steps and at the end
     gpus: int | None = None  # workers: None = every CUDA device, or 2 host workers without CUDA
@@ -101,6 +109,12 @@ class FinetuneConfig:
     # smallest CUDA device, unbounded for host workers
     lm_head_shards: int | str = "auto"  # vocabulary shards of the LM head (rpcompile.compile)
     progress: bool = True  # show the progress bar (loss, tokens/s, lr, ETA)
+    train_on: str | None = None  # trained tokens: "assistant" (every reply), "last" (the final reply) or "all";
+    # None = assistant for conversations, all for text (prompt/completion rows: the completion and EOS)
+    packing: str = "whole"  # "whole" (bin-pack whole documents, truncating longer than seq), "split" (cut the
+    # stream every seq tokens) or "none" (a document per sequence, padded); positions restart per document
+    chat_template: str | None = None  # a jinja chat template file that replaces the tokenizer's (and is exported)
+    text_field: str = "text"  # the key of the text in .jsonl text rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +151,12 @@ def _check(cfg: FinetuneConfig) -> None:
     if cfg.dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r} (fp16 needs loss scaling: "
                          f"use bf16)")
+    if cfg.train_on not in (None, *TRAIN_ON):
+        raise ValueError(f"--train-on must be one of {TRAIN_ON}, got {cfg.train_on!r}")
+    if cfg.packing not in PACKINGS:
+        raise ValueError(f"--packing must be one of {PACKINGS}, got {cfg.packing!r}")
+    if not (isinstance(cfg.text_field, str) and cfg.text_field):
+        raise ValueError(f"--text-field must be a non-empty key, got {cfg.text_field!r}")
     if cfg.merge and not cfg.lora:
         raise ValueError("--merge merges LoRA adapters: it needs --lora R")
     if cfg.eval_every and not cfg.eval:
@@ -211,9 +231,10 @@ def finetune(cfg: FinetuneConfig, *, on_step: Callable[[int, float], None] | Non
     dtype = DTYPES[cfg.dtype] or (torch.bfloat16 if cuda else torch.float32)
     tokenizer = load_tokenizer(cfg.model)  # everything that can be wrong is checked before the weights load
     config = check_model(cfg.model, tokenizer, cfg.seq)
-    train = pack(read_documents(cfg.data, tokenizer, whole_file=cfg.whole_file), tokenizer, cfg.seq)
-    held = pack(read_documents(cfg.eval, tokenizer, whole_file=cfg.whole_file), tokenizer, cfg.seq) if cfg.eval \
-        else None
+    if cfg.chat_template:
+        tokenizer.chat_template = read_template(cfg.chat_template)  # used for the data, and exported
+    train = _data(cfg, cfg.data, tokenizer)
+    held = _data(cfg, cfg.eval, tokenizer) if cfg.eval else None
     run = _run_record(cfg, train)
     if cfg.resume:
         _check_resume(cfg, run)
@@ -227,6 +248,8 @@ def finetune(cfg: FinetuneConfig, *, on_step: Callable[[int, float], None] | Non
     if cfg.lora:
         model = add_lora(model, cfg.lora, alpha=cfg.lora_alpha, targets=cfg.lora_targets, seed=cfg.seed)
     module = trainable_module(model)
+    if cfg.packing != "none":  # documents packed per row: attention per document, memory linear in --seq
+        use_packed_attention(module)
 
     os.makedirs(cfg.out, exist_ok=True)
     ckpt = os.path.join(cfg.out, CHECKPOINT)
@@ -241,7 +264,7 @@ def finetune(cfg: FinetuneConfig, *, on_step: Callable[[int, float], None] | Non
                     staleness=cfg.staleness, dtype=dtype, seed=cfg.seed,
                     optimizer=AdamW(lr=lr, weight_decay=cfg.weight_decay,
                                     max_grad_norm=cfg.max_grad_norm),
-                    memory_budget=_budget(cfg, cuda), lm_head_shards=cfg.lm_head_shards)
+                    memory_budget=_budget(cfg, cuda), lm_head_shards=cfg.lm_head_shards, loss_mean="tokens")
     _describe(cfg, module, train, c, total, size)
     evals: list[tuple[int, float]] = []
     with c:
@@ -267,6 +290,9 @@ def _loop(c: Any, cfg: FinetuneConfig, train: Any, held: Any, total: int, size: 
 
     losses: list[float] = []
     tokens = size * cfg.seq
+    if held is not None and c.steps == 0:
+        evals.append((0, _evaluate(c, held, size)))  # the model before training
+        print(f"step 0: eval loss {evals[-1][1]:.4f}")
     with tqdm(total=total, initial=c.steps, unit="step", disable=not cfg.progress, dynamic_ncols=True) as bar:
         while c.steps < total:
             t = c.steps
@@ -287,10 +313,27 @@ def _loop(c: Any, cfg: FinetuneConfig, train: Any, held: Any, total: int, size: 
     return losses
 
 
+def _data(cfg: FinetuneConfig, path: str, tokenizer: Any) -> Any:
+    """Read, mask and pack one data file; print its summary line."""
+    docs = read_documents(path, tokenizer, whole_file=cfg.whole_file, train_on=cfg.train_on,
+                          text_field=cfg.text_field)
+    packed = pack(docs, tokenizer, cfg.seq, cfg.packing)
+    dropped = f", {packed.dropped:,} left out (nothing to train)" if packed.dropped else ""
+    print(f"data {path}: {len(docs):,} rows, {packed.documents:,} documents, {len(packed):,} sequences of {cfg.seq} "
+          f"(packing {cfg.packing}), {packed.trained:,} trained tokens, {packed.truncated:,} documents "
+          f"truncated{dropped}", flush=True)
+    return packed
+
+
 def _evaluate(c: Any, held: Any, size: int) -> float:
-    """Mean of `evaluate` over the held-out batches (each the mean of its microbatch losses)."""
-    batches = held.eval_batches(size)
-    return sum(c.evaluate(b) for b in batches) / len(batches)
+    """The held-out loss: with the token-weighted loss, sum NLL / trained tokens over all of it (each
+    sequence once); else the mean of `evaluate` over the batches (each the mean of its microbatch losses)."""
+    if getattr(c.options, "loss_mean", "microbatch") != "tokens":
+        batches = held.eval_batches(size)
+        return sum(c.evaluate(b) for b in batches) / len(batches)
+    batches = held.eval_batches(size, fill="ignore")
+    counts = [int((b["labels"][:, 1:] != -100).sum()) for b in batches]
+    return sum(c.evaluate(b) * n for b, n in zip(batches, counts) if n) / sum(counts)
 
 
 def _budget(cfg: FinetuneConfig, cuda: bool) -> int | None:
@@ -304,9 +347,10 @@ def _budget(cfg: FinetuneConfig, cuda: bool) -> int | None:
 
 def _run_record(cfg: FinetuneConfig, train: Any) -> dict[str, Any]:
     """The run's settings and a fingerprint of its packed training data (what resume must match)."""
-    digest = hashlib.sha256(train.ids.numpy().tobytes()).hexdigest()
+    digest = hashlib.sha256(b"".join(t.numpy().tobytes() for t in (train.ids, train.labels, train.positions)))
     settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cfg).items()}
-    return {"settings": settings, "data": {"sequences": len(train), "tokens": train.tokens, "sha256": digest}}
+    return {"settings": settings, "data": {"sequences": len(train), "tokens": train.tokens, "trained": train.trained,
+                                           "sha256": digest.hexdigest()}}
 
 
 def _remove_previous(out: str) -> None:
@@ -353,12 +397,10 @@ def _check_resume(cfg: FinetuneConfig, run: dict[str, Any]) -> None:
 
 
 def _describe(cfg: FinetuneConfig, module: Any, train: Any, c: Any, total: int, size: int) -> None:
-    """The run in a few lines: model, data, batch, plan."""
+    """The run in a few lines: model, batch, plan (the data's line was printed when it was packed)."""
     n = sum(p.numel() for p in module.parameters())
     k = sum(p.numel() for p in module.parameters() if p.requires_grad)
     print(f"{type(module).__name__} from {cfg.model}: {n:,} parameters, {k:,} trainable")
-    print(f"data {cfg.data}: {train.documents:,} documents, {train.tokens:,} tokens -> {len(train):,} sequences "
-          f"of {cfg.seq}")
     print(f"{total} steps of {size} sequences ({c.microbatches} microbatches x {size // c.microbatches}), "
           f"{c.options.gpus} workers, staleness {c.options.staleness}, plan {c.plan.to_str()}"
           + (f"; resumed at step {c.steps}" if c.steps else ""))

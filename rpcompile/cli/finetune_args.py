@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from rpcompile.cli.data import PACKINGS, TRAIN_ON
 from rpcompile.cli.finetune import DTYPES, FinetuneConfig
 from rpcompile.cli.schedule import SCHEDULES
 
@@ -26,11 +27,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     io.add_argument("--model", required=True, metavar="DIR",
                     help="local Hugging Face folder (save_pretrained): config.json, weights, tokenizer; read offline")
     io.add_argument("--data", required=True, metavar="FILE",
-                    help=".txt (one document per line) or .jsonl (a 'text' string or chat 'messages' per line)")
+                    help=".txt (one document per line) or .jsonl, one kind of row per file: 'text' (see --text-field), "
+                    "chat 'messages', sharegpt 'conversations', or 'prompt' + 'completion'")
     io.add_argument("--eval", metavar="FILE", help="held-out data in the same formats (eval loss)")
     io.add_argument("--out", required=True, metavar="DIR",
                     help="output folder: trained model + tokenizer (or LoRA adapters), checkpoint, run record")
     io.add_argument("--whole-file", action="store_true", help=".txt: the whole file is one document")
+    io.add_argument("--text-field", default=d.text_field, metavar="NAME",
+                    help=f".jsonl text rows: the key of the text (default {d.text_field!r})")
+    m = p.add_argument_group("what is trained and how it is packed")
+    m.add_argument("--train-on", choices=TRAIN_ON,
+                   help="assistant: every assistant reply (with its end-of-turn marker); last: the final reply; "
+                   "all: every token (default: assistant for conversations, all for text; prompt/completion rows "
+                   "train the completion)")
+    m.add_argument("--chat-template", metavar="FILE",
+                   help="a jinja chat template for conversations, instead of the tokenizer's (saved with the model)")
+    m.add_argument("--packing", default=d.packing, choices=PACKINGS,
+                   help="whole: bin-pack whole documents, a longer one truncated to --seq (default); split: cut the "
+                   "stream every --seq tokens; none: one document per sequence, padded. Positions restart at 0 "
+                   "per document")
     b = p.add_argument_group("batch and pipeline")
     b.add_argument("--gpus", type=int, help="workers (default: every CUDA device, or 2 host workers)")
     b.add_argument("--seq", type=int, default=d.seq, help=f"tokens per packed sequence (default {d.seq})")
@@ -85,4 +100,5 @@ def config_from_args(a: argparse.Namespace) -> FinetuneConfig:
         max_grad_norm=a.max_grad_norm or None, staleness=a.staleness, dtype=a.dtype, lora=a.lora,
         lora_alpha=a.lora_alpha, lora_targets=targets, merge=a.merge, save_every=a.save_every,
         eval_every=a.eval_every, resume=a.resume, overwrite=a.overwrite, seed=a.seed, whole_file=a.whole_file,
-        memory_gib=a.memory_gib, lm_head_shards=a.lm_head_shards, progress=not a.no_progress)
+        memory_gib=a.memory_gib, lm_head_shards=a.lm_head_shards, progress=not a.no_progress, train_on=a.train_on,
+        packing=a.packing, chat_template=a.chat_template, text_field=a.text_field)
