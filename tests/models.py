@@ -204,3 +204,21 @@ def llama_134m(device: str = "cpu") -> nn.Module:
     with torch.device(device):
         return LlamaForCausalLM(cfg).train()
 
+
+class LossMLP(nn.Module):
+    """Three blocks (two Linear+ReLU, one Linear) returning the MSE loss of (x, y): a model that returns its loss."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.Sequential(nn.Sequential(nn.Linear(8, width), nn.ReLU()),
+                                    nn.Sequential(nn.Linear(width, 8), nn.ReLU()), nn.Linear(8, 1))
+
+    def forward(self, x, y):
+        return nn.functional.mse_loss(self.blocks(x), y)
+
+
+def xy(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A (4, 8) input and (4, 1) target for LossMLP, from `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)

@@ -9,26 +9,13 @@ import threading
 
 import pytest
 import torch
-from torch import nn
 
+import models  # noqa: E402 - tests/ is on sys.path (pytest rootdir)
 import rpcompile
 from rpcompile import checkpoint
 
 
-class _MLP(nn.Module):
-    def __init__(self, width: int = 8) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = nn.Sequential(nn.Sequential(nn.Linear(8, width), nn.ReLU()),
-                                    nn.Sequential(nn.Linear(width, 8), nn.ReLU()), nn.Linear(8, 1))
-
-    def forward(self, x, y):
-        return nn.functional.mse_loss(self.blocks(x), y)
-
-
-def _xy(seed: int):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
+_MLP, _xy = models.LossMLP, models.xy
 
 
 def _compile(model=None, **kw):

@@ -5,12 +5,16 @@ Each test here failed on the code before the issue-14 changes (see the closing n
 from __future__ import annotations
 
 import copy
+import os
+import sys
 import threading
 
 import pytest
 import torch
 from torch import nn
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # models, also when imported as tests.test_reliability
+import models  # noqa: E402
 import rpcompile
 from rpcompile.cli.zoo import LlamaConfig, TinyLlama
 
@@ -117,20 +121,11 @@ def test_batchnorm_running_statistics_match_eager(gpus):
 
 
 # -- 5. non-finite values never reach the weights ----------------------------------------------------------------
-class _MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), nn.Sequential(nn.Linear(8, 8), nn.ReLU()),
-                                    nn.Linear(8, 1))
-
-    def forward(self, x, y):
-        return nn.functional.mse_loss(self.blocks(x), y)
+_MLP = models.LossMLP
 
 
 def _xy(seed: int, nan: bool = False):
-    g = torch.Generator().manual_seed(seed)
-    x, y = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
+    x, y = models.xy(seed)
     if nan:
         x[1, 3] = float("nan")
     return x, y

@@ -8,23 +8,15 @@ import pytest
 import torch
 from torch import nn
 
+import models  # noqa: E402 - tests/ is on sys.path (pytest rootdir)
 import rpcompile
 
 
-class _MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), nn.Sequential(nn.Linear(8, 8), nn.ReLU()),
-                                    nn.Linear(8, 1))
-
-    def forward(self, x, y):
-        return nn.functional.mse_loss(self.blocks(x), y)
+_MLP = models.LossMLP
 
 
 def _xy(seed: int, nan: bool = False):
-    g = torch.Generator().manual_seed(seed)
-    x, y = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
+    x, y = models.xy(seed)
     if nan:
         x[:, 3] = float("nan")  # every microbatch: the loss step() returns is NaN
     return x, y
