@@ -226,7 +226,9 @@ class Runtime:
             self.recovery.recover()
         t = self.t
         mbs = split_batch(self.graph, batch, self.program.microbatches)  # a bad batch raises before anything runs
-        pairs = self._submit(t, self.train_info, mbs, weights)
+        # an earlier iteration may fail while t is being staged (its inputs' buffers then wait on aborted
+        # events): recovered and raised as that failure, like a failure seen while waiting for the losses
+        pairs = self.recovery.guard(lambda: self._submit(t, self.train_info, mbs, weights), t)
         self.iterations.advance()
         loss = self.recovery.guard(lambda: self._losses(t, self.train_info, pairs), t)
         self._stock_pools(t)
@@ -278,7 +280,7 @@ class Runtime:
         t = EVAL_BASE + self._evals
         self._evals += 1
         made = self.issue.slot_counts()  # training's buffer parities go on after the evaluation's slots
-        pairs = self._submit(t, self.eval_info, mbs, weights)
+        pairs = self.recovery.guard(lambda: self._submit(t, self.eval_info, mbs, weights), t)
         loss = self.recovery.guard(lambda: self._losses(t, self.eval_info, pairs), t)
         self.flush()
         self.iterations.end(t)
