@@ -6,6 +6,7 @@
     python -m rpcompile simulate --program program.csv [--costs costs.json] --hardware rtx4090
     python -m rpcompile train --config run.json          # train --help lists the config keys
     python -m rpcompile finetune --model DIR --data train.jsonl --out DIR [--lora 8] [--save-every 100]
+    python -m rpcompile finetune --config OUT/rpcompile-run.json --out OUT2   # rerun a run (or a .json/.yaml)
 
 A bad value (a count below 1, an unknown config key, a string where a number
 goes), a file that cannot be read or written (any OSError: missing, a folder
@@ -116,7 +117,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_finetune(args: argparse.Namespace) -> int:
-    """Fine-tune a Hugging Face model folder on a data file (see rpcompile.cli.finetune)."""
+    """Fine-tune a Hugging Face model folder on a data file (see rpcompile.cli.finetune).
+
+    The settings: --config FILE (rpcompile.cli.run_config), overridden by the flags given; a bad
+    key or value in the file is a ValueError naming it (one line, exit 2), raised before anything loads.
+    """
     finetune(config_from_args(args))
     return 0
 
@@ -157,13 +162,17 @@ def parser() -> argparse.ArgumentParser:
                        epilog="config keys (a JSON object; every key but text is optional):\n" + config_help())
     t.add_argument("--config", required=True, metavar="JSON", help="the run config file")
     t.set_defaults(func=cmd_train)
-    f = sub.add_parser("finetune", help="fine-tune a Hugging Face model folder on a .txt/.jsonl file")
+    f = sub.add_parser("finetune", help="fine-tune a Hugging Face model folder on a .txt/.jsonl file",
+                       description="Fine-tune a Hugging Face model folder with RoundPipe. Every option is also a key "
+                       "of --config FILE (.json or .yaml; the option's name with _ for -, and progress: false for "
+                       "--no-progress), and the flags given override the file.")
     add_arguments(f)
     f.set_defaults(func=cmd_finetune)
     return p
 
 
-REFUSED = (ValueError, ImportError, OSError, FloatingPointError)  # what `main` prints as one line, exit 2
+REFUSED = (ValueError, ImportError, OSError, FloatingPointError, MemoryError)  # printed as one line, exit 2
+INTERRUPTED = 130  # the exit status after Ctrl-C (128 + SIGINT), as shells report it
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,8 +180,9 @@ def main(argv: list[str] | None = None) -> int:
 
     Note:
         Caught: `REFUSED` (ValueError, ImportError, OSError such as FileNotFoundError,
-        NotADirectoryError, IsADirectoryError or PermissionError, and FloatingPointError such
-        as the runtime's NonFiniteError). Only the message's first line is printed (a
+        NotADirectoryError, IsADirectoryError or PermissionError, FloatingPointError such
+        as the runtime's NonFiniteError, and MemoryError such as finetune's StepOutOfMemory).
+        Ctrl-C (KeyboardInterrupt) is one line too, and exit status 130. Only the message's first line is printed (a
         runtime error's grid follows it); anything else is a bug and keeps its traceback.
     """
     try:
@@ -182,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.func(args)
+    except KeyboardInterrupt:  # the command said what it kept (e.g. finetune: the last checkpoint)
+        print(f"python -m rpcompile {args.command}: interrupted", file=sys.stderr)
+        return INTERRUPTED
     except REFUSED as exc:
         line = str(exc).strip().split("\n")[0].strip() or type(exc).__name__
         print(f"python -m rpcompile {args.command}: error: {line}", file=sys.stderr)
