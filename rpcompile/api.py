@@ -238,10 +238,12 @@ class Compiled:
         return self._result(loss, counts, "loss")  # data parallel: mean over processes
 
     @_one_caller
-    def stats(self) -> dict[str, Any]:
+    def stats(self, step: int | None = None) -> dict[str, Any]:
         """What the last step cost: host waits, allocations, bytes each way and busy seconds per lane.
 
-        Waits for the step's remaining work first (`flush`), so the numbers are complete.
+        Waits for the step's remaining work first (`flush`), so the numbers are complete. With
+        `step` (0-based, one of the last few), the counters of that step as recorded so far, without
+        waiting: complete up to what still runs in the background (its staleness-1 update).
 
         Returns:
             {"host_waits": times the host blocked on device work, "issue_waits": times an issuing
@@ -253,6 +255,8 @@ class Compiled:
             0
         """
         self._check_open()
+        if step is not None:
+            return self._runtime.stats(step)
         self._runtime.flush()
         return self._runtime.stats()
 
@@ -341,9 +345,15 @@ class Compiled:
 
     @_one_caller
     def save(self, path: str) -> None:
-        """Write `state_dict()` atomically (temporary file in the same folder, then rename); data parallel: rank 0 only."""
-        if self.rank == 0:  # every rank holds the same state
+        """Write `state_dict()` atomically (temporary file in the same folder, then rename).
+
+        Data parallel: rank 0 writes (every rank holds the same state); the others wait for their own
+        work, so after `save` returns on every rank no collective of the saved steps is outstanding.
+        """
+        if self.rank == 0:
             checkpoint.save(self.state_dict(), path)
+        else:
+            self._runtime.flush()
 
     @_one_caller
     def model(self) -> torch.nn.Module:

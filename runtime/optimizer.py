@@ -61,6 +61,9 @@ class _IterStats:
     stepped: int = 0  # groups that have stepped this iteration
 
 
+NORMS_KEPT = 16  # HostState.norms holds the global gradient norms of this many recent iterations
+
+
 class HostState(StateIO):
     """Compute copies, fp32 masters, optimizer state and gradient buffers on the host.
 
@@ -140,6 +143,8 @@ class HostState(StateIO):
         self._done = [0] * num_layers  # iterations whose grads are complete, per group
         self._stepped = [0] * num_layers  # steps taken (incl. skipped), per group
         self._stats: dict[int, _IterStats] = {}  # iteration -> its global reductions
+        self.norms: dict[int, float] = {}  # iteration -> its unscaled global gradient norm (max_grad_norm set;
+        # the last NORMS_KEPT iterations), read by metrics after the step without waiting for it
         self._n_trainable = sum(1 for g in self.groups if g)
         self.scaler = loss_scale if isinstance(loss_scale, DynamicLossScale) else None
         self.loss_scale: float | None = (self.scaler.init_scale if self.scaler else  # current loss scale
@@ -285,6 +290,9 @@ class HostState(StateIO):
             order = [st.norms[n] for n in self.master if n in st.norms]  # the order of `params`, as eager
             st.norm = torch.linalg.vector_norm(torch.stack(order), 2.0) if order else torch.tensor(0.0)
             st.coef = torch.clamp(self.config.max_grad_norm / (st.norm + 1e-6), max=1.0)
+            self.norms[u] = float(st.norm)
+            for old in [k for k in self.norms if k <= u - NORMS_KEPT]:
+                del self.norms[old]
         if self.scaler is not None:
             used = self._scale_of.get(u, self.loss_scale)
             if st.found_inf:  # several in-flight iterations at one scale back off only once

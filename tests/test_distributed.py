@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
@@ -19,8 +16,8 @@ import rpcompile
 from rpcompile.ir.hardware import Hardware
 from rpcompile.runtime.distributed import DistConfig, ring_allreduce_time, shard
 from rpcompile.cli.zoo import LlamaConfig, TinyLlama
+from tests.dist_launch import launch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = LlamaConfig(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, ffn=64, max_seq=32)
 B, M, STEPS, WORLD = 8, 4, 5, 2  # global batch B in M microbatches; each of WORLD processes: B/2 in M/2
 
@@ -74,28 +71,9 @@ def worker(mode: str, out: str) -> None:
     c.close()
 
 
-def _launch(mode: str, out: str, timeout: float) -> list[subprocess.CompletedProcess]:
+def _launch(mode: str, out: str, timeout: float):
     """Run `worker(mode, out)` as WORLD processes with torchrun's env on a free localhost port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    code = f"from tests.test_distributed import worker; worker({mode!r}, {out!r})"
-    procs = []
-    for rank in range(WORLD):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    done = []
-    try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=timeout)
-            done.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    return done
+    return launch([f"from tests.test_distributed import worker; worker({mode!r}, {out!r})"] * WORLD, timeout)
 
 
 def _close(a: dict, b: dict, rel: float = 1e-5) -> None:

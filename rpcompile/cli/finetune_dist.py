@@ -1,0 +1,134 @@
+"""Fine-tuning across servers: one process per server under torchrun, data parallel (`compile(dist=True)`).
+
+    torchrun --nnodes 2 --nproc-per-node 1 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 \\
+        -m rpcompile finetune --model ./Qwen3-1.7B --data chat.jsonl --out ./tuned --microbatches 32
+
+`Ranks.from_env()` reads what torchrun sets (RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT) and opens the gloo group that `compile(dist=True)` then trains
+over. The flags describe the whole step: `--microbatches M` counts the
+microbatches of all W ranks together and each runs M/W of them (`Ranks.share`:
+rank r takes the r-th contiguous share of every step's sequences), so the same
+command trains the same model at any world size. Rank 0 alone writes (the
+metrics, the run record, the token cache, the checkpoints and the exported
+model); on `--resume` it sends the checkpoint to the others (`fetch_checkpoint`),
+so the servers need no shared file system.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rpcompile.runtime.distributed import DistConfig, init_group, shard
+
+__all__ = ["Ranks", "CHUNK_BYTES"]
+
+CHUNK_BYTES = 64 * 2**20  # a checkpoint crosses to the other ranks in pieces of this size
+
+
+@dataclass(frozen=True, slots=True)
+class Ranks:
+    """This process's place in a data-parallel run (rank 0 of 1 when not launched by torchrun)."""
+
+    rank: int = 0  # this process
+    world: int = 1  # processes in all (one per server)
+    group: Any = None  # the torch.distributed group (None alone)
+
+    @classmethod
+    def from_env(cls) -> "Ranks":
+        """The ranks torchrun describes in the environment; alone (rank 0 of 1) without WORLD_SIZE > 1."""
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        if world <= 1:
+            return cls()
+        group = init_group(DistConfig())
+        return cls(torch.distributed.get_rank(group), world, group)
+
+    @property
+    def writes(self) -> bool:
+        """Whether this process writes files (rank 0 only)."""
+        return self.rank == 0
+
+    def microbatches(self, total: int) -> int:
+        """This rank's microbatches of a step of `total`; ValueError unless the world divides it."""
+        if total % self.world:
+            raise ValueError(f"--microbatches {total} counts the microbatches of all {self.world} processes and "
+                             f"must be a multiple of {self.world} (each runs an equal share)")
+        return total // self.world
+
+    def share(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's contiguous share of a step's global batch."""
+        return shard(batch, self.rank, self.world) if self.world > 1 else batch
+
+    def on_rank0(self, check: Any) -> None:
+        """Run `check()` on rank 0 and raise its ValueError/OSError on every rank (the others would wait).
+
+        Alone, simply `check()`. Used for what only rank 0 can check: its output folder, its run record.
+        """
+        if self.world == 1:
+            check()
+            return
+        why: list[Any] = [None]
+        if self.writes:
+            try:
+                check()
+            except (ValueError, OSError) as exc:
+                why[0] = (type(exc).__name__, str(exc))
+        torch.distributed.broadcast_object_list(why, 0, group=self.group)
+        if why[0] is not None:
+            kind = {"FileNotFoundError": FileNotFoundError, "PermissionError": PermissionError,
+                    "NotADirectoryError": NotADirectoryError}.get(why[0][0], ValueError)
+            raise kind(why[0][1] if self.writes else f"rank 0: {why[0][1]}")
+
+    def same_everywhere(self, value: str, what: str) -> None:
+        """Raise ValueError on every rank unless every rank holds the same `value` (e.g. a data fingerprint)."""
+        if self.world == 1:
+            return
+        found: list[Any] = [None] * self.world
+        torch.distributed.all_gather_object(found, value, group=self.group)
+        bad = [r for r, v in enumerate(found) if v != found[0]]
+        if bad:
+            raise ValueError(f"data parallel: {what} of rank {bad[0]} differs from rank 0's (every server must "
+                             f"train on the same files with the same settings)")
+
+    def fetch_checkpoint(self, path: str) -> str:
+        """A local path to rank 0's checkpoint `path`: rank 0's own file; the others receive a temporary copy.
+
+        The caller removes the copy (`release`) once loaded. Every rank must call it.
+        """
+        if self.world == 1:
+            return path
+        size = torch.tensor([os.path.getsize(path) if self.writes else 0], dtype=torch.int64)
+        torch.distributed.broadcast(size, 0, group=self.group)
+        digest = hashlib.sha256()
+        out = None
+        if not self.writes:
+            fd, local = tempfile.mkstemp(prefix="rpcompile-resume-", suffix=".rp")
+            out = os.fdopen(fd, "wb")
+        src = open(path, "rb") if self.writes else None
+        try:
+            left = int(size)
+            while left:
+                n = min(left, CHUNK_BYTES)
+                buf = torch.frombuffer(bytearray(src.read(n)), dtype=torch.uint8) if src else \
+                    torch.empty(n, dtype=torch.uint8)
+                torch.distributed.broadcast(buf, 0, group=self.group)
+                digest.update(buf.numpy().tobytes())
+                if out is not None:
+                    out.write(buf.numpy().tobytes())
+                left -= n
+        finally:
+            if src is not None:
+                src.close()
+            if out is not None:
+                out.close()
+        self.same_everywhere(digest.hexdigest(), "the checkpoint received")
+        return path if self.writes else local
+
+    def release(self, local: str, path: str) -> None:
+        """Remove the temporary copy `fetch_checkpoint` made (rank 0 keeps its own file)."""
+        if local != path:
+            os.remove(local)

@@ -1,0 +1,125 @@
+"""Training metrics on disk: `OUT/metrics.jsonl`, and TensorBoard scalars with `report_to="tensorboard"`.
+
+    >>> log = MetricsLog("out/", report_to=None, resume_at=0)          # doctest: +SKIP
+    >>> log.write({"step": 1, "loss": 2.31, "lr": 2e-5})                # doctest: +SKIP
+    >>> log.close()                                                      # doctest: +SKIP
+
+One JSON object per line, one line per logged step (`python -m rpcompile finetune`
+writes: step, loss, lr, grad_norm, trained_tokens, tokens_per_s, peak_host_bytes,
+the runtime's counters of that step, eval_loss on eval steps). A resumed run
+(`resume_at=k`, the checkpoint's step) first drops every line of a step after k:
+those steps run again, so no step is written twice. Lines are flushed as they are
+written, so `tail -f OUT/metrics.jsonl` follows a run.
+
+TensorBoard (`pip install "rpcompile[tensorboard]"`): the same numbers as
+scalars in `OUT/tensorboard`, `train/<name>` per step and `eval/loss`, through
+`torch.utils.tensorboard.SummaryWriter` (`tensorboard --logdir OUT/tensorboard`).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+from typing import Any
+
+__all__ = ["MetricsLog", "METRICS_FILE", "TENSORBOARD_DIR", "check_report_to", "read_metrics"]
+
+METRICS_FILE = "metrics.jsonl"  # in OUT
+TENSORBOARD_DIR = "tensorboard"  # in OUT: the event files of report_to="tensorboard"
+
+
+def check_report_to(report_to: str | None) -> None:
+    """Raise ImportError in one line if `report_to` needs a package that is not installed."""
+    if report_to != "tensorboard":
+        return
+    if importlib.util.find_spec("tensorboard") is None:  # torch.utils.tensorboard needs it
+        raise ImportError('--report-to tensorboard needs tensorboard: pip install "rpcompile[tensorboard]" '
+                          '(or pip install tensorboard)')
+
+
+def read_metrics(path: str) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl file (a torn last line, from a killed run, is left out)."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+class MetricsLog:
+    """Appends records to `out/metrics.jsonl` (and TensorBoard); see the module docstring.
+
+    Args:
+        out: the run's folder.
+        report_to: None, or "tensorboard" (also writes scalars to `out/tensorboard`).
+        resume_at: the step the run continues from (0 for a new run); lines of later steps are dropped.
+    """
+
+    def __init__(self, out: str, *, report_to: str | None = None, resume_at: int = 0) -> None:
+        check_report_to(report_to)
+        self.path = os.path.join(out, METRICS_FILE)
+        self._keep_until(resume_at)
+        self._file = open(self.path, "a", encoding="utf-8")
+        self._tb = None
+        if report_to == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+            self._tb = SummaryWriter(os.path.join(out, TENSORBOARD_DIR), purge_step=resume_at + 1)
+
+    def _keep_until(self, step: int) -> None:
+        """Rewrite the file without the lines of steps after `step` (atomically; a new run starts it empty)."""
+        if not os.path.exists(self.path):
+            return
+        kept = [r for r in read_metrics(self.path) if isinstance(r.get("step"), int) and r["step"] <= step]
+        tmp = self.path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append one step's record (it has "step"); numbers also go to TensorBoard."""
+        self._file.write(json.dumps({k: _plain(v) for k, v in record.items()}) + "\n")
+        self._file.flush()
+        if self._tb is None:
+            return
+        step = record["step"]
+        for key, value in _scalars(record):
+            self._tb.add_scalar("eval/loss" if key == "eval_loss" else f"train/{key}", value, step)
+        self._tb.flush()
+
+    def close(self) -> None:
+        """Close the file and the TensorBoard writer."""
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+    def __enter__(self) -> "MetricsLog":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _plain(v: Any) -> Any:
+    """A JSON-safe value: NaN and inf become null (JSON has no such numbers)."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    return v
+
+
+def _scalars(record: dict[str, Any], prefix: str = ""):
+    """(name, number) of every number in `record` but "step", nested dicts as "outer/inner"."""
+    for key, value in record.items():
+        if key == "step" or isinstance(value, bool):
+            continue
+        if isinstance(value, dict):
+            yield from _scalars(value, f"{prefix}{key}/")
+        elif isinstance(value, (int, float)) and math.isfinite(value):
+            yield f"{prefix}{key}", value

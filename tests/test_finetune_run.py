@@ -1,0 +1,202 @@
+"""Fine-tuning runs you can watch and stop (issue 25): metrics.jsonl and TensorBoard, Ctrl-C and out of memory
+during training, the dry run and the checks before the weights load, the install hint."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import rpcompile  # noqa: E402
+from rpcompile import checkpoint  # noqa: E402
+from rpcompile.cli.finetune import CHECKPOINT  # noqa: E402
+from rpcompile.cli.main import main  # noqa: E402
+from rpcompile.cli.metrics import read_metrics  # noqa: E402
+import hf_fixtures as fx  # noqa: E402
+
+FLAGS = ["--seq", "32", "--micro-batch-size", "2", "--microbatches", "2", "--gpus", "2", "--lr", "3e-3",
+         "--warmup", "2", "--memory-gib", str(2**19 / 2**30), "--lm-head-shards", "1", "--no-progress",
+         "--steps", "6"]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("finetune_run")
+    rows = fx.text_rows()
+    return SimpleNamespace(model=fx.model_folder(d / "tiny"), train=fx.write_jsonl(d / "train.jsonl", rows[:40]))
+
+
+def errors(capsys) -> list[str]:
+    """The command's own lines on stderr (transformers' loading bars left out), and no traceback anywhere."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return [line for line in err.splitlines() if line.startswith("python -m rpcompile")]
+
+
+def run(files, out, *extra) -> int:
+    return main(["finetune", "--model", files.model, "--data", files.train, "--out", str(out), *FLAGS, *extra])
+
+
+@pytest.fixture(scope="module")
+def six(files, tmp_path_factory):
+    """A 6-step run with a metrics line per step and TensorBoard, its losses captured from the handle."""
+    out = tmp_path_factory.mktemp("six") / "out"
+    losses = []
+    real = rpcompile.Compiled.step
+
+    def step(self, batch):
+        losses.append(real(self, batch))
+        return losses[-1]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rpcompile.Compiled, "step", step)
+        assert run(files, out, "--logging-steps", "1", "--report-to", "tensorboard") == 0
+    return SimpleNamespace(out=out, losses=losses)
+
+
+def test_metrics_file_has_a_line_per_step_with_the_losses(six):
+    lines = read_metrics(os.path.join(six.out, "metrics.jsonl"))
+    assert [r["step"] for r in lines] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in lines] == six.losses  # the very floats step() returned
+    for r in lines:
+        assert r["trained_tokens"] > 0 and r["tokens_per_s"] > 0 and r["peak_host_bytes"] > 2**20
+        assert r["grad_norm"] > 0 and r["bytes_to_device"] > 0 and "host_waits" in r
+        assert any(k.startswith("w0/") for k in r["busy_share"])
+    assert lines[0]["lr"] == pytest.approx(1.5e-3) and lines[1]["lr"] == pytest.approx(3e-3)  # warmup 2
+
+
+def test_tensorboard_reads_six_loss_points(six):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(os.path.join(six.out, "tensorboard"))
+    acc.Reload()
+    points = acc.Scalars("train/loss")
+    assert [p.step for p in points] == [1, 2, 3, 4, 5, 6]
+    assert [p.value for p in points] == pytest.approx(six.losses, rel=1e-6)  # stored as float32
+
+
+def test_logging_steps_thins_the_lines(files, tmp_path):
+    assert run(files, tmp_path / "o", "--logging-steps", "4") == 0
+    assert [r["step"] for r in read_metrics(os.path.join(tmp_path / "o", "metrics.jsonl"))] == [4, 6]  # and the end
+
+
+def _interrupt_in_step(n: int):
+    """A Compiled.step that gets a real SIGINT while the caller waits inside step `n` (1-based)."""
+    real = rpcompile.Compiled.step
+
+    def step(self, batch):
+        if self.steps == n - 1:
+            its = self._runtime.iterations
+            read = its.read_losses
+
+            def slow(t, ctx, give):
+                if threading.current_thread() is threading.main_thread():
+                    threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
+                    threading.Event().wait(5)  # interrupted by the signal's KeyboardInterrupt
+                return read(t, ctx, give)
+            its.read_losses = slow
+        return real(self, batch)
+    return step
+
+
+def test_ctrl_c_in_step_3_exits_130_and_resuming_logs_each_step_once(files, six, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "o"
+    with monkeypatch.context() as mp:
+        mp.setattr(rpcompile.Compiled, "step", _interrupt_in_step(3))
+        assert run(files, out, "--save-every", "1") == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "interrupted in step 3" in err
+    saved = checkpoint.load(os.path.join(out, CHECKPOINT))  # loadable
+    assert saved["steps"] in (2, 3)  # step 3 undone, or finished if its update had begun
+    assert run(files, out, "--save-every", "1", "--resume") == 0
+    lines = read_metrics(os.path.join(out, "metrics.jsonl"))
+    assert [r["step"] for r in lines] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in lines] == six.losses  # and the same run, bit for bit
+
+
+def test_out_of_memory_in_step_4_is_one_line_and_the_step_2_checkpoint_loads(files, tmp_path, monkeypatch, capsys):
+    real = rpcompile.Compiled.step
+
+    def step(self, batch):
+        if self.steps == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return real(self, batch)
+    monkeypatch.setattr(rpcompile.Compiled, "step", step)
+    out = tmp_path / "o"
+    assert run(files, out, "--save-every", "2") == 2
+    err = errors(capsys)
+    assert len(err) == 1, err
+    assert "out of device memory in step 4" in err[0] and "--micro-batch-size" in err[0] and "step 2" in err[0]
+    assert checkpoint.load(os.path.join(out, CHECKPOINT))["steps"] == 2
+    assert [r["step"] for r in read_metrics(os.path.join(out, "metrics.jsonl"))] == [1, 2, 3]
+
+
+def test_a_worker_out_of_memory_names_the_worker_and_the_stage(files, tmp_path, monkeypatch, capsys):
+    real = rpcompile.Compiled.step
+
+    def step(self, batch):
+        if self.steps == 1:
+            fused = self._runtime.handlers[rpcompile.Op.FUSED]
+
+            def oom(t, ins, dev):
+                raise torch.OutOfMemoryError("CUDA out of memory")
+            self._runtime.handlers[rpcompile.Op.FUSED] = lambda t, ins, dev: oom(t, ins, dev) if t == 1 else \
+                fused(t, ins, dev)
+        return real(self, batch)
+    monkeypatch.setattr(rpcompile.Compiled, "step", step)
+    assert run(files, tmp_path / "o") == 2
+    err = errors(capsys)
+    assert len(err) == 1 and "out of device memory in step 2 on worker" in err[0] and ", stage " in err[0], err
+
+
+def _no_weights(monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    def refuse(*a, **k):
+        raise AssertionError("the weights were loaded")
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", refuse)
+
+
+def test_dry_run_prints_the_plan_and_memory_and_writes_nothing(files, tmp_path, monkeypatch, capsys):
+    _no_weights(monkeypatch)
+    out = tmp_path / "o"
+    assert run(files, out, "--dry-run") == 0
+    text = capsys.readouterr().out
+    for what in ("data ", "plan (predicted", "device peak per worker", "host memory:", "fp32 masters",
+                 "max_seq_len: ", "dry run:"):
+        assert what in text, what
+    assert not out.exists()
+    out.mkdir()
+    assert run(files, out, "--dry-run", "--lora", "4") == 0  # LoRA on meta too
+    assert os.listdir(out) == []
+
+
+def test_a_host_too_small_is_refused_before_the_weights_load(files, tmp_path, monkeypatch, capsys):
+    _no_weights(monkeypatch)
+    monkeypatch.setattr("rpcompile.ir.hardware._host_memory", lambda: 2**18)
+    assert run(files, tmp_path / "o") == 2
+    err = errors(capsys)
+    assert len(err) == 1 and "host memory: the run needs" in err[0]
+
+
+def test_without_transformers_one_line_names_the_extra(files, tmp_path, monkeypatch, capsys):
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else
+                        find(name, *a))
+    assert run(files, tmp_path / "o") == 2
+    assert errors(capsys) == ['python -m rpcompile finetune: error: finetune needs transformers, peft and '
+                              'tokenizers: pip install "rpcompile[finetune]"']
+
+
+def test_report_to_tensorboard_without_it_names_the_extra(files, tmp_path, monkeypatch, capsys):
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else
+                        find(name, *a))
+    assert run(files, tmp_path / "o", "--report-to", "tensorboard") == 2
+    err = errors(capsys)
+    assert len(err) == 1 and 'rpcompile[tensorboard]' in err[0]
+    assert not (tmp_path / "o").exists()  # refused before anything was written
