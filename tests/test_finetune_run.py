@@ -200,3 +200,16 @@ def test_report_to_tensorboard_without_it_names_the_extra(files, tmp_path, monke
     err = errors(capsys)
     assert len(err) == 1 and 'rpcompile[tensorboard]' in err[0]
     assert not (tmp_path / "o").exists()  # refused before anything was written
+
+
+def test_a_resumed_log_drops_the_lines_after_its_checkpoint(tmp_path):
+    from rpcompile.cli.metrics import MetricsLog
+    with MetricsLog(str(tmp_path)) as log:
+        for s in range(1, 6):
+            log.write({"step": s, "loss": float(s)})
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "lo')  # a line torn by a kill
+    with MetricsLog(str(tmp_path), resume_at=2) as log:
+        log.write({"step": 3, "loss": 30.0, "eval_loss": float("nan")})
+    assert read_metrics(str(tmp_path / "metrics.jsonl")) == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 2.0},
+                                                             {"step": 3, "loss": 30.0, "eval_loss": None}]
