@@ -13,7 +13,8 @@ from rpcompile.ir.optim import SGD, AdamW, DynamicLossScale
 from rpcompile.ir.plan import StagePlan
 from rpcompile.ir.program import Instr, Op, Program, ProgramError
 from rpcompile.passes._seqlen import SeqLenLimit, max_seq_len
-from rpcompile.api import Compiled, compile, load  # noqa: E402
+from rpcompile.api import Compiled, compile  # noqa: E402
+from rpcompile.resume import load  # noqa: E402
 from rpcompile.cli import finetune  # noqa: E402 - the fine-tuning command as a function
 from rpcompile import checkpoint, passes, runtime  # noqa: E402,F401 - submodules as attributes
 

@@ -23,13 +23,13 @@ from rpcompile.options import Options, check_model, default_microbatches, option
 from rpcompile.pipeline import Frozen, compile_passes, frozen_of, plan_pipeline
 from rpcompile.replan import Variant, Variants, plan_for
 from rpcompile.runtime import simulate
-from rpcompile.runtime.distributed import DistConfig, GradReducer, init_group
+from rpcompile.runtime.distributed import data_parallel
 from rpcompile.runtime.executor import Runtime
 from rpcompile.runtime.optimizer import HostState
 from rpcompile.runtime.stage_exec import token_weights, trained_tokens
 from rpcompile.runtime.simulator import Record
 
-__all__ = ["compile", "Compiled", "load", "Options", "default_microbatches", "plan_pipeline"]
+__all__ = ["compile", "Compiled", "Options", "default_microbatches", "plan_pipeline"]
 
 
 def compile(model: torch.nn.Module, gpus: int = 8, *, example: Any, microbatches: int | None = None,
@@ -128,7 +128,7 @@ class Compiled:
             checkpoint.check(resume)
             self.state.check_state_dict(resume["host"])
         # data parallel (issue #9): rank 0's weights everywhere; each group's gradient averaged before its step
-        self._dist = _data_parallel(self.state, dist, process_group)
+        self._dist = data_parallel(self.state, dist, process_group)
         self.rank, self.world_size = (self._dist.rank, self._dist.world) if self._dist else (0, 1)
         self.closed = False
         self._runtime = self._new_runtime(0)
@@ -391,45 +391,3 @@ class Compiled:
     def __repr__(self) -> str:
         return (f"Compiled({len(self.graph.layers)} layers, plan {self.plan.to_str()}, "
                 f"{self.options.gpus} workers, {self.microbatches} microbatches, staleness {self.options.staleness})")
-
-
-def load(path: str, model: torch.nn.Module, *, loss_fn: Callable | None = None, dist: Any = False,
-         process_group: Any = None) -> Compiled:
-    """Load a checkpoint written by `Compiled.save` and continue training `model` from it.
-
-    The checkpoint records the compile options, the example batch and the
-    compiler's measured decisions (head sharding, costs, plan, round size), so
-    the same program is rebuilt without measuring anything; only `loss_fn`
-    (code, not data) must be passed again if the run used one.
-
-    Args:
-        path: the checkpoint file.
-        model: a module of the architecture the checkpoint was trained with (its weights are replaced).
-        loss_fn: the run's loss_fn, if any.
-        dist, process_group: as for `compile` (every process loads the same file).
-    Returns:
-        A Compiled whose next `step` continues the saved run bit for bit.
-    Raises:
-        ValueError: the saved run does not fit this machine's host memory (the bytes by category), or
-            the state does not match `model`.
-    """
-    sd = checkpoint.load(path)
-    opts = Options(**{**sd["options"], "loss_fn": loss_fn})
-    frozen = Frozen(**sd["frozen"]) if "frozen" in sd else None  # the saved plan, not a re-measured one
-    c = Compiled(model, opts, sd["example"], dist=dist, process_group=process_group, frozen=frozen, resume=sd)
-    try:
-        c.load_state_dict(sd)
-    except BaseException:
-        c.close()  # no worker thread outlives a failed load
-        raise
-    return c
-
-
-def _data_parallel(state: Any, dist: Any, process_group: Any) -> Any:
-    """A GradReducer over `process_group` (runtime/distributed.py) that has broadcast rank 0's weights; None if off."""
-    if not dist and process_group is None:
-        return None
-    cfg = dist if isinstance(dist, DistConfig) else DistConfig()
-    reducer = GradReducer(state, init_group(cfg, process_group), cfg)
-    reducer.broadcast_state()
-    return reducer

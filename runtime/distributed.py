@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from rpcompile.ir.program import Op
 
-__all__ = ["DistConfig", "GradReducer", "init_group", "ring_allreduce_time", "shard"]
+__all__ = ["DistConfig", "GradReducer", "init_group", "ring_allreduce_time", "shard", "data_parallel"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,3 +290,19 @@ class GradReducer:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=1.0)
+
+
+def data_parallel(state: Any, dist_opt: Any, process_group: Any = None) -> GradReducer | None:
+    """A GradReducer over `process_group` that has broadcast rank 0's weights; None when data parallelism is off.
+
+    Args:
+        state: the HostState to average gradients of.
+        dist_opt: compile's `dist`: False, True (DistConfig()) or a DistConfig.
+        process_group: the group to train over (implies data parallelism; default: the main group).
+    """
+    if not dist_opt and process_group is None:
+        return None
+    cfg = dist_opt if isinstance(dist_opt, DistConfig) else DistConfig()
+    reducer = GradReducer(state, init_group(cfg, process_group), cfg)
+    reducer.broadcast_state()
+    return reducer

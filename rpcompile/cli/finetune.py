@@ -43,7 +43,8 @@ from typing import Any, Callable
 
 import torch
 
-from rpcompile.api import compile, load
+from rpcompile.api import compile
+from rpcompile.resume import load
 from rpcompile.checkpoint import write_text_atomic
 from rpcompile.cli.data import pack, read_documents, read_template
 from rpcompile.cli.finetune_config import DTYPES, FinetuneConfig, FinetuneResult, check_config

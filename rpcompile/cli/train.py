@@ -18,7 +18,8 @@ import os
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-from rpcompile.api import compile, load
+from rpcompile.api import compile
+from rpcompile.resume import load
 from rpcompile.cli.demo import DemoConfig, batches
 from rpcompile.cli.zoo import LlamaConfig, TinyLlama
 from rpcompile.ir.optim import AdamW

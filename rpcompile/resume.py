@@ -1,0 +1,49 @@
+"""load(): a checkpoint written by `Compiled.save` back into a Compiled that continues the run bit for bit.
+
+    >>> c = rpcompile.load("run.ckpt", model)   # doctest: +SKIP
+    >>> c.step(batch)                           # doctest: +SKIP
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from rpcompile import checkpoint
+from rpcompile.api import Compiled
+from rpcompile.options import Options
+from rpcompile.pipeline import Frozen
+
+__all__ = ["load"]
+
+
+def load(path: str, model: torch.nn.Module, *, loss_fn: Callable | None = None, dist: Any = False,
+         process_group: Any = None) -> Compiled:
+    """Load a checkpoint written by `Compiled.save` and continue training `model` from it.
+
+    The checkpoint records the compile options, the example batch and the
+    compiler's measured decisions (head sharding, costs, plan, round size), so
+    the same program is rebuilt without measuring anything; only `loss_fn`
+    (code, not data) must be passed again if the run used one.
+
+    Args:
+        path: the checkpoint file.
+        model: a module of the architecture the checkpoint was trained with (its weights are replaced).
+        loss_fn: the run's loss_fn, if any.
+        dist, process_group: as for `compile` (every process loads the same file).
+    Returns:
+        A Compiled whose next `step` continues the saved run bit for bit.
+    Raises:
+        ValueError: the saved run does not fit this machine's host memory (the bytes by category), or
+            the state does not match `model`.
+    """
+    sd = checkpoint.load(path)
+    opts = Options(**{**sd["options"], "loss_fn": loss_fn})
+    frozen = Frozen(**sd["frozen"]) if "frozen" in sd else None  # the saved plan, not a re-measured one
+    c = Compiled(model, opts, sd["example"], dist=dist, process_group=process_group, frozen=frozen, resume=sd)
+    try:
+        c.load_state_dict(sd)
+    except BaseException:
+        c.close()  # no worker thread outlives a failed load
+        raise
+    return c
