@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 
 ORDER = ("trace", "costs", "long_seq", "partition", "partition_qwen3-235b-a22b", "plan_stability", "schedules_sim",
-         "schedules", "plan_cli", "runtime_cpu", "optimizer", "dispatch_mode", "checkpoint_memory", "distributed", "gpu")
+         "schedules", "plan_cli", "runtime_cpu", "optimizer", "dispatch_mode", "checkpoint_memory", "data_memory",
+         "distributed", "gpu")
 TITLES = {
     "trace": "Trace time (issue 2)", "costs": "Cost model: predicted vs measured (issue 3)",
     "partition": "Partition: planning time and plan quality (issues 4, 15)",
@@ -24,6 +25,7 @@ TITLES = {
     "optimizer": "CPU optimizer throughput (issue 6)",
     "dispatch_mode": "The RNG dispatch mode's cost on a layer with dropout (issue 22)",
     "checkpoint_memory": "Checkpoint memory: peak extra RSS of save and load (issue 23)", "distributed": "Data parallelism across processes (issue 9)",
+    "data_memory": "Fine-tuning data: peak RSS of tokenizing and packing (issue 25)",
     "gpu": "GPU run (bench/gpu.sh, issue 12)", "plan_cli": "The plan command on the paper models (issue 7)",
 }
 
