@@ -103,6 +103,19 @@ def _interrupt_in_step(n: int):
     return step
 
 
+def _count_tokenizer_calls(monkeypatch) -> list[str]:
+    """Record every tokenizing call of any Hugging Face tokenizer from now on."""
+    from transformers import PreTrainedTokenizerBase
+    calls: list[str] = []
+    for name in ("__call__", "encode", "batch_encode_plus", "encode_plus", "apply_chat_template"):
+        real = getattr(PreTrainedTokenizerBase, name, None)
+        if real is None:  # not in this transformers version
+            continue
+        monkeypatch.setattr(PreTrainedTokenizerBase, name,
+                            lambda self, *a, _n=name, _f=real, **k: (calls.append(_n), _f(self, *a, **k))[1])
+    return calls
+
+
 def test_ctrl_c_in_step_3_exits_130_and_resuming_logs_each_step_once(files, six, tmp_path, monkeypatch, capsys):
     out = tmp_path / "o"
     with monkeypatch.context() as mp:
@@ -112,7 +125,9 @@ def test_ctrl_c_in_step_3_exits_130_and_resuming_logs_each_step_once(files, six,
     assert "Traceback" not in err and "interrupted in step 3" in err
     saved = checkpoint.load(os.path.join(out, CHECKPOINT))  # loadable
     assert saved["steps"] in (2, 3)  # step 3 undone, or finished if its update had begun
+    calls = _count_tokenizer_calls(monkeypatch)
     assert run(files, out, "--save-every", "1", "--resume") == 0
+    assert calls == [] and "token cache: hit, nothing tokenized" in capsys.readouterr().out  # read from OUT
     lines = read_metrics(os.path.join(out, "metrics.jsonl"))
     assert [r["step"] for r in lines] == [1, 2, 3, 4, 5, 6]
     assert [r["loss"] for r in lines] == six.losses  # and the same run, bit for bit
@@ -213,3 +228,20 @@ def test_a_resumed_log_drops_the_lines_after_its_checkpoint(tmp_path):
         log.write({"step": 3, "loss": 30.0, "eval_loss": float("nan")})
     assert read_metrics(str(tmp_path / "metrics.jsonl")) == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 2.0},
                                                              {"step": 3, "loss": 30.0, "eval_loss": None}]
+
+
+def test_val_size_holds_out_a_seeded_disjoint_part_and_records_it(files, tmp_path, capsys):
+    import json
+    assert run(files, tmp_path / "a", "--val-size", "0.25", "--steps", "2") == 0
+    text = capsys.readouterr().out
+    assert "--val-size 0.25: training: 30 documents" in text and "--val-size 0.25: held out: 10 documents" in text
+    assert "step 0: eval loss" in text and "(final model)" in text
+    with open(tmp_path / "a" / "rpcompile-run.json") as f:
+        held = json.load(f)["data"]["held_out"]["documents"]
+    assert len(held) == len(set(held)) == 10 and all(0 <= i < 40 for i in held)
+    assert [r["step"] for r in read_metrics(os.path.join(tmp_path / "a", "metrics.jsonl")) if "eval_loss" in r] \
+        == [0, 2]
+    assert run(files, tmp_path / "b", "--val-size", "0.25", "--steps", "2", "--seed", "1") == 0
+    with open(tmp_path / "b" / "rpcompile-run.json") as f:
+        assert json.load(f)["data"]["held_out"]["documents"] != held  # the seed draws them
+

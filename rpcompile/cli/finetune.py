@@ -46,11 +46,11 @@ import torch
 from rpcompile.api import compile
 from rpcompile.resume import load
 from rpcompile.checkpoint import write_text_atomic
-from rpcompile.cli.data import pack, read_documents, read_template
+from rpcompile.cli.data import prepare, read_template
 from rpcompile.cli.finetune_config import DTYPES, FinetuneConfig, FinetuneResult, check_config
 from rpcompile.cli.finetune_dist import Ranks
 from rpcompile.cli.finetune_loop import Loop, StepOutOfMemory, StepPlan, evaluate_loss
-from rpcompile.cli.finetune_out import CHECKPOINT, RUN_FILE, check_out, check_resume, remove_previous, run_record
+from rpcompile.cli.finetune_out import CHECKPOINT, RUN_FILE, TOKEN_CACHE, check_out, check_resume, remove_previous, run_record
 from rpcompile.cli.hf import add_lora, check_model, export, load_model, load_tokenizer, trainable_module
 from rpcompile.cli.metrics import MetricsLog, check_report_to
 from rpcompile.cli.packed_attention import use_packed_attention
@@ -104,9 +104,8 @@ def finetune(cfg: FinetuneConfig, *, on_step: Callable[[int, float], None] | Non
         tokenizer.chat_template = read_template(cfg.chat_template)  # used for the data, and exported
     gpus = cfg.gpus or (torch.cuda.device_count() if cuda else 2)
     micro = ranks.microbatches(cfg.microbatches or 2 * gpus * ranks.world)  # this rank's share of the step's
-    train = _data(cfg, cfg.data, tokenizer)
-    held = _data(cfg, cfg.eval, tokenizer) if cfg.eval else None
-    run = run_record(cfg, train)
+    train, held = _datasets(cfg, tokenizer, ranks)
+    run = run_record(cfg, train, held if cfg.val_size else None)
     ranks.same_everywhere(json.dumps(run["data"], sort_keys=True), "the training data")
     if cfg.resume:
         ranks.on_rank0(lambda: check_resume(cfg, run))
@@ -189,16 +188,37 @@ def _start(cfg: FinetuneConfig, module: Any, run: dict, example: Any, ranks: Ran
                    loss_mean="tokens", dist=dist)
 
 
-def _data(cfg: FinetuneConfig, path: str, tokenizer: Any) -> Any:
-    """Read, mask and pack one data file; print its summary line."""
-    docs = read_documents(path, tokenizer, whole_file=cfg.whole_file, train_on=cfg.train_on,
-                          text_field=cfg.text_field)
-    packed = pack(docs, tokenizer, cfg.seq, cfg.packing)
-    dropped = f", {packed.dropped:,} left out (nothing to train)" if packed.dropped else ""
-    print(f"data {path}: {len(docs):,} rows, {packed.documents:,} documents, {len(packed):,} sequences of {cfg.seq} "
-          f"(packing {cfg.packing}), {packed.trained:,} trained tokens, {packed.truncated:,} documents "
-          f"truncated{dropped}", flush=True)
+def _datasets(cfg: FinetuneConfig, tokenizer: Any, ranks: Ranks) -> tuple[Any, Any]:
+    """(train, held): the packed training data and the held-out data (--eval, or --val-size of the training
+    documents, or None), each with its summary line. Rank 0 of a real run keeps the token cache in
+    OUT/token-cache; a dry run and the other ranks tokenize into a temporary one."""
+    root = os.path.join(cfg.out, TOKEN_CACHE) if ranks.writes and not cfg.dry_run else None
+    train = _data(cfg, cfg.data, tokenizer, root)
+    if cfg.eval:
+        return train, _data(cfg, cfg.eval, tokenizer, root)
+    if not cfg.val_size:
+        return train, None
+    train, held = train.split_documents(cfg.val_size, cfg.seed)
+    for name, part in (("training", train), ("held out", held)):
+        _summary(f"--val-size {cfg.val_size}: {name}", part, cfg)
+    return train, held
+
+
+def _data(cfg: FinetuneConfig, path: str, tokenizer: Any, cache_root: str | None) -> Any:
+    """Read, mask and pack one data file (through the token cache); print its summary line."""
+    packed = prepare(path, tokenizer, seq=cfg.seq, packing=cfg.packing, whole_file=cfg.whole_file,
+                     train_on=cfg.train_on, text_field=cfg.text_field, cache_root=cache_root, num_proc=cfg.num_proc)
+    _summary(f"data {path}", packed, cfg, rows=f"{packed.read:,} rows, ")
     return packed
+
+
+def _summary(what: str, packed: Any, cfg: FinetuneConfig, rows: str = "") -> None:
+    """One line: rows read, documents, sequences, trained tokens, truncated and dropped documents, cache hit."""
+    dropped = f", {packed.dropped:,} left out (nothing to train)" if packed.dropped else ""
+    hit = " (token cache: hit, nothing tokenized)" if packed.cached else ""
+    print(f"{what}: {rows}{packed.documents:,} documents, {len(packed):,} sequences of {cfg.seq} (packing "
+          f"{cfg.packing}), {packed.trained:,} trained tokens, {packed.truncated:,} documents truncated{dropped}{hit}",
+          flush=True)
 
 
 def _budget(cfg: FinetuneConfig, cuda: bool) -> int | None:

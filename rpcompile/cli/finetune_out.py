@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -16,11 +15,12 @@ from rpcompile.cli.finetune_config import FinetuneConfig
 from rpcompile.cli.hf import TOKENIZER_FILES
 from rpcompile.cli.metrics import METRICS_FILE, TENSORBOARD_DIR
 
-__all__ = ["CHECKPOINT", "RUN_FILE", "FREE", "check_out", "previous_run", "remove_previous", "run_record",
+__all__ = ["CHECKPOINT", "RUN_FILE", "TOKEN_CACHE", "FREE", "check_out", "previous_run", "remove_previous", "run_record",
            "read_run", "check_resume"]
 
 CHECKPOINT = "rpcompile-checkpoint.rp"  # in `out`: the training state (rpcompile.load format)
 RUN_FILE = "rpcompile-run.json"  # in `out`: the run's settings and data fingerprint, checked on resume
+TOKEN_CACHE = "token-cache"  # in `out`: the tokenized data files (rpcompile.cli.token_cache), kept for reruns
 # a resume may change these (the data file is checked by the fingerprint of its packed tokens, not its path)
 FREE = ("out", "data", "resume", "overwrite", "save_every", "eval", "eval_every", "progress", "logging_steps",
         "report_to", "dry_run", "num_proc")
@@ -64,12 +64,18 @@ def previous_run(out: str) -> list[str]:
     # run's own files first, then the weights
 
 
-def run_record(cfg: FinetuneConfig, train: Any) -> dict[str, Any]:
-    """The run's settings and a fingerprint of its packed training data (what resume must match)."""
-    digest = hashlib.sha256(b"".join(t.numpy().tobytes() for t in (train.ids, train.labels, train.positions)))
+def run_record(cfg: FinetuneConfig, train: Any, held: Any = None) -> dict[str, Any]:
+    """The run's settings and a fingerprint of its packed training data (what resume must match).
+
+    With `held` (the --val-size part), the record also lists its documents (`held.selection`: the
+    indices of the data file's non-blank rows), so the split can be checked and reproduced.
+    """
     settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cfg).items()}
-    return {"settings": settings, "data": {"sequences": len(train), "tokens": train.tokens, "trained": train.trained,
-                                           "sha256": digest.hexdigest()}}
+    data = {"sequences": len(train), "tokens": train.tokens, "trained": train.trained,
+            "sha256": train.fingerprint()}
+    if held is not None:
+        data["held_out"] = {"documents": [int(i) for i in held.selection], "sha256": held.fingerprint()}
+    return {"settings": settings, "data": data}
 
 
 def remove_previous(out: str) -> None:
@@ -115,5 +121,6 @@ def check_resume(cfg: FinetuneConfig, run: dict[str, Any]) -> None:
     if diff:
         raise ValueError(f"--resume: the settings differ from the run in {cfg.out!r}: {'; '.join(diff)}")
     if saved["data"] != run["data"]:
-        raise ValueError(f"--resume: the training data differs from the run's ({saved['data']} then, "
-                         f"{run['data']} now)")
+        brief = lambda d: {k: v for k, v in d.items() if k != "held_out"}  # noqa: E731 - no document lists
+        raise ValueError(f"--resume: the training data differs from the run's ({brief(saved['data'])} then, "
+                         f"{brief(run['data'])} now)")
