@@ -1,19 +1,22 @@
-"""Plan stability (issue 14 item 2): the demo model compiled in fresh processes on a loaded machine.
+"""Plan stability (issues 14 and 26): a model compiled in fresh processes on a loaded machine.
 
 Starts a background load (one busy-looping process per core, 2 by default), then
 compiles the demo model (`rpcompile.cli.demo`: the 4-layer Llama, 2 workers, 4
-microbatches, 8 MiB budget; costs measured on the CPU) in `--runs` fresh
-`python -c` processes one after the other, and prints each run's plan, round size,
+microbatches, 8 MiB budget; costs measured on the CPU) or the sub-block model
+(an 8-layer Llama whose blocks do not fit 4 MiB, planned as 62 sub-blocks) in
+`--runs` fresh `python -c` processes one after the other, and prints each run's plan, round size,
 compile seconds and measured times, and side by side the plan `partition` ranks
 by time alone (tie = 0) from the same costs, with how much slower (predicted)
 compile's plan is than that one (compile ranks measured costs with
 `rpcompile.pipeline.MEASURED_TIE`). Exits 1 if the plans differ; then a second
 table gives each run's predicted iteration time (`passes.iteration_time`, from
 that run's measured costs) of every plan seen, to show how near the tie is.
+Each model has its own section of docs/bench/plan_stability.md: a run replaces
+its model's section and keeps the other.
 
-    python bench/plan_stability.py                 # 5 runs, 2 busy processes, writes docs/bench/plan_stability.md
+    python bench/plan_stability.py                 # 5 runs, 2 busy processes, the demo's section of the doc
+    python bench/plan_stability.py --model sub-blocks --runs 6   # the sub-block model's section
     python bench/plan_stability.py --load 0 --runs 3 --no-doc   # quiet machine, no doc
-    python bench/plan_stability.py --model sub-blocks            # a ~66-unit model: where the tie is not enough
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import re
 import subprocess
 import sys
 import time
@@ -42,7 +46,7 @@ if sys.argv[1] == "demo":
     model = TinyLlama(LlamaConfig(vocab=256, dim=128, layers=4, heads=4, kv_heads=2, ffn=344, max_seq=cfg.seq),
                       seed=cfg.seed)
     example, budget = next(batches(corpus(), cfg)), int(cfg.memory_mib * 2**20)
-else:  # sub-blocks: 8 layers whose blocks do not fit 4 MiB, so compile plans their sub-blocks (~66 units)
+else:  # sub-blocks: 8 layers whose blocks do not fit 4 MiB, so compile plans their sub-blocks (62 units)
     model = TinyLlama(LlamaConfig(vocab=512, dim=128, layers=8, heads=4, kv_heads=2, ffn=344, max_seq=64), seed=0)
     ids = torch.randint(0, 512, (8, 64), generator=torch.Generator().manual_seed(0))
     example, budget = {"input_ids": ids, "labels": ids}, 4 * 2**20
@@ -106,16 +110,49 @@ def _near_ties(results: list[dict]) -> str:
             + tabulate(rows, headers=["run", "chosen", *(_cell(p) for p, _ in seen)], tablefmt="github"))
 
 
+HEAD = "## plan_stability: fresh-process compiles on a loaded machine\n"
+ABOUT = {
+    "demo": ("The demo model",
+             "`rpcompile.cli.demo`: 4-layer Llama, vocab 256, gpus=2, 4 microbatches, 8 MiB budget: 9 layers "
+             "(the LM head in 2 vocabulary shards and a loss layer). History: before the robust timing "
+             "(2026-12-01) 3 quiet runs gave 3 plans; with the robust timing but plans ranked by time alone "
+             "(960a9bb) 2 distinct of 5 (3,2/4/1,1,1,2 and 2,1,1,1/4/1,1,1,2, 0.1-2.2% apart); a tie of 3% "
+             "still flipped 1 run of 10 (3.5% apart), 5% (`MEASURED_TIE`, issue 14) gave one plan in 10 of 10."),
+    "sub-blocks": ("The sub-block model",
+                   "an 8-layer Llama, hidden 128, vocab 512, batch 8 x 64, gpus=2, 4 microbatches, 4 MiB budget: "
+                   "its blocks do not fit, so compile plans their 7 sub-blocks each (62 units with the LM head "
+                   "in 3 shards and a loss layer). History (issue 26): with issue 14's tie rule (fewest stages, "
+                   "then the fastest) 6 runs gave 6 distinct plans of 25 stages within about 3% of each other, "
+                   "and in one attempt two runs traced 62 and 63 units, because `lm_head_shards=\"auto\"` "
+                   "rounded a measured time ratio. Now the shard count comes from FLOPs, and the tied plan is "
+                   "chosen by structure alone (fewest stages, most fused layers, nearest to an even layout), with "
+                   "ties measured from the fastest even plan (`rpcompile.passes.partition`, Ties)."),
+}
+
+
+def _section(model: str, body: str) -> str:
+    """One model's section of the doc, between markers so that a later run can replace it."""
+    return f"<!-- model: {model} -->\n{body.strip()}\n<!-- end: {model} -->\n"
+
+
+def write_section(model: str, body: str) -> None:
+    """Replace `model`'s section of docs/bench/plan_stability.md (keeping the other's), in a fixed order."""
+    path = os.path.join(ROOT, "docs", "bench", "plan_stability.md")
+    old = open(path).read() if os.path.exists(path) else ""
+    sections = {m: f"<!-- model: {m} -->\n{t}<!-- end: {m} -->\n"
+                for m, t in re.findall(r"<!-- model: (\S+) -->\n(.*?)<!-- end: \1 -->\n", old, re.S)}
+    sections[model] = _section(model, body)
+    write_doc("plan_stability.md", HEAD + "\n" + "\n".join(sections[m] for m in ABOUT if m in sections))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--load", type=int, default=2, help="busy-looping background processes (default 2)")
+    ap.add_argument("--load", "--busy", type=int, default=2, help="busy-looping background processes (default 2)")
     ap.add_argument("--no-doc", action="store_true", help="do not write docs/bench/plan_stability.md")
-    ap.add_argument("--model", choices=("demo", "sub-blocks"), default="demo",
-                    help="the demo (default), or an 8-layer Llama planned as ~66 sub-blocks under a 4 MiB budget "
-                         "(implies --no-doc)")
+    ap.add_argument("--model", choices=tuple(ABOUT), default="demo",
+                    help="the demo (default), or an 8-layer Llama planned as 62 sub-blocks under a 4 MiB budget")
     args = ap.parse_args()
-    args.no_doc |= args.model != "demo"
     spinners = [mp.Process(target=_spin, daemon=True) for _ in range(args.load)]
     for p in spinners:
         p.start()
@@ -141,25 +178,16 @@ def main() -> int:
     verdict += f"; by time alone {len(alone)} distinct"
     print(table, "", verdict, near, f"wall {wall:.0f} s", sep="\n")
     if not args.no_doc:
-        write_doc("plan_stability.md",
-                  "## plan_stability: the demo model compiled in fresh processes on a loaded machine\n\n"
-                  + machine_line() + f"  \nwall time: {wall:.0f} s\n\n"
-                  f"{args.load} busy-looping background processes ran throughout (on top of whatever else "
-                  f"shared the machine). Each run is a fresh `python -c` process compiling the demo model "
-                  f"(`rpcompile.cli.demo`: 4-layer Llama, gpus=2, 4 microbatches, 8 MiB budget, costs measured "
-                  f"on the CPU: warm-up, median of repeats, outliers re-measured; see "
-                  f"`rpcompile.passes.cost`). `compile s` is the time inside `rpcompile.compile`.\n\n"
-                  f"Before the robust timing (2026-12-01: median of 5 wall-clock samples after one warm-up, "
-                  f"each layer on its own, torch's 2 threads) 3 runs of this bench without the busy "
-                  f"processes gave 3 different plans (1,1,3/4/1,1,1,1,1, 3,2/4/1,1,1,2, 2,3/4/1,1,1,2), "
-                  f"decoder blocks of one run measured 13-17 ms apart, and compile took 18-43 s. "
-                  f"With the robust timing but plans ranked by time alone (960a9bb), two runs of this bench "
-                  f"gave 5 equal plans and then 2 distinct of 5 (2,1,1,1/4/1,1,1,2 four times, 3,2/4/1,1,1,2 "
-                  f"once): the two plans were 0.1-2.2% apart by each run's own measured costs. compile now "
-                  f"ranks measured costs with a tie of `MEASURED_TIE` (5%; with 3% one run of 10 still flipped, where the two plans were 3.5% apart; plans within it: the fewest stages, "
-                  f"then the fastest; `rpcompile.passes.partition`); the column `by time alone` is what "
-                  f"ranking by time would pick from the same costs.\n\n"
-                  + table + f"\n\n{verdict}\n" + (f"\n{near}\n" if near else ""))
+        title, about = ABOUT[args.model]
+        write_section(args.model,
+                      f"### {title}\n\n" + machine_line() + f"  \nwall time: {wall:.0f} s\n\n"
+                      f"{about}\n\n{args.load} busy-looping background processes ran throughout (on top of "
+                      f"whatever else shared the machine). Each run is a fresh `python -c` process compiling the "
+                      f"model (costs measured on the CPU: warm-up, median of repeats, outliers re-measured; see "
+                      f"`rpcompile.passes.cost`); `compile s` is the time inside `rpcompile.compile`; the column "
+                      f"`by time alone` is the plan `partition` ranks by time alone (tie 0) from the same costs, "
+                      f"and `plan vs that` how much slower compile's plan is by those costs.\n\n"
+                      + table + f"\n\n{verdict}\n" + (f"\n{near}\n" if near else ""))
     return 0 if len(plans) == 1 else 1
 
 

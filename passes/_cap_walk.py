@@ -15,7 +15,7 @@ and plans by an estimate: a slot holds its worker for about
 t_i + (R-1) * max(t_0..t_i) (it is paced by the slowest stage upstream), over
 N workers. Plans are timed in heap order by `partition`'s search
 (`_Search.consider`); generators and plans whose bound reaches the time a
-plan may still tie (`_Search.reach`: the best time x (1 + tie)) are dropped;
+plan may still tie (`_Search.reach`: the reference time x (1 + tie)) are dropped;
 the walk ends when the heap is empty, when every estimate left exceeds that
 time by `STOP`, or when `budget` (recurrence steps of the
 timed plans plus the layouts' stages) is spent, once some plan fits. Nothing

@@ -1,14 +1,16 @@
 """The plans a person would write, for `partition` to never lose to: even plans, and every plan of tiny models.
 
-An even plan fuses the last f layers and lays the other n = L - f layers out
-evenly over a forward stages and b backward stages: stage sizes differ by at
-most one layer, the larger stages first in execution order (forward: from
-layer 0 up; backward: from layer n-1 down), 1 <= a, b <= n.
+An even plan fuses the last f layers (the family: f = 1, 2 or 3, the sizes a
+person tries first, whatever the RoundPipe reference heuristic would fuse) and
+lays the other n = L - f layers out evenly over a forward stages and b
+backward stages: stage sizes differ by at most one layer, the larger stages
+first in execution order (forward: from layer 0 up; backward: from layer n-1
+down), 1 <= a, b <= n.
 
     >>> even_sizes(28, 12)
     (3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2)
-    >>> list(fused_sizes([1.0, 1.0, 3.0, 0.5]))  # within 1.1 x the slowest layer: 0.5, 0.5 + 3.0 > 3.3
-    [1]
+    >>> list(fused_sizes(28)), list(fused_sizes(2))
+    ([1, 2, 3], [1, 2])
 """
 from __future__ import annotations
 
@@ -20,7 +22,6 @@ from rpcompile.passes._cap_walk import aggregate
 COMPLETE_LAYERS = 40  # models up to this many layers get the even family swept completely
 _MAX_FUSED = 3        # the family's largest fused size
 _WINDOW = 3          # partial sweep: stage counts within this of the balanced count
-_EPS = 1e-12         # as the reference heuristic's cap comparison
 
 
 def even_sizes(n: int, k: int) -> tuple[int, ...]:
@@ -29,13 +30,9 @@ def even_sizes(n: int, k: int) -> tuple[int, ...]:
     return (q + 1,) * r + (q,) * (k - r)
 
 
-def fused_sizes(wb) -> range:
-    """The fused sizes of the even family: f = 1 up to the largest f the RoundPipe reference heuristic tries
-    (the last f layers' fwd + bwd within its largest cap, 1.1 x the slowest layer's), at most 3."""
-    cap, f = max(wb) * (1 + 0.01 * 10), 1
-    while f < min(len(wb), _MAX_FUSED) and sum(wb[len(wb) - f - 1:]) <= cap * (1 + _EPS):
-        f += 1
-    return range(1, f + 1)
+def fused_sizes(nl: int) -> range:
+    """The fused sizes of the even family of an nl-layer model: 1 to `_MAX_FUSED` (at most nl)."""
+    return range(1, min(nl, _MAX_FUSED) + 1)
 
 
 def compositions(n: int) -> Iterator[tuple[int, ...]]:
@@ -72,7 +69,7 @@ def sweep(search, budget: int) -> bool:
     memory budget, the fewest that fit and up to 2 x `_WINDOW` more, until `budget` recurrence steps
     are spent.
     """
-    ev, nl, fused = search.ev, search.nl, fused_sizes(search.wb)
+    ev, nl, fused = search.ev, search.nl, fused_sizes(search.nl)
     complete = nl <= COMPLETE_LAYERS
     order = []
     for f in fused:

@@ -2,7 +2,18 @@
 
 Note:
     Shards (K) balance time: the head's forward + backward should take about as
-    long as a median other layer, so that no stage is dominated by it.
+    long as a median other layer, so that no stage is dominated by it. K shapes
+    the layer graph, so it is read from deterministic quantities only: every
+    process that compiles the model must trace the same layers. With
+    `balance="flops"` (the default, and what compile uses for measured costs)
+    the load of a layer is its forward + backward FLOPs (counted from the aten
+    ops: exact, the same in every process); a measured time never decides it
+    (rounding a measured ratio gave different layer counts in fresh processes,
+    issue 26). With `balance="time"` it is the costs' forward + backward time,
+    for predicted costs (a roofline of each op's FLOPs and bytes on a hardware
+    model: deterministic too, and closer to the time than FLOPs alone, which
+    miss the memory-bound elementwise work). Costs without FLOPs, a head
+    without FLOPs, or no costs: parameter bytes.
 
     The chunk bounds memory: a shard's live working set while it runs one
     chunk is `LOGIT_BYTES` bytes per logit of the chunk (chunk x ceil(V/K)
@@ -29,22 +40,36 @@ __all__ = ["auto_shards", "auto_chunk", "LOGIT_BYTES"]
 LOGIT_BYTES = 16  # live bytes per logit of a chunk during a shard's backward (measured 16.2-16.3; module Note)
 
 
-def auto_shards(graph: LayerGraph, costs: CostTable | None, vocab: int) -> int:
-    """K for shards="auto": head fwd+bwd / median fwd+bwd of the other layers (else parameter bytes), rounded up.
+def auto_shards(graph: LayerGraph, costs: CostTable | None, vocab: int, balance: str = "flops") -> int:
+    """K for shards="auto": the head's load / the median load of the other layers, rounded up (module Note).
 
-    >>> auto_shards(graph, CostTable.from_lists([1, 1, 3], [2, 2, 6]), vocab=100)  # doctest: +SKIP
+    The load is fwd + bwd FLOPs (`balance="flops"`) or time (`"time"`, for predicted costs); parameter
+    bytes without costs or FLOPs. Layers of no load are left out of the median.
+
+    >>> auto_shards(graph, CostTable.from_lists([1, 1, 3], [2, 2, 6], fwd_flops=[0, 4, 9],
+    ...             bwd_flops=[0, 8, 18]), vocab=100)  # doctest: +SKIP
     3
     """
-    if costs is not None:
-        if costs.num_layers != len(graph.layers):
-            raise ValueError(f"costs has {costs.num_layers} layers, the graph {len(graph.layers)}; "
-                             f"pass the CostTable of the unsharded graph")
-        load = [f + b for f, b in zip(costs.fwd, costs.bwd)]
-    else:
-        load = [sum(graph.params[p].bytes for p in layer.params) for layer in graph.layers]
+    if balance not in ("flops", "time"):
+        raise ValueError(f"balance must be 'flops' or 'time', got {balance!r}")
+    if costs is not None and costs.num_layers != len(graph.layers):
+        raise ValueError(f"costs has {costs.num_layers} layers, the graph {len(graph.layers)}; "
+                         f"pass the CostTable of the unsharded graph")
+    load = _load(graph, costs, balance)
     rest = [x for x in load[:-1] if x > 0]
     ratio = load[-1] / statistics.median(rest) if rest else 0.0
     return max(1, min(vocab, math.ceil(ratio * (1 - 1e-9))))
+
+
+def _load(graph: LayerGraph, costs: CostTable | None, balance: str) -> list[float]:
+    """Per-layer load for `auto_shards`: times, FLOPs, else parameter bytes."""
+    if costs is not None and balance == "time":
+        return [f + b for f, b in zip(costs.fwd, costs.bwd)]
+    if costs is not None and costs.fwd_flops is not None and costs.bwd_flops is not None:
+        flops = [f + b for f, b in zip(costs.fwd_flops, costs.bwd_flops)]
+        if flops[-1] > 0:
+            return flops
+    return [float(sum(graph.params[p].bytes for p in layer.params)) for layer in graph.layers]
 
 
 def auto_chunk(costs: CostTable | None, memory_budget: int | None, tokens: int, shard_vocab: int) -> int | None:

@@ -14,31 +14,39 @@ the result is at least as fast as each of:
     whose fused stage fits it, both sides filled greedily up to the cap; of the
     candidates that fit the memory budget, the least max(S, N) * cap (the first
     on ties, caps ascending, then fused sizes ascending);
-(b) every even plan (`_even_plans.py`), for models of at most 40 layers: the
-    last f layers fused, for f = 1 up to the largest fused size the reference
-    heuristic tries (the last layers' fwd + bwd within 1.1x the slowest
-    layer's) but at most 3, the other n layers in a forward and b backward
-    stages of sizes differing by at most one, the larger first in execution
-    order, for every 1 <= a, b <= n. Larger models get the family only at
-    1..2N+1 stages per side and near the balanced count, within the search
-    budget, which is heuristic;
+(b) every even plan (`_even_plans.py`) with a fused stage of 1, 2 or 3 layers,
+    whatever the reference heuristic fuses, for models of at most 40 layers:
+    the last f layers fused (f = 1, 2, 3), the other n layers in a forward
+    and b backward stages of sizes differing by at most one, the larger first
+    in execution order, for every 1 <= a, b <= n. Larger models get the family
+    only at 1..2N+1 stages per side and near the balanced count, within the
+    search budget, which is heuristic; other fused sizes are the cap walk's;
 (c) every plan at all (fused size x forward layout x backward layout) when
     the model has at most 7 layers.
 
-Ties: a plan ties the fastest plan timed when its iteration time is within
-`tie` (a share, default 0) of it; the plan returned is the tied one with the
-fewest stages, then the least time, then the smallest fused size, then the
-smallest forward sizes and then backward sizes (compared as tuples). With
-tie = 0 only equal floats tie, and the guarantees above are exact; with
-tie > 0 each holds within the factor 1 + tie, and every bound prunes against
-the fastest time x (1 + tie), so every plan of the guaranteed families that
-could tie is timed. With at most 7 layers the result is therefore the minimum
-of (stages, time, fused size, forward sizes, backward sizes) over all plans
-within the tie. The search is deterministic: the same CostTable and options
-always give the same plan. `compile` ranks measured costs with tie = 0.05
-(`rpcompile.pipeline.MEASURED_TIE`: measured times move by a few percent
-between processes, and a plan with fewer stages hands fewer activations
-between workers, which this compute-only objective does not price).
+Ties (`_ties.py`): a plan ties when its iteration time is within `tie` (a
+share, default 0) of the reference: the fastest even plan timed (both sides
+laid out evenly, any fused size) when that is within the tie of the fastest
+plan timed, else the fastest plan. The plan returned is the tied one with the
+fewest stages, then the most fused layers, then the fewest stage boundaries
+off the even layout's, then the smallest forward sizes and then backward sizes
+(compared as tuples): a function of the plans' structure, with no time in it.
+With tie > 0 the search first offers every even plan (every fused size) with
+the fewest stages of a tied plan and, one count down at a time, with fewer
+while a count has a tied plan, and snaps each uneven tied plan of the fewest
+stages towards the even layout, boundary by boundary while it still ties; so
+which of the tied even plans wins does not depend on which plans the heuristic
+walk timed. With tie = 0 only equal floats tie, the reference is the fastest
+plan and the guarantees above are exact; with tie > 0 the result is within
+1 + tie of the reference, so guarantee (b) holds within the factor 1 + tie and
+(a) and (c) within (1 + tie)^2, and every bound prunes against the reference x
+(1 + tie), so every plan of the guaranteed families that could tie is timed.
+With at most 7 layers the result is therefore the least plan by that order
+over all plans within the tie. The search is deterministic: the same
+CostTable and options always give the same plan. `compile` ranks measured
+costs with tie = 0.05 (`rpcompile.pipeline.MEASURED_TIE`: measured times move
+by a few percent between processes, and a plan with fewer stages hands fewer
+activations between workers, which this compute-only objective does not price).
 
 What is heuristic: everything else, a best-first walk over stage-time caps
 (`_cap_walk.py`) run before the even family so that the family's pruning
@@ -56,11 +64,12 @@ starts after iteration t ends, so it is at least half the staleness-0 bound;
 the throughput bound M w / N is the steady state's and holds for the window
 in every case tested (tests/test_partition_guarantees.py checks both bounds
 on random plans). The guaranteed families drop a plan only when its bound
-exceeds the best time by more than 1e-9 (relative), so every plan that could
-tie is timed; with staleness 1 a plan that passes those bounds is also dropped
-when half of its isolated (staleness-0) iteration exceeds the best time, an
-exact bound (`Evaluator.isolated_floor`) that costs one iteration instead of the
-window's 3P; `iteration_time`'s cutoff is the best time plus that slack.
+exceeds the time up to which plans tie (`_ties.reach`; the best time with
+tie = 0) by more than 1e-9 (relative), so every plan that could tie is timed;
+with staleness 1 a plan that passes those bounds is also dropped when half of
+its isolated (staleness-0) iteration exceeds that time, an exact bound
+(`Evaluator.isolated_floor`) that costs one iteration instead of the window's
+3P; `iteration_time`'s cutoff is that time plus that slack.
 """
 from __future__ import annotations
 
@@ -68,7 +77,7 @@ import itertools
 import math
 
 from rpcompile.ir.costs import CostTable, _fmt
-from rpcompile.passes import _cap_walk, _even_plans
+from rpcompile.passes import _cap_walk, _even_plans, _ties
 from rpcompile.passes._plan_eval import Evaluator
 from rpcompile.passes.report import with_report
 from rpcompile.passes.timing import default_round_size, steady_state_window
@@ -159,8 +168,9 @@ class _Search:
         # M w / N per fused size f (see work_bound), and the chain bound's parts: looked up, not recomputed
         self._work_bound = [self.m * self.work(f) / n_gpu for f in range(self.nl + 1)]
         self._rr1, self._st1 = rr - 1, 1 + staleness
-        self.best = self.reach = math.inf  # the fastest time timed; up to `reach` (best x (1 + tie)) a plan ties
-        self.near: list = []  # (time, stages, f, fwd, bwd) of every timed plan that fits and was within reach
+        self.best = self.reach = math.inf  # the fastest time timed; up to `reach` a plan ties (`_ties.reach`)
+        self.even_best = math.inf  # the fastest even plan's time (kept with tie > 0 only: `_ties.py`)
+        self.near: dict = {}  # (fwd, f, bwd) -> time, of every timed plan that fits and was within reach
         self.seen: set = set()
 
     def run(self, budget: int) -> None:
@@ -278,18 +288,26 @@ class _Search:
             return "timed"
         t = self.ev.time(stages, cutoff=lim)
         if t <= lim:
-            self.near.append((t, len(stages), f, fs, bs))
-            if t < self.best:
-                self.best, self.reach = t, t * (1 + self.tie)
-                if len(self.near) > 64:  # drop the plans the new best time put out of reach
-                    self.near = [k for k in self.near if k[0] <= self.reach]
+            self.near[plan] = t
+            even = self.tie > 0 and t < self.even_best and _ties.is_even(self.nl, plan)
+            if t < self.best or even:
+                self.best, self.even_best = min(t, self.best), t if even else self.even_best
+                self.reach = _ties.reach(self.best, self.even_best, self.tie)
+                if len(self.near) > 64:  # drop the plans the new times put out of reach
+                    self.near = {k: x for k, x in self.near.items() if x <= self.reach}
         return "timed"
 
+    def tied(self) -> list[tuple]:
+        """The plans timed so far that fit and tie the fastest (module doc, Ties), as (fwd, f, bwd)."""
+        return [k for k, t in self.near.items() if t <= self.reach]
+
+    def ties(self, plan: tuple) -> bool:
+        """Whether `plan` (fwd, f, bwd) was timed, fits and ties the fastest."""
+        return self.near.get(plan, math.inf) <= self.reach
+
     def choice(self) -> tuple:
-        """The plan the tie rule picks (module doc, Ties) among those timed, as (fwd sizes, f, bwd sizes)."""
-        tied = [k for k in self.near if k[0] <= self.reach]
-        t, stages, f, fs, bs = min(tied, key=lambda k: (k[1], k[0], k[2], k[3], k[4]))  # stages, time, f, fwd, bwd
-        return fs, f, bs
+        """The plan the tie rule picks (`_ties.py`) among those timed, as (fwd sizes, f, bwd sizes)."""
+        return _ties.choose(self)
 
 
 def reference_plan(costs: CostTable, wb: list[float], n_gpu: int, ev: Evaluator) -> tuple | None:

@@ -70,28 +70,32 @@ class _Head:
 
 
 def shard_lm_head(graph: LayerGraph, shards: int | str = "auto", *, costs: CostTable | None = None,
-                  chunk: int | str = "auto", memory_budget: int | None = None) -> LayerGraph:
+                  chunk: int | str = "auto", memory_budget: int | None = None,
+                  balance: str = "flops") -> LayerGraph:
     """Split the last layer's LM head + cross-entropy into `K` vocabulary shards (run in sequence chunks) and a loss layer.
 
     Args:
         graph: a traced causal LM whose last layer computes `linear -> cross_entropy`
             (HF LlamaForCausalLM / Qwen3 / GPT-2 `ForCausalLMLoss`, nanoGPT `F.linear(x, wte.weight)`).
-        shards: K >= 1, or "auto": K = ceil(head fwd+bwd / median fwd+bwd of the other layers) from
-            `costs`, else ceil(head param bytes / median param bytes of the other layers with
-            parameters); clamped to [1, vocab].
+        shards: K >= 1, or "auto": K = ceil(head fwd+bwd / median fwd+bwd of the other layers) in
+            FLOPs from `costs` (or its times, `balance="time"`), else ceil(head param bytes / median
+            param bytes of the other layers with parameters); clamped to [1, vocab]. Never from a
+            measured time: K shapes the layer graph (`_head_auto`, Note).
         costs: the CostTable of `graph` (unsharded), used by the "auto"s.
         chunk: tokens per chunk of every shard (the logits that exist at once are chunk x ceil(V/K)),
             or "auto": from `memory_budget`, else from `costs` (`_head_auto.auto_chunk`), else no
             chunking. K = 1 with no chunk to apply (or one covering all tokens) returns `graph`
             itself; with shards="auto" a head that must be chunked gets at least 2 shards.
         memory_budget: device bytes per worker, for chunk="auto".
+        balance: what shards="auto" balances: "flops" (default; the only choice for measured costs) or
+            "time" (the costs' times: for predicted costs, a deterministic roofline of FLOPs and bytes).
     Returns:
         A new LayerGraph (the input is unchanged): the head layer is replaced by K layers
         `<head>.shard{k}` (each `param_slices` one vocabulary slice of W and b) and `<head>.loss`,
         so the layer count grows by K. Its `run()` gives the same loss and gradients.
     Raises:
         ValueError: the last layer is not a supported `linear -> cross_entropy` (says what it found),
-            bad `shards` or `chunk`, or `costs` does not match the graph.
+            bad `shards`, `chunk` or `balance`, or `costs` does not match the graph.
 
     Example:
         >>> g = shard_lm_head(trace(llama, batch), shards=2, chunk=16)
@@ -102,7 +106,7 @@ def shard_lm_head(graph: LayerGraph, shards: int | str = "auto", *, costs: CostT
     """
     layer = graph.layers[-1]
     h = _match(layer)
-    k = auto_shards(graph, costs, h.vocab) if shards == "auto" else shards
+    k = auto_shards(graph, costs, h.vocab, balance) if shards == "auto" else shards
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= h.vocab:
         raise ValueError(f"shards must be 'auto' or an int in [1, {h.vocab}] (the vocabulary), got {shards!r}")
     meta = _shapes(graph, layer)

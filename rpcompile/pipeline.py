@@ -28,13 +28,14 @@ from rpcompile.runtime import simulate, steady_iterations
 
 __all__ = ["plan_pipeline", "compile_passes", "Frozen", "frozen_of", "MEASURED_TIE"]
 
-# With measured costs, plans whose predicted iteration time is within this share of the fastest are ties
-# (`partition`'s tie rule: the fewest stages, then the fastest). Measured times move by a few percent between
-# processes on a loaded machine (the decoder blocks' forward / backward ratio by up to 7%, sub-millisecond
-# layers by up to 2x), which flipped near-tied plans (bench/plan_stability.py: the demo's two best plans
-# were -2.9% to +3.5% apart by 15 processes' costs; a 3% tie still flipped 1 run of 10); the tie makes the
-# choice stable, and a plan with fewer stages also hands fewer activations between workers, which the
-# compute-only objective does not price. Predicted costs are deterministic and are ranked by time alone.
+# With measured costs, plans whose predicted iteration time is within this share of the fastest (even plan)
+# are ties (`partition`'s tie rule: the fewest stages, then the most fused layers, then the nearest to an even
+# layout; issue 26). Measured times move by a few percent between processes on a loaded machine (the decoder
+# blocks' forward / backward ratio by up to 7%, sub-millisecond layers by up to 2x), which flipped near-tied
+# plans (bench/plan_stability.py: the demo's two best plans were -2.9% to +3.5% apart by 15 processes' costs;
+# a 3% tie still flipped 1 run of 10); the tie makes the choice stable, and a plan with fewer stages also
+# hands fewer activations between workers, which the compute-only objective does not price. Predicted costs
+# are deterministic and are ranked by time alone (only equal times tie).
 MEASURED_TIE = 0.05
 
 
@@ -130,7 +131,9 @@ def _passes(model: torch.nn.Module, example: Any, opts: Options, m: int, mode: s
     not fit a worker at this length (a backward stage holds its whole workspace), the blocks are
     cut into their sub-blocks (norms, attention, MLP: `passes.trace.sublayer_units`) and planned again,
     as `max_seq_len` assumes; only if that does not fit either is the run refused, with the layer,
-    its bytes by term and the budget.
+    its bytes by term and the budget. The choice reads bytes only (`memory_refusal`: parameters and
+    the recorded workspace, the same in every process) of a graph whose LM-head sharding comes from
+    FLOPs (`shard_lm_head`, balance), so no measured time decides which units are traced.
     """
     budget = _budget(opts)
     graph, costs = _layers_and_costs(model, example, opts, m, mode, opts.layers, budget)
@@ -163,8 +166,9 @@ def _layers_and_costs(model, example, opts: Options, m: int, mode: str, layers, 
                          f"{len(graph.params)}): nothing to train; unfreeze some (e.g. LoRA adapters)")
     # 2. measure (or predict) per-layer time and memory for one microbatch
     costs = passes.estimate_costs(graph, example, mode=mode, hardware=opts.hardware, microbatches=m)
-    # 3. cut the LM head + loss into vocabulary shards (run in token chunks sized by the budget), cost them
-    sharded = _shard_head(graph, opts.lm_head_shards, costs, budget)
+    # 3. cut the LM head + loss into vocabulary shards (run in token chunks sized by the budget), cost them;
+    #    "auto" shards by FLOPs, or by predicted times: a measured time never changes the layer graph
+    sharded = _shard_head(graph, opts.lm_head_shards, costs, budget, balance="time" if mode == "predict" else "flops")
     if sharded is not graph:
         graph = sharded
         costs = passes.estimate_costs(graph, example, mode=mode, hardware=opts.hardware, microbatches=m)
@@ -230,12 +234,13 @@ def _fits_host(graph: LayerGraph, costs: CostTable, plan, opts: Options, m: int,
     return True
 
 
-def _shard_head(graph: LayerGraph, shards: int | str, costs: CostTable, budget: int | None = None) -> LayerGraph:
+def _shard_head(graph: LayerGraph, shards: int | str, costs: CostTable, budget: int | None = None,
+                balance: str = "flops") -> LayerGraph:
     """shard_lm_head when the graph ends in a supported LM head; the graph itself otherwise."""
     if shards == 1:
         return graph
     try:
-        return passes.shard_lm_head(graph, shards=shards, costs=costs, memory_budget=budget)
+        return passes.shard_lm_head(graph, shards=shards, costs=costs, memory_budget=budget, balance=balance)
     except ValueError:
         if shards == "auto":  # no recognised LM head (e.g. a plain Sequential): nothing to shard
             return graph

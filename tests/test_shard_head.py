@@ -216,18 +216,28 @@ def test_shards_argument() -> None:
     assert len(shard_lm_head(graph, shards=128).layers) == len(graph.layers) + 128  # one token id per shard
 
 
-def test_auto_from_costs_and_from_param_bytes() -> None:
+def test_auto_from_flops_times_and_param_bytes() -> None:
     _, graph = _traced("llama")  # embed, 2 decoder layers, norm, head
     n = len(graph.layers)
 
-    def table(head: float) -> CostTable:  # fwd+bwd: 2, 6, 6, 0.3 -> median 4
-        return CostTable.from_lists(fwd=[1, 2, 2, 0.1, head / 3], bwd=[1, 4, 4, 0.2, 2 * head / 3])
+    def table(head: float, flops: bool = False) -> CostTable:  # fwd+bwd: 2, 6, 6, 0.3 -> median 4
+        fwd, bwd = [1, 2, 2, 0.1, head / 3], [1, 4, 4, 0.2, 2 * head / 3]
+        extra = dict(fwd_flops=[0, *fwd[1:]], bwd_flops=[0, *bwd[1:]]) if flops else {}
+        return CostTable.from_lists(fwd=fwd, bwd=bwd, **extra)
 
     for head, k in ((15.0, 4), (12.0, 3), (4.0, 1), (3.0, 1), (4000.0, 128)):
-        got = shard_lm_head(graph, "auto", costs=table(head))
+        got = shard_lm_head(graph, "auto", costs=table(head), balance="time")
         assert len(got.layers) == n + (k if k > 1 else 0), (head, k)
+    # FLOPs (the default balance): the layers of no FLOPs (the embedding) are left out: median 6 of 6, 6, 0.3
+    for head, k in ((15.0, 3), (12.0, 2), (4.0, 1)):
+        got = shard_lm_head(graph, "auto", costs=table(head, flops=True))
+        assert len(got.layers) == n + (k if k > 1 else 0), (head, k)
+    # a measured time never decides: costs without FLOPs shard by parameter bytes, whatever their times say
+    assert shard_lm_head(graph, "auto", costs=table(4000.0)) is graph
     with pytest.raises(ValueError, match="costs has 2 layers"):
         shard_lm_head(graph, "auto", costs=CostTable.from_lists([1, 1], [1, 1]))
+    with pytest.raises(ValueError, match="balance"):
+        shard_lm_head(graph, "auto", costs=table(4.0), balance="measured")
     # without costs: head bytes 16 KiB vs median of (16 KiB, 36.25 KiB, 36.25 KiB, 128 B) -> 1 shard
     assert shard_lm_head(graph, "auto") is graph
     model = M.llama(vocab_size=1024)  # head 128 KiB / median 36.25 KiB -> ceil(3.53) = 4
