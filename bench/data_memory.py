@@ -35,7 +35,7 @@ _CHILD = r"""
 import json, os, sys
 sys.path.insert(0, sys.argv[5])
 from transformers import AutoTokenizer
-from rpcompile.cli.data import prepare, read_documents
+from rpcompile.finetune.data import prepare, read_documents
 import packing_reference
 
 impl, data, folder, cache, seq = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[6])

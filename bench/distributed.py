@@ -8,7 +8,7 @@ and half the microbatches each, per-layer gradient all-reduce on the host), the
 machine's cores split evenly between the processes. tokens/s = global tokens /
 mean step time of rank 0 (after warm-up; the last step includes the flush).
 
-Simulated: llama3.1-8b planned by `rpcompile.cli.planning.plan_model` (8 x RTX 4090,
+Simulated: llama3.1-8b planned by `rpcompile.models.planning.plan_model` (8 x RTX 4090,
 seq 2048, 16 microbatches per node, staleness 1), then `simulate(...,
 nodes=k)`: each layer group's fp32 gradient ring all-reduce (2(k-1)/k * bytes /
 bw + 2(k-1) * latency) is added to its host optimizer step. Steady-state time
@@ -43,7 +43,7 @@ def worker(out: str) -> None:
     """One process: compile (dist when WORLD_SIZE > 1), time the steps, write rank 0's result."""
     import rpcompile
     from rpcompile.runtime.distributed import shard
-    from rpcompile.cli.zoo import LlamaConfig, TinyLlama
+    from rpcompile.models.zoo import LlamaConfig, TinyLlama
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     local = lambda i: shard(_batch(i), rank, world)  # noqa: E731
@@ -84,7 +84,7 @@ def measured(world: int) -> dict:
 def simulated() -> list[list]:
     """Steady tokens/s of llama3.1-8b on k x 8 x RTX 4090 for a few networks."""
     from rpcompile.ir.hardware import Hardware
-    from rpcompile.cli.planning import plan_model
+    from rpcompile.models.planning import plan_model
     from rpcompile.runtime import simulate, steady_iterations
     hw = Hardware.preset("rtx4090")
     r = plan_model("llama3.1-8b", gpus=8, hardware=hw, seq=2048, microbatches=16)

@@ -32,8 +32,8 @@ from tabulate import tabulate  # noqa: E402
 from rpcompile.ir.hardware import Hardware  # noqa: E402
 from rpcompile.passes import shard_lm_head, trace  # noqa: E402
 from rpcompile.passes.cost import count_layers, layer_times  # noqa: E402
-from rpcompile.passes._seqlen import max_seq_len, seq_len_costs  # noqa: E402
-from rpcompile.cli.presets import MODELS, build_meta, example_batch, long_sequence_graph  # noqa: E402
+from rpcompile.passes.cost.seqlen import max_seq_len, seq_len_costs  # noqa: E402
+from rpcompile.models.presets import MODELS, build_meta, example_batch, long_sequence_graph  # noqa: E402
 
 PAPER = {"qwen3-1.7b": 74752, "llama3.1-8b": 50176, "gpt-oss-20b": 39936, "qwen3-32b": 28672,
          "qwen3-235b-a22b": 31744}  # RoundPipe paper, 8x RTX 4090

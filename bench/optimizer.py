@@ -27,7 +27,7 @@ from _common import cpu_model  # noqa: E402
 from tabulate import tabulate
 
 import rpcompile
-from rpcompile.runtime.optimizer import HostState
+from rpcompile.runtime.host.optimizer import HostState
 
 
 def tensors(total: int, layers: int) -> list[torch.Tensor]:

@@ -39,7 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHILD = """
 import json, sys, time, torch, rpcompile
 from rpcompile.cli.demo import DemoConfig, batches, corpus
-from rpcompile.cli.zoo import LlamaConfig, TinyLlama
+from rpcompile.models.zoo import LlamaConfig, TinyLlama
 cfg = DemoConfig()
 torch.manual_seed(cfg.seed)
 if sys.argv[1] == "demo":

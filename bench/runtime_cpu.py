@@ -46,7 +46,7 @@ from _common import machine_line, write_doc  # noqa: E402
 from rpcompile import AdamW, StagePlan  # noqa: E402
 from rpcompile.passes import emit, trace  # noqa: E402
 from rpcompile.runtime.executor import Runtime  # noqa: E402
-from rpcompile.runtime.optimizer import HostState  # noqa: E402
+from rpcompile.runtime.host.optimizer import HostState  # noqa: E402
 from rpcompile.runtime.stage_exec import split_batch  # noqa: E402
 
 CFG = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
@@ -266,7 +266,7 @@ CUDA's issuing pattern ([cuda-blocking-old] / [cuda-blocking] rows): the issuer'
 (a parameter upload waiting for the COPY of its version, a gradient download for its staging buffer)
 and the seconds it was blocked there. In the old pattern each such wait blocked the worker's only
 issuing thread, and everything after it in program order (compute included) waited to be issued; with
-the backlog (`runtime/launch.py`) only the waiting stream's later work waits, and the issuer never blocks
+the backlog (`runtime/streams/launch.py`) only the waiting stream's later work waits, and the issuer never blocks
 on host work (0 and 0.000). On host workers the compute lanes keep a queue of already-issued work, so the
 blocked seconds show in their idle share only when a wait outlasts that queue; on a GPU, where compute is
 fast next to the host's accumulation and optimizer, it does more often.

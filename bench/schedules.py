@@ -3,7 +3,7 @@
     python bench/schedules.py            # ~4-6 min on 2 cores; writes docs/bench/schedules.md
     python bench/schedules.py --quick    # qwen3-1.7b and llama3.1-8b only, no LoRA row
 
-Everything is predicted (`rpcompile.cli.planning.plan_model`: meta model, roofline
+Everything is predicted (`rpcompile.models.planning.plan_model`: meta model, roofline
 costs, `Hardware.preset("rtx4090")`, seq 2048, one sequence per microbatch,
 16 microbatches) and simulated (`rpcompile.runtime.simulate`). Nothing runs on
 a GPU. The data-parallel-with-offload rows are an analytic model (`dp_offload`,
@@ -25,10 +25,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import machine_line, write_doc  # noqa: E402
 
 from rpcompile.ir.hardware import Hardware  # noqa: E402
-from rpcompile.cli.planning import plan_model  # noqa: E402
+from rpcompile.models.planning import plan_model  # noqa: E402
 from rpcompile.ir.plan import StageKind  # noqa: E402
-from rpcompile.cli.presets import MODELS  # noqa: E402
-from rpcompile.runtime.simulator import MASTER_PER_PARAM_BYTE  # noqa: E402
+from rpcompile.models.presets import MODELS  # noqa: E402
+from rpcompile.runtime.sim.simulator import MASTER_PER_PARAM_BYTE  # noqa: E402
 
 GPUS, SEQ, MICROBATCHES = 8, 2048, 16
 SCALING_MODEL, SCALING_GPUS = "llama3.1-8b", (1, 2, 4, 8)
@@ -120,7 +120,7 @@ def plan_frozen(model: str, hw: Hardware) -> tuple[list[Row], str]:
     """Our schedule for `model` with everything frozen except the norm weights (a LoRA-sized trainable set)."""
     from rpcompile import passes
     from rpcompile.api import Options, plan_pipeline
-    from rpcompile.cli.presets import build_meta, example_batch
+    from rpcompile.models.presets import build_meta, example_batch
     from rpcompile.runtime import simulate, steady_iterations
 
     net = build_meta(model)
@@ -240,7 +240,7 @@ busy. `peak GiB/GPU`: simulated device peak (resident state, parameter chunks, g
 autograd workspace; no CUDA context or fragmentation), OOM when above {hw.device_memory / 1e9:.0f} GB.
 `host GiB`: bf16 weights + 14 B per trainable parameter (bf16 grad, fp32 master, Adam m, v) + saved stage
 inputs of one round; "host OOM" above {hw.host_memory / GiB:.0f} GiB (the simulator does not model host RAM;
-the baselines keep their state on the GPUs). Baselines (runtime/baselines.py): stages bound to GPUs, layers
+the baselines keep their state on the GPUs). Baselines (runtime/sim/baselines.py): stages bound to GPUs, layers
 split evenly, full recomputation, activations GPU->host->GPU, Adam on the GPU.
 
 Our plans:

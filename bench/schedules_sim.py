@@ -21,9 +21,9 @@ from tabulate import tabulate
 from rpcompile import CostTable
 from rpcompile.ir.hardware import Hardware
 from rpcompile.passes.codegen import emit
-from rpcompile.passes.timing import default_round_size, steady_state_window
+from rpcompile.passes.partition.timing import default_round_size, steady_state_window
 from rpcompile.runtime import simulate
-from rpcompile.runtime.baselines import baselines
+from rpcompile.runtime.sim.baselines import baselines
 
 GPUS, MICROBATCHES, LAYERS = 8, 16, 32
 INF = float("inf")

@@ -6,7 +6,7 @@ apart (`--packing`: positions restart per document), load the model offline,
 compile it for RoundPipe with the token-weighted loss (`loss_mean="tokens"`),
 set the scheduled learning rate before every step, and `save_pretrained` the
 result. Add LoRA with
-`rpcompile.cli.hf.add_lora` (compile `trainable_module(peft_model)`), an eval
+`rpcompile.finetune.hf.add_lora` (compile `trainable_module(peft_model)`), an eval
 loop with `c.evaluate(batch)`, checkpoints with `c.save(path)`.
 
     python examples/finetune_hf.py --model ./Qwen3-1.7B --data chat.jsonl --out ./tuned --steps 100 --seq 1024 \
@@ -19,9 +19,9 @@ import argparse
 import torch
 
 import rpcompile
-from rpcompile.cli.data import PACKINGS, TRAIN_ON, pack, read_documents, read_template
-from rpcompile.cli.hf import export, load_model, load_tokenizer
-from rpcompile.cli.schedule import lr_at
+from rpcompile.finetune.data import PACKINGS, TRAIN_ON, pack, read_documents, read_template
+from rpcompile.finetune.hf import export, load_model, load_tokenizer
+from rpcompile.finetune.schedule import lr_at
 
 
 def main(argv: list[str] | None = None) -> list[float]:

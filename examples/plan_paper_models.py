@@ -1,8 +1,8 @@
 """Plan the five RoundPipe paper models for 8x RTX 4090 without allocating a weight.
 
 Each model is built on the `meta` device from its published config
-(`rpcompile.cli.presets.MODELS`), its per-layer costs are predicted for the target
-hardware, and `rpcompile.cli.planning.plan_model` partitions it into RoundPipe
+(`rpcompile.models.presets.MODELS`), its per-layer costs are predicted for the target
+hardware, and `rpcompile.models.planning.plan_model` partitions it into RoundPipe
 stages and simulates the schedule. One summary table: parameters, decoder
 layers, the chosen plan, simulated tokens/s, steady-state bubble, peak device
 memory and the longest sequence that fits.
@@ -19,8 +19,8 @@ import time
 
 from tabulate import tabulate
 
-from rpcompile.cli.planning import plan_model
-from rpcompile.cli.presets import MODELS, config_for
+from rpcompile.models.planning import plan_model
+from rpcompile.models.presets import MODELS, config_for
 
 HEADERS = ["model", "params", "layers", "plan stages (F|FB|B)", "tokens/s", "steady bubble",
            "peak GiB/GPU", "max_seq_len", "planned in"]

@@ -1,7 +1,7 @@
 """Train a tiny Llama on this repository's own text with the RoundPipe schedule.
 
 Shows the whole user-facing loop of rpcompile on the model and data the demo
-uses (`rpcompile.cli.zoo.TinyLlama`, byte-level tokens from `rpcompile.cli.demo.corpus()`):
+uses (`rpcompile.models.zoo.TinyLlama`, byte-level tokens from `rpcompile.cli.demo.corpus()`):
 compile, print the plan, step, save a checkpoint, load it in a fresh handle and
 check that training continues from the same state.
 
@@ -21,7 +21,7 @@ import torch
 
 import rpcompile
 from rpcompile.cli.demo import DemoConfig, batches, corpus
-from rpcompile.cli.zoo import LlamaConfig, TinyLlama
+from rpcompile.models.zoo import LlamaConfig, TinyLlama
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

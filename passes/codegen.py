@@ -1,6 +1,6 @@
 """emit: lower a StagePlan to the RoundPipe Program of one iteration.
 
-Note: the dependencies reproduce `passes/timing.py` exactly when transfers and
+Note: the dependencies reproduce `passes/partition/timing.py` exactly when transfers and
 the optimizer cost nothing. Slot k (local: k = r*S + i, round r, stage i) runs
 on template worker k mod N. Per slot, in program order:
   P  chunks (param_up lane): after the RELEASE of the worker's slot k-2N
@@ -29,7 +29,7 @@ import math
 from typing import Mapping, Sequence
 
 from rpcompile.ir.costs import CostTable
-from rpcompile.passes.timing import default_round_size
+from rpcompile.passes.partition.timing import default_round_size
 from rpcompile.ir.plan import StageKind, StagePlan
 from rpcompile.ir.program import Chunk, Instr, Op, Program, Ref
 

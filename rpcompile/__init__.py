@@ -12,10 +12,10 @@ from rpcompile.ir.hardware import Hardware
 from rpcompile.ir.optim import SGD, AdamW, DynamicLossScale
 from rpcompile.ir.plan import StagePlan
 from rpcompile.ir.program import Instr, Op, Program, ProgramError
-from rpcompile.passes._seqlen import SeqLenLimit, max_seq_len
+from rpcompile.passes.cost.seqlen import SeqLenLimit, max_seq_len
 from rpcompile.api import Compiled, compile  # noqa: E402
 from rpcompile.resume import load  # noqa: E402
-from rpcompile.cli import finetune  # noqa: E402 - the fine-tuning command as a function
+from rpcompile import finetune  # noqa: E402 - the fine-tuning library; callable: rpcompile.finetune(config)
 from rpcompile import checkpoint, passes, runtime  # noqa: E402,F401 - submodules as attributes
 
 __all__ = ["compile", "load", "Compiled", "LayerGraph", "Layer", "Value", "CostTable", "StagePlan", "Program",

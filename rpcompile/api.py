@@ -25,9 +25,9 @@ from rpcompile.replan import Variant, Variants, plan_for
 from rpcompile.runtime import simulate
 from rpcompile.runtime.distributed import data_parallel
 from rpcompile.runtime.executor import Runtime
-from rpcompile.runtime.optimizer import HostState
+from rpcompile.runtime.host.optimizer import HostState
 from rpcompile.runtime.stage_exec import token_weights, trained_tokens
-from rpcompile.runtime.simulator import Record
+from rpcompile.runtime.sim.simulator import Record
 
 __all__ = ["compile", "Compiled", "Options", "default_microbatches", "plan_pipeline"]
 

@@ -1,6 +1,6 @@
 """Host-memory admission: refuse a run that does not fit the host before it starts, with the bytes named.
 
-The bytes are counted by the `passes.host_bytes` pass; the limit is the target
+The bytes are counted by the `passes.cost.host_bytes` pass; the limit is the target
 hardware's host memory, or this machine's RAM.
 
     >>> import torch
@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from rpcompile.ir import hardware as _hardware
-from rpcompile.passes.host_bytes import HostBytes, _gib, host_bytes
+from rpcompile.passes.cost.host_bytes import HostBytes, _gib, host_bytes
 
 __all__ = ["check_host_memory", "HostBytes", "host_bytes"]
 

@@ -153,4 +153,4 @@ def check_model(model: Any) -> None:
         if p.device.type == "meta":
             raise ValueError(f"model parameter {name!r} is on the meta device (no weights to train); load real "
                              f"weights first. To plan a model you cannot allocate, use `python -m rpcompile plan` "
-                             f"or rpcompile.cli.planning.plan_model, which run on meta")
+                             f"or rpcompile.models.planning.plan_model, which run on meta")

@@ -21,8 +21,8 @@ from rpcompile.ir.costs import CostTable
 from rpcompile.ir.graph import LayerGraph
 from rpcompile.ir.plan import StagePlan
 from rpcompile.options import Options, default_microbatches
-from rpcompile.passes._stage_memory import memory_refusal
-from rpcompile.passes.timing import default_round_size
+from rpcompile.passes.cost.stage_memory import memory_refusal
+from rpcompile.passes.partition.timing import default_round_size
 from rpcompile.passes.trace import sublayer_units
 from rpcompile.runtime import simulate, steady_iterations
 

@@ -1,5 +1,30 @@
-"""Runtime: workers, transfers, the CPU optimizer and the simulator (no device query at import)."""
-from rpcompile.runtime.simulator import Timeline, simulate, steady_iterations
+"""Runtime: workers, transfers, the CPU optimizer and the simulator (no device query at import).
+
+The third layer of the package (ir < passes < runtime < driver < models, finetune < cli): it runs
+what the passes emit (`Program` + `CostTable`), and imports only the IR and the passes.
+
+The executor's parts, here:
+
+    executor.py      `Runtime`: the interpreter, a Program issued onto worker streams (one handler per Op)
+    issuer.py        one issuing thread per worker, walking its instructions in program order
+    handlers.py      the issue handlers, one per Op
+    board.py         which instruction instances were issued, and what they left for consumers
+    iterations.py    the iterations in flight and what their callers collect
+    host_lanes.py    the host's lanes: gradient accumulation, optimizer steps and copies
+    stage_exec.py    running a stage's layers: forward, recompute, backward, what crosses its cuts
+    program_info.py  what the runtime derives once from a Program
+    recovery.py      failure recovery: drain every thread, undo a failed iteration
+    transfer.py      the runtime's threads, failures, test delays and extra dependencies
+    rng.py           per-worker randomness
+    distributed.py   data parallelism across processes (per-layer gradient all-reduce on the host)
+
+and three folders:
+
+    streams/  the stream and device layer: host and CUDA streams, launching, workers, buffer pool, stats
+    host/     the host state (weights, gradients, optimizer state) and the CPU optimizer
+    sim/      the simulator, its event core, the bound-stage baselines and Gantt charts
+"""
+from rpcompile.runtime.sim.simulator import Timeline, simulate, steady_iterations
 from rpcompile.runtime.executor import Runtime, RuntimeFailure, run
 
 __all__ = ["Timeline", "simulate", "steady_iterations", "Runtime", "RuntimeFailure", "run"]

@@ -5,7 +5,7 @@ instruction is *issued* once its work is queued on its stream; its consumers
 wait on the host only until then, and take its events from the board to wait
 on the device. A waiter is woken only by the key it waits for (or a failure).
 
-    >>> from rpcompile.runtime.streams import StreamContext
+    >>> from rpcompile.runtime.streams.host import StreamContext
     >>> b = IssueBoard(StreamContext(timeout=1.0)); b.publish((0, "w0 F0.m0"), ("ev",))
     >>> b.get((0, "w0 F0.m0"), 0)
     ('ev',)
@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from rpcompile.runtime.streams import Abort, StreamContext
+from rpcompile.runtime.streams.host import Abort, StreamContext
 
 __all__ = ["IssueBoard"]
 

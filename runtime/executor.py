@@ -47,18 +47,18 @@ import weakref
 from typing import Any
 
 from rpcompile.runtime.board import IssueBoard
-from rpcompile.runtime.devices import make_workers
+from rpcompile.runtime.streams.devices import make_workers
 from rpcompile.runtime.handlers import IssueHandlers
 from rpcompile.runtime.host_lanes import HostLanes
 from rpcompile.runtime.issuer import Issuer
 from rpcompile.runtime.iterations import Iterations
-from rpcompile.runtime.layout import slot_capacities, stage_layouts
-from rpcompile.runtime.pool import BufferPool
+from rpcompile.runtime.host.layout import slot_capacities, stage_layouts
+from rpcompile.runtime.streams.pool import BufferPool
 from rpcompile.runtime.program_info import EVAL_BASE, ProgramInfo, forward_only
 from rpcompile.runtime.recovery import Recovery
 from rpcompile.runtime.stage_exec import (LayerRunner, chunk_elements, has_random_ops, split_batch, stage_io,
                                           tracked_buffers)
-from rpcompile.runtime.streams import StreamContext
+from rpcompile.runtime.streams.host import StreamContext
 from rpcompile.runtime.transfer import RuntimeFailure, make_delay, protocol_deps
 
 __all__ = ["Runtime", "run", "RuntimeFailure", "DEP_KINDS", "check_pinned"]
@@ -73,7 +73,7 @@ class Runtime:
     Args:
         graph: the traced LayerGraph the program's plan covers.
         program: from `rpcompile.passes.emit`.
-        state: `rpcompile.runtime.optimizer.HostState` of the graph's parameters.
+        state: `rpcompile.runtime.host.optimizer.HostState` of the graph's parameters.
         backend: "auto" (CUDA if available), "host" or "cuda".
         devices: CUDA devices per worker (cycled); default all visible.
         seed: base seed of the per-(iteration, microbatch, layer) RNG (dropout).

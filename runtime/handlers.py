@@ -4,7 +4,7 @@ A handler runs in the issuing thread of its worker (`runtime/issuer.py`) once
 the instruction's producers are issued and its stream waits on their events.
 It submits one closure to the stream, records the stream's event after it and
 returns the events for the board. Everything a closure reads comes from
-`Cell`s and pool `Handle`s (`runtime/values.py`), which are filled when their
+`Cell`s and pool `Handle`s (`runtime/streams/values.py`), which are filled when their
 producer *runs*: at once on CUDA (submit launches the work), later on a host
 stream thread. A buffer's release (`pool.give`) happens at issue time, with
 the events of its last users, as the host does with a GPU; the pool makes the
@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from rpcompile.ir.program import Op
-from rpcompile.runtime.devices import saved_tensors_bytes, tensor_bytes
+from rpcompile.runtime.streams.devices import saved_tensors_bytes, tensor_bytes
 from rpcompile.runtime.stage_exec import grads_of, up_keys
-from rpcompile.runtime.values import CallerSide, Cell, HostVal, ParamSlot, keep_for
+from rpcompile.runtime.streams.values import CallerSide, Cell, HostVal, ParamSlot, keep_for
 
 __all__ = ["IssueHandlers", "HANDLER_NAMES"]
 

@@ -25,9 +25,9 @@ from typing import Any, Iterator
 import torch
 
 from rpcompile.ir.program import Op
-from rpcompile.runtime.pool import poison
+from rpcompile.runtime.streams.pool import poison
 from rpcompile.runtime.program_info import EVAL_BASE
-from rpcompile.runtime.streams import Abort, HostEvent, wait_all
+from rpcompile.runtime.streams.host import Abort, HostEvent, wait_all
 from rpcompile.runtime.transfer import LaneThread, NonFiniteError
 
 __all__ = ["HostLanes", "naming"]

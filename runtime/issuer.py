@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 from rpcompile.ir.program import Op
-from rpcompile.runtime.cuda_streams import thread_device
+from rpcompile.runtime.streams.cuda import thread_device
 from rpcompile.runtime.program_info import ProgramInfo, dep_kind
-from rpcompile.runtime.streams import Abort
+from rpcompile.runtime.streams.host import Abort
 from rpcompile.runtime.transfer import LaneThread
 
 __all__ = ["Issuer"]

@@ -17,7 +17,7 @@ import threading
 from typing import Any, Callable
 
 from rpcompile.runtime.program_info import EVAL_BASE, ProgramInfo
-from rpcompile.runtime.streams import wait_all
+from rpcompile.runtime.streams.host import wait_all
 
 __all__ = ["Iterations"]
 

@@ -10,7 +10,7 @@ import threading
 from typing import Any
 
 from rpcompile.runtime.program_info import EVAL_BASE
-from rpcompile.runtime.streams import Abort
+from rpcompile.runtime.streams.host import Abort
 from rpcompile.runtime.transfer import NonFiniteError, RuntimeFailure
 
 __all__ = ["Recovery"]

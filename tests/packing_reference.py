@@ -92,7 +92,7 @@ def pack(docs: list[Any], tokenizer: Any, seq: int, packing: str = "whole") -> P
     """Tokenize and label `docs` (EOS after each) and pack them into sequences of `seq` tokens.
 
     Args:
-        docs: `rpcompile.cli.data.Document`s (text, templated, trained spans, train_eos).
+        docs: `rpcompile.finetune.data.Document`s (text, templated, trained spans, train_eos).
         tokenizer: a Hugging Face tokenizer with an EOS token (a fast one where spans are masked).
         seq: tokens per sequence.
         packing: "whole", "split" or "none" (the module docstring).

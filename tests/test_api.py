@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import rpcompile
-from rpcompile.cli.zoo import LlamaConfig, TinyLlama
+from rpcompile.models.zoo import LlamaConfig, TinyLlama
 
 CFG = LlamaConfig(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, ffn=64, max_seq=32)
 
@@ -63,7 +63,7 @@ def test_resume_in_a_fresh_process_is_bit_identical(tmp_path, staleness):
     out = str(tmp_path / "resumed.pt")
     script = textwrap.dedent(f"""
         import torch, rpcompile
-        from rpcompile.cli.zoo import LlamaConfig, TinyLlama
+        from rpcompile.models.zoo import LlamaConfig, TinyLlama
         from tests.test_api import CFG, batch, params
         c = rpcompile.load({path!r}, TinyLlama(CFG, seed=123))
         assert c.steps == 3, c.steps
@@ -131,7 +131,7 @@ def test_a_script_that_forgets_close_exits_cleanly():
     script = textwrap.dedent("""
         import rpcompile
         from tests.test_api import CFG, batch
-        from rpcompile.cli.zoo import TinyLlama
+        from rpcompile.models.zoo import TinyLlama
         c = rpcompile.compile(TinyLlama(CFG), gpus=2, example=batch(0), microbatches=2)
         c.step(batch(0))
         print("stepped")

@@ -4,7 +4,7 @@ import pytest
 from rpcompile import CostTable
 from rpcompile.ir.program import COMPUTE_OPS, Op
 from rpcompile.runtime import simulate
-from rpcompile.runtime.baselines import (baselines, bound_plan, gpipe, interleaved_1f1b, looped_bfs,
+from rpcompile.runtime.sim.baselines import (baselines, bound_plan, gpipe, interleaved_1f1b, looped_bfs,
                                          one_f_one_b)
 
 INF = float("inf")

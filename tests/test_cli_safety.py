@@ -14,9 +14,9 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from rpcompile.cli import FinetuneConfig, finetune  # noqa: E402
-from rpcompile.cli.data import IGNORE, Document, pack, read_documents  # noqa: E402
-from rpcompile.cli.finetune import CHECKPOINT, RUN_FILE  # noqa: E402
+from rpcompile.finetune import FinetuneConfig, finetune  # noqa: E402
+from rpcompile.finetune.data import IGNORE, Document, pack, read_documents  # noqa: E402
+from rpcompile.finetune.run import CHECKPOINT, RUN_FILE  # noqa: E402
 from rpcompile.cli.main import main  # noqa: E402
 import hf_fixtures as fx  # noqa: E402
 

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from rpcompile import CostTable, Op, StagePlan
 from rpcompile.passes import emit, iteration_time, verify
 from rpcompile.passes.codegen import pack_chunks
-from rpcompile.passes.timing import default_round_size, schedule
+from rpcompile.passes.partition.timing import default_round_size, schedule
 from rpcompile.ir.plan import StageKind
 from rpcompile.ir.program import COMPUTE_OPS, Ref
 from tests.strategies import plans

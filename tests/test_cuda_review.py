@@ -24,15 +24,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import models  # noqa: E402
 from rpcompile import AdamW, StagePlan  # noqa: E402
 from rpcompile.passes import emit, trace  # noqa: E402
-from rpcompile.runtime import devices  # noqa: E402
-from rpcompile.runtime.cuda_streams import CudaStream  # noqa: E402
+from rpcompile.runtime.streams import devices  # noqa: E402
+from rpcompile.runtime.streams.cuda import CudaStream  # noqa: E402
 from rpcompile.runtime.executor import Runtime  # noqa: E402
 from rpcompile.runtime.issuer import Issuer  # noqa: E402
-from rpcompile.runtime.layout import host_blocks  # noqa: E402
-from rpcompile.runtime.optimizer import HostState  # noqa: E402
-from rpcompile.runtime.pool import BufferPool  # noqa: E402
-from rpcompile.runtime.stats import Stats  # noqa: E402
-from rpcompile.runtime.streams import HostEvent, StreamContext  # noqa: E402
+from rpcompile.runtime.host.layout import host_blocks  # noqa: E402
+from rpcompile.runtime.host.optimizer import HostState  # noqa: E402
+from rpcompile.runtime.streams.pool import BufferPool  # noqa: E402
+from rpcompile.runtime.streams.stats import Stats  # noqa: E402
+from rpcompile.runtime.streams.host import HostEvent, StreamContext  # noqa: E402
 
 HANG = 3.0  # seconds a fake blocking call waits for the fake GPU before it gives up (old code paths)
 
@@ -190,7 +190,7 @@ def test_cuda_stream_wait_on_host_work_does_not_block_the_issuer(fake_cuda):
 
 def test_cuda_backlog_skips_an_abandoned_iteration(fake_cuda):
     """A failure while a stream waits for host work: its queued work is dropped, its events abort, no hang."""
-    from rpcompile.runtime.streams import Abort
+    from rpcompile.runtime.streams.host import Abort
     ctx = StreamContext(timeout=5.0)
     pu = CudaStream("w0/param_up", ctx, "cuda:0")
     copy, out = HostEvent(ctx, 3, "h C.l0"), []

@@ -15,7 +15,7 @@ import torch
 import rpcompile
 from rpcompile.ir.hardware import Hardware
 from rpcompile.runtime.distributed import DistConfig, ring_allreduce_time, shard
-from rpcompile.cli.zoo import LlamaConfig, TinyLlama
+from rpcompile.models.zoo import LlamaConfig, TinyLlama
 from tests.dist_launch import launch
 
 CFG = LlamaConfig(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, ffn=64, max_seq=32)

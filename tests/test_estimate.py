@@ -11,7 +11,7 @@ import models as M  # noqa: E402
 from rpcompile import CostTable, Hardware, StagePlan, max_seq_len
 from rpcompile.passes import estimate_costs, trace
 from rpcompile.passes.cost import count_layers, split_microbatch
-from rpcompile.passes.symbolic import B, S, SymbolicCosts
+from rpcompile.passes.cost.symbolic import B, S, SymbolicCosts
 
 MEMORY = ("param_bytes", "grad_bytes", "act_bytes", "saved_bytes", "peak_bytes")
 

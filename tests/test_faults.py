@@ -14,7 +14,7 @@ from rpcompile import AdamW, StagePlan  # noqa: E402
 from rpcompile.passes import emit, trace  # noqa: E402
 from rpcompile.ir.program import Op  # noqa: E402
 from rpcompile.runtime.executor import Runtime, RuntimeFailure  # noqa: E402
-from rpcompile.runtime.optimizer import HostState  # noqa: E402
+from rpcompile.runtime.host.optimizer import HostState  # noqa: E402
 
 PLAN, GPUS, MBS = "2,2|1|1,3", 2, 4  # llama: 5 layers; layer 2 is recomputed in B stage "1,3"'s second slot
 

@@ -16,9 +16,9 @@ pytest.importorskip("transformers")
 
 from rpcompile import checkpoint  # noqa: E402
 from rpcompile.cli.main import main  # noqa: E402
-from rpcompile.cli import FinetuneConfig, finetune  # noqa: E402
-from rpcompile.cli.data import pack, read_documents  # noqa: E402
-from rpcompile.cli.finetune import CHECKPOINT  # noqa: E402
+from rpcompile.finetune import FinetuneConfig, finetune  # noqa: E402
+from rpcompile.finetune.data import pack, read_documents  # noqa: E402
+from rpcompile.finetune.run import CHECKPOINT  # noqa: E402
 import hf_fixtures as fx  # noqa: E402
 
 SMALL = dict(seq=32, micro_batch_size=2, microbatches=2, gpus=2, lr=3e-3, warmup=3, progress=False,
@@ -155,7 +155,7 @@ def test_cli_lora_run_on_chat_messages(lora_run, capsys):
 
 
 def test_lora_changes_only_the_adapters(files, lora_run):
-    from rpcompile.cli.hf import add_lora
+    from rpcompile.finetune.hf import add_lora
     from transformers import AutoModelForCausalLM
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(lora_run.adapters))
     trained = tensors(lora_run.adapters, "adapter_model.safetensors")

@@ -3,7 +3,7 @@
 The tokenizer fixture (tests/hf_fixtures.py `turn_tokenizer`) has a chat
 template with distinct turn markers (<|im_start|>role\\n ... <|im_end|>\\n) and a
 generation prompt, so the trained span of a reply is "reply<|im_end|>\\n" by
-the rule in rpcompile/cli/data.py. Nothing is downloaded.
+the rule in rpcompile/finetune/data/__init__.py. Nothing is downloaded.
 """
 import contextlib
 import io
@@ -14,8 +14,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from rpcompile.cli import FinetuneConfig, finetune  # noqa: E402
-from rpcompile.cli.data import IGNORE, pack, read_documents  # noqa: E402
+from rpcompile.finetune import FinetuneConfig, finetune  # noqa: E402
+from rpcompile.finetune.data import IGNORE, pack, read_documents  # noqa: E402
 from rpcompile.cli.main import main  # noqa: E402
 import hf_fixtures as fx  # noqa: E402
 

@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-from rpcompile.cli import finetune_args
-from rpcompile.cli.finetune_config import FinetuneConfig
+from rpcompile.cli import finetune as finetune_args
+from rpcompile.finetune.config import FinetuneConfig
 from rpcompile.cli.main import main, parser
-from rpcompile.cli.run_config import FROM_RECORD_NOT_TAKEN, HINTS, check_settings, did_you_mean
+from rpcompile.finetune.config_file import FROM_RECORD_NOT_TAKEN, HINTS, check_settings, did_you_mean
 
 PATHS = {"model": "m/", "data": "d.jsonl", "out": "o/"}
 RUN_FILE = "rpcompile-run.json"  # the run record a run writes into --out
@@ -45,7 +45,7 @@ def test_a_rerun_from_the_run_record_reproduces_the_losses_bit_for_bit(tmp_path,
     pytest.importorskip("transformers")
     import hf_fixtures as fx
     from rpcompile.cli import main as cli_main
-    from rpcompile.cli.finetune import finetune
+    from rpcompile.finetune.run import finetune
 
     results = []
     monkeypatch.setattr(cli_main, "finetune", lambda cfg: results.append((cfg, finetune(cfg))))

@@ -12,9 +12,9 @@ import torch
 pytest.importorskip("transformers")
 
 import rpcompile  # noqa: E402
-from rpcompile.cli.data import IGNORE, Document, pack, read_documents  # noqa: E402
-from rpcompile.cli.schedule import lr_at  # noqa: E402
-from rpcompile.cli.zoo import LlamaConfig, TinyLlama  # noqa: E402
+from rpcompile.finetune.data import IGNORE, Document, pack, read_documents  # noqa: E402
+from rpcompile.finetune.schedule import lr_at  # noqa: E402
+from rpcompile.models.zoo import LlamaConfig, TinyLlama  # noqa: E402
 import hf_fixtures as fx  # noqa: E402
 
 

@@ -12,8 +12,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from rpcompile.cli.finetune_dist import Ranks  # noqa: E402
-from rpcompile.cli.metrics import read_metrics  # noqa: E402
+from rpcompile.finetune.dist import Ranks  # noqa: E402
+from rpcompile.finetune.metrics import read_metrics  # noqa: E402
 import dist_launch  # noqa: E402
 import hf_fixtures as fx  # noqa: E402
 
@@ -25,8 +25,8 @@ FLAGS = ["--seq", "32", "--micro-batch-size", "2", "--microbatches", "4", "--gpu
 
 def worker(argv: list[str], stop_at: int) -> None:
     """One process: `python -m rpcompile finetune ARGV`; with stop_at, killed by an error after that step."""
-    from rpcompile.cli.finetune import finetune
-    from rpcompile.cli.finetune_args import config_from_args
+    from rpcompile.finetune.run import finetune
+    from rpcompile.cli.finetune import config_from_args
     from rpcompile.cli.main import main, parser
     if not stop_at:
         sys.exit(main(["finetune", *argv]))

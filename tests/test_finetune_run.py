@@ -15,9 +15,9 @@ pytest.importorskip("transformers")
 
 import rpcompile  # noqa: E402
 from rpcompile import checkpoint  # noqa: E402
-from rpcompile.cli.finetune import CHECKPOINT  # noqa: E402
+from rpcompile.finetune.run import CHECKPOINT  # noqa: E402
 from rpcompile.cli.main import main  # noqa: E402
-from rpcompile.cli.metrics import read_metrics  # noqa: E402
+from rpcompile.finetune.metrics import read_metrics  # noqa: E402
 import hf_fixtures as fx  # noqa: E402
 
 FLAGS = ["--seq", "32", "--micro-batch-size", "2", "--microbatches", "2", "--gpus", "2", "--lr", "3e-3",
@@ -218,7 +218,7 @@ def test_report_to_tensorboard_without_it_names_the_extra(files, tmp_path, monke
 
 
 def test_a_resumed_log_drops_the_lines_after_its_checkpoint(tmp_path):
-    from rpcompile.cli.metrics import MetricsLog
+    from rpcompile.finetune.metrics import MetricsLog
     with MetricsLog(str(tmp_path)) as log:
         for s in range(1, 6):
             log.write({"step": s, "loss": float(s)})

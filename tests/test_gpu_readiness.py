@@ -26,7 +26,7 @@ import rpcompile.api  # noqa: E402
 from rpcompile import CostTable, Hardware, StagePlan  # noqa: E402
 from rpcompile.ir.hardware import blas_workspace_bytes  # noqa: E402
 from rpcompile.passes import partition  # noqa: E402
-from rpcompile.passes._stage_memory import memory_refusal  # noqa: E402
+from rpcompile.passes.cost.stage_memory import memory_refusal  # noqa: E402
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)

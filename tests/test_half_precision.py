@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import models  # noqa: E402
 import rpcompile  # noqa: E402
-from rpcompile.cli.zoo import LlamaConfig, TinyLlama  # noqa: E402
+from rpcompile.models.zoo import LlamaConfig, TinyLlama  # noqa: E402
 from rpcompile.ir.optim import DynamicLossScale  # noqa: E402
 
 MICROBATCHES = 2

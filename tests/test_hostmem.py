@@ -8,8 +8,8 @@ from rpcompile import CostTable, StagePlan
 from rpcompile.ir.hardware import Hardware
 from rpcompile.hostmem import check_host_memory, host_bytes
 from rpcompile.passes import trace
-from rpcompile.runtime.optimizer import HostState
-from rpcompile.cli.zoo import LlamaConfig, TinyLlama
+from rpcompile.runtime.host.optimizer import HostState
+from rpcompile.models.zoo import LlamaConfig, TinyLlama
 
 CFG = LlamaConfig(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, ffn=64, max_seq=32)
 

@@ -5,7 +5,11 @@ Every project module's imports are read with `ast` (nothing is imported). Three 
 - no project import inside a function (optional third-party packages may still be imported lazily);
 - no import cycle among project modules, counting every import statement wherever it stands;
 - no import from a layer above the module's own: ir (1) < passes (2) < runtime (3) < driver (4) <
-  applications (5); the package's front door (`rpcompile/__init__.py`, `__main__.py`) sits above all.
+  libraries (5: `rpcompile.models`, `rpcompile.finetune`) < the command line (6: `rpcompile.cli`); the
+  package's front door (`rpcompile/__init__.py`, `__main__.py`) sits above all.
+
+Two more checks keep the tree readable: no folder holds more than 12 modules besides its
+`__init__.py`, and every package's `__init__.py` opens with a docstring saying what it holds.
 
 Each failure names the module and the line. The checks are plain functions of a module table, so
 the tests below also feed them a broken table and watch each rule fail.
@@ -19,7 +23,8 @@ from dataclasses import dataclass
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # folder -> package name, as pyproject's package-dir maps them
 FOLDERS = {"rpcompile": "rpcompile", "passes": "rpcompile.passes", "runtime": "rpcompile.runtime"}
-LAYERS = ("ir", "passes", "runtime", "driver", "applications", "front door")
+LAYERS = ("ir", "passes", "runtime", "driver", "libraries", "cli", "front door")
+MAX_MODULES = 12  # modules per folder, not counting __init__.py
 
 
 @dataclass(frozen=True)
@@ -33,12 +38,12 @@ class Import:
 
 
 def layer_of(module: str) -> int:
-    """The layer index (0 = ir ... 5 = front door) of a project module, from the folder it lives in."""
+    """The layer index (0 = ir ... 6 = front door) of a project module, from the folder it lives in."""
     parts = module.split(".")
     if module in ("rpcompile", "rpcompile.__main__"):
-        return 5
+        return 6
     sub = parts[1] if len(parts) > 1 else ""
-    return {"ir": 0, "passes": 1, "runtime": 2, "cli": 4}.get(sub, 3)
+    return {"ir": 0, "passes": 1, "runtime": 2, "models": 4, "finetune": 4, "cli": 5}.get(sub, 3)
 
 
 def project_modules() -> dict[str, str]:
@@ -180,7 +185,52 @@ def test_every_folder_is_a_layer():
     assert seen == set(range(len(LAYERS))), sorted(seen)
     assert {"rpcompile.ir.graph", "rpcompile.ir.costs", "rpcompile.ir.plan", "rpcompile.ir.program",
             "rpcompile.passes.partition", "rpcompile.runtime.executor", "rpcompile.api",
-            "rpcompile.cli.finetune"} <= set(mods)
+            "rpcompile.models.zoo", "rpcompile.finetune.run", "rpcompile.cli.finetune"} <= set(mods)
+
+
+def crowded_folders(mods: dict[str, str]) -> list[str]:
+    """Folders holding more than MAX_MODULES modules besides __init__.py, with their count."""
+    count: dict[str, int] = {}
+    for path in mods.values():
+        if not path.endswith("__init__.py"):
+            folder = os.path.relpath(os.path.dirname(path), ROOT)
+            count[folder] = count.get(folder, 0) + 1
+    return [f"{folder}/ holds {n} modules (at most {MAX_MODULES})" for folder, n in sorted(count.items())
+            if n > MAX_MODULES]
+
+
+def undocumented_packages(mods: dict[str, str]) -> list[str]:
+    """Packages whose __init__.py does not open with a docstring."""
+    out = []
+    for m, path in sorted(mods.items()):
+        if path.endswith("__init__.py"):
+            with open(path, encoding="utf-8") as f:
+                if not ast.get_docstring(ast.parse(f.read())):
+                    out.append(f"{path}: package {m} has no docstring")
+    return out
+
+
+def test_no_folder_holds_more_than_twelve_modules():
+    problems = crowded_folders(project_modules())
+    assert not problems, "\n".join(problems)
+
+
+def test_every_package_says_what_it_holds():
+    problems = undocumented_packages(project_modules())
+    assert not problems, "\n".join(problems)
+
+
+def test_a_crowded_folder_and_a_silent_package_are_named(tmp_path):
+    mods = project_modules()
+    ir = sum(1 for m, path in mods.items() if m.startswith("rpcompile.ir.") and not path.endswith("__init__.py"))
+    extra = {f"rpcompile.ir.extra{i}": os.path.join(ROOT, "rpcompile", "ir", f"extra{i}.py")
+             for i in range(MAX_MODULES + 1 - ir)}
+    assert crowded_folders({**mods, **extra}) == [f"rpcompile/ir/ holds {MAX_MODULES + 1} modules (at most 12)"]
+    assert not crowded_folders({**mods, **dict(list(extra.items())[1:])})
+    silent = tmp_path / "__init__.py"
+    silent.write_text("import os  # a package without a docstring\n")
+    assert undocumented_packages({**mods, "rpcompile.fake": str(silent)}) == [
+        f"{silent}: package rpcompile.fake has no docstring"]
 
 
 # -- the checks can fail: each rule broken once, on a copy of the real table ---------------------------
@@ -218,6 +268,12 @@ def test_a_cycle_through_a_function_level_import_counts():
 
 
 def test_an_upward_import_is_named_with_both_layers():
-    problems = _new_problems(upward, "rpcompile.passes.timing", "\nfrom rpcompile.runtime import simulate\n")
-    assert len(problems) == 1 and "passes/timing.py:" in problems[0], problems
-    assert "rpcompile.passes.timing (passes) imports rpcompile.runtime (runtime), a layer above it" in problems[0]
+    problems = _new_problems(upward, "rpcompile.passes.partition.timing", "\nfrom rpcompile.runtime import simulate\n")
+    assert len(problems) == 1 and "passes/partition/timing.py:" in problems[0], problems
+    assert "rpcompile.passes.partition.timing (passes) imports rpcompile.runtime (runtime), a layer above it" in problems[0]
+
+
+def test_the_fine_tuning_library_importing_the_command_line_is_named():
+    problems = _new_problems(upward, "rpcompile.finetune.run", "\nfrom rpcompile.cli import main\n")
+    assert len(problems) == 1 and "finetune/run.py:" in problems[0], problems
+    assert "rpcompile.finetune.run (libraries) imports rpcompile.cli.main (cli), a layer above it" in problems[0]

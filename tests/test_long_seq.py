@@ -16,8 +16,8 @@ import models as M  # noqa: E402
 import rpcompile  # noqa: E402
 from rpcompile import CostTable, Hardware, StagePlan, max_seq_len  # noqa: E402
 from rpcompile.passes import estimate_costs, trace  # noqa: E402
-from rpcompile.passes._stage_memory import memory_refusal
-from rpcompile.passes.host_bytes import round_saved_bytes  # noqa: E402
+from rpcompile.passes.cost.stage_memory import memory_refusal
+from rpcompile.passes.cost.host_bytes import round_saved_bytes  # noqa: E402
 
 pytest.importorskip("transformers")
 

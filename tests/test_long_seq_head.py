@@ -15,10 +15,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import models as M  # noqa: E402
 from rpcompile import Hardware  # noqa: E402
 from rpcompile.passes import estimate_costs, shard_lm_head, trace  # noqa: E402
-from rpcompile.passes._chunked_head import chunk_bounds, chunked_lse  # noqa: E402
-from rpcompile.passes._head_auto import LOGIT_BYTES  # noqa: E402
-from rpcompile.passes._recorder import Recorder, Tracker, storage_id  # noqa: E402
-from rpcompile.passes.symbolic import chunk_unit, symbolic_costs  # noqa: E402
+from rpcompile.passes.shard_head.chunked import chunk_bounds, chunked_lse  # noqa: E402
+from rpcompile.passes.shard_head.auto import LOGIT_BYTES  # noqa: E402
+from rpcompile.passes.cost.recorder import Recorder, Tracker, storage_id  # noqa: E402
+from rpcompile.passes.cost.symbolic import chunk_unit, symbolic_costs  # noqa: E402
 
 pytest.importorskip("transformers")
 

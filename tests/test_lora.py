@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import rpcompile
-from rpcompile.cli.zoo import LlamaConfig, TinyLlama
+from rpcompile.models.zoo import LlamaConfig, TinyLlama
 from oracle import reference_train
 
 CFG = LlamaConfig(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, ffn=64, max_seq=32)

@@ -2,7 +2,7 @@
 import torch
 
 from rpcompile.passes import estimate_costs, trace
-from rpcompile.cli.zoo import LlamaConfig, TinyLlama
+from rpcompile.models.zoo import LlamaConfig, TinyLlama
 
 
 def canned(samples):

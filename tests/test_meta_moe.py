@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from rpcompile.passes._meta_moe import balanced_experts
+from rpcompile.passes.meta.moe import balanced_experts
 from rpcompile.passes.trace import trace
 
 models = pytest.importorskip("tests.models")

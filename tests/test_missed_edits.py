@@ -20,7 +20,7 @@ from torch import nn
 import rpcompile
 from rpcompile import CostTable, ProgramError, StagePlan
 from rpcompile.passes import emit, verify
-from rpcompile.runtime.optimizer import HostState
+from rpcompile.runtime.host.optimizer import HostState
 
 
 # -- a. verify: a release dependency on the previous iteration ------------------------------------------------

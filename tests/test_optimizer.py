@@ -14,7 +14,7 @@ from torch.func import functional_call
 
 import rpcompile
 from rpcompile.ir.optim import DynamicLossScale
-from rpcompile.runtime.optimizer import HostState
+from rpcompile.runtime.host.optimizer import HostState
 
 V, D, R = 11, 8, 2
 GradsFn = Callable[[int, Mapping[str, torch.Tensor]], Mapping[int, Mapping[str, torch.Tensor]]]

@@ -1,4 +1,4 @@
-"""Packed documents do not attend to each other (issue 24, item 4): `rpcompile.cli.packed_attention`.
+"""Packed documents do not attend to each other (issue 24, item 4): `rpcompile.finetune.packed_attention`.
 
 The attention runs one causal SDPA call per document (memory linear in S); these tests check it
 against a block-diagonal mask, through `rpcompile.compile` on the host backend (the runtime's path),
@@ -19,10 +19,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import models as M  # noqa: E402
 import rpcompile  # noqa: E402
 from rpcompile import Hardware  # noqa: E402
-from rpcompile.cli import packed_attention as PA  # noqa: E402
+from rpcompile.finetune import packed_attention as PA  # noqa: E402
 from rpcompile.passes import estimate_costs, trace  # noqa: E402
-from rpcompile.passes._attention import attention_flops  # noqa: E402
-from rpcompile.passes._count import _leaf, count_layers, run_once  # noqa: E402
+from rpcompile.passes.meta.attention import attention_flops  # noqa: E402
+from rpcompile.passes.cost.count import _leaf, count_layers, run_once  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -207,7 +207,7 @@ def test_use_packed_attention_refuses_models_it_cannot_follow() -> None:
 
 def test_attention_sinks_are_kept_per_document() -> None:
     """GPT-OSS (sink attention, a sliding-window layer): packed through `use_packed_attention`, equal to alone."""
-    from rpcompile.cli.attention import register
+    from rpcompile.models.attention import register
     cfg = transformers.GptOssConfig(vocab_size=128, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
                                     num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
                                     num_experts_per_tok=2, sliding_window=3, attn_implementation=register(),

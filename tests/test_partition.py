@@ -6,7 +6,7 @@ import pytest
 
 from rpcompile import CostTable, StagePlan
 from rpcompile.passes import partition
-from rpcompile.passes.timing import iteration_time
+from rpcompile.passes.partition.timing import iteration_time
 
 
 def check_cover(plan, nl):

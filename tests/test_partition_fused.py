@@ -11,7 +11,7 @@ import random
 from hypothesis import example, given, settings, strategies as st
 
 from rpcompile.passes import partition
-from rpcompile.passes.timing import iteration_time
+from rpcompile.passes.partition.timing import iteration_time
 from tests.test_partition_guarantees import SLACK, even_family, fits, tight_budget, with_bytes
 
 

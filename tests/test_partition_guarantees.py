@@ -16,7 +16,7 @@ from hypothesis import example, given, settings, strategies as st
 
 from rpcompile import CostTable, StagePlan
 from rpcompile.passes import partition
-from rpcompile.passes.timing import default_round_size, iteration_time
+from rpcompile.passes.partition.timing import default_round_size, iteration_time
 from tests.strategies import plans
 
 SLACK = 1e-9  # relative, as the acceptance

@@ -16,7 +16,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # models, also when imported as tests.test_reliability
 import models  # noqa: E402
 import rpcompile
-from rpcompile.cli.zoo import LlamaConfig, TinyLlama
+from rpcompile.models.zoo import LlamaConfig, TinyLlama
 
 CFG = LlamaConfig(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, ffn=64, max_seq=32)
 
@@ -166,7 +166,7 @@ def test_fp16_dynamic_loss_scaling_keeps_its_skip_and_lower():
     from rpcompile.ir.optim import DynamicLossScale
     from rpcompile.passes import emit, trace
     from rpcompile.runtime.executor import Runtime
-    from rpcompile.runtime.optimizer import HostState
+    from rpcompile.runtime.host.optimizer import HostState
     graph = trace(_MLP(), _xy(0))
     state = HostState.from_graph(graph, optimizer=rpcompile.SGD(lr=1e-2),
                                  loss_scale=DynamicLossScale(init_scale=1024.0, growth_interval=100))
@@ -233,7 +233,7 @@ def test_resume_with_perturbed_measurements_is_bit_identical(tmp_path, staleness
     script = textwrap.dedent(f"""
         import random, dataclasses, torch, rpcompile
         import rpcompile.passes as P, rpcompile.passes.cost as C
-        from rpcompile.cli.zoo import TinyLlama
+        from rpcompile.models.zoo import TinyLlama
         from tests.test_reliability import CFG, _batch
         orig, rng, calls = C.estimate_costs, random.Random(7), []
         def noisy(*a, **kw):

@@ -14,7 +14,7 @@ from oracle import reference_train
 from rpcompile import AdamW, SGD, StagePlan
 from rpcompile.passes import emit, trace
 from rpcompile.runtime.executor import Runtime
-from rpcompile.runtime.optimizer import HostState
+from rpcompile.runtime.host.optimizer import HostState
 from rpcompile.runtime.stage_exec import layer_seed, split_batch
 
 # eager torch.optim.AdamW bits; eps 1e-4: some gradients are pure rounding noise (nanoGPT's key bias is

@@ -21,7 +21,7 @@ from rpcompile.ir.hardware import blas_workspace_bytes  # noqa: E402
 from rpcompile.passes import emit, trace  # noqa: E402
 from rpcompile.ir.program import Op  # noqa: E402
 from rpcompile.runtime.executor import Runtime, RuntimeFailure  # noqa: E402
-from rpcompile.runtime.optimizer import HostState  # noqa: E402
+from rpcompile.runtime.host.optimizer import HostState  # noqa: E402
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 OPT = AdamW(lr=1e-2, eps=1e-4, impl="foreach")
@@ -223,8 +223,8 @@ def test_cuda_batch_on_another_stream_is_read_in_the_callers_order():
 
 def test_cuda_event_wait_has_a_deadline():
     """1f: an event behind a long kernel: wait(timeout) raises TimeoutError instead of hanging."""
-    from rpcompile.runtime.devices import make_workers
-    from rpcompile.runtime.streams import StreamContext
+    from rpcompile.runtime.streams.devices import make_workers
+    from rpcompile.runtime.streams.host import StreamContext
     ctx = StreamContext(timeout=60.0)
     w = make_workers(1, ctx, "cuda", None, False)[0]
     try:

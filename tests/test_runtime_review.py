@@ -56,7 +56,7 @@ def test_1l_the_next_steps_loss_does_not_wait_for_this_steps_commit():
 
     import models
     from rpcompile.runtime.executor import Runtime
-    from rpcompile.runtime.optimizer import HostState
+    from rpcompile.runtime.host.optimizer import HostState
     graph, prog = _llama_runtime_parts()
 
     def run(gated: bool) -> tuple[list[float], dict]:
@@ -148,7 +148,7 @@ def test_1h_only_layers_that_draw_random_numbers_run_under_the_dispatch_mode(mon
 
 # -- 1g: only CUDA values are record_stream'ed on download ----------------------------------------------------
 def test_1g_a_cpu_value_from_a_download_is_not_record_streamed():
-    from rpcompile.runtime.values import keep_for
+    from rpcompile.runtime.streams.values import keep_for
 
     class _Stream:
         stream = None  # a CUDA stream in the runtime; never reached for a CPU value
@@ -164,7 +164,7 @@ def test_1e_a_batch_changed_in_place_after_step_returns_trains_as_given():
     from rpcompile.ir.plan import StagePlan
     from rpcompile.passes import emit, trace
     from rpcompile.runtime.executor import Runtime
-    from rpcompile.runtime.optimizer import HostState
+    from rpcompile.runtime.host.optimizer import HostState
     graph = trace(_MLP(), _xy(0))
     n = len(graph.layers)
     prog = emit(StagePlan.from_sizes([n - 1], 1, [n - 1]), gpus=2, microbatches=2, staleness=1,
@@ -189,7 +189,7 @@ def test_1e_a_batch_changed_in_place_after_step_returns_trains_as_given():
 def test_1e_cuda_workers_refuse_a_pageable_host_state():
     from rpcompile.passes import trace
     from rpcompile.runtime.executor import check_pinned
-    from rpcompile.runtime.optimizer import HostState
+    from rpcompile.runtime.host.optimizer import HostState
     state = HostState.from_graph(trace(_MLP(), _xy(0)), optimizer=rpcompile.SGD(lr=0.1))  # pin_memory=False
     check_pinned(state, "host")  # host workers read it in place
     with pytest.raises(ValueError, match=r"not pinned .*pin_memory=True"):

@@ -16,17 +16,17 @@ import models as M  # noqa: E402
 import rpcompile  # noqa: E402
 from rpcompile import Hardware  # noqa: E402
 from rpcompile.passes import trace  # noqa: E402
-from rpcompile.passes._attention import attention_flops  # noqa: E402
+from rpcompile.passes.meta.attention import attention_flops  # noqa: E402
 from rpcompile.passes.cost import count_layers  # noqa: E402
-from rpcompile.passes.symbolic import B, S, symbolic_costs  # noqa: E402
-from rpcompile.cli.zoo import LlamaConfig, TinyLlama  # noqa: E402
+from rpcompile.passes.cost.symbolic import B, S, symbolic_costs  # noqa: E402
+from rpcompile.models.zoo import LlamaConfig, TinyLlama  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
 
 def test_presets_use_memory_efficient_attention_unless_told_otherwise(tmp_path) -> None:
-    from rpcompile.cli.attention import NAME
-    from rpcompile.cli.presets import MODELS, build_meta
+    from rpcompile.models.attention import NAME
+    from rpcompile.models.presets import MODELS, build_meta
     for name in MODELS:
         want = NAME if name == "gpt-oss-20b" else "sdpa"  # GPT-OSS has no transformers SDPA path (sinks)
         assert build_meta(name).config._attn_implementation == want, name
@@ -68,7 +68,7 @@ def _gpt_oss(attn: str) -> torch.nn.Module:
 
 
 def test_attention_sinks_through_one_sdpa_call_equal_eager() -> None:
-    from rpcompile.cli.attention import register
+    from rpcompile.models.attention import register
     eager, fused = _gpt_oss("eager"), _gpt_oss(register())
     with torch.no_grad():
         for m in eager.modules():

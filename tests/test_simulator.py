@@ -8,10 +8,10 @@ from hypothesis import strategies as st
 
 from rpcompile import CostTable, StagePlan
 from rpcompile.passes.codegen import emit
-from rpcompile.passes.timing import default_round_size, iteration_time, steady_state_window
+from rpcompile.passes.partition.timing import default_round_size, iteration_time, steady_state_window
 from rpcompile.ir.program import Instr, Op, Program, Ref
 from rpcompile.runtime import Timeline, simulate
-from rpcompile.runtime.sim_events import Job, StuckError, peak_usage, run_jobs
+from rpcompile.runtime.sim.events import Job, StuckError, peak_usage, run_jobs
 from tests.strategies import plans
 
 INF = float("inf")

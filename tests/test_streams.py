@@ -8,7 +8,7 @@ test can fail.
 
 The runtime tests run in two issuing modes (`MODES`): "host" (host streams
 take every wait themselves) and "host-cuda" (the CUDA backend's issuing side,
-`runtime/launch.py`, over host streams: the issuer launches directly, a wait on
+`runtime/streams/launch.py`, over host streams: the issuer launches directly, a wait on
 unfinished host work puts the stream's later work in a backlog), so the CPU
 suite runs CUDA's issuing pattern too.
 """
@@ -27,9 +27,9 @@ import models  # noqa: E402
 from rpcompile import AdamW, CostTable, StagePlan  # noqa: E402
 from rpcompile.passes import emit, trace  # noqa: E402
 from rpcompile.runtime.executor import DEP_KINDS, Runtime, RuntimeFailure  # noqa: E402
-from rpcompile.runtime.optimizer import HostState  # noqa: E402
-from rpcompile.runtime.pool import BufferPool  # noqa: E402
-from rpcompile.runtime.streams import Abort, HostEvent, HostStream, StreamContext  # noqa: E402
+from rpcompile.runtime.host.optimizer import HostState  # noqa: E402
+from rpcompile.runtime.streams.pool import BufferPool  # noqa: E402
+from rpcompile.runtime.streams.host import Abort, HostEvent, HostStream, StreamContext  # noqa: E402
 
 OPT = AdamW(lr=1e-2, eps=1e-4, impl="foreach")
 MODES = ("host", "host-cuda")  # backends: host streams; CUDA's issuing side over host streams

@@ -2,7 +2,7 @@
 import pytest
 
 from rpcompile import CostTable, StagePlan
-from rpcompile.passes.timing import (bubble_ratio, default_round_size, iteration_time,
+from rpcompile.passes.partition.timing import (bubble_ratio, default_round_size, iteration_time,
                                       steady_state_window)
 
 

@@ -1,4 +1,4 @@
-"""The fast timing recurrence equals the original one (verbatim below, from the first commit of passes/timing.py).
+"""The fast timing recurrence equals the original one (verbatim below, from the first commit of passes/partition/timing.py).
 
 The reference functions are the committed originals with only their names prefixed `ref_`; the
 fast `iteration_time` must give the same float on random plans for both stalenesses, and its
@@ -10,11 +10,11 @@ import random
 import pytest
 
 from rpcompile import CostTable, StagePlan
-from rpcompile.passes.timing import ScheduleTimes, default_round_size, iteration_time, steady_state_window
+from rpcompile.passes.partition.timing import ScheduleTimes, default_round_size, iteration_time, steady_state_window
 from rpcompile.ir.plan import StageKind
 
 
-# ---- reference implementation: `git show HEAD:passes/timing.py`, verbatim but for the names ----
+# ---- reference implementation: `git show HEAD:passes/partition/timing.py`, verbatim but for the names ----
 
 def ref_iteration_time(plan: StagePlan, costs: CostTable, *, gpus: int, microbatches: int,
                    round_size: int | None = None, staleness: int = 0) -> float:

@@ -1,4 +1,4 @@
-"""Fine-tuning data with bounded memory, and a token cache (issue 25, item 5): `rpcompile.cli.token_cache`.
+"""Fine-tuning data with bounded memory, and a token cache (issue 25, item 5): `rpcompile.finetune.data.token_cache`.
 
 The cache-backed `Packed` is checked bit for bit against the issue-24 packing
 (tests/packing_reference.py, whole tensors in memory) on mixed documents; a
@@ -18,9 +18,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from rpcompile.cli import data as data_mod  # noqa: E402
-from rpcompile.cli.data import Document, pack, prepare, read_documents  # noqa: E402
-from rpcompile.cli.token_cache import FILES, META  # noqa: E402
+from rpcompile.finetune import data as data_mod  # noqa: E402
+from rpcompile.finetune.data import Document, pack, prepare, read_documents  # noqa: E402
+from rpcompile.finetune.data.token_cache import FILES, META  # noqa: E402
 import hf_fixtures as fx  # noqa: E402
 import packing_reference as ref  # noqa: E402
 
@@ -216,7 +216,7 @@ KILLED = r"""
 import os, sys
 sys.path.insert(0, sys.argv[1])
 from transformers import AutoTokenizer
-from rpcompile.cli import data
+from rpcompile.finetune import data
 from test_token_cache import Counting
 
 class Dying(list):

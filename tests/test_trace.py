@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import models as M  # noqa: E402
 from rpcompile.passes import trace  # noqa: E402
-from rpcompile.passes._fx_tracer import UntraceableError  # noqa: E402
+from rpcompile.passes.trace.tracer import UntraceableError  # noqa: E402
 
 pytest.importorskip("transformers")
 

@@ -11,71 +11,16 @@ from __future__ import annotations
 import os
 import sys
 import time
-from dataclasses import dataclass
 
 import torch
 
 from rpcompile.api import Options, compile, plan_pipeline
-from rpcompile.cli.gantt import compute_bubble, plot_panels
-from rpcompile.cli.zoo import LlamaConfig, TinyLlama
+from rpcompile.runtime.sim.gantt import compute_bubble, plot_panels
+from rpcompile.models.demo import DemoConfig, batches, corpus
+from rpcompile.models.zoo import LlamaConfig, TinyLlama
 from rpcompile.ir.hardware import Hardware
 from rpcompile.ir.optim import AdamW
 from rpcompile.runtime import simulate, steady_iterations
-
-# The folders whose .py and .md files make the corpus, in this order: the package's own (relative to
-# rpcompile/), then passes/, runtime/ and docs/ (next to rpcompile/ in a checkout; an installed package
-# holds passes/ and runtime/ inside rpcompile/, so those are looked for there too).
-_PACKAGE_FOLDERS = ("", "ir", "cli")
-_SIBLING_FOLDERS = ("passes", "runtime", "docs")
-
-
-@dataclass(frozen=True, slots=True)
-class DemoConfig:
-    """What the demo trains and for how long."""
-
-    steps: int = 200           # training iterations
-    batch: int = 8             # sequences per iteration
-    seq: int = 128             # bytes per sequence
-    gpus: int = 2              # workers (host threads without CUDA)
-    microbatches: int = 4      # microbatches per iteration
-    lr: float = 3e-3           # AdamW learning rate
-    memory_mib: float = 8.0    # device budget per worker: small on purpose, so the model does not fit
-                               # one worker and runs as a pipeline, as a model larger than one GPU would
-    out: str = "rpcompile-demo"  # folder for the charts and traces
-    seed: int = 0              # data order and initial weights
-
-
-def corpus() -> bytes:
-    """The project's own source and docs as one byte string (fixed folder order, sorted file names)."""
-    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # rpcompile/cli/demo.py -> rpcompile/
-    root = os.path.dirname(pkg)
-    folders = [os.path.join(pkg, f) for f in _PACKAGE_FOLDERS] + [root]  # root: README.md, when installed -e
-    for f in _SIBLING_FOLDERS:
-        beside, inside = os.path.join(root, f), os.path.join(pkg, f)
-        folders.append(beside if os.path.isdir(beside) else inside)
-    chunks = []
-    for d in folders:
-        if not os.path.isdir(d):
-            continue
-        for name in sorted(os.listdir(d)):
-            if name.endswith((".py", ".md")):
-                with open(os.path.join(d, name), "rb") as f:
-                    chunks.append(f.read())
-    data = b"\n".join(dict.fromkeys(chunks))  # a file reachable twice counts once
-    if len(data) < 10_000:
-        raise RuntimeError(f"found only {len(data)} bytes of text under {root}")
-    return data
-
-
-def batches(data: bytes, cfg: DemoConfig):
-    """Endless random windows of the corpus as {"input_ids", "labels"} batches."""
-    tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
-    gen = torch.Generator().manual_seed(cfg.seed)
-    while True:
-        start = torch.randint(0, len(tokens) - cfg.seq - 1, (cfg.batch,), generator=gen)
-        ids = torch.stack([tokens[s:s + cfg.seq] for s in start.tolist()])
-        yield {"input_ids": ids, "labels": ids.clone()}
-
 
 def _bar(i: int, n: int, loss: float, tps: float, bubble: float, tty: bool) -> None:
     """One progress line (redrawn in place on a terminal)."""

@@ -1,241 +1,150 @@
-"""`python -m rpcompile finetune`: fine-tune a Hugging Face model folder on a data file, write a model folder.
+"""The options of `python -m rpcompile finetune`, one per `FinetuneConfig` field (plain argparse), and `--config`.
 
-    python -m rpcompile finetune --model ./Qwen3-1.7B --data chat.jsonl --out ./qwen3-chat \\
-        --seq 2048 --micro-batch-size 1 --microbatches 16 --epochs 1 --lr 2e-5 --warmup 20 --save-every 100
+    >>> p = argparse.ArgumentParser(); add_arguments(p)
+    >>> config_from_args(p.parse_args(["--model", "m/", "--data", "d.jsonl", "--out", "o/", "--lora", "8"])).lora
+    8
 
-    >>> from rpcompile.cli import FinetuneConfig, finetune
-    >>> result = finetune(FinetuneConfig(model="tiny/", data="train.jsonl", out="tuned/", steps=30))  # doctest: +SKIP
-    >>> result.losses[0] > result.losses[-1]
-    True
-
-The run: load the folder offline (`AutoModelForCausalLM`, `AutoTokenizer`),
-optionally add LoRA adapters (peft), read, mask and pack the data
-(`rpcompile.cli.data`: which tokens are trained, `train_on`;
-`rpcompile.cli.packing`: documents kept apart, `packing`) and print one summary
-line (rows, documents, sequences, trained tokens, documents truncated), compile
-for RoundPipe with the token-weighted loss (`loss_mean="tokens"`: a step's loss
-is the NLL summed over its trained tokens / their number), then per step set
-the scheduled learning rate (`rpcompile.cli.schedule`) and `step` one batch
-(`input_ids`, `labels`, `position_ids`); eval loss before the first step, every
-`eval_every` steps and at the end, weighted by trained tokens the same way; an
-atomic checkpoint every `save_every` steps; at the end `save_pretrained` into
-`out` (with the `chat_template` given, if any).
-
-Files in `out`: the exported model and tokenizer (or the LoRA adapters),
-`rpcompile-checkpoint.rp` (the full training state, incl. the optimizer's
-pending staleness-1 update and the RNG) and `rpcompile-run.json` (the settings
-and a fingerprint of the data; written atomically). The data position and the
-schedule step are both the checkpoint's step count, so `resume=True` continues
-bit for bit; it refuses settings that differ from the run's.
-
-A finished run is never overwritten by accident: an `out` that holds a run record,
-a checkpoint, or model, adapter or tokenizer files is refused unless the run is
-resumed (`resume=True`) or replaced (`overwrite=True`, which deletes those files
-first).
+The settings of a run: `FinetuneConfig`'s defaults, then the `--config FILE` keys
+(`rpcompile.finetune.config_file`: a run record's resume, overwrite and dry_run are not taken), then
+the flags given. Only a flag on the command line overrides the file (no option has an argparse
+default: a missing one is absent from the namespace), and a flag of --steps / --epochs drops the
+file's other one. --model, --data and --out are required, as flags or as keys of the file.
 """
 from __future__ import annotations
 
-import importlib.util
-import json
-import math
-import os
-from typing import Any, Callable
+import argparse
+import dataclasses
+from typing import Any
 
-import torch
+from rpcompile.finetune.data import PACKINGS, TRAIN_ON
+from rpcompile.finetune.config import DTYPES, REPORT_TO, FinetuneConfig
+from rpcompile.finetune.config_file import read_config
+from rpcompile.finetune.schedule import SCHEDULES
 
-from rpcompile.api import compile
-from rpcompile.resume import load
-from rpcompile.checkpoint import write_text_atomic
-from rpcompile.cli.data import prepare, read_template
-from rpcompile.cli.finetune_config import DTYPES, FinetuneConfig, FinetuneResult, check_config
-from rpcompile.cli.finetune_dist import Ranks
-from rpcompile.cli.finetune_loop import Loop, StepOutOfMemory, StepPlan, evaluate_loss
-from rpcompile.cli.finetune_out import CHECKPOINT, RUN_FILE, TOKEN_CACHE, check_out, check_resume, remove_previous, run_record
-from rpcompile.cli.hf import add_lora, check_model, export, load_model, load_tokenizer, trainable_module
-from rpcompile.cli.metrics import MetricsLog, check_report_to
-from rpcompile.cli.packed_attention import use_packed_attention
-from rpcompile.cli.preflight import preflight
-from rpcompile.ir.optim import AdamW
+__all__ = ["add_arguments", "config_from_args", "settings_from_args", "REQUIRED"]
 
-__all__ = ["FinetuneConfig", "FinetuneResult", "finetune", "CHECKPOINT", "RUN_FILE", "DTYPES", "StepOutOfMemory"]
+REQUIRED = {"model": "DIR", "data": "FILE", "out": "DIR"}  # fields without a default: a flag or a config key
+EXCLUSIVE = (("steps", "epochs"),)  # a flag of one drops the config file's other
 
 
-def finetune(cfg: FinetuneConfig, *, on_step: Callable[[int, float], None] | None = None) -> FinetuneResult:
-    """Fine-tune `cfg.model` on `cfg.data` with RoundPipe and write the result to `cfg.out`.
+def _shards(text: str) -> int | str:
+    """--lm-head-shards: "auto" or an int."""
+    return text if text == "auto" else int(text)
 
-    Args:
-        cfg: the run (see `FinetuneConfig`; each field is a command-line option).
-        on_step: called as on_step(step, loss) after each step (and its checkpoint) for logging;
-            an exception from it stops the run, which `resume=True` continues from the last checkpoint.
-    Returns:
-        A `FinetuneResult`: steps, the losses of this call, eval losses, the output folder
-        (a dry run: 0 steps, no losses).
-    Raises:
-        FileNotFoundError / ValueError / ImportError: bad input, named (the CLI prints one line, exit 2);
-            ValueError too for an `out` that holds a run or a model, without `resume` or `overwrite`,
-            and for a run that does not fit the host or device memory (checked before the weights load).
-        NotADirectoryError / PermissionError: `out` is a file, or cannot be written.
-        StepOutOfMemory: a step ran out of device or host memory (a MemoryError: the CLI prints its
-            one line, exit 2); the last checkpoint stays valid.
-        KeyboardInterrupt: Ctrl-C; the step is undone and the last checkpoint stays valid (exit 130).
 
-    Note:
-        The learning rate of step t, `lr_at(t)`, is set just before `step(batch_t)`, so it is
-        the lr of the update made from step t's gradient. With staleness 1 that update runs
-        on the CPU during step t+1, and its weights are first read by step t+2.
-        At the end the last update is also written into the compute copies, so the final eval,
-        the exported folder and `from_pretrained(out)` all see the same, fully updated weights.
+def _add(group: Any, *flags: str, **kw: Any) -> None:
+    """One option with no argparse default: absent from the namespace unless given (so it overrides --config)."""
+    group.add_argument(*flags, default=argparse.SUPPRESS, **kw)
 
-    Example:
-        >>> finetune(FinetuneConfig(model="tiny/", data="notes.txt", out="tuned/", steps=10)).steps  # doctest: +SKIP
-        10
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Add the finetune options to `p` (defaults as in `FinetuneConfig`, applied by `config_from_args`)."""
+    d = FinetuneConfig(model="", data="", out="")
+    io = p.add_argument_group("input and output")
+    _add(io, "--config", metavar="FILE",
+         help="settings from a .json or .yaml file of FinetuneConfig keys (seq, micro_batch_size, lora_targets...) "
+         "or a run record (OUT/rpcompile-run.json, without its resume/overwrite/dry_run); given flags override it")
+    _add(io, "--model", metavar="DIR", help="local Hugging Face folder (save_pretrained): config.json, weights, "
+         "tokenizer; read offline (required, here or in --config)")
+    _add(io, "--data", metavar="FILE",
+         help=".txt (one document per line) or .jsonl, one kind of row per file: 'text' (see --text-field), "
+         "chat 'messages', sharegpt 'conversations', or 'prompt' + 'completion' (required)")
+    _add(io, "--eval", metavar="FILE", help="held-out data in the same formats (eval loss)")
+    _add(io, "--val-size", type=float, metavar="F",
+         help=f"without --eval: hold out this seeded fraction of the documents for the eval loss (default "
+         f"{d.val_size:g})")
+    _add(io, "--out", metavar="DIR",
+         help="output folder: trained model + tokenizer (or LoRA adapters), checkpoint, run record (required)")
+    _add(io, "--whole-file", action="store_true", help=".txt: the whole file is one document")
+    _add(io, "--text-field", metavar="NAME", help=f".jsonl text rows: the key of the text (default {d.text_field!r})")
+    _add(io, "--num-proc", type=int, metavar="N",
+         help=f"processes that tokenize the data (default {d.num_proc}; the token cache is the same for any N)")
+    m = p.add_argument_group("what is trained and how it is packed")
+    _add(m, "--train-on", choices=TRAIN_ON,
+         help="assistant: every assistant reply (with its end-of-turn marker); last: the final reply; "
+         "all: every token (default: assistant for conversations, all for text; prompt/completion rows "
+         "train the completion)")
+    _add(m, "--chat-template", metavar="FILE",
+         help="a jinja chat template for conversations, instead of the tokenizer's (saved with the model)")
+    _add(m, "--packing", choices=PACKINGS,
+         help="whole: bin-pack whole documents, a longer one truncated to --seq (default); split: cut the "
+         "stream every --seq tokens; none: one document per sequence, padded. Positions restart at 0 "
+         "per document")
+    b = p.add_argument_group("batch and pipeline")
+    _add(b, "--gpus", type=int, help="workers (default: every CUDA device, or 2 host workers)")
+    _add(b, "--seq", type=int, help=f"tokens per packed sequence (default {d.seq})")
+    _add(b, "--micro-batch-size", type=int, help=f"sequences per microbatch (default {d.micro_batch_size})")
+    _add(b, "--microbatches", type=int, help="microbatches per step (default 2 x gpus)")
+    _add(b, "--staleness", type=int, choices=(0, 1),
+         help="1: RoundPipe, the CPU optimizer one step behind (default); 0: synchronous")
+    _add(b, "--dtype", choices=sorted(DTYPES), help="training dtype (default auto: bf16 on CUDA, fp32 on the CPU)")
+    _add(b, "--memory-gib", type=float,
+         help="device memory per worker for the planner (default: 90%% of the smallest CUDA device)")
+    _add(b, "--lm-head-shards", type=_shards, help="vocabulary shards of the LM head (default auto)")
+    o = p.add_argument_group("optimization")
+    length = o.add_mutually_exclusive_group()
+    _add(length, "--steps", type=int, help="training steps")
+    _add(length, "--epochs", type=float, help="passes over the data (default 1 when --steps is not given)")
+    _add(o, "--lr", type=float, help="peak learning rate (default 2e-5, or 2e-4 with --lora)")
+    _add(o, "--warmup", type=int, help=f"linear warmup steps (default {d.warmup})")
+    _add(o, "--schedule", choices=SCHEDULES, help=f"after the warmup (default {d.schedule})")
+    _add(o, "--weight-decay", type=float, help=f"AdamW weight decay (default {d.weight_decay:g})")
+    _add(o, "--max-grad-norm", type=float, help=f"clip by the global gradient norm (default {d.max_grad_norm:g}; "
+         f"0 = off)")
+    _add(o, "--seed", type=int, help=f"data order, adapter init, dropout (default {d.seed})")
+    lo = p.add_argument_group("LoRA (needs peft)")
+    _add(lo, "--lora", type=int, metavar="R", help="train rank-R adapters, base frozen (default 0: full fine-tuning)")
+    _add(lo, "--lora-alpha", type=float, help="scale numerator (scale = alpha / R; default 2R)")
+    _add(lo, "--lora-targets", help="comma-separated module names, e.g. q_proj,v_proj, or all-linear "
+         "(default: peft's for the architecture)")
+    _add(lo, "--merge", action="store_true",
+         help="export merged weights (a plain model); the adapters go to OUT/adapter")
+    r = p.add_argument_group("checkpoints, logging and progress")
+    _add(r, "--save-every", type=int, metavar="K", help="atomic checkpoint every K steps and at the end (0 = none)")
+    _add(r, "--eval-every", type=int, metavar="K",
+         help="eval loss every K steps (needs --eval or --val-size; the final model is always evaluated)")
+    _add(r, "--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    _add(r, "--overwrite", action="store_true",
+         help="--out holds a run or a model: replace it (deletes its run record, checkpoint and the model, "
+         "adapter and tokenizer files before training; without --overwrite or --resume such an --out is "
+         "refused)")
+    _add(r, "--logging-steps", type=int, metavar="K",
+         help=f"a line of OUT/metrics.jsonl every K steps (default {d.logging_steps})")
+    _add(r, "--report-to", choices=REPORT_TO,
+         help="also write the metrics for TensorBoard, to OUT/tensorboard (needs tensorboard; default: only "
+         "metrics.jsonl)")
+    _add(r, "--dry-run", action="store_true",
+         help="load the tokenizer and the data, plan on a meta model, print it all; write nothing")
+    _add(r, "--no-progress", action="store_true", help="no progress bar")
+
+
+def settings_from_args(a: argparse.Namespace) -> dict[str, Any]:
+    """The `FinetuneConfig` fields the command line gave (flags only, no defaults, no --config)."""
+    given = {f.name: getattr(a, f.name) for f in dataclasses.fields(FinetuneConfig) if hasattr(a, f.name)}
+    if "lora_targets" in given:
+        given["lora_targets"] = tuple(t.strip() for t in given["lora_targets"].split(",") if t.strip()) or None
+    if getattr(a, "no_progress", False):
+        given["progress"] = False
+    return given
+
+
+def config_from_args(a: argparse.Namespace) -> FinetuneConfig:
+    """The `FinetuneConfig` that parsed options describe: defaults < `--config FILE` < the flags given.
+
+    Raises one line (the CLI prints it, exit 2): ValueError for a missing --model/--data/--out and
+    for a bad config file (see `rpcompile.finetune.config_file.read_config`), FileNotFoundError, ImportError.
     """
-    check_config(cfg)
-    check_report_to(cfg.report_to)
-    _check_transformers()
-    ranks = Ranks.from_env()  # alone, or one of torchrun's processes
-    if not cfg.dry_run:  # before anything slow: a finished run is never overwritten by accident
-        ranks.on_rank0(lambda: check_out(cfg))
-    cuda = torch.cuda.is_available()
-    dtype = DTYPES[cfg.dtype] or (torch.bfloat16 if cuda else torch.float32)
-    tokenizer = load_tokenizer(cfg.model)  # everything that can be wrong is checked before the weights load
-    config = check_model(cfg.model, tokenizer, cfg.seq)
-    if cfg.chat_template:
-        tokenizer.chat_template = read_template(cfg.chat_template)  # used for the data, and exported
-    gpus = cfg.gpus or (torch.cuda.device_count() if cuda else 2)
-    micro = ranks.microbatches(cfg.microbatches or 2 * gpus * ranks.world)  # this rank's share of the step's
-    train, held = _datasets(cfg, tokenizer, ranks)
-    run = run_record(cfg, train, held if cfg.val_size else None)
-    ranks.same_everywhere(json.dumps(run["data"], sort_keys=True), "the training data")
-    if cfg.resume:
-        ranks.on_rank0(lambda: check_resume(cfg, run))
-    size = cfg.micro_batch_size * micro * ranks.world  # sequences per step, every rank together
-    plan = StepPlan(total=cfg.steps or max(1, math.ceil((cfg.epochs or 1.0) * len(train) / size)), size=size,
-                    lr=cfg.lr if cfg.lr is not None else (2e-4 if cfg.lora else 2e-5),
-                    checkpoint=os.path.join(cfg.out, CHECKPOINT))
-    optimizer = AdamW(lr=plan.lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm)
-    lora = dict(rank=cfg.lora, alpha=cfg.lora_alpha, targets=cfg.lora_targets, seed=cfg.seed) if cfg.lora else None
-    example = ranks.share(train.batch(0, size, cfg.seed))
-    pre = preflight(config, example, gpus=gpus, microbatches=micro, microbatch_size=cfg.micro_batch_size,
-                    staleness=cfg.staleness, dtype=dtype, optimizer=optimizer, budget=_budget(cfg, cuda), lora=lora,
-                    packed=cfg.packing != "none", lm_head_shards=cfg.lm_head_shards)  # refuses what cannot fit
-    if cfg.dry_run:
-        print("\n".join(pre.lines()))
-        print(f"dry run: {plan.total} steps of {size} sequences; nothing loaded or written")
-        return FinetuneResult(0, [], [], cfg.out)
-    print(f"fits: {pre.lines()[1]}; {pre.lines()[2]}")
-
-    model = load_model(cfg.model, dtype=dtype)
-    use_cache = getattr(config, "use_cache", True)  # load_model turned it off for training
-    if lora is not None:
-        model = add_lora(model, **lora)
-    module = trainable_module(model)
-    if cfg.packing != "none":  # documents packed per row: attention per document, memory linear in --seq
-        use_packed_attention(module)
-    if ranks.writes:
-        os.makedirs(cfg.out, exist_ok=True)
-    c = _start(cfg, module, run, example, ranks, plan, gpus=gpus, micro=micro, dtype=dtype, optimizer=optimizer,
-               budget=_budget(cfg, cuda))
-    _describe(cfg, module, c, plan, ranks)
-    evals: list[tuple[int, float]] = []
-    log = MetricsLog(cfg.out, report_to=cfg.report_to, resume_at=c.steps) if ranks.writes else None
-    try:
-        with c:
-            loop = Loop(c, cfg, plan, train, held, log, ranks)
-            losses = loop.run(evals, on_step)
-            if cfg.save_every and c.steps % cfg.save_every:
-                c.save(plan.checkpoint)  # the end of the run (a multiple of save_every was saved in the loop)
-            c.model()  # every update into the module, the pending staleness-1 one too
-            for group in range(len(c.state.groups)):
-                c.state.copy(group)  # ... and into the compute copies: nothing will read the stale version now
-            if held is not None:
-                evals.append((c.steps, evaluate_loss(c, held, size, ranks)))
-                print(f"step {c.steps}: eval loss {evals[-1][1]:.4f} (final model)")
-            loop.finish(evals)
-    finally:
-        if log is not None:
-            log.close()
-    if ranks.writes:
-        export(model, tokenizer, cfg.out, merge=cfg.merge, use_cache=use_cache)
-        print(f"wrote {os.path.abspath(cfg.out)} ({'LoRA adapters' if cfg.lora and not cfg.merge else 'model'} "
-              f"and tokenizer; load with from_pretrained)")
-    return FinetuneResult(c.steps, losses, evals, cfg.out)
-
-
-def _check_transformers() -> None:
-    """ImportError in one line naming the extra to install, if transformers is missing."""
-    if importlib.util.find_spec("transformers") is None:
-        raise ImportError('finetune needs transformers, peft and tokenizers: pip install "rpcompile[finetune]"')
-
-
-def _start(cfg: FinetuneConfig, module: Any, run: dict, example: Any, ranks: Ranks, plan: StepPlan, *,
-           gpus: int, micro: int, dtype: torch.dtype, optimizer: AdamW, budget: int | None) -> Any:
-    """The Compiled run: loaded from the checkpoint (`resume`), or compiled after writing the run record."""
-    dist = ranks.world > 1
-    if cfg.resume:
-        local = ranks.fetch_checkpoint(plan.checkpoint)  # rank 0's file, on every server
-        try:
-            return load(local, module, dist=dist)
-        finally:
-            ranks.release(local, plan.checkpoint)
-    if ranks.writes:
-        if cfg.overwrite:
-            remove_previous(cfg.out)
-        # written before any checkpoint exists, atomically: a kill leaves the old record or the new one
-        write_text_atomic(os.path.join(cfg.out, RUN_FILE), json.dumps(run, indent=1))
-    return compile(module, gpus=gpus, example=example, microbatches=micro, staleness=cfg.staleness, dtype=dtype,
-                   seed=cfg.seed, optimizer=optimizer, memory_budget=budget, lm_head_shards=cfg.lm_head_shards,
-                   loss_mean="tokens", dist=dist)
-
-
-def _datasets(cfg: FinetuneConfig, tokenizer: Any, ranks: Ranks) -> tuple[Any, Any]:
-    """(train, held): the packed training data and the held-out data (--eval, or --val-size of the training
-    documents, or None), each with its summary line. Rank 0 of a real run keeps the token cache in
-    OUT/token-cache; a dry run and the other ranks tokenize into a temporary one."""
-    root = os.path.join(cfg.out, TOKEN_CACHE) if ranks.writes and not cfg.dry_run else None
-    train = _data(cfg, cfg.data, tokenizer, root)
-    if cfg.eval:
-        return train, _data(cfg, cfg.eval, tokenizer, root)
-    if not cfg.val_size:
-        return train, None
-    train, held = train.split_documents(cfg.val_size, cfg.seed)
-    for name, part in (("training", train), ("held out", held)):
-        _summary(f"--val-size {cfg.val_size}: {name}", part, cfg)
-    return train, held
-
-
-def _data(cfg: FinetuneConfig, path: str, tokenizer: Any, cache_root: str | None) -> Any:
-    """Read, mask and pack one data file (through the token cache); print its summary line."""
-    packed = prepare(path, tokenizer, seq=cfg.seq, packing=cfg.packing, whole_file=cfg.whole_file,
-                     train_on=cfg.train_on, text_field=cfg.text_field, cache_root=cache_root, num_proc=cfg.num_proc)
-    _summary(f"data {path}", packed, cfg, rows=f"{packed.read:,} rows, ")
-    return packed
-
-
-def _summary(what: str, packed: Any, cfg: FinetuneConfig, rows: str = "") -> None:
-    """One line: rows read, documents, sequences, trained tokens, truncated and dropped documents, cache hit."""
-    dropped = f", {packed.dropped:,} left out (nothing to train)" if packed.dropped else ""
-    hit = " (token cache: hit, nothing tokenized)" if packed.cached else ""
-    print(f"{what}: {rows}{packed.documents:,} documents, {len(packed):,} sequences of {cfg.seq} (packing "
-          f"{cfg.packing}), {packed.trained:,} trained tokens, {packed.truncated:,} documents truncated{dropped}{hit}",
-          flush=True)
-
-
-def _budget(cfg: FinetuneConfig, cuda: bool) -> int | None:
-    """Device bytes per worker for the planner: --memory-gib, else 90% of the smallest CUDA device."""
-    if cfg.memory_gib is not None:
-        return int(cfg.memory_gib * 2**30)
-    if not cuda:
-        return None
-    return int(0.9 * min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())))
-
-
-def _describe(cfg: FinetuneConfig, module: Any, c: Any, plan: StepPlan, ranks: Ranks) -> None:
-    """The run in a few lines: model, batch, plan (the data's line was printed when it was packed)."""
-    n = sum(p.numel() for p in module.parameters())
-    k = sum(p.numel() for p in module.parameters() if p.requires_grad)
-    print(f"{type(module).__name__} from {cfg.model}: {n:,} parameters, {k:,} trainable")
-    dp = f" on each of {ranks.world} processes (rank {ranks.rank})" if ranks.world > 1 else ""
-    print(f"{plan.total} steps of {plan.size} sequences ({c.microbatches * ranks.world} microbatches x "
-          f"{cfg.micro_batch_size}), {c.options.gpus} workers{dp}, staleness {c.options.staleness}, plan "
-          f"{c.plan.to_str()}" + (f"; resumed at step {c.steps}" if c.steps else ""))
+    given = settings_from_args(a)
+    source = getattr(a, "config", None)
+    from_file = read_config(source) if source else {}
+    for group in EXCLUSIVE:  # --epochs on the command line replaces the file's steps, and so on
+        if any(k in given for k in group):
+            from_file = {k: v for k, v in from_file.items() if k not in group}
+    merged = {**from_file, **given}
+    missing = [k for k in REQUIRED if k not in merged]
+    if missing:
+        where = f" or as keys of --config {source}" if source else " (or give them as keys of --config FILE)"
+        raise ValueError(f"{', '.join(f'--{k} {REQUIRED[k]}' for k in missing)}: required{where}")
+    if merged.get("max_grad_norm") == 0:
+        merged["max_grad_norm"] = None  # 0 = off, in a file as on the command line
+    return FinetuneConfig(**merged)

@@ -22,10 +22,10 @@ import time
 
 from rpcompile.checkpoint import write_text_atomic
 from rpcompile.cli.demo import DemoConfig, run
-from rpcompile.cli.finetune import finetune
-from rpcompile.cli.finetune_args import add_arguments, config_from_args
-from rpcompile.cli.planning import plan_model
-from rpcompile.cli.presets import MODELS
+from rpcompile.finetune.run import finetune
+from rpcompile.cli.finetune import add_arguments, config_from_args
+from rpcompile.models.planning import plan_model
+from rpcompile.models.presets import MODELS
 from rpcompile.cli.train import RunConfig, config_help, train
 from rpcompile.ir.costs import CostTable
 from rpcompile.ir.hardware import Hardware
@@ -117,9 +117,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_finetune(args: argparse.Namespace) -> int:
-    """Fine-tune a Hugging Face model folder on a data file (see rpcompile.cli.finetune).
+    """Fine-tune a Hugging Face model folder on a data file (see rpcompile.finetune.run).
 
-    The settings: --config FILE (rpcompile.cli.run_config), overridden by the flags given; a bad
+    The settings: --config FILE (rpcompile.finetune.config_file), overridden by the flags given; a bad
     key or value in the file is a ValueError naming it (one line, exit 2), raised before anything loads.
     """
     finetune(config_from_args(args))

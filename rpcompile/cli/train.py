@@ -21,7 +21,7 @@ from typing import Any
 from rpcompile.api import compile
 from rpcompile.resume import load
 from rpcompile.cli.demo import DemoConfig, batches
-from rpcompile.cli.zoo import LlamaConfig, TinyLlama
+from rpcompile.models.zoo import LlamaConfig, TinyLlama
 from rpcompile.ir.optim import AdamW
 
 

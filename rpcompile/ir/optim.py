@@ -1,7 +1,7 @@
 """User-facing optimizer configs: plain frozen data, no tensors.
 
 `rpcompile.compile(..., optimizer=rpcompile.AdamW(lr=1e-4))` takes one of these;
-the runtime's CPU optimizer (`rpcompile.runtime.optimizer.HostState`) turns it
+the runtime's CPU optimizer (`rpcompile.runtime.host.optimizer.HostState`) turns it
 into one torch optimizer per layer group over the fp32 master weights.
 
 Note:

@@ -1,0 +1,140 @@
+"""Host memory of a training run: what `runtime.host.optimizer.HostState` and the activation store hold.
+
+All model state lives in host memory (DESIGN.md idea 1); this pass counts it by
+category, and the driver's admission check (`rpcompile.hostmem`) refuses a run
+that does not fit the host before it starts:
+
+    >>> import torch
+    >>> need = host_bytes(torch.nn.Linear(1024, 1024), microbatches=4, staleness=1, dtype=torch.bfloat16)
+    >>> need.weights, need.masters, need.grads, need.optimizer, need.activations
+    (2099200, 4198400, 4198400, 8396800, 0)
+
+Note: what counts. Every parameter has a compute copy in the training dtype
+(its own dtype when the run keeps the model's), frozen ones included and
+nothing else for them. A trainable parameter (requires_grad, used by some
+layer) adds an fp32 master, an fp32 gradient buffer and the optimizer state:
+AdamW two fp32 moments, SGD one fp32 momentum buffer when momentum > 0. The
+activations are the saved stage inputs the host keeps for the backward stages
+to recompute from (`round_saved_bytes`, the rule `max_seq_len`
+uses too): iterations run in rounds of R microbatches and a round's inputs live
+from its forward to its backward, so R microbatches hold every backward stage's
+input; the rotation has no drain (the next round, with staleness 1 also the
+next iteration's first, starts on a worker as soon as it is free), so the last
+N - 1 backward stages of the previous round still hold theirs and count once
+more. An estimate for admission, not an
+allocator trace: pinned staging buffers and Python overheads are left out.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rpcompile.ir.optim import SGD
+from rpcompile.ir.plan import StagePlan
+from rpcompile.passes.partition.timing import default_round_size
+
+__all__ = ["HostBytes", "host_bytes", "round_saved_bytes"]
+
+_ADAM_MOMENTS = 2  # fp32 moments per trainable element (exp_avg, exp_avg_sq)
+
+
+@dataclass(frozen=True, slots=True)
+class HostBytes:
+    """Host bytes of a run, by category (see the module Note)."""
+
+    weights: int       # compute copies of every parameter (training dtype)
+    masters: int       # fp32 masters of the trainable parameters
+    grads: int         # fp32 gradient buffers of the trainable parameters
+    optimizer: int     # optimizer state of the trainable parameters
+    activations: int   # saved inputs of the backward stages for the microbatches in flight (0 before a plan)
+    in_flight: int     # microbatches per round R whose saved inputs are on the host (0 before a plan)
+
+    @property
+    def total(self) -> int:
+        """All of it, in bytes."""
+        return self.weights + self.masters + self.grads + self.optimizer + self.activations
+
+    def __str__(self) -> str:
+        parts = [f"weights {_gib(self.weights)}", f"fp32 masters {_gib(self.masters)}",
+                 f"gradients {_gib(self.grads)}", f"optimizer state {_gib(self.optimizer)}"]
+        if self.in_flight:
+            parts.append(f"saved activations {_gib(self.activations)} for {self.in_flight} microbatches per round "
+                         f"(+ the previous round's last stages)")
+        return f"{_gib(self.total)} ({self.total} bytes: {', '.join(parts)})"
+
+
+def host_bytes(model: Any, costs: Any = None, plan: Any = None, *, microbatches: int, staleness: int = 1,
+               optimizer: Any = None, dtype: Any = None, gpus: int | None = None,
+               round_size: int | None = None) -> HostBytes:
+    """Host bytes a run needs, by category.
+
+    Args:
+        model: a traced `LayerGraph` (its canonical parameters; one no layer uses counts as frozen, as in
+            HostState) or an `nn.Module` (every parameter, e.g. on the meta device before tracing).
+        costs, plan: the CostTable and StagePlan; without them the activations count 0.
+        microbatches: M per iteration.
+        staleness: 0 or 1 (the rule above holds for both; kept for the callers' symmetry).
+        optimizer: `rpcompile.AdamW` (default) or `rpcompile.SGD`.
+        dtype: training dtype of the compute copies; None keeps each parameter's own.
+        gpus: workers N; needed with a plan.
+        round_size: microbatches per round R (default `default_round_size(N, M)`).
+    Returns:
+        A HostBytes; `str()` of it lists the categories.
+
+    >>> import torch
+    >>> frozen = torch.nn.Linear(4, 4).requires_grad_(False)
+    >>> host_bytes(frozen, microbatches=1).total   # compute copies only: 20 fp32 elements
+    80
+    """
+    state = 0 if isinstance(optimizer, SGD) and optimizer.momentum == 0 else 1 if isinstance(optimizer, SGD) \
+        else _ADAM_MOMENTS
+    weights = trainable = 0
+    for numel, own, train in _parameters(model):
+        weights += numel * (dtype or own).itemsize
+        trainable += numel if train else 0
+    fp32 = torch.float32.itemsize
+    saved = in_flight = 0
+    if plan is not None:
+        if gpus is None:
+            raise ValueError("host_bytes: gpus is needed with a plan (the rounds' saved inputs depend on it)")
+        saved, in_flight = round_saved_bytes(list(costs.saved_bytes), plan, gpus, microbatches, round_size)
+    return HostBytes(weights, trainable * fp32, trainable * fp32, trainable * fp32 * state, saved, in_flight)
+
+
+def round_saved_bytes(saved: list[int], plan: StagePlan, gpus: int, microbatches: int,
+                      round_size: int | None = None) -> tuple[int, int]:
+    """Host bytes of saved stage inputs at once, and the round size R (see module Note).
+
+    Args:
+        saved: bytes of each layer's saved input (`CostTable.saved_bytes`) for one microbatch.
+        plan: its backward stages keep one saved input each per microbatch.
+        gpus, microbatches: N and M; rounds hold R microbatches.
+        round_size: R (default `default_round_size(N, M)`).
+    Returns:
+        (R x all backward stages' inputs + R x those of the last N - 1 backward stages, R).
+
+    >>> round_saved_bytes([10, 10, 10], StagePlan.from_str("1,1|1|1,1"), gpus=2, microbatches=4)
+    (60, 2)
+    """
+    r = round_size or default_round_size(gpus, microbatches)
+    per = [saved[b.start] for b in plan.bwd]  # execution order: the last ones hold the lowest layers
+    tail = per[len(per) - min(len(per), gpus - 1):] if gpus > 1 else []
+    return r * (sum(per) + sum(tail)), r
+
+
+def _parameters(model: Any):
+    """(elements, dtype, trainable) per parameter of a LayerGraph or an nn.Module."""
+    if hasattr(model, "param_owners"):
+        owners = model.param_owners()
+        for name, v in model.params.items():
+            yield v.bytes // max(v.dtype.itemsize, 1), v.dtype, bool(v.requires_grad and owners.get(name))
+    else:
+        for p in model.parameters():
+            yield p.numel(), p.dtype, p.requires_grad
+
+
+def _gib(n: int) -> str:
+    """Bytes in GiB (MiB below 1 GiB), one decimal."""
+    return f"{n / 2**30:,.1f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"

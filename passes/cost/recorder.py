@@ -1,0 +1,221 @@
+"""The op recorder of both cost modes: FLOPs and bytes per aten op, and the live device memory.
+
+`Recorder` is a dispatch mode; every aten op a layer runs (forward, and the
+backward autograd runs for it) passes through it. It records
+
+- an `OpCount` per op that moves data: FLOPs from `meta.attention.FLOP_RULES`,
+  `meta.moe.GROUPED_MM_FLOPS` or torch's `flop_registry`, bytes = every tensor it reads and writes (a
+  broadcast operand counts its distinct elements once); views and
+  allocation-only ops are not priced;
+- in a shared `Tracker`, the storages every op creates and when they die (weak
+  references checked at each op), so the live bytes after every op are known.
+
+The live curve is what a device would hold on top of the layer's parameters
+and inputs: autograd's saved tensors, the outputs, the output gradients, every
+backward transient and the input gradients (parameter gradients are excluded:
+they are `grad_bytes`). Its maximum is the layer's `peak_bytes`. The same
+recorder runs on meta (predict) and on real CPU tensors (measure), so the two
+modes count the same lifetimes; only the kernels' private scratch is unseen.
+
+Chunk loops (`meta.regions.chunk_loop`) are folded: op k of every iteration
+becomes one OpCount with summed FLOPs, bytes and `launches`, and one point of
+the live curve holding the largest value over the iterations.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+from rpcompile.ir.hardware import dtype_key
+from rpcompile.passes.meta.attention import FLOP_RULES
+from rpcompile.passes.meta.moe import GROUPED_MM_FLOPS
+from rpcompile.passes.meta.regions import Folding
+
+__all__ = ["OpCount", "Tracker", "Recorder", "tensor_bytes", "storage_id"]
+
+_NO_DATA = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach",
+                      "alias", "lift_fresh", "_local_scalar_dense", "sym_size", "sym_stride", "sym_numel",
+                      "set_", "resize_", "is_same_size", "_unsafe_view", "_reshape_alias"})
+
+
+@dataclass(frozen=True, slots=True)
+class OpCount:
+    """One aten op (or one position of a folded chunk loop) as the roofline prices it."""
+
+    name: str  # aten op name, e.g. "mm"
+    flops: int  # FLOPs (see module docstring; 0 if none)
+    bytes: int  # bytes read + written (0 for views)
+    dtype: str  # dtype key of its first floating input, for the peak FLOP/s lookup
+    launches: int = 1  # kernels it stands for: the iterations of a folded chunk loop
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes an op touches in `t`: a broadcast (expanded) operand counts its distinct elements once.
+
+    >>> tensor_bytes(torch.zeros(4).expand(3, 4))
+    16
+    """
+    size = t.element_size()
+    n = t.numel() * size
+    distinct = size
+    for d, st in zip(t.shape, t.stride()):
+        distinct *= d if st else 1
+    try:
+        return min(n, distinct, t.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):
+        return min(n, distinct)
+
+
+def storage_id(t: torch.Tensor) -> int:
+    """Identity of a tensor's storage (works on meta)."""
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return id(t)
+
+
+class Tracker:
+    """Lifetimes of the storages created while recording (see module docstring).
+
+    Args:
+        resident: storage ids that are there before the run and not counted (parameters, inputs).
+    """
+
+    def __init__(self, resident: Iterable[int]) -> None:
+        self.resident = set(resident)
+        self.alive: dict[int, tuple[StorageWeakRef, int]] = {}  # sid -> (weak ref, event index)
+        self.events: list[list[int]] = []  # [sid, bytes, first step alive, first step dead (0: never)]
+        self.steps = 0  # ops observed
+        self.groups: list[list[int]] = []  # points of the (folded) live curve: the steps each stands for
+        self._fold: list[int] | None = None  # curve points of the current loop's first iteration
+        self._iters = 0  # iterations of the current loop started so far
+        self._pos = 0  # position within the current iteration
+
+    def observe(self, outputs: Iterable[Any]) -> None:
+        """One op ran and returned `outputs`: note storages that died and the ones it created."""
+        self.steps += 1
+        for sid, (ref, k) in list(self.alive.items()):
+            if ref.expired():
+                self.events[k][3] = self.steps
+                del self.alive[sid]
+        for t in outputs:
+            if not isinstance(t, torch.Tensor):
+                continue
+            sid = storage_id(t)
+            if sid in self.resident or sid in self.alive:
+                continue
+            try:
+                ref = StorageWeakRef(t.untyped_storage())
+            except (RuntimeError, NotImplementedError):
+                continue
+            self.alive[sid] = (ref, len(self.events))
+            self.events.append([sid, tensor_bytes(t), self.steps, 0])  # the tensor's bytes: kernels may over-allocate
+        self._group(self.steps)
+
+    def _group(self, step: int) -> None:
+        """Put a step into the live curve: a new point, or the point of its loop position."""
+        if self._fold is None or self._iters < 2:
+            self.groups.append([step])
+            if self._fold is not None and self._iters == 1:
+                self._fold.append(len(self.groups) - 1)
+        elif self._pos < len(self._fold):
+            self.groups[self._fold[self._pos]].append(step)
+            self._pos += 1
+        else:  # a longer iteration than the first: its extra ops stay unfolded
+            self.groups.append([step])
+
+    def fold_begin(self) -> None:
+        """A chunk loop starts (nested loops are not folded twice)."""
+        if self._fold is not None:
+            raise RuntimeError("nested chunk loops are not supported")
+        self._fold, self._iters, self._pos = [], 0, 0
+
+    def fold_next(self) -> None:
+        """Next iteration: from the second on, its ops fold onto the first iteration's positions."""
+        if self._fold is not None:
+            self._iters += 1
+            self._pos = 0
+
+    def fold_end(self) -> None:
+        """The loop ended."""
+        self._fold = None
+
+    def live(self, exclude: Iterable[int] = ()) -> list[int]:
+        """Live bytes at each point of the (folded) curve, without storages in `exclude` alive at the end."""
+        skip = set(exclude)
+        delta = [0] * (self.steps + 2)
+        for sid, n, start, stop in self.events:
+            if stop == 0 and sid in skip:
+                continue
+            delta[start] += n
+            delta[stop or self.steps + 1] -= n
+        level, per_step = 0, [0] * (self.steps + 1)
+        for i in range(1, self.steps + 1):
+            level += delta[i]
+            per_step[i] = level
+        return [max(per_step[s] for s in g) for g in self.groups]
+
+
+class Recorder(TorchDispatchMode, Folding):
+    """Dispatch mode appending an OpCount per op to `self.ops` and feeding the Tracker (module docstring).
+
+    Args:
+        tracker: the lifetime tracker shared by a layer's forward and backward recorders (optional).
+    """
+
+    def __init__(self, tracker: Tracker | None = None) -> None:
+        super().__init__()
+        self.ops: list[OpCount] = []
+        self.tracker = tracker
+        self._loop: list[list[OpCount]] | None = None  # iterations of the current chunk loop
+        self._base = 0  # len(self.ops) when the loop started
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        flat_out = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if self.tracker is not None:
+            self.tracker.observe(flat_out)
+        name = func.__name__.split(".")[0]
+        if func.is_view or name in _NO_DATA or func.namespace == "prim":
+            return out
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)] + flat_out
+        nbytes = sum(tensor_bytes(t) for t in tensors)
+        packet = func._overloadpacket
+        rule = FLOP_RULES.get(packet) or GROUPED_MM_FLOPS.get(packet) or flop_registry.get(packet)
+        flops = int(rule(*args, **kwargs, out_val=out)) if rule is not None else 0
+        floats = [t for t in tensors if t.is_floating_point()]
+        op = OpCount(name, flops, nbytes, dtype_key(floats[0].dtype) if floats else "float32")
+        (self._loop[-1] if self._loop else self.ops).append(op)
+        return out
+
+    def fold_begin(self) -> None:
+        self._loop = []
+        if self.tracker is not None:
+            self.tracker.fold_begin()
+
+    def fold_next(self) -> None:
+        if self._loop is not None:
+            self._loop.append([])
+        if self.tracker is not None:
+            self.tracker.fold_next()
+
+    def fold_end(self) -> None:
+        loop, self._loop = self._loop or [], None
+        if self.tracker is not None:
+            self.tracker.fold_end()
+        if not loop:
+            return
+        first = loop[0]
+        for k, op in enumerate(first):
+            same = [it[k] for it in loop if len(it) > k and it[k].name == op.name]
+            self.ops.append(OpCount(op.name, sum(o.flops for o in same), sum(o.bytes for o in same), op.dtype,
+                                    sum(o.launches for o in same)))
+        for it in loop:  # ops beyond the first iteration's length (or renamed) stay unfolded
+            self.ops.extend(o for k, o in enumerate(it) if k >= len(first) or first[k].name != o.name)

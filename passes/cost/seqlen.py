@@ -1,0 +1,228 @@
+"""`max_seq_len`: the longest sequence whose training fits, and the term that stops it.
+
+Note:
+    Two constraints, every byte count from `SymbolicCosts` at microbatch size
+    B (sequences per microbatch) and length S:
+
+    device: RoundPipe keeps activations on the host, so S is bounded by the
+      largest stage a worker must hold. At the longest S the planner can only
+      use one-layer windows around the layer that binds (a wider window adds
+      that layer's neighbours to the same worker), so the bound is
+      `StagePlan.stage_memory` (the partitioner's own rule) of the plan with one
+      layer per forward and backward stage, with the prefetched next stage
+      bounded by the largest other stage's parameters. That makes it
+      independent of the GPU count. A stage's bytes are its parameters, the
+      prefetched ones, gradients of trainable parameters, the workspace
+      (`peak_bytes`: saved tensors plus backward transients, the live bytes
+      counted op by op) and the inputs, outputs and gradients in flight.
+
+    host: the parameter state plus the saved stage inputs of the microbatches
+      in flight, with the backward stages as wide as the device allows at that
+      length (each backward stage keeps one saved input per microbatch, so the
+      planner widens them where it can; grown greedily from the last layer).
+      Parameter state: `passes.cost.host_bytes.host_bytes` by category: every
+      parameter's compute copy at its own dtype; a trainable one adds an fp32
+      master, an fp32 gradient and two fp32 AdamW moments (16 B); a frozen one
+      nothing more. In flight (`round_saved_bytes`, the rule the driver's admission
+      check uses too):
+      iterations run in rounds of R microbatches (`default_round_size(gpus,
+      M)`); a round's saved inputs live from its forward to its backward, so at
+      most R microbatches hold every backward stage's input. The rotation has no drain: the next
+      round (with staleness 1 also the next iteration's first round) starts
+      forward on a worker as soon as it is free, i.e. while the previous
+      round's last N - 1 backward slots (the lowest layers) still wait for
+      their saved inputs, which therefore count once more.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+
+from rpcompile.ir.costs import CostTable
+from rpcompile.ir.graph import LayerGraph
+from rpcompile.ir.hardware import Hardware
+from rpcompile.ir.plan import StagePlan
+from rpcompile.passes.cost.stage_memory import _COLUMNS, _gib, stage_terms
+from rpcompile.passes.cost.host_bytes import round_saved_bytes
+from rpcompile.passes.shard_head import shard_lm_head
+from rpcompile.passes.cost.symbolic import B, S, SymbolicCosts, _default_inputs, chunk_unit, symbolic_costs
+
+__all__ = ["SeqLenLimit", "max_seq_len", "seq_len_costs"]
+
+@dataclass(frozen=True, slots=True)
+class SeqLenLimit:
+    """The longest trainable sequence and what stops a longer one.
+
+    Example:
+        >>> lim = max_seq_len(graph, Hardware.preset("rtx4090"), gpus=8)   # doctest: +SKIP
+        >>> lim.length, lim.binding                                        # doctest: +SKIP
+        (74752, "device: backward stage of layer 3 'model.layers.2', workspace (...)")
+    """
+
+    length: int  # the longest S that fits (0: not even S = 1)
+    binding: str  # the constraint the next length breaks, and its largest term
+    bytes: int  # that constraint's bytes at length + 1
+    capacity: int  # the bytes it must fit in (the device budget or the host memory)
+    terms: tuple[tuple[str, int], ...] = ()  # its bytes by term at length + 1, largest first
+
+    def __str__(self) -> str:
+        if not self.terms:
+            return f"{self.length:,} tokens ({self.binding})"
+        parts = ", ".join(f"{name} {_gib(n)}" for name, n in self.terms if n)
+        return (f"{self.length:,} tokens; at {self.length + 1:,} the {self.binding} needs {_gib(self.bytes)} "
+                f"> {_gib(self.capacity)} ({parts})")
+
+
+def seq_len_costs(graph: LayerGraph, hardware: Hardware, *, memory_budget: int | None = None,
+                  usable: float = 0.9, example: Any = None) -> SymbolicCosts:
+    """The symbolic costs `max_seq_len` solves: `graph` with its LM head sharded and chunked first, as compile does.
+
+    Args:
+        graph: the traced model; a not yet sharded LM head is sharded into shards no bigger than
+            the largest other layer and chunked for the device budget (`shard_lm_head(..., chunk="auto",
+            memory_budget=)`).
+        hardware: prices the ops; its device memory sets the default budget.
+        memory_budget: device bytes per worker (default `usable * hardware.device_memory`).
+        example: a batch to fit at (default zeros shaped like the trace's).
+    Returns:
+        A SymbolicCosts; pass it to `max_seq_len` as often as needed (it is the slow part).
+
+    >>> sc = seq_len_costs(graph, Hardware.preset("rtx4090"))   # doctest: +SKIP
+    """
+    budget = memory_budget if memory_budget is not None else int(usable * hardware.device_memory)
+    if chunk_unit(graph) is None:
+        head = graph.param_bytes(graph.layers[-1])
+        largest = max((graph.param_bytes(lay) for lay in graph.layers[:-1]), default=0)
+        try:  # shards no bigger than the largest other layer
+            graph = shard_lm_head(graph, max(1, -(-head // max(largest, 1))), chunk="auto", memory_budget=budget)
+        except ValueError:  # no supported LM head: nothing to shard
+            pass
+    inputs = graph.flatten_inputs(example) if example is not None else _default_inputs(graph)
+    return symbolic_costs(graph, inputs, hardware)
+
+
+class _Model:
+    """The two constraints of the module Note, evaluated at any S."""
+
+    def __init__(self, sc: SymbolicCosts, b: int, gpus: int, microbatches: int) -> None:
+        self.sc, self.gpus, self.microbatches, n = sc, gpus, microbatches, len(sc.names)
+        self.cols = {f: [sympy.lambdify(S, sympy.sympify(e).subs(B, b), "math") for e in getattr(sc, f)]
+                     for _, f in _COLUMNS}
+        self.plan = StagePlan.from_sizes([1] * (n - 1), 1, [1] * (n - 1))
+        self.host_state = dict(sc.host_state)
+
+    def table(self, s: int, only: str | None = None) -> CostTable:
+        """The memory columns at length s (all, or only one, the others zero)."""
+        n = len(self.sc.names)
+        cols = {f: [int(fn(s)) if only in (None, f) else 0 for fn in fns] for f, fns in self.cols.items()}
+        return CostTable.from_lists(fwd=[0.0] * n, bwd=[0.0] * n, names=self.sc.names, **cols)
+
+    def device(self, s: int) -> tuple[int, int]:
+        """(bytes of the largest stage, its index) at length s."""
+        need = self.plan.stage_memory(self.table(s))
+        i = max(range(len(need)), key=need.__getitem__)
+        return need[i], i
+
+    def windows(self, s: int, cap: int) -> StagePlan:
+        """The plan with the widest backward stages that fit `cap` at length s (fewest saved inputs on the host).
+
+        Backward stages are grown greedily from the last layer down with `StagePlan.stage_memory`'s
+        backward-stage terms (prefetch bounded by the largest layer's parameters); the resulting plan
+        is checked with `stage_memory` itself, falling back to one layer per stage if it does not fit.
+        """
+        t, n = self.table(s), len(self.sc.names)
+        pre = [0]
+        for i in range(n):
+            pre.append(pre[-1] + t.param_bytes[i] + t.grad_bytes[i] + t.peak_bytes[i])
+        fetch = max(t.param_bytes)
+
+        def need(lo: int, hi: int) -> int:
+            return (pre[hi + 1] - pre[lo] + fetch + 2 * t.saved_bytes[lo] + 2 * t.act_bytes[hi]
+                    + (t.act_bytes[lo - 1] if lo else 0))
+
+        sizes, hi = [], n - 2
+        while hi >= 0:
+            lo = hi
+            while lo > 0 and need(lo - 1, hi) <= cap:
+                lo -= 1
+            sizes.append(hi - lo + 1)
+            hi = lo - 1
+        plan = StagePlan.from_sizes([1] * (n - 1), 1, sizes)
+        return plan if max(plan.stage_memory(t)) <= cap else self.plan
+
+    def host(self, s: int, cap: int) -> tuple[int, str]:
+        """(host bytes at length s with the widest backward stages that fit `cap`, what the activations are)."""
+        plan = self.windows(s, cap)
+        saved = self.table(s, "saved_bytes").saved_bytes
+        acts, r = round_saved_bytes(list(saved), plan, self.gpus, self.microbatches)
+        what = f"saved inputs of {len(plan.bwd)} backward stages x {r} microbatches per round (+ the last round's tail)"
+        return sum(self.host_state.values()) + acts, what
+
+    def explain(self, s: int, device_cap: int, host_cap: int) -> SeqLenLimit | None:
+        """The first constraint that length s breaks, with its terms; None if it fits."""
+        need, i = self.device(s)
+        if need > device_cap:
+            where, terms = stage_terms(self.table(s), self.plan, i)
+            return SeqLenLimit(s - 1, f"device: {where}, {terms[0][0]}", need, device_cap, tuple(terms))
+        host, what = self.host(s, device_cap)
+        if host > host_cap:
+            acts = host - sum(self.host_state.values())
+            terms = sorted([*self.host_state.items(), (what, acts)], key=lambda t: -t[1])
+            return SeqLenLimit(s - 1, f"host: {terms[0][0]}", host, host_cap, tuple(terms))
+        return None
+
+
+def max_seq_len(graph_or_costs: LayerGraph | SymbolicCosts, hardware: Hardware, *, gpus: int | None = None,
+                example: Any = None, microbatch_size: int = 1, microbatches: int | None = None,
+                memory_budget: int | None = None, host_memory: int | None = None, usable: float = 0.9,
+                limit: int = 1 << 24) -> SeqLenLimit:
+    """Largest sequence length S whose training fits the device and host memory, and what binds.
+
+    Args:
+        graph_or_costs: a SymbolicCosts, or a LayerGraph (its LM head is sharded and chunked as
+            `compile` does if it is not yet, then fitted in predict mode).
+        hardware: device_memory, host_memory (and gpus if `gpus` is None).
+        gpus: workers N (default `hardware.gpus`); it only changes the host term.
+        example: for a LayerGraph, a batch to fit at (default zeros shaped like the trace's).
+        microbatch_size: sequences per microbatch (B).
+        microbatches: per iteration (default N); sets the round size, so the microbatches in flight.
+        memory_budget: device bytes per worker (default `usable * hardware.device_memory`), as `compile`'s.
+        host_memory: host bytes (default `hardware.host_memory`), all of it available: the limit
+            `compile` checks the run against (`rpcompile.hostmem`), so a length this admits compiles.
+        usable: the share of the device memory a worker may use (the default budget), as `compile`'s.
+        limit: the largest S tried.
+    Returns:
+        A SeqLenLimit: `.length` (0 if even S = 1 does not fit), `.binding` (the constraint the
+        next length breaks and its largest term), `.bytes`, `.capacity`, `.terms`; `str()` reads well.
+
+    >>> print(max_seq_len(graph, Hardware.preset("rtx4090"), gpus=8))   # doctest: +SKIP
+    74,752 tokens; at 74,753 the device: backward stage of layer 5 ... needs 21.6 GiB > 21.6 GiB (...)
+    """
+    n_gpu = gpus or hardware.gpus
+    device_cap = memory_budget if memory_budget is not None else int(usable * hardware.device_memory)
+    host_cap = host_memory if host_memory is not None else hardware.host_memory
+    sc = graph_or_costs
+    if isinstance(sc, LayerGraph):
+        sc = seq_len_costs(sc, hardware, memory_budget=device_cap, example=example)
+    if not isinstance(sc, SymbolicCosts):
+        raise TypeError(f"max_seq_len needs a LayerGraph or SymbolicCosts, got {type(sc).__name__}")
+    if microbatch_size < 1 or n_gpu < 1:
+        raise ValueError(f"microbatch_size and gpus must be >= 1, got {microbatch_size} and {n_gpu}")
+    model = _Model(sc, microbatch_size, n_gpu, microbatches or n_gpu)
+
+    def fits(s: int) -> bool:
+        return model.explain(s, device_cap, host_cap) is None
+
+    if not fits(1):
+        return model.explain(1, device_cap, host_cap)
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    found = model.explain(lo + 1, device_cap, host_cap) if lo < limit else None
+    return found or SeqLenLimit(lo, f"the search limit {limit:,}", 0, 0)

@@ -1,0 +1,292 @@
+"""Costs as exact formulas in the microbatch size B and sequence length S, and `max_seq_len`.
+
+`symbolic_costs` counts every layer (predict mode, on `meta`) at six (B, S)
+shapes, fits each op's FLOPs, bytes and kernel launches and each memory column
+EXACTLY (rational arithmetic) on the monomials 1, S, S^2, B, B*S, B*S^2, and
+checks the fit on a seventh shape. The same pricing rules as predict mode
+apply (`cost.py` Note: SDPA as one flash op, elementwise ops one kernel each,
+a chunk loop one op per position). Times are sums of per-op rooflines,
+`Max(flops/(peak*eff), bytes/bw)`; `peak_bytes` is the Max over the live bytes
+after each op (each fitted exactly; dominated ones dropped), so it stays right
+when the op that peaks changes with S. `SymbolicCosts.at(B, S)` reproduces
+`estimate_costs(mode="predict")` at any shape (chunked heads: at token counts
+that are multiples of the chunk; between them the last partial chunk's
+launches and weight reads are interpolated). `max_seq_len` (`seqlen.py`)
+solves the memory constraints for the largest S.
+
+    >>> sc = estimate_costs(g, batch, mode="predict", hardware=hw, symbolic=True)  # tiny Llama, hidden 32
+    >>> sc.fwd_flops[1]
+    128*B*S**2 + 18432*B*S
+    >>> max_seq_len(sc, Hardware.preset("rtx4090"), gpus=8).length  # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Callable, Sequence
+
+import sympy
+import torch
+from tabulate import tabulate
+
+from rpcompile.ir.costs import CostTable
+from rpcompile.ir.graph import LayerGraph
+from rpcompile.ir.hardware import Hardware
+from rpcompile.passes.shard_head.chunked import chunked_lse
+from rpcompile.passes.cost.count import LayerCount, count_layers
+from rpcompile.passes.cost.host_bytes import host_bytes
+
+__all__ = ["SymbolicCosts", "symbolic_costs", "B", "S"]  # max_seq_len, which solves them: seqlen.py
+
+B, S = sympy.symbols("B S", positive=True, integer=True)
+_SYM_B, _SYM_S = B, S
+_MEMORY = ("param_bytes", "grad_bytes", "act_bytes", "saved_bytes", "peak_bytes")
+
+
+@dataclass(frozen=True)
+class SymbolicCosts:
+    """Per-layer costs of one microbatch as sympy expressions in `B` (microbatch size) and `S` (sequence length)."""
+
+    names: tuple[str, ...]  # layer names
+    fwd: tuple[sympy.Expr, ...]  # forward seconds on `hardware`
+    bwd: tuple[sympy.Expr, ...]  # backward seconds (no recompute)
+    fwd_flops: tuple[sympy.Expr, ...]  # forward FLOPs (exact polynomial)
+    bwd_flops: tuple[sympy.Expr, ...]  # backward FLOPs (exact polynomial)
+    param_bytes: tuple[sympy.Expr, ...]  # as CostTable, constants
+    grad_bytes: tuple[sympy.Expr, ...]  # as CostTable, constants
+    act_bytes: tuple[sympy.Expr, ...]  # as CostTable, polynomials
+    saved_bytes: tuple[sympy.Expr, ...]  # as CostTable, polynomials
+    peak_bytes: tuple[sympy.Expr, ...]  # as CostTable, polynomials
+    param_numel: int  # distinct parameter elements of the model (tied counted once), for host memory
+    hardware: Hardware  # the hardware the times are for
+    # host bytes of the parameter state by category (`passes.cost.host_bytes.host_bytes`, AdamW, own dtypes)
+    host_state: tuple[tuple[str, int], ...] = ()
+
+    def at(self, B: int, S: int = 1) -> CostTable:
+        """The CostTable at a concrete microbatch size and sequence length.
+
+        >>> sc.at(B=2, S=100).fwd_flops[1]
+        6246400
+        """
+        env = {_SYM_B: B, _SYM_S: S}
+
+        def ev(exprs, kind):
+            return [kind(sympy.sympify(e).subs(env)) for e in exprs]
+
+        return CostTable.from_lists(
+            fwd=ev(self.fwd, float), bwd=ev(self.bwd, float), names=self.names,
+            **{k: ev(getattr(self, k), int) for k in _MEMORY},
+            fwd_flops=ev(self.fwd_flops, int), bwd_flops=ev(self.bwd_flops, int))
+
+    def __str__(self) -> str:
+        rows = [[i, n, self.fwd_flops[i], self.bwd_flops[i], self.act_bytes[i], self.peak_bytes[i]]
+                for i, n in enumerate(self.names)]
+        return tabulate(rows, headers=["#", "layer", "fwd FLOPs", "bwd FLOPs", "act out bytes", "workspace bytes"],
+                        disable_numparse=True)
+
+
+def _seq_len(graph: LayerGraph, inputs: dict[str, torch.Tensor]) -> int | None:
+    """S of the example: dim 1 of the first token-id input (ndim >= 2) or float input with ndim >= 3."""
+    for name in graph.inputs:
+        t = inputs[name]
+        if (t.dim() >= 2 and not t.is_floating_point()) or t.dim() >= 3:
+            return int(t.shape[1])
+    return None
+
+
+def resize_inputs(graph: LayerGraph, inputs: dict[str, torch.Tensor], b: int, s: int | None) -> dict:
+    """Inputs tiled/cropped to batch `b` (batched inputs' dim 0) and sequence `s` (dims of size S0, from dim 1)."""
+    s0 = _seq_len(graph, inputs)
+    out = {}
+    for name, t in inputs.items():
+        v = graph.values.get(name)
+        for d in range(t.dim()):
+            if d == 0 and (v is None or v.batch_dim == 0):
+                new = b
+            elif d > 0 and s is not None and t.shape[d] == s0:
+                new = s
+            else:
+                continue
+            idx = torch.arange(new, device=t.device) % max(t.shape[d], 1)
+            t = t.index_select(d, idx)
+        out[name] = t
+    return out
+
+
+def _points(s0: int | None, unit: int | None = None) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+    """Six fitting shapes (B in {2, 3} x three S) and one check shape.
+
+    Note: B = 1 and S = 1 are avoided; there some copies (`contiguous` of a size-1 dim) vanish.
+    With a chunked LM head (`unit` = its chunk), S is a multiple of the chunk, so every
+    chunk is full and a chunk loop's sums are exact polynomials: S in {2, 3, 4} x unit, check 5 x unit.
+    """
+    if s0 is None:
+        return [(2, 1), (3, 1)], (4, 1)
+    if unit:
+        return [(b, k * unit) for b in (2, 3) for k in (2, 3, 4)], (4, 5 * unit)
+    pts = sorted({max(2, math.ceil(s0 / 2)), max(2, math.ceil(3 * s0 / 4)), s0})
+    check = max(2, round(5 * s0 / 8))
+    if len(pts) < 3 or check in pts:
+        pts, check = [s0, s0 + 1, s0 + 2], s0 + 3
+    return [(b, s) for b in (2, 3) for s in pts], (4, check)
+
+
+def chunk_unit(graph: LayerGraph) -> int | None:
+    """The chunk of the graph's chunked LM head (lcm over its shards), None without one."""
+    unit = None
+    for layer in graph.layers:
+        for n in layer.module.graph.nodes:
+            if n.op == "call_function" and n.target is chunked_lse:
+                c = int(n.args[5])
+                unit = c if unit is None else unit * c // math.gcd(unit, c)
+    return unit
+
+
+def _basis(with_s: bool) -> list[Callable[[int, int], int]]:
+    """Monomials in (B, S): 1, S, S^2, B, BS, BS^2 (or 1, B without S)."""
+    if not with_s:
+        return [lambda b, s: 1, lambda b, s: b]
+    return [lambda b, s: 1, lambda b, s: s, lambda b, s: s * s,
+            lambda b, s: b, lambda b, s: b * s, lambda b, s: b * s * s]
+
+
+def _inverse(rows: list[list[Fraction]]) -> list[list[Fraction]]:
+    """Exact inverse of a small square matrix (Gauss-Jordan on Fractions)."""
+    n = len(rows)
+    a = [list(r) + [Fraction(int(i == j)) for j in range(n)] for i, r in enumerate(rows)]
+    for c in range(n):
+        p = next(r for r in range(c, n) if a[r][c] != 0)
+        a[c], a[p] = a[p], a[c]
+        a[c] = [x / a[c][c] for x in a[c]]
+        for r in range(n):
+            if r != c and a[r][c] != 0:
+                a[r] = [x - a[r][c] * y for x, y in zip(a[r], a[c])]
+    return [r[n:] for r in a]
+
+
+class _Fitter:
+    """Exact polynomial fits of integer samples at the fitting shapes, checked at the check shape."""
+
+    def __init__(self, pts: list[tuple[int, int]], check: tuple[int, int], with_s: bool) -> None:
+        self.basis = _basis(with_s)
+        self.pts, self.check = pts, check
+        design = [[Fraction(f(b, s)) for f in self.basis] for b, s in pts]
+        if len(design) != len(self.basis):  # B-only: use the first two points
+            design = design[: len(self.basis)]
+        self.inv = _inverse(design)
+        self.monos = [sympy.Integer(1), S, S ** 2, B, B * S, B * S ** 2] if with_s else [sympy.Integer(1), B]
+        self.cache: dict[tuple, tuple[Fraction, ...] | None] = {}
+
+    def coefficients(self, samples: Sequence[int], check_value: int) -> tuple[Fraction, ...] | None:
+        """The exact coefficients (on `self.monos`) through `samples`, or None if they miss `check_value`."""
+        key = (*samples, check_value)
+        if key not in self.cache:
+            ys = [Fraction(int(y)) for y in samples[: len(self.basis)]]
+            coef = tuple(sum(r * y for r, y in zip(row, ys)) for row in self.inv)
+            ok = all(sum(c * f(b, s) for c, f in zip(coef, self.basis)) == y
+                     for (b, s), y in zip([*self.pts, self.check], [*samples, check_value]))
+            self.cache[key] = coef if ok else None
+        return self.cache[key]
+
+    def expr(self, coef: Sequence[Fraction]) -> sympy.Expr:
+        """The polynomial with these coefficients."""
+        return sum(sympy.Rational(c.numerator, c.denominator) * m for c, m in zip(coef, self.monos))
+
+    def fit(self, samples: Sequence[int], check_value: int) -> sympy.Expr | None:
+        """The polynomial through `samples`, or None if it misses `check_value`."""
+        coef = self.coefficients(samples, check_value)
+        return None if coef is None else self.expr(coef)
+
+
+def _time_expr(fitter: _Fitter, per_shape: list[Sequence], hw: Hardware, where: str) -> sympy.Expr:
+    """Memory-bound ops' bytes / bw + launches * op_latency + sum of Max(flops/(peak*eff), bytes/bw) of FLOP ops."""
+    flop_ops = [[o for o in ops if o.flops] for ops in per_shape]
+    if any([o.name for o in ops] != [o.name for o in flop_ops[0]] for ops in flop_ops):
+        raise ValueError(f"{where}: the FLOP-counted ops change with the shape; cannot fit it symbolically")
+    mem = fitter.fit([sum(o.bytes for o in ops if not o.flops) for ops in per_shape[:-1]],
+                     sum(o.bytes for o in per_shape[-1] if not o.flops))
+    launches = fitter.fit([sum(o.launches for o in ops) for ops in per_shape[:-1]],
+                          sum(o.launches for o in per_shape[-1]))
+    if launches is None or mem is None:
+        raise ValueError(f"{where}: the memory-bound ops change with the shape; cannot fit it symbolically")
+    groups: dict[tuple, int] = {}
+    for k, op in enumerate(flop_ops[0]):
+        col = [ops[k] for ops in flop_ops]
+        fl = fitter.fit([o.flops for o in col[:-1]], col[-1].flops)
+        by = fitter.fit([o.bytes for o in col[:-1]], col[-1].bytes)
+        if fl is None or by is None:
+            raise ValueError(f"{where}: op {op.name} is not polynomial in B, S of degree <= (1, 2)")
+        groups[(fl, by, op.dtype)] = groups.get((fl, by, op.dtype), 0) + 1
+    bw = sympy.Float(hw.mem_bandwidth)
+    expr = mem / bw + launches * sympy.Float(hw.op_latency)
+    for (fl, by, dt), n in groups.items():
+        expr += n * sympy.Max(fl / sympy.Float(hw.flops(dt) * hw.efficiency), by / bw)
+    return expr
+
+
+def _peak_expr(fitter: _Fitter, lives: list[tuple[int, ...]], where: str) -> sympy.Expr:
+    """Max over the exactly fitted live bytes after each op, coefficient-wise dominated ones dropped."""
+    if len({len(live) for live in lives}) != 1:
+        raise ValueError(f"{where}: the ops change with the shape; cannot fit its peak memory symbolically")
+    polys: set[tuple[Fraction, ...]] = set()
+    for k, col in enumerate(dict.fromkeys(zip(*lives))):
+        coef = fitter.coefficients(col[:-1], col[-1])
+        if coef is None:
+            raise ValueError(f"{where}: the live bytes after op {k} are not polynomial in B, S of degree <= (1, 2)")
+        polys.add(coef)
+    keep: list[tuple[Fraction, ...]] = []
+    for p in sorted(polys, key=lambda c: -sum(c)):  # a dominating polynomial has the larger coefficient sum
+        if not any(all(a >= b for a, b in zip(q, p)) for q in keep):
+            keep.append(p)
+    return sympy.Max(*(fitter.expr(p) for p in keep)) if keep else sympy.Integer(0)
+
+
+def symbolic_costs(graph: LayerGraph, inputs: dict[str, torch.Tensor], hardware: Hardware, *,
+                   make_inputs: Callable[[int, int], dict] | None = None, progress: bool = False) -> SymbolicCosts:
+    """Fit every layer's predicted costs as exact expressions in B and S.
+
+    Args:
+        graph: the traced model (weights may be on `meta`).
+        inputs: one microbatch's named inputs; its shapes pick the fitting points (near its S).
+        hardware: prices the ops (times are Max-sums of rooflines).
+        make_inputs: optional (B, S) -> named inputs; default tiles/crops `inputs`.
+    Returns:
+        A SymbolicCosts; `.at(B, S)` equals predict mode at that shape (FLOPs/bytes exactly).
+    Raises:
+        ValueError: a quantity is not polynomial of the assumed form (names layer and op).
+    """
+    s0 = _seq_len(graph, inputs)
+    pts, check = _points(s0, chunk_unit(graph) if s0 is not None else None)
+    fitter = _Fitter(pts, check, s0 is not None)
+    make = make_inputs or (lambda b, s: resize_inputs(graph, inputs, b, s if s0 is not None else None))
+    runs: list[list[LayerCount]] = [count_layers(graph, make(b, s), progress=progress) for b, s in [*pts, check]]
+    cols: dict[str, list] = {k: [] for k in ("fwd", "bwd", "fwd_flops", "bwd_flops", *_MEMORY)}
+    for i, layer in enumerate(graph.layers):
+        where = f"layer {i} ({layer.name})"
+        per = [run[i] for run in runs]
+        for k in _MEMORY:
+            if k == "peak_bytes":
+                cols[k].append(_peak_expr(fitter, [c.live for c in per], where))
+                continue
+            e = fitter.fit([getattr(c, k) for c in per[:-1]], getattr(per[-1], k))
+            if e is None:
+                raise ValueError(f"{where}: {k} is not polynomial in B, S of degree <= (1, 2)")
+            cols[k].append(e)
+        for ph in ("fwd", "bwd"):
+            ops = [getattr(c, f"{ph}_ops") for c in per]
+            cols[ph].append(_time_expr(fitter, ops, hardware, f"{where} {ph}"))
+            tot = [sum(o.flops for o in o_) for o_ in ops]
+            cols[f"{ph}_flops"].append(fitter.fit(tot[:-1], tot[-1]))
+    state = host_bytes(graph, microbatches=1)
+    numel = sum(v.bytes // max(v.dtype.itemsize, 1) for v in graph.params.values())
+    return SymbolicCosts(names=tuple(layer.name for layer in graph.layers), **{k: tuple(v) for k, v in cols.items()},
+                         param_numel=numel, hardware=hardware,
+                         host_state=(("compute copies", state.weights), ("fp32 masters", state.masters),
+                                     ("fp32 gradients", state.grads), ("optimizer state", state.optimizer)))
+
+
+def _default_inputs(graph: LayerGraph) -> dict[str, torch.Tensor]:
+    """Zero tensors shaped like the traced example's inputs."""
+    return {n: torch.zeros(graph.values[n].shape, dtype=graph.values[n].dtype) for n in graph.inputs}
+

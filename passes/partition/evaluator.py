@@ -1,0 +1,125 @@
+"""Plans as stage sizes: stage tuples, device memory and exact time without building a StagePlan.
+
+A search evaluates thousands of plans; building each as a `StagePlan` costs
+more than timing it. `Evaluator` keeps per-layout stage tuples (first layer,
+end layer, fwd sum, bwd sum), checks memory with integer prefix sums (the same
+bytes as `StagePlan.stage_memory`) and times plans with the recurrence of
+`timing.py` (the same floats as `iteration_time`: stage sums are taken in layer
+order, exactly as `iteration_time` takes them).
+
+    >>> from rpcompile.ir.costs import CostTable
+    >>> ev = Evaluator(CostTable.from_lists([1.0] * 4, [2.0] * 4), gpus=1, microbatches=2, round_size=2,
+    ...                staleness=0, memory=None)
+    >>> ev.time(ev.stages((3,), 1, (3,)))
+    30.0
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+
+from rpcompile.ir.costs import CostTable
+from rpcompile.passes.partition.timing import layer_sums, shape, shape_time, steady_state_window
+
+
+class Evaluator:
+    """Stage tuples, memory and time of plans (forward sizes, fused size, backward sizes) of one problem."""
+
+    def __init__(self, costs: CostTable, *, gpus: int, microbatches: int, round_size: int, staleness: int,
+                 memory: int | None):
+        self.costs, self.n_gpu, self.m, self.rr, self.st, self.memory = (
+            costs, gpus, microbatches, round_size, staleness, memory)
+        self.nl = costs.num_layers
+        self.p_param = list(itertools.accumulate(costs.param_bytes, initial=0))
+        self.p_work = list(itertools.accumulate((g + p for g, p in zip(costs.grad_bytes, costs.peak_bytes)),
+                                                initial=0))
+        self._fwd: dict = {}   # (sizes) -> forward stage tuples
+        self._bwd: dict = {}   # (sizes) -> backward stage tuples, execution order
+        self.timed = 0         # recurrence steps spent (stages x microbatches x iterations)
+
+    def forward(self, sizes: tuple[int, ...]) -> tuple:
+        """Forward stage tuples (0, lo, hi, fwd sum, bwd sum) of a layout from layer 0 up."""
+        out = self._fwd.get(sizes)
+        if out is None:
+            cuts = itertools.accumulate(sizes, initial=0)
+            out = self._fwd[sizes] = tuple((0, lo, hi) + layer_sums(self.costs, lo, hi)
+                                           for lo, hi in itertools.pairwise(cuts))
+        return out
+
+    def backward(self, sizes: tuple[int, ...]) -> tuple:
+        """Backward stage tuples (2, lo, hi, ...) of a layout in execution order (descending layers)."""
+        out = self._bwd.get(sizes)
+        if out is None:
+            hi, stages = sum(sizes), []
+            for s in sizes:
+                stages.append((2, hi - s, hi) + layer_sums(self.costs, hi - s, hi))
+                hi -= s
+            out = self._bwd[sizes] = tuple(stages)
+        return out
+
+    def stages(self, fs: tuple[int, ...], f: int, bs: tuple[int, ...]) -> list:
+        """All stage tuples in slot order: F1..Fa, FB, B1..Bb."""
+        n = self.nl - f
+        return [*self.forward(fs), (1, n, self.nl) + layer_sums(self.costs, n, self.nl), *self.backward(bs)]
+
+    def side_fits(self, sizes: tuple[int, ...], *, backward: bool, start: int = 0) -> bool:
+        """False if a stage of this layout (sizes in layer order from `start`) cannot fit the budget in any
+        plan: its own parameters, plus for a backward stage its gradients and workspace, exceed it."""
+        if self.memory is None:
+            return True
+        pp, pw, lo = self.p_param, self.p_work, start
+        for s in sizes:
+            if pp[lo + s] - pp[lo] + (pw[lo + s] - pw[lo] if backward else 0) > self.memory:
+                return False
+            lo += s
+        return True
+
+    def fits(self, stages: list) -> bool:
+        """True if every stage fits the memory budget (bytes as `StagePlan.stage_memory` with gpus=N)."""
+        return self.memory is None or max(self.stage_memory(stages)) <= self.memory
+
+    def stage_memory(self, stages: list) -> list[int]:
+        """`StagePlan.stage_memory(costs, gpus=N)` of the plan, from prefix sums."""
+        c, pp, pw = self.costs, self.p_param, self.p_work
+        own = [pp[hi] - pp[lo] for _, lo, hi, _, _ in stages]
+        cuts = sorted(lo for code, lo, _, _, _ in stages if code == 2 and lo > 0)
+        ns, out = len(stages), []
+        for i, (code, lo, hi, _, _) in enumerate(stages):
+            last = hi - 1
+            inp = c.saved_bytes[lo] if code == 2 or lo == 0 else c.act_bytes[lo - 1]
+            mem = own[i] + own[(i + self.n_gpu) % ns] + 2 * inp + c.act_bytes[last]
+            if code == 0:
+                mem += sum(c.saved_bytes[j] for j in cuts[bisect.bisect_right(cuts, lo):
+                                                           bisect.bisect_right(cuts, last)])
+            else:
+                mem += pw[hi] - pw[lo] + (c.act_bytes[lo - 1] if lo > 0 else 0)
+                if code == 2:
+                    mem += c.act_bytes[last]
+            out.append(mem)
+        return out
+
+    def time(self, stages: list, cutoff: float | None = None) -> float:
+        """`iteration_time` of the plan (math.inf once known to exceed cutoff); charges its steps."""
+        ns = len(stages)
+        iters = 1 if self.st == 0 else steady_state_window(self.n_gpu, ns, self.m // self.rr)[0]
+        self.timed += ns * self.m * iters
+        return shape_time(shape(stages), gpus=self.n_gpu, microbatches=self.m, round_size=self.rr,
+                          staleness=self.st, cutoff=None if cutoff is None or math.isinf(cutoff) else cutoff)
+
+    def isolated_floor(self, stages: list, cutoff: float) -> float:
+        """A lower bound on the staleness-1 `iteration_time` from one isolated iteration (0 if none applies).
+
+        Iteration t + 2 reads the weights iteration t's steps wrote, so its first slot waits for t's last
+        gradient and ends[t+2] >= ends[t] + T0, T0 being the iteration alone on free workers (the
+        recurrence is max-plus, hence monotone: later inputs never give earlier times). The window of p
+        iterations that `iteration_time` averages therefore spans at least p/2 such pairs when p is even:
+        the time is at least T0 / 2. One iteration costs 1/(3P) of the window's run, and it stops once T0
+        exceeds 2 * cutoff (the bound is then above the cutoff and its exact value does not matter).
+        """
+        if self.st != 1 or steady_state_window(self.n_gpu, len(stages), self.m // self.rr)[1] % 2:
+            return 0.0
+        self.timed += len(stages) * self.m
+        t0 = shape_time(shape(stages), gpus=self.n_gpu, microbatches=self.m, round_size=self.rr, staleness=0,
+                        cutoff=None if math.isinf(cutoff) else 2 * cutoff)
+        return t0 / 2

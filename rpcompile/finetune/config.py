@@ -1,0 +1,133 @@
+"""The settings of one fine-tuning run (`FinetuneConfig`), what a run returns, and the check of the settings.
+
+    >>> cfg = FinetuneConfig(model="tiny/", data="train.jsonl", out="tuned/", steps=30)
+    >>> check_config(cfg)   # raises ValueError naming the first bad setting
+
+No heavy imports: the command line and the config-file reader use it before transformers loads.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from rpcompile.finetune.data import PACKINGS, TRAIN_ON
+from rpcompile.finetune.schedule import SCHEDULES
+
+__all__ = ["FinetuneConfig", "FinetuneResult", "check_config", "DTYPES", "REPORT_TO"]
+
+REPORT_TO = ("tensorboard",)  # --report-to choices (metrics.jsonl is always written)
+DTYPES = {"auto": None, "fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+          "bfloat16": torch.bfloat16}  # --dtype names; auto: bf16 on CUDA, fp32 on the CPU
+
+
+@dataclass(frozen=True, slots=True)
+class FinetuneConfig:
+    """One fine-tuning run; every field but the three paths has a default."""
+
+    model: str  # local save_pretrained folder: config.json, weights, tokenizer (read offline)
+    data: str  # training data: .txt (a document per line) or .jsonl (rows of text, chat "messages", sharegpt
+    # "conversations", or "prompt" + "completion"; one kind per file)
+    out: str  # output folder: the trained model + tokenizer, the checkpoint, rpcompile-run.json
+    eval: str | None = None  # held-out data (same formats): eval loss every eval_every steps and at the end
+    gpus: int | None = None  # workers: None = every CUDA device, or 2 host workers without CUDA
+    seq: int = 512  # tokens per packed sequence (<= the model's max_position_embeddings)
+    micro_batch_size: int = 1  # sequences per microbatch
+    microbatches: int | None = None  # microbatches per step, of all data-parallel ranks together (each of W
+    # ranks runs 1/W of them); None = 2 * gpus * W. A step trains on micro_batch_size * microbatches sequences
+    steps: int | None = None  # training steps; None: from epochs
+    epochs: float | None = None  # passes over the training data when steps is None (default 1)
+    lr: float | None = None  # peak learning rate; None: 2e-5, or 2e-4 with LoRA
+    warmup: int = 0  # linear warmup steps before the schedule
+    schedule: str = "cosine"  # after the warmup: "cosine", "linear" (both towards 0) or "constant"
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    max_grad_norm: float | None = 1.0  # clip gradients by their global L2 norm; None = off
+    staleness: int = 1  # 1: RoundPipe (the CPU optimizer one step behind), 0: synchronous
+    dtype: str = "auto"  # training dtype (DTYPES): auto = bf16 on CUDA, fp32 on the CPU
+    lora: int = 0  # LoRA rank r (peft); 0 = full fine-tuning
+    lora_alpha: float | None = None  # LoRA scale numerator (scale = alpha / r); None = 2 * r
+    lora_targets: tuple[str, ...] | None = None  # modules to adapt, e.g. ("q_proj", "v_proj") or
+    # ("all-linear",); None = peft's default for the architecture
+    merge: bool = False  # LoRA: export the merged weights (a plain model); the adapters go to out/adapter
+    save_every: int = 0  # write the checkpoint every K steps and at the end; 0 = never
+    eval_every: int = 0  # eval loss every K steps (needs eval); 0 = only at the end
+    resume: bool = False  # continue the run from out/rpcompile-checkpoint.rp
+    overwrite: bool = False  # out holds a run or a model: replace it (its run record, checkpoint, model,
+    # adapter and tokenizer files are deleted just before training starts); False: such an out is refused
+    seed: int = 0  # data order, adapter initialisation, dropout
+    whole_file: bool = False  # .txt data: the whole file is one document
+    memory_gib: float | None = None  # device memory per worker in GiB for the planner; None = 90% of the
+    # smallest CUDA device, unbounded for host workers
+    lm_head_shards: int | str = "auto"  # vocabulary shards of the LM head (rpcompile.compile)
+    progress: bool = True  # show the progress bar (loss, tokens/s, lr, ETA)
+    train_on: str | None = None  # trained tokens: "assistant" (every reply), "last" (the final reply) or "all";
+    # None = assistant for conversations, all for text (prompt/completion rows: the completion and EOS)
+    packing: str = "whole"  # "whole" (bin-pack whole documents, truncating longer than seq), "split" (cut the
+    # stream every seq tokens) or "none" (a document per sequence, padded); positions restart per document
+    chat_template: str | None = None  # a jinja chat template file that replaces the tokenizer's (and is exported)
+    text_field: str = "text"  # the key of the text in .jsonl text rows
+    logging_steps: int = 1  # a line of OUT/metrics.jsonl (and the TensorBoard scalars) every K steps
+    report_to: str | None = None  # also write the metrics to "tensorboard" (OUT/tensorboard; needs tensorboard)
+    dry_run: bool = False  # load the tokenizer and the data, plan on a meta model, print it all; write nothing
+    num_proc: int = 1  # processes that tokenize the data (the token cache is the same for any number)
+    val_size: float = 0.0  # without eval: hold out this seeded fraction of the documents for the eval loss
+
+
+@dataclass(frozen=True, slots=True)
+class FinetuneResult:
+    """What a run did."""
+
+    steps: int  # steps completed in all (a resumed run counts the earlier ones)
+    losses: list[float]  # training loss of each step this call ran
+    evals: list[tuple[int, float]] = field(default_factory=list)  # (step, eval loss); the last is the final model's
+    out: str = ""  # the output folder
+
+
+def check_config(cfg: FinetuneConfig) -> None:
+    """Raise ValueError naming the first bad setting."""
+    positive = {"seq": cfg.seq, "micro_batch_size": cfg.micro_batch_size, "gpus": cfg.gpus,
+                "microbatches": cfg.microbatches, "steps": cfg.steps}
+    for name, v in positive.items():
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
+    for name, v in {"logging_steps": cfg.logging_steps, "num_proc": cfg.num_proc}.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
+    if cfg.report_to not in (None, *REPORT_TO):
+        raise ValueError(f"--report-to must be one of {REPORT_TO}, got {cfg.report_to!r}")
+    if isinstance(cfg.val_size, bool) or not isinstance(cfg.val_size, (int, float)) or not 0 <= cfg.val_size < 1:
+        raise ValueError(f"--val-size must be a fraction in [0, 1), got {cfg.val_size!r}")
+    if cfg.val_size and cfg.eval:
+        raise ValueError("give --eval FILE or --val-size F, not both")
+    for name, v in {"warmup": cfg.warmup, "save_every": cfg.save_every, "eval_every": cfg.eval_every,
+                    "lora": cfg.lora, "seed": cfg.seed}.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 0, got {v!r}")
+    if cfg.steps is not None and cfg.epochs is not None:
+        raise ValueError("give --steps or --epochs, not both")
+    if cfg.epochs is not None and not cfg.epochs > 0:
+        raise ValueError(f"--epochs must be > 0, got {cfg.epochs}")
+    if cfg.lr is not None and not 0 <= cfg.lr < math.inf:
+        raise ValueError(f"--lr must be a finite number >= 0, got {cfg.lr}")
+    if cfg.schedule not in SCHEDULES:
+        raise ValueError(f"--schedule must be one of {SCHEDULES}, got {cfg.schedule!r}")
+    if cfg.staleness not in (0, 1) or isinstance(cfg.staleness, bool):
+        raise ValueError(f"--staleness must be 0 or 1, got {cfg.staleness!r}")
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r} (fp16 needs loss scaling: "
+                         f"use bf16)")
+    if cfg.train_on not in (None, *TRAIN_ON):
+        raise ValueError(f"--train-on must be one of {TRAIN_ON}, got {cfg.train_on!r}")
+    if cfg.packing not in PACKINGS:
+        raise ValueError(f"--packing must be one of {PACKINGS}, got {cfg.packing!r}")
+    if not (isinstance(cfg.text_field, str) and cfg.text_field):
+        raise ValueError(f"--text-field must be a non-empty key, got {cfg.text_field!r}")
+    if cfg.merge and not cfg.lora:
+        raise ValueError("--merge merges LoRA adapters: it needs --lora R")
+    if cfg.eval_every and not (cfg.eval or cfg.val_size):
+        raise ValueError("--eval-every needs --eval FILE or --val-size F")
+    if cfg.memory_gib is not None and not cfg.memory_gib > 0:
+        raise ValueError(f"--memory-gib must be > 0, got {cfg.memory_gib}")
+    if cfg.resume and cfg.overwrite:
+        raise ValueError("give --resume (continue the run in --out) or --overwrite (replace it), not both")

@@ -1,0 +1,205 @@
+"""The steps of a fine-tuning run: schedule, step, metrics, checkpoints, eval, and what stops it.
+
+    >>> losses = Loop(c, cfg, plan, train, held, log, ranks).run(evals, on_step)   # doctest: +SKIP
+
+Per step t: set the scheduled learning rate, step this rank's share of batch t,
+update the progress bar, checkpoint every `save_every` steps, eval every
+`eval_every` steps, and record the step's metrics (`rpcompile.finetune.metrics`).
+
+A step's metrics line is written once the next step has returned (or at a
+checkpoint, or at the end): its gradient norm and the runtime's counters are
+read then, from what the runtime recorded, so logging never makes a step wait
+for the staleness-1 update still running behind it.
+
+What stops a run (`StepOutOfMemory`, KeyboardInterrupt): the step that failed is
+undone by the runtime, the lines of the steps that finished are written, and the
+last checkpoint is left as it was (a checkpoint is replaced atomically, never
+half-written), so `--resume` continues from it.
+"""
+from __future__ import annotations
+
+import re
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from rpcompile.finetune.schedule import lr_at
+from rpcompile.ir.instr import Op
+from rpcompile.runtime.transfer import RuntimeFailure
+
+__all__ = ["Loop", "StepPlan", "StepOutOfMemory", "evaluate_loss", "out_of_memory"]
+
+IGNORE = -100  # the label of an untrained position
+_INSTR = re.compile(r"w(\d+) ([A-Za-z]+)(\d+)(?:\.m(\d+))?")  # an instruction name, e.g. "w3 B5.m2"
+
+
+class StepOutOfMemory(MemoryError):
+    """A step ran out of device or host memory; the message says where and what to lower."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """How long the run is and how big its steps are."""
+
+    total: int  # steps in all (a resumed run counts the earlier ones)
+    size: int  # sequences per step, every rank together
+    lr: float  # peak learning rate
+    checkpoint: str  # the checkpoint's path
+
+
+def out_of_memory(exc: BaseException, step: int, saved: int | None) -> StepOutOfMemory | None:
+    """The one-line error for an out-of-memory `exc` in 1-based `step`, or None if `exc` is not one.
+
+    The worker and the stage come from the runtime's failure (`RuntimeFailure.instr`) when it has them.
+    """
+    cause = exc.__cause__ if isinstance(exc, RuntimeFailure) else exc
+    if not isinstance(cause, (torch.OutOfMemoryError, MemoryError)):
+        return None
+    kind = "host" if isinstance(cause, MemoryError) else "device"
+    where = ""
+    m = _INSTR.match(getattr(exc, "instr", "") or "")
+    if m:
+        op = next((o.name.lower() for o in Op if o.value == m.group(2)), m.group(2))
+        mb = f", microbatch {m.group(4)}" if m.group(4) else ""
+        where = f" on worker {m.group(1)}, stage {m.group(3)} ({op}{mb})"
+    kept = f"the checkpoint of step {saved} is kept (continue with --resume)" if saved else "no checkpoint yet"
+    return StepOutOfMemory(f"out of {kind} memory in step {step}{where}: lower --micro-batch-size, --seq or "
+                           f"--microbatches; {kept}")
+
+
+def evaluate_loss(c: Any, held: Any, size: int, ranks: Any) -> float:
+    """The held-out loss: sum NLL / trained tokens over all of it (each sequence once, token-weighted).
+
+    Every rank evaluates its share of each batch; `evaluate` all-reduces the token counts.
+    """
+    batches = held.eval_batches(size, fill="ignore")
+    counts = [int((b["labels"][:, 1:] != IGNORE).sum()) for b in batches]
+    return sum(c.evaluate(ranks.share(b)) * n for b, n in zip(batches, counts) if n) / sum(counts)
+
+
+class Loop:
+    """Steps `c` from `c.steps` to `plan.total` (see the module docstring).
+
+    Args:
+        c: the Compiled run (this rank's).
+        cfg: the FinetuneConfig.
+        plan: the StepPlan.
+        train, held: the packed training and held-out data (held may be None).
+        log: the MetricsLog (None: this rank writes no metrics).
+        ranks: the `finetune_dist.Ranks` of this process.
+    """
+
+    def __init__(self, c: Any, cfg: Any, plan: StepPlan, train: Any, held: Any, log: Any, ranks: Any) -> None:
+        self.c, self.cfg, self.plan, self.train, self.held, self.log, self.ranks = c, cfg, plan, train, held, \
+            log, ranks
+        self.pending: list[dict[str, Any]] = []  # records of finished steps, written when the next one returns
+        self.saved: int | None = c.steps or None  # the step of the checkpoint on disk (a resume starts at one)
+
+    def run(self, evals: list, on_step: Callable | None) -> list[float]:
+        """The loop; returns this call's losses; evals gets (step, eval loss) appended."""
+        from tqdm.auto import tqdm
+
+        c, cfg, plan = self.c, self.cfg, self.plan
+        losses: list[float] = []
+        if self.held is not None and c.steps == 0:
+            evals.append((0, evaluate_loss(c, self.held, plan.size, self.ranks)))  # the model before training
+            print(f"step 0: eval loss {evals[-1][1]:.4f}")
+            self.pending.append({"step": 0, "eval_loss": evals[-1][1]})
+        quiet = not cfg.progress or not self.ranks.writes
+        with tqdm(total=plan.total, initial=c.steps, unit="step", disable=quiet, dynamic_ncols=True) as bar:
+            t = c.steps
+            try:
+                while c.steps < plan.total:
+                    t = c.steps
+                    losses.append(self._step(bar, evals))
+                    if on_step is not None:
+                        on_step(c.steps, losses[-1])
+            except KeyboardInterrupt:
+                self._write(complete=True)  # every finished step's line (the counters as recorded)
+                done = "finished, " if c.steps > t else "undone, "  # its update may have begun: then it counts
+                kept = f"the checkpoint of step {self.saved} is kept" if self.saved else "no checkpoint was written"
+                print(f"interrupted in step {t + 1} ({done}{kept}; continue with --resume)", file=sys.stderr)
+                raise
+            except Exception as exc:
+                self._write(complete=True)
+                oom = out_of_memory(exc, t + 1, self.saved)
+                if oom is None:
+                    raise
+                raise oom from None
+        return losses
+
+    def _step(self, bar: Any, evals: list) -> float:
+        """One step: lr, step, progress, checkpoint, eval, metrics."""
+        c, cfg, plan = self.c, self.cfg, self.plan
+        t = c.steps
+        rate = lr_at(t, lr=plan.lr, total=plan.total, warmup=cfg.warmup, kind=cfg.schedule)
+        c.set_lr(rate)  # the lr of the update made from this step's gradient
+        batch = self.train.batch(t, plan.size, cfg.seed)
+        start = time.perf_counter()
+        loss = c.step(self.ranks.share(batch))
+        took = time.perf_counter() - start
+        tokens = batch["input_ids"].numel()
+        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens / took:,.0f}", lr=f"{rate:.2e}", refresh=False)
+        bar.update(1)
+        self._write(complete=False)  # the previous step's line: its figures are recorded by now
+        if c.steps % cfg.logging_steps == 0 or c.steps == plan.total:
+            self.pending.append({"step": c.steps, "loss": loss, "lr": rate,
+                                 "trained_tokens": int((batch["labels"][:, 1:] != IGNORE).sum()),
+                                 "tokens_per_s": tokens / took, "_took": took})
+        if cfg.save_every and c.steps % cfg.save_every == 0:
+            c.save(plan.checkpoint)  # waits for the step's work: every pending line is complete
+            self.saved = c.steps
+            self._write(complete=True)
+        if self.held is not None and cfg.eval_every and c.steps % cfg.eval_every == 0 and c.steps < plan.total:
+            evals.append((c.steps, evaluate_loss(c, self.held, plan.size, self.ranks)))
+            bar.write(f"step {c.steps}: eval loss {evals[-1][1]:.4f}")
+            self._add_eval(evals[-1])
+        return loss
+
+    def _add_eval(self, ev: tuple[int, float]) -> None:
+        """Put an eval loss on its step's line (a line of its own if that step is not logged)."""
+        for r in self.pending:
+            if r["step"] == ev[0]:
+                r["eval_loss"] = ev[1]
+                return
+        self.pending.append({"step": ev[0], "eval_loss": ev[1]})
+
+    def finish(self, evals: list) -> None:
+        """The end of the run: the final eval on the last line, every pending line written."""
+        if evals and evals[-1][0] == self.c.steps:
+            self._add_eval(evals[-1])
+        self._write(complete=True)
+
+    def _write(self, *, complete: bool) -> None:
+        """Write the pending lines: all of them if `complete` (the runtime is quiet, or the run is stopping), else
+        all but the last step's."""
+        now = self.c.steps
+        ready = [r for r in self.pending if complete or r["step"] < now]
+        self.pending = [r for r in self.pending if r not in ready]
+        if self.log is None:
+            return
+        for r in ready:
+            self.log.write(self._figures(r))
+
+    def _figures(self, r: dict[str, Any]) -> dict[str, Any]:
+        """A pending record with the gradient norm, the host peak and the runtime's counters of its step."""
+        took = r.pop("_took", None)
+        if "loss" not in r:
+            return r
+        it = r["step"] - 1  # the runtime's 0-based iteration
+        r["grad_norm"] = self.c.state.norms.get(it)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        r["peak_host_bytes"] = peak if sys.platform == "darwin" else peak * 1024  # Linux counts KiB
+        try:
+            s = self.c.stats(step=it)
+        except (KeyError, RuntimeError):  # forgotten already, or the run is closed: no counters
+            return r
+        busy = s.pop("busy_s", {})
+        r.update({k: v for k, v in s.items()})
+        if took:
+            r["busy_share"] = {lane: round(b / took, 4) for lane, b in sorted(busy.items())}
+        return r

@@ -1,0 +1,139 @@
+"""The checks a fine-tuning run passes before any weight loads: the model on `meta`, planned and sized.
+
+    >>> pre = preflight(config, example, gpus=2, microbatches=4, microbatch_size=1, staleness=1, dtype=torch.float32,
+    ...                 optimizer=AdamW(lr=2e-5), budget=None, lora=None, packed=True)      # doctest: +SKIP
+    >>> print("\\n".join(pre.lines()))                                                        # doctest: +SKIP
+
+`preflight` builds the model from its config.json on the meta device (no weight
+is allocated or read), adds the LoRA adapters if asked, checks that the
+parameters' host state fits this machine's RAM, plans it with predicted costs
+(`rpcompile.plan_pipeline(mode="predict")`: FLOPs and bytes on a `Hardware` that
+describes this machine's devices), checks the saved activations against the RAM
+again, simulates the program for each worker's device peak, and finds the
+longest sequence that fits (`rpcompile.passes.max_seq_len`). A run that cannot
+fit is refused here, in seconds, with the bytes named (ValueError); `finetune`
+runs it before it loads the weights, and `--dry-run` prints what it found.
+
+The plan printed is the predicted one: the run itself measures its layers and may
+group them differently; the memory figures are bytes, the same either way.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rpcompile.api import Options, plan_pipeline
+from rpcompile.finetune.hf import add_lora, trainable_module
+from rpcompile.finetune.packed_attention import use_packed_attention
+from rpcompile.hostmem import HostBytes, check_host_memory
+from rpcompile.ir import hardware as _hardware
+from rpcompile.ir.hardware import Hardware
+from rpcompile.passes.cost.seqlen import max_seq_len
+from rpcompile.runtime import simulate
+
+__all__ = ["Preflight", "preflight", "local_hardware", "meta_model"]
+
+
+@dataclass(frozen=True, slots=True)
+class Preflight:
+    """What the checks found (plain data; `lines()` reads it out)."""
+
+    hardware: Hardware  # what the costs were predicted for (this machine's devices and RAM)
+    plan: Any  # the predicted StagePlan
+    program: Any  # its Program
+    peaks: tuple[int, ...]  # each worker's simulated device peak, bytes
+    budget: int | None  # device bytes per worker the plan had to fit (None: unbounded)
+    host: HostBytes  # host bytes of the run, by category
+    host_limit: int  # this machine's RAM
+    seq_limit: Any  # rpcompile.SeqLenLimit: the longest sequence that fits and what binds it (None: see why)
+    seq_limit_why: str | None  # why the longest sequence could not be found
+
+    def lines(self) -> list[str]:
+        """The findings, a line each."""
+        peaks = ", ".join(f"w{i} {_size(p)}" for i, p in enumerate(self.peaks))
+        cap = f" (budget {_size(self.budget)})" if self.budget is not None else " (no device budget)"
+        seq = str(self.seq_limit) if self.seq_limit is not None else f"not found ({self.seq_limit_why})"
+        return [f"plan (predicted for {self.hardware.name}, {len(self.peaks)} workers) {self.plan.to_str()}",
+                f"device peak per worker{cap}: {peaks}",
+                f"host memory: {self.host} of {_size(self.host_limit)} RAM",
+                f"max_seq_len: {seq}"]
+
+
+def local_hardware(gpus: int, budget: int | None) -> Hardware:
+    """This machine as a `Hardware` for predicted costs: its CUDA devices' memory, else host workers; its RAM.
+
+    On CUDA the rtx4090 preset's speeds with the smallest device's memory; without CUDA the
+    "cpu" preset whose device memory is the RAM (host workers share it) or the budget's.
+    """
+    ram = _hardware._host_memory()
+    if torch.cuda.is_available():
+        memory = min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+        return Hardware.preset("rtx4090").replace(name=torch.cuda.get_device_name(0), gpus=gpus,
+                                                  device_memory=memory, host_memory=ram)
+    memory = ram if budget is None else max(int(budget / 0.9), 1)
+    return Hardware.preset("cpu").replace(name="host workers", gpus=gpus, device_memory=memory,
+                                          host_memory=ram)
+
+
+def meta_model(config: Any, *, dtype: torch.dtype, lora: dict | None, packed: bool) -> torch.nn.Module:
+    """The module `finetune` compiles, built on meta from `config` (no weight allocated or read).
+
+    Args:
+        config: the model's transformers config (config.json).
+        dtype: the training dtype.
+        lora: add_lora's arguments (rank, alpha, targets, seed), or None for full fine-tuning.
+        packed: documents are packed per row (use_packed_attention).
+    """
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype)  # the caller's stays as is
+    model.config.use_cache = False
+    model.train()
+    if lora is not None:
+        model = add_lora(model, **lora)
+    module = trainable_module(model)
+    if packed:
+        use_packed_attention(module)
+    return module
+
+
+def preflight(config: Any, example: Any, *, gpus: int, microbatches: int, microbatch_size: int, staleness: int,
+              dtype: torch.dtype, optimizer: Any, budget: int | None, lora: dict | None, packed: bool,
+              lm_head_shards: int | str = "auto") -> Preflight:
+    """Plan and size the run on the meta device; raise ValueError if it cannot fit (see the module docstring).
+
+    Args:
+        config: the model's transformers config.
+        example: one step's batch of this process (its shapes are planned; the tokens are not read).
+        gpus, microbatches, staleness, dtype, optimizer, lm_head_shards: as for `rpcompile.compile`.
+        microbatch_size: sequences per microbatch (for max_seq_len).
+        budget: device bytes per worker (None: unbounded host workers, or 90% of the CUDA device).
+        lora, packed: as for `meta_model`.
+    Raises:
+        ValueError: the host state or the saved activations exceed the RAM, or a layer cannot fit the
+            device budget (each names the bytes).
+    """
+    module = meta_model(config, dtype=dtype, lora=lora, packed=packed)
+    hw = local_hardware(gpus, budget)
+    state = dict(staleness=staleness, optimizer=optimizer, dtype=dtype)
+    check_host_memory(module, microbatches=microbatches, **state)  # the parameters' state alone, before planning
+    opts = Options(gpus=gpus, microbatches=microbatches, staleness=staleness, optimizer=optimizer, dtype=dtype,
+                   loss_fn=None, layers=None, lm_head_shards=lm_head_shards, hardware=hw, memory_budget=budget,
+                   backend="host", seed=0)
+    graph, costs, plan, program, m = plan_pipeline(module, example, opts, mode="predict")
+    host = check_host_memory(graph, costs, plan, microbatches=m, gpus=gpus, round_size=program.round_size, **state)
+    peaks = tuple(int(p) for p in simulate(program, costs, hw).peak_memory)
+    try:
+        limit, why = max_seq_len(graph, hw, gpus=gpus, microbatch_size=microbatch_size, microbatches=m,
+                                 memory_budget=budget, host_memory=hw.host_memory), None
+    except Exception as exc:  # noqa: BLE001 - reported: the plan and the checks above still stand
+        limit, why = None, f"{type(exc).__name__}: {exc}"
+    return Preflight(hw, plan, program, peaks, budget, host, hw.host_memory, limit, why)
+
+
+def _size(n: int) -> str:
+    """Bytes in MiB below a GiB, else in GiB."""
+    return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"

@@ -1,0 +1,146 @@
+"""Plan a model for a machine you may not have: predicted costs, our plan vs bound-stage baselines.
+
+Used by `python -m rpcompile plan` and the examples. Everything here runs on
+the `meta` device: no weight is allocated.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tabulate import tabulate
+
+from rpcompile import passes
+from rpcompile.api import Options, plan_pipeline
+from rpcompile.models.presets import build_meta, example_batch, seq_len_limit
+from rpcompile.hostmem import HostBytes, check_host_memory
+from rpcompile.ir.hardware import Hardware
+from rpcompile.ir.optim import AdamW
+from rpcompile.runtime import simulate, steady_iterations
+from rpcompile.runtime.sim.baselines import gpipe, interleaved_1f1b, looped_bfs, one_f_one_b
+
+
+@dataclass(frozen=True, slots=True)
+class PlanResult:
+    """What `plan_model` found, as plain data."""
+
+    model: str            # preset name or config path
+    params: int           # parameter count
+    plan: object          # the chosen StagePlan (prints as its table)
+    program: object       # the emitted Program
+    costs: object         # the predicted CostTable
+    rows: tuple           # (schedule, iteration s, tokens/s, bubble, steady bubble, peak GiB, fits) per schedule;
+                          # a baseline that cannot be built has None in the numbers and why in "fits"
+    max_seq: object       # the longest sequence that fits and what binds it (`rpcompile.SeqLenLimit`), or None
+    max_seq_why: str | None  # why max_seq could not be computed (None when it was)
+    tokens: int           # tokens per iteration
+    host: HostBytes       # host memory the run needs, by category (`rpcompile.hostmem`)
+    host_memory: int      # host memory of the target machine (or the override)
+    microbatch_size: int = 1  # sequences per microbatch
+
+    @property
+    def host_bytes(self) -> int:
+        """Total host bytes the run needs."""
+        return self.host.total
+
+    def table(self) -> str:
+        """Our plan and the baselines side by side."""
+        return tabulate(self.rows, headers=["schedule", "iteration (s)", "tokens/s", "bubble (sync)",
+                                            "bubble (steady)", "peak GiB/GPU", "fits the GPU"],
+                        floatfmt=("", ".3f", ",.0f", ".1%", ".1%", ".1f", ""), missingval="-")
+
+
+def plan_model(model: str, *, gpus: int = 8, hardware: str | Hardware = "rtx4090", seq: int = 2048,
+               microbatches: int = 16, staleness: int = 1, frozen_base: bool = False,
+               host_memory: int | None = None, microbatch_size: int = 1) -> PlanResult:
+    """Build `model` on meta, predict its costs on `hardware`, plan, simulate, compare.
+
+    Args:
+        model: a name from `rpcompile.models.presets.MODELS` or a config.json path.
+        gpus, hardware, seq, microbatches, staleness: the target run.
+        microbatch_size: sequences per microbatch (the example batch is microbatches x this).
+        frozen_base: plan a LoRA-style run: every matrix is frozen, only the 1-D weights (norms)
+            train. LoRA adapters are small enough that their bytes and FLOPs are left out.
+        host_memory: host bytes of the target machine, overriding the hardware preset's.
+    Returns:
+        A PlanResult; `.table()` compares our schedule with GPipe, 1F1B, interleaved and looped-BFS
+        (a baseline that cannot be built for this run says why in its row); `.max_seq` is
+        `rpcompile.models.presets.seq_len_limit` for the same machine, GPUs, microbatches and microbatch size.
+    Raises:
+        ValueError: a bad argument (named), or the run does not fit the host memory
+            (`rpcompile.hostmem.check_host_memory`: the parameters' state is checked before planning,
+            the saved activations once the plan is known).
+    """
+    for name, v in (("gpus", gpus), ("seq", seq), ("microbatches", microbatches),
+                    ("microbatch_size", microbatch_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"plan_model: {name} must be a positive integer, got {v!r}")
+    if staleness not in (0, 1) or isinstance(staleness, bool):
+        raise ValueError(f"plan_model: staleness must be 0 or 1, got {staleness!r}")
+    hw = Hardware.preset(hardware) if isinstance(hardware, str) else hardware
+    if host_memory is not None:
+        hw = hw.replace(host_memory=host_memory)
+    net = build_meta(model)
+    if frozen_base:
+        for p in net.parameters():
+            p.requires_grad_(p.dim() == 1)
+    state = dict(staleness=staleness, optimizer=AdamW(), dtype=torch.bfloat16, hardware=hw, limit=host_memory)
+    check_host_memory(net, microbatches=microbatches, **state)  # the parameters' state alone, before planning
+    example = example_batch(net.config.vocab_size, microbatches * microbatch_size, seq)
+    opts = Options(gpus=gpus, microbatches=microbatches, staleness=staleness,
+                   optimizer=None, dtype=torch.bfloat16, loss_fn=None, layers=None,
+                   lm_head_shards="auto", hardware=hw, memory_budget=None, backend="host", seed=0)
+    graph, costs, plan, program, m = plan_pipeline(net, example, opts, mode="predict")
+    host = check_host_memory(graph, costs, plan, microbatches=m, gpus=gpus, round_size=program.round_size, **state)
+    tokens = microbatches * microbatch_size * seq
+    rows = []
+    ours_sync = simulate(passes.emit(plan, gpus=gpus, microbatches=m, round_size=program.round_size,
+                                      staleness=0, costs=costs), costs, hw)
+    ours = simulate(program, costs, hw, iterations=steady_iterations(program))
+    rows.append(("rpcompile (RoundPipe)", ours.steady_iteration_time, tokens / ours.steady_iteration_time,
+                 ours_sync.bubble_ratio, ours.steady_bubble, max(ours.peak_memory) / 2**30,
+                 _fits(ours, hw)))
+    rows += _baseline_rows(costs, gpus, m, tokens, hw)
+    longest, why = _seq_limit(model, hw, gpus=gpus, microbatch_size=microbatch_size, microbatches=m,
+                              frozen_base=frozen_base)
+    n_params = sum(v.shape.numel() if hasattr(v.shape, "numel") else _numel(v.shape)
+                   for v in graph.params.values())
+    return PlanResult(model, n_params, plan, program, costs, tuple(rows), longest, why, tokens, host, hw.host_memory,
+                      microbatch_size)
+
+
+def _baseline_rows(costs, gpus: int, microbatches: int, tokens: int, hw: Hardware) -> list[tuple]:
+    """One row per bound-stage baseline; one that cannot be built for this run says why in its own row."""
+    builders = (("GPipe", gpipe), ("1F1B", one_f_one_b), ("interleaved 1F1B (V=2)", interleaved_1f1b),
+                ("looped BFS (V=2)", looped_bfs))
+    rows = []
+    for name, build in builders:
+        try:
+            t = simulate(build(costs, gpus=gpus, microbatches=microbatches), costs, hw)
+        except ValueError as exc:  # e.g. fewer layers than bound stages: the other rows still stand
+            rows.append((name, None, None, None, None, None, f"n/a: {exc}"))
+            continue
+        rows.append((name, t.iteration_time, tokens / t.iteration_time, t.bubble_ratio, t.bubble_ratio,
+                     max(t.peak_memory) / 2**30, _fits(t, hw)))
+    return rows
+
+
+def _seq_limit(model: str, hw: Hardware, **kwargs):
+    """(`presets.seq_len_limit(model, hw, **kwargs)`, None), or (None, why it could not be computed)."""
+    try:
+        return seq_len_limit(model, hw, host_memory=hw.host_memory, **kwargs), None
+    except Exception as exc:  # noqa: BLE001 - reported in the output: the plan itself still stands
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def _fits(timeline, hw: Hardware) -> str:
+    """'yes' if every worker's simulated peak fits the device memory, else 'no (OOM)'."""
+    return "yes" if max(timeline.peak_memory) <= hw.device_memory else "no (OOM)"
+
+
+def _numel(shape) -> int:
+    """Product of a shape's sizes."""
+    n = 1
+    for s in shape:
+        n *= s
+    return n

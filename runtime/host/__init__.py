@@ -1,0 +1,9 @@
+"""Host-resident model state and the CPU optimizer (DESIGN.md ideas 1, 6, 7).
+
+The home of every weight, gradient and optimizer state: the executor (runtime/) uploads from it,
+downloads gradients into it and steps it; the driver saves and loads it.
+
+    optimizer.py  `HostState`: compute copies, fp32 masters, gradients, moments; the optimizer worker
+    state_io.py   its snapshots: fp32 weights, and a state_dict that resumes a run bit for bit
+    layout.py     flat memory layouts: host blocks per layer group, device slots per stage, chunk copies
+"""

@@ -1,0 +1,91 @@
+"""HostState's snapshots: fp32 weights, and a state_dict that resumes a run bit for bit."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["StateIO"]
+
+
+def _clone(v: Any) -> Any:
+    """A detached copy of a tensor; other values unchanged."""
+    return v.detach().clone() if isinstance(v, Tensor) else v
+
+
+class StateIO:
+    """`parameters_fp32`, `state_dict` and `load_state_dict` of `HostState` (a mixin; see runtime/host/optimizer.py)."""
+
+    def parameters_fp32(self) -> dict[str, Tensor]:
+        """Current weights in fp32: masters, or compute copies for frozen parameters (fresh tensors)."""
+        return {n: self.master[n].detach().clone() if n in self.master else c.to(torch.float32, copy=True)
+                for n, c in self.compute.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """A snapshot (cloned tensors) of compute copies, masters, optimizer state, step counts and loss scale.
+
+        Take it between iterations (no gradient partially accumulated); with
+        staleness 1 the masters are one step ahead of the compute copies and
+        both are saved, so a resumed run continues bit for bit.
+        """
+        clone = _clone
+        optim = {n: {k: clone(v) for k, v in self._optims[l].state[self.master[n]].items()}
+                 for l, g in enumerate(self.groups) for n in g if self.master[n] in self._optims[l].state}
+        return {"compute": {n: clone(t) for n, t in self.compute.items()},
+                "master": {n: clone(t) for n, t in self.master.items()},
+                "buffers": {n: clone(t) for n, t in self.buffers.items()},
+                "optim": optim, "steps": list(self._stepped),
+                "loss_scale": {"scale": self.loss_scale, "good": self._good, "skipped": list(self.skipped)}}
+
+    def check_state_dict(self, sd: Mapping[str, Any]) -> None:
+        """Raise ValueError (naming what differs) unless `sd` fits this state: names, shapes, groups, dtypes."""
+        for key in ("compute", "master", "optim", "steps", "loss_scale"):
+            if key not in sd:
+                raise ValueError(f"load_state_dict: the state dict has no {key!r} entry")
+        for key, ours in (("compute", self.compute), ("master", self.master)):
+            if set(sd[key]) != set(ours):
+                raise ValueError(f"load_state_dict: {key} names differ: missing {sorted(set(ours) - set(sd[key]))}"
+                                 f", unexpected {sorted(set(sd[key]) - set(ours))}")
+            for n, t in sd[key].items():
+                if not isinstance(t, torch.Tensor) or t.shape != ours[n].shape:
+                    got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                    raise ValueError(f"load_state_dict: {key}[{n!r}] has shape {got}, expected {tuple(ours[n].shape)}")
+        if len(sd["steps"]) != len(self.groups):
+            raise ValueError(f"load_state_dict: {len(sd['steps'])} layer groups, expected {len(self.groups)} (the "
+                             f"checkpoint was planned with another LM-head sharding or layer split)")
+        if set(sd.get("buffers", {})) != set(self.buffers):
+            raise ValueError(f"load_state_dict: buffer names differ: {sorted(set(sd.get('buffers', {})))} vs "
+                             f"{sorted(self.buffers)}")
+        unknown = set(sd["optim"]) - set(self.master)
+        if unknown:
+            raise ValueError(f"load_state_dict: optimizer state for unknown parameters {sorted(unknown)[:5]}")
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        """Restore a `state_dict()` in place (same names, shapes and groups), between iterations.
+
+        Checks everything first (`check_state_dict`): a bad state dict changes nothing.
+        """
+        self.check_state_dict(sd)
+        for key, ours in (("compute", self.compute), ("master", self.master)):
+            for n, t in sd[key].items():
+                ours[n].copy_(t)
+        for n, t in sd.get("buffers", {}).items():
+            self.buffers[n].copy_(t)
+        for l, g in enumerate(self.groups):
+            if g:
+                opt = self._optims[l]
+                opt.state.clear()
+                for n in g:
+                    if n in sd["optim"]:
+                        opt.state[self.master[n]] = {k: _clone(v) for k, v in sd["optim"][n].items()}
+        with self._cond:
+            self._stepped, self._done = list(sd["steps"]), list(sd["steps"])
+            self._stats.clear()
+            self._scale_of.clear()
+            self._begun = min((s for s, g in zip(self._stepped, self.groups) if g), default=0)
+            ls = sd["loss_scale"]
+            self.loss_scale, self._good, self.skipped = ls["scale"], ls["good"], list(ls["skipped"])
+        for fresh in self._fresh:
+            fresh.clear()

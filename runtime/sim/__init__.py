@@ -1,0 +1,9 @@
+"""The simulator: a Program's run on hardware you may not have, priced from a CostTable.
+
+Beside the executor (runtime/): the same Program, run as discrete events instead of on workers.
+
+    simulator.py  `simulate(program, costs, hardware) -> Timeline`
+    events.py     its core: an event-driven list scheduler over FIFO lanes and shared channels
+    baselines.py  bound-stage pipelines as Programs: GPipe, 1F1B, interleaved 1F1B, looped BFS
+    gantt.py      Gantt charts of measured or simulated runs (matplotlib, imported only when drawing)
+"""

@@ -1,0 +1,400 @@
+"""simulate(program, costs, hardware) -> Timeline: a discrete-event run of a Program.
+
+The hardware model: per GPU one compute lane and two PCIe directions. Uploads
+(act_up, high priority; param_up, low) share the host->device bandwidth,
+downloads (act_down, high; grad_down, low) the device->host bandwidth; a
+started transfer is not preempted (chunks keep the wait short). The host runs
+the optimizer lane (per-layer steps) and the copy lane. Every (worker, lane)
+runs its instructions FIFO in program order, iteration t before t+1.
+
+    >>> from rpcompile import CostTable, StagePlan
+    >>> from rpcompile.passes import emit
+    >>> hw = type("HW", (), dict(h2d_bandwidth=float("inf"), d2h_bandwidth=float("inf"),
+    ...                          optimizer_bytes_per_s=float("inf")))()
+    >>> c = CostTable.from_lists(fwd=[1.0] * 2, bwd=[2.0] * 2)
+    >>> simulate(emit(StagePlan.from_str("1|1|1"), gpus=2, microbatches=2), c, hw).makespan
+    9.0
+
+Note: durations. F = sum of the stage's `fwd`, X = fwd + bwd, R = fwd, B = bwd,
+E = 0. P/G move `Chunk.bytes`. U moves the input activation (`act_bytes` of the
+layer before the stage; the model input `saved_bytes[0]` for layer 0), a B
+slot's saved input (`saved_bytes` of its first layer) or, with `grad`, the
+output gradient (`act_bytes` of its last layer). D moves an F stage's output
+plus the saved inputs of B stages that start strictly inside it, or a
+backward's input gradient. A transfer takes link_latency + bytes / bandwidth.
+A host step O takes MASTER_PER_PARAM_BYTE * grad_bytes / optimizer_bytes_per_s
+(an fp32 master of a 16-bit training copy; frozen parameters have none), plus with `nodes` k > 1 the ring
+all-reduce of its fp32 gradient (`ring_allreduce_time` over `net_bandwidth`,
+`net_latency`: data parallelism, issue #9); a copy C takes grad_bytes /
+host_memcpy_bandwidth (0 without one). An O on a GPU worker (the bound-stage
+baselines) takes fp32 master bytes / device_optimizer_bytes_per_s (default
+mem_bandwidth * ADAM_MASTER_SHARE, as Adam is memory-bound; 0 without
+either) and makes that GPU hold the layer's parameters, gradients and
+optimizer state for the whole run.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+from rpcompile.ir.costs import CostTable
+from rpcompile.passes.partition.timing import steady_state_window
+from rpcompile.ir.plan import StageKind
+from rpcompile.ir.program import COMPUTE_OPS, Instr, Lane, Op, Program
+from rpcompile.runtime.distributed import ring_allreduce_time
+from rpcompile.runtime.sim.events import Job, StuckError, exposed_waits, peak_usage, run_jobs
+
+MASTER_PER_PARAM_BYTE = 2   # fp32 master bytes per byte of 16-bit parameters
+STATE_PER_PARAM_BYTE = 6    # fp32 master + Adam m + v (12 B) per 2 B parameter
+ADAM_MASTER_SHARE = 4 / 30  # a GPU Adam step moves ~30 B per parameter (4 B of it the fp32 master)
+_TRANSFER_OPS = frozenset({Op.PARAM_UP, Op.ACT_UP, Op.ACT_DOWN, Op.GRAD_DOWN})
+_HIGH = frozenset({Lane.ACT_UP, Lane.ACT_DOWN})
+_CHANNEL = {Lane.ACT_UP: "h2d", Lane.PARAM_UP: "h2d", Lane.ACT_DOWN: "d2h", Lane.GRAD_DOWN: "d2h"}
+_CONSUMERS = {  # which same-worker dependents use a buffer made by an op (they free it when done)
+    Op.ACT_UP: COMPUTE_OPS, Op.FORWARD: COMPUTE_OPS | {Op.ACT_DOWN}, Op.FUSED: COMPUTE_OPS | {Op.ACT_DOWN},
+    Op.BACKWARD: COMPUTE_OPS | {Op.ACT_DOWN}, Op.RECOMPUTE: frozenset({Op.BACKWARD}),
+    Op.PARAM_UP: COMPUTE_OPS | {Op.RELEASE},
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """When one instruction instance ran."""
+
+    name: str        # physical name in its iteration (workers rotated), e.g. "w1 F0.m0"
+    template: str    # the name in the program's template (iteration 0 numbering)
+    iteration: int
+    worker: int      # physical worker, -1 = host
+    lane: str
+    op: str
+    start: float     # seconds
+    end: float
+
+
+@dataclass(frozen=True, slots=True)
+class Timeline:
+    """The simulated run; times in seconds, memory in bytes.
+
+    iteration_time is the makespan for one iteration, else `steady_iteration_time`.
+    """
+
+    gpus: int
+    iterations: int
+    makespan: float                   # end of the last instruction (optimizer and copies included)
+    iteration_ends: tuple[float, ...]  # C_t: end of iteration t's last compute
+    iteration_time: float
+    steady_iteration_time: float      # per iteration over the steady-state window (see simulate)
+    busy: tuple[float, ...]           # compute seconds per worker over the run
+    bubble_ratio: float               # idle compute share over the run: 1 - sum(busy) / (N * makespan)
+    steady_bubble: float              # 1 - work per iteration / (N * steady_iteration_time)
+    exposed_comm: float               # seconds compute lanes waited on transfers, all workers
+    exposed_per_worker: tuple[float, ...]
+    peak_memory: tuple[int, ...]      # per worker peak device bytes
+    records: tuple[Record, ...]       # every instruction instance, in program order per iteration
+
+    @property
+    def start(self) -> dict[str, float]:
+        """{template name: start} of iteration 0 (for Program.to_chrome_trace)."""
+        return {r.template: r.start for r in self.records if r.iteration == 0}
+
+    @property
+    def end(self) -> dict[str, float]:
+        """{template name: end} of iteration 0."""
+        return {r.template: r.end for r in self.records if r.iteration == 0}
+
+    def times(self) -> dict[tuple[int, str], tuple[float, float]]:
+        """{(iteration, template name): (start, end)}."""
+        return {(r.iteration, r.template): (r.start, r.end) for r in self.records}
+
+    def worker_busy(self, t0: float, t1: float) -> tuple[float, ...]:
+        """Compute seconds of each worker inside the window [t0, t1]."""
+        out = [0.0] * self.gpus
+        for r in self.records:
+            if r.op in _COMPUTE_LETTERS and r.worker >= 0:
+                out[r.worker] += max(0.0, min(r.end, t1) - max(r.start, t0))
+        return tuple(out)
+
+    def summary(self) -> str:
+        """A few lines: times, bubbles, exposed communication, peak memory."""
+        gib = [f"{m / 2**30:.2f}" for m in self.peak_memory]
+        return (f"Timeline(gpus={self.gpus}, iterations={self.iterations}): makespan {self.makespan:.6g} s, "
+                f"iteration {self.iteration_time:.6g} s, steady {self.steady_iteration_time:.6g} s, "
+                f"bubble {self.bubble_ratio:.2%}, steady bubble {self.steady_bubble:.2%}, "
+                f"exposed comm {self.exposed_comm:.6g} s, peak GiB {gib}")
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    def to_chrome_trace(self, path) -> None:
+        """Write chrome://tracing JSON: one process per worker (host last), one thread per lane."""
+        events = []
+        for r in self.records:
+            pid = r.worker if r.worker >= 0 else self.gpus
+            events.append({"name": r.name.split(" ", 1)[1], "cat": r.op, "ph": "X", "pid": pid, "tid": r.lane,
+                           "ts": r.start * 1e6, "dur": (r.end - r.start) * 1e6,
+                           "args": {"iteration": r.iteration, "template": r.template}})
+        for w in range(self.gpus + 1):
+            events.append({"name": "process_name", "ph": "M", "pid": w,
+                           "args": {"name": f"w{w}" if w < self.gpus else "host"}})
+        with open(path, "w") as f:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+
+    def plot(self, path, *, title: str | None = None) -> None:
+        """Save a Gantt chart PNG: one row per (worker, lane) that ran something."""
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        rows = sorted({(r.worker if r.worker >= 0 else self.gpus, r.lane) for r in self.records})
+        row_of = {k: i for i, k in enumerate(rows)}
+        colors = dict(F="tab:blue", X="tab:purple", R="tab:cyan", B="tab:green", U="tab:orange",
+                      P="tab:olive", D="tab:red", G="tab:brown", O="tab:gray", C="tab:pink", E="black")
+        fig, ax = plt.subplots(figsize=(14, 0.35 * len(rows) + 1.5))
+        for r in self.records:
+            if r.end > r.start:
+                y = row_of[(r.worker if r.worker >= 0 else self.gpus, r.lane)]
+                ax.barh(y, r.end - r.start, left=r.start, height=0.8, color=colors.get(r.op, "k"),
+                        edgecolor="white", linewidth=0.2)
+        ax.set_yticks(range(len(rows)))
+        ax.set_yticklabels([f"{'w' + str(w) if w < self.gpus else 'host'} {lane}" for w, lane in rows])
+        ax.invert_yaxis()
+        ax.set_xlabel("seconds")
+        ax.set_title(title or self.summary()[:120], fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+
+
+_COMPUTE_LETTERS = frozenset(o.value for o in COMPUTE_OPS)
+
+
+def simulate(program: Program, costs: CostTable, hardware, *, iterations: int = 1,
+             nodes: int | None = None) -> Timeline:
+    """Run `iterations` back-to-back iterations of `program` on a hardware model.
+
+    Args:
+        program: the schedule (emit's RoundPipe program or a runtime.sim.baselines program).
+        costs: per-layer times and bytes; must match program.plan.
+        hardware: any object with `h2d_bandwidth`, `d2h_bandwidth` (bytes/s per GPU),
+            `optimizer_bytes_per_s` (fp32 master bytes/s of the host optimizer) and optionally
+            `link_latency` (s), `host_memcpy_bandwidth`, `device_optimizer_bytes_per_s` (bytes/s).
+        iterations: iteration t runs `program.shifted(t)`; deps reach back through Ref.back.
+        nodes: data-parallel processes (default `hardware.nodes`, else 1); > 1 adds each layer group's
+            gradient all-reduce (hardware `net_bandwidth`, `net_latency`) to its host step.
+    Returns:
+        A Timeline. With iterations > 1 the steady time is (C[K-1] - C[K-1-P]) / P over the
+        last P iterations, (K, P) = steady_state_window(gpus, stages, rounds), when
+        iterations >= K; else C[-1] / iterations (the mean from time 0, fill included).
+
+    >>> hw = type("HW", (), dict(h2d_bandwidth=1e9, d2h_bandwidth=1e9, optimizer_bytes_per_s=1e9))()
+    >>> from rpcompile import CostTable, StagePlan
+    >>> from rpcompile.passes import emit
+    >>> c = CostTable.from_lists(fwd=[1.0] * 2, bwd=[2.0] * 2, act_bytes=[10**8] * 2)
+    >>> t = simulate(emit(StagePlan.from_str("1|1|1"), gpus=2, microbatches=2), c, hw)
+    >>> round(t.iteration_time, 3), t.iterations, round(t.exposed_comm, 3)
+    (9.4, 1, 0.4)
+    """
+    plan = program.plan
+    if costs.num_layers != plan.num_layers:
+        raise ValueError(f"simulate: the program's plan has {plan.num_layers} layers but the cost table has "
+                         f"{costs.num_layers}")
+    if iterations < 1:
+        raise ValueError(f"simulate: iterations must be >= 1, got {iterations}")
+    bw = _Bandwidths.of(hardware, nodes)
+    tmpl = program.instrs
+    n = len(tmpl)
+    pos = program.index()
+    durations = [_duration(i, program, costs, bw) for i in tmpl]
+    lane_ids: dict[tuple[int, Lane], int] = {}
+    channel_ids: dict[tuple[int, str], int] = {}
+    deps_of = []
+    for i in tmpl:
+        for ref in i.deps:
+            if ref.name not in pos:
+                raise ValueError(f"simulate: {i.name} depends on {ref.name!r}, which is not in the program")
+        deps_of.append([(ref.back, ref.since, pos[ref.name]) for ref in i.deps])
+    short = [i.short for i in tmpl]
+    jobs: list[Job] = []
+    phys: list[tuple[int, Instr]] = []  # (physical worker, template instr): program.shifted(t)'s worker
+    for t in range(iterations):
+        shift = t * program.shift
+        for k, i in enumerate(tmpl):
+            deps = tuple((t - back) * n + d for back, since, d in deps_of[k] if t - back >= 0 and t >= since)
+            w = i.worker if i.is_host else (i.worker + shift) % program.gpus
+            lane = lane_ids.setdefault((w, i.lane), len(lane_ids))
+            ch = channel_ids.setdefault((w, _CHANNEL.get(i.lane, i.lane.value)), len(channel_ids))
+            jobs.append(Job(lane, ch, 0 if i.lane in _HIGH else 1, durations[k], deps))
+            phys.append((w, i))
+    try:
+        starts, ends = run_jobs(jobs)
+    except StuckError as e:
+        j = e.stuck[0]
+        raise RuntimeError(f"simulate: {len(e.stuck)} instructions never ran, first {tmpl[j % n].name} of "
+                           f"iteration {j // n} (template numbering):\n"
+                           f"{program.grid(mark=tmpl[j % n].name, context=4)}") from None
+    ops = [tmpl[j % n].op for j in range(len(jobs))]
+    wk = [w for w, _ in phys]
+    compute = [op in COMPUTE_OPS for op in ops]
+    busy = [0.0] * program.gpus
+    ends_t = [0.0] * iterations
+    for j in range(len(jobs)):
+        if compute[j]:
+            busy[wk[j]] += ends[j] - starts[j]
+            ends_t[j // n] = max(ends_t[j // n], ends[j])
+    makespan = max(ends, default=0.0)
+    steady = _steady(ends_t, program, makespan)
+    work = sum(busy)
+    waits = exposed_waits(jobs, starts, ends, [op in _TRANSFER_OPS for op in ops], compute)
+    exposed = [0.0] * program.gpus
+    for j in range(len(jobs)):
+        if compute[j]:
+            exposed[wk[j]] += waits[j]
+    records = tuple(Record(f"w{w} {short[j % n]}" if w >= 0 and not i.is_host else i.name, i.name, j // n, w,
+                           i.lane.value, i.op.value, starts[j], ends[j]) for j, (w, i) in enumerate(phys))
+    nw = program.gpus
+    return Timeline(
+        gpus=nw, iterations=iterations, makespan=makespan, iteration_ends=tuple(ends_t),
+        iteration_time=makespan if iterations == 1 else steady, steady_iteration_time=steady,
+        busy=tuple(busy), bubble_ratio=1.0 - work / (nw * makespan) if makespan > 0 else 0.0,
+        steady_bubble=1.0 - work / iterations / (nw * steady) if steady > 0 else 0.0,
+        exposed_comm=sum(exposed), exposed_per_worker=tuple(exposed),
+        peak_memory=_peaks(program, costs, wk, jobs, starts, ends), records=records)
+
+
+@dataclass(frozen=True, slots=True)
+class _Bandwidths:
+    """The hardware attributes the simulator reads (bytes/s; inf = free)."""
+
+    h2d: float
+    d2h: float
+    optimizer: float
+    latency: float
+    memcpy: float
+    device_optimizer: float
+    nodes: int = 1
+    net: float = math.inf
+    net_latency: float = 0.0
+
+    @classmethod
+    def of(cls, hw, nodes: int | None = None) -> "_Bandwidths":
+        """Read the attributes by name; the first three are required."""
+        need = ("h2d_bandwidth", "d2h_bandwidth", "optimizer_bytes_per_s")
+        missing = [a for a in need if not hasattr(hw, a)]
+        if missing:
+            raise ValueError(f"simulate: hardware {hw!r} lacks {missing} (bytes/s; float('inf') for free)")
+        vals = cls(float(hw.h2d_bandwidth), float(hw.d2h_bandwidth), float(hw.optimizer_bytes_per_s),
+                   float(getattr(hw, "link_latency", 0.0) or 0.0),
+                   float(getattr(hw, "host_memcpy_bandwidth", math.inf) or math.inf),
+                   float(getattr(hw, "device_optimizer_bytes_per_s", None)
+                         or getattr(hw, "mem_bandwidth", math.inf) * ADAM_MASTER_SHARE),
+                   int(nodes or getattr(hw, "nodes", 1) or 1), float(getattr(hw, "net_bandwidth", math.inf)),
+                   float(getattr(hw, "net_latency", 0.0) or 0.0))
+        for name, v in zip(need, (vals.h2d, vals.d2h, vals.optimizer)):
+            if not v > 0:
+                raise ValueError(f"simulate: hardware {name} must be > 0, got {v!r}")
+        return vals
+
+
+def _duration(i: Instr, program: Program, costs: CostTable, bw: _Bandwidths) -> float:
+    """Seconds one instruction takes."""
+    op = i.op
+    if op is Op.RELEASE:
+        return 0.0
+    if op in (Op.STEP, Op.COPY):
+        pb = costs.grad_bytes[i.layer]  # trainable bytes: frozen parameters are never stepped or copied
+        if op is Op.COPY:
+            return pb / bw.memcpy
+        net = ring_allreduce_time(MASTER_PER_PARAM_BYTE * pb, bw.nodes, bw.net, bw.net_latency) if pb else 0.0
+        return net + MASTER_PER_PARAM_BYTE * pb / (bw.optimizer if i.worker < 0 else bw.device_optimizer)
+    layers = program.plan.stages[i.stage].layers
+    f = sum(costs.fwd[l] for l in layers)
+    b = sum(costs.bwd[l] for l in layers)
+    if op in COMPUTE_OPS:
+        return {Op.FORWARD: f, Op.FUSED: f + b, Op.RECOMPUTE: f, Op.BACKWARD: b}[op]
+    nbytes = transfer_bytes(i, program, costs)
+    return bw.latency + nbytes / (bw.h2d if op in (Op.PARAM_UP, Op.ACT_UP) else bw.d2h)
+
+
+def transfer_bytes(i: Instr, program: Program, costs: CostTable) -> int:
+    """Bytes a P/G/U/D instruction moves (see the module Note)."""
+    if i.op in (Op.PARAM_UP, Op.GRAD_DOWN):
+        return program.chunk_of(i).bytes
+    stage = program.plan.stages[i.stage]
+    first, last = stage.layers.start, stage.layers.stop - 1
+    if i.op is Op.ACT_UP:
+        if stage.kind is StageKind.B:
+            return costs.act_bytes[last] if i.grad else costs.saved_bytes[first]
+        return costs.act_bytes[first - 1] if first > 0 else costs.saved_bytes[0]
+    if stage.kind is StageKind.F:  # D of a forward stage: output + saved inputs made inside it
+        inner = sum(costs.saved_bytes[s.layers.start] for s in program.plan.stages
+                    if s.kind is StageKind.B and first < s.layers.start <= last)
+        return costs.act_bytes[last] + inner
+    return costs.act_bytes[first - 1] if first > 0 else 0
+
+
+def steady_iterations(program: Program) -> int:
+    """How many back-to-back iterations `simulate` needs for the steady state of `program` (staleness 1)."""
+    return steady_state_window(program.gpus, program.plan.num_stages, program.rounds)[0]
+
+
+def _steady(ends: list[float], program: Program, makespan: float) -> float:
+    """Steady-state time per iteration from the C_t (see simulate)."""
+    it = len(ends)
+    if it == 1:
+        return makespan
+    k, p = steady_state_window(program.gpus, program.plan.num_stages, program.rounds)
+    if it < k:  # too few for the window (early iterations overlap unevenly): average from time 0
+        return ends[-1] / it
+    return (ends[-1] - ends[-1 - p]) / p
+
+
+def _peaks(program: Program, costs: CostTable, wk: list[int], jobs: list[Job], starts: list[float],
+           ends: list[float]) -> tuple[int, ...]:
+    """Per worker peak bytes: resident state, parameter chunks, gradients, activations, workspace."""
+    nw, n = program.gpus, len(program.instrs)
+    stages = program.plan.stages
+    resident: list[set[int]] = [set() for _ in range(nw)]
+    for i in program.instrs:
+        if i.op is Op.STEP and i.worker >= 0:
+            resident[i.worker].add(i.layer)
+    base = [sum(costs.param_bytes[l] * (1 + STATE_PER_PARAM_BYTE) + costs.grad_bytes[l] for l in ls)
+            for ls in resident]
+    free_at = list(ends)  # a buffer lives until its last same-worker consumer ends
+    for j, job in enumerate(jobs):
+        for d in job.deps:
+            if wk[d] == wk[j] and program.instrs[j % n].op in _CONSUMERS.get(program.instrs[d % n].op, ()):
+                free_at[d] = max(free_at[d], ends[j])
+    sizes = [_buffer_size(i, program, costs) for i in program.instrs]
+    intervals: list[list[tuple[float, float, int]]] = [[] for _ in range(nw)]
+    grads: dict[tuple[int, int, int, int], list[float]] = {}  # slot -> [first write, last use]
+    for j, w in enumerate(wk):
+        i = program.instrs[j % n]
+        if w < 0 or i.op in (Op.STEP, Op.COPY):
+            continue
+        size, work = sizes[j % n]
+        if work:
+            intervals[w].append((starts[j], ends[j], work))
+        if size:
+            intervals[w].append((starts[j], free_at[j], size))
+        if i.op in (Op.FUSED, Op.BACKWARD, Op.GRAD_DOWN) and not set(stages[i.stage].layers) <= resident[w]:
+            rnd = i.round if i.op is Op.GRAD_DOWN else i.mb // program.round_size
+            span = grads.setdefault((j // n, w, i.stage, rnd), [starts[j], ends[j]])
+            span[1] = max(span[1], ends[j])
+    for (_, w, s, _), (a, b) in grads.items():
+        intervals[w].append((a, b, sum(costs.grad_bytes[l] for l in stages[s].layers)))
+    return tuple(base[w] + peak_usage(intervals[w]) for w in range(nw))
+
+
+def _buffer_size(i: Instr, program: Program, costs: CostTable) -> tuple[int, int]:
+    """(bytes of the buffer an instruction makes, bytes of workspace while it runs)."""
+    if i.op in (Op.ACT_UP, Op.PARAM_UP):
+        return transfer_bytes(i, program, costs), 0
+    if i.stage < 0 or i.op not in COMPUTE_OPS:
+        return 0, 0
+    layers = program.plan.stages[i.stage].layers
+    if i.op is Op.FORWARD:
+        return transfer_bytes(Instr(Op.ACT_DOWN, i.worker, i.stage, i.mb), program, costs), 0
+    if i.op is Op.RECOMPUTE:  # autograd tensors of the stage, held until its backward
+        return sum(costs.peak_bytes[l] for l in layers), 0
+    grad_in = costs.act_bytes[layers.start - 1] if layers.start > 0 else 0
+    return grad_in, sum(costs.peak_bytes[l] for l in layers) if i.op is Op.FUSED else 0
