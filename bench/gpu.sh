@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On a CUDA machine: the CUDA tests (tests/test_runtime_cuda.py), then eager vs rpcompile gpus=1 and gpus=4
+# On a CUDA machine: the CUDA tests (tests/runtime/test_runtime_cuda.py), then eager vs rpcompile gpus=1 and gpus=4
 # (four workers sharing the GPU) on a ~1.1B Llama in bf16 at seq 2048; each row prints as soon as it is measured.
 #   bash bench/gpu.sh            # < 8 min; installs nothing
 # Without a GPU it exits 0 saying so. When nvidia-smi lists a GPU that torch cannot use (a driver too old
@@ -43,9 +43,9 @@ fi
 "$PY" -c "import torch; print('GPU:', torch.cuda.get_device_name(), '| torch', torch.__version__)"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
 
-echo "== CUDA tests: tests/test_runtime_cuda.py (timeout 240 s)"
+echo "== CUDA tests: tests/runtime/test_runtime_cuda.py (timeout 240 s)"
 status=0  # by path: an import error in another test module cannot abort it, and nothing else is collected
-timeout --signal=INT --kill-after=10 240 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_runtime_cuda.py \
+timeout --signal=INT --kill-after=10 240 "$PY" -m pytest -q -rs -p no:cacheprovider tests/runtime/test_runtime_cuda.py \
     || status=$?
 if [ "$status" -ne 0 ]; then echo "CUDA tests: exit status $status (124 = timed out)"; fi
 

@@ -2,7 +2,7 @@
 
     python bench/partition_before_check.py [REV]    # default 8080906, the search before issue 15
 
-The guarantee tests of tests/test_partition_guarantees.py (never slower than the reference heuristic
+The guarantee tests of tests/passes/partition/test_partition_guarantees.py (never slower than the reference heuristic
 or an even plan, the issue's 29-layer case, brute force on tiny models) are run with the module's
 `partition` replaced by the one `git show REV:passes/partition.py` gives. On 8080906 all three fail;
 on the current search they pass. Exit status: pytest's (1 when a test failed).

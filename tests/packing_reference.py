@@ -1,6 +1,6 @@
 """The packing of issue 24 (before the token cache), kept verbatim as a reference: whole tensors in memory.
 
-The oracle of tests/test_token_cache.py (the cache-backed `Packed` must give the
+The oracle of tests/finetune/test_token_cache.py (the cache-backed `Packed` must give the
 same tensors and batches bit for bit) and the "before" path of
 bench/data_memory.py (its peak memory). Not used by the package.
 """

@@ -6,7 +6,7 @@ test says the "GPU" got there (or never), and a `set_device` that notes which
 thread called it. Work launched on a fake stream runs at once in the calling
 thread, as a kernel launch returns at once; only the events model the GPU.
 The runtime side of 1d (the issuer never blocks on host work) also runs in
-`tests/test_streams.py` under `backend="host-cuda"`.
+`tests/runtime/test_streams.py` under `backend="host-cuda"`.
 """
 from __future__ import annotations
 

@@ -162,7 +162,7 @@ def test_gpu_sh_without_a_gpu_says_so_and_passes(tmp_path):
 
 def test_gpu_sh_runs_the_cuda_tests_by_path():
     script = open(os.path.join(ROOT, "bench", "gpu.sh")).read()
-    assert "tests/test_runtime_cuda.py" in script and "-m cuda" not in script
+    assert "tests/runtime/test_runtime_cuda.py" in script and "-m cuda" not in script
 
 
 # e. every compile()/Runtime() in the CPU suite names its backend ---------------------------------

@@ -73,7 +73,7 @@ staleness 1 the window of `iteration_time` averages p iterations, and with p
 even and every worker in each round (S >= N, or one round) iteration t + 2
 starts after iteration t ends, so it is at least half the staleness-0 bound;
 the throughput bound M w / N is the steady state's and holds for the window
-in every case tested (tests/test_partition_guarantees.py checks both bounds
+in every case tested (tests/passes/partition/test_partition_guarantees.py checks both bounds
 on random plans). The guaranteed families drop a plan only when its bound
 exceeds the time up to which plans tie (`ties.reach`; the best time with
 tie = 0) by more than 1e-9 (relative), so every plan that could tie is timed;

@@ -19,7 +19,7 @@ Note:
     chunk is `LOGIT_BYTES` bytes per logit of the chunk (chunk x ceil(V/K)
     logits): the matmul's output in the training dtype, its fp32 copy, the
     exponentials and, in the backward, their gradients. `LOGIT_BYTES` is
-    measured (see `tests/test_long_seq_head.py`). The chunk is the largest
+    measured (see `tests/passes/shard_head/test_long_seq_head.py`). The chunk is the largest
     multiple of 64 tokens whose working set fits an eighth of the memory budget
     (the rest holds the stage's parameters, the hidden input and its
     gradient); without a budget, half the largest other layer's `peak_bytes`

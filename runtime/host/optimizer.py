@@ -84,7 +84,7 @@ class HostState(StateIO):
 
     Note:
         The per-layer order that gives DESIGN.md idea 7's semantics (what
-        tests/test_optimizer.py `drive` checks against tests/oracle.py): in
+        tests/runtime/host/test_optimizer.py `drive` checks against tests/oracle.py): in
         iteration t, after all gradient writes of group l (R3), staleness 0 runs
         `step(l)` then `copy(l)`; staleness 1 runs `copy(l)` (once iteration t's
         uploads of `group_readers(l)` are done, R1) then `step(l)` with t's

@@ -39,7 +39,7 @@ def worker(argv: list[str], stop_at: int) -> None:
 
 def launch(argv_of_rank, stop_at: int = 0, timeout: float = 150):
     """`worker` as WORLD processes with torchrun's environment."""
-    return dist_launch.launch([f"from tests.test_finetune_dist import worker; worker({argv_of_rank(r)!r}, {stop_at})"
+    return dist_launch.launch([f"from tests.finetune.test_finetune_dist import worker; worker({argv_of_rank(r)!r}, {stop_at})"
                                for r in range(WORLD)], timeout)
 
 

@@ -12,7 +12,7 @@ from hypothesis import example, given, settings, strategies as st
 
 from rpcompile.passes import partition
 from rpcompile.passes.partition.timing import iteration_time
-from tests.test_partition_guarantees import SLACK, even_family, fits, tight_budget, with_bytes
+from tests.passes.partition.test_partition_guarantees import SLACK, even_family, fits, tight_budget, with_bytes
 
 
 def faster_even_plan(costs, kw, budget, got):

@@ -19,8 +19,9 @@ import torch
 import rpcompile
 from tests import models
 from tests.oracle import reference_train, token_mean_loss
+from paths import ROOT  # noqa: E402 - tests/ is on sys.path (tests/conftest.py)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = ROOT
 SEQ, ROWS, M = 16, 4, 2  # 4 sequences in 2 microbatches of 2
 
 
@@ -167,7 +168,7 @@ def test_two_ranks_with_different_counts_equal_eager_on_the_global_batch(tmp_pat
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    code = f"from tests.test_token_weighted import dist_worker; dist_worker({out!r})"
+    code = f"from tests.driver.test_token_weighted import dist_worker; dist_worker({out!r})"
     procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, text=True, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE,
                               env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",

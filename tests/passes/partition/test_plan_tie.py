@@ -11,7 +11,7 @@ import pytest
 from rpcompile import CostTable, StagePlan
 from rpcompile.passes import partition
 from rpcompile.pipeline import MEASURED_TIE
-from tests.test_partition_guarantees import tie_brute_force, tiny_case
+from tests.passes.partition.test_partition_guarantees import tie_brute_force, tiny_case
 
 # The demo model's costs (`bench/plan_stability.py`: 4-layer Llama, gpus=2, 4 microbatches, 8 MiB budget)
 # as one measured run gave them; the times are replaced below by the 10 runs of docs/bench/plan_stability.md.

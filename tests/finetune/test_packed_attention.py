@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import models as M  # noqa: E402
 import rpcompile  # noqa: E402

@@ -8,7 +8,6 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import models
 from oracle import reference_train
 from rpcompile import AdamW, SGD, StagePlan

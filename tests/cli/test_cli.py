@@ -5,8 +5,9 @@ import subprocess
 import sys
 
 import pytest
+from paths import ROOT  # noqa: E402 - tests/ is on sys.path (tests/conftest.py)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = ROOT
 
 
 def cli(*args, cwd):

@@ -18,7 +18,6 @@ import pytest
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import models  # noqa: E402
 import rpcompile  # noqa: E402

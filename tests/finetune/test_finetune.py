@@ -150,7 +150,7 @@ def test_cli_lora_run_on_chat_messages(lora_run, capsys):
     run = json.loads((lora_run.merged / "rpcompile-run.json").read_text())
     assert run["settings"]["steps"] == 8 and run["settings"]["lora_targets"] == ["q_proj", "v_proj"]
     assert checkpoint.load(str(lora_run.merged / CHECKPOINT))["steps"] == 8
-    err = bad_input(capsys, *lora_run.args)  # nothing is overwritten (tests/test_cli_safety.py: the details)
+    err = bad_input(capsys, *lora_run.args)  # nothing is overwritten (tests/cli/test_cli_safety.py: the details)
     assert "already holds a run or a model" in err and "--overwrite" in err
 
 

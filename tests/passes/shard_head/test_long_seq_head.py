@@ -10,7 +10,6 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import models as M  # noqa: E402
 from rpcompile import Hardware  # noqa: E402

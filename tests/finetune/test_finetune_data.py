@@ -27,7 +27,7 @@ def test_pack_puts_eos_after_each_document_and_pads_only_the_end(tok):
     docs = [Document("hello world", False), Document("the plan", False), Document("a", False)]
     want = [t for d in docs for t in (*tok(d.text)["input_ids"], tok.eos_token_id)]
     seq = next(s for s in (8, 7, 9, 6, 10) if len(want) % s >= 2)  # a padded last sequence (a one-token
-    # one is dropped instead: tests/test_cli_safety.py)
+    # one is dropped instead: tests/cli/test_cli_safety.py)
     p = pack(docs, tok, seq=seq, packing="split")
     flat_ids, flat_labels = p.ids.flatten().tolist(), p.labels.flatten().tolist()
     assert p.ids.shape == (-(-len(want) // seq), seq) and p.tokens == len(want) and p.documents == 3

@@ -25,6 +25,7 @@ import hf_fixtures as fx  # noqa: E402
 import packing_reference as ref  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(HERE)
 STATS = ("tokens", "documents", "truncated", "dropped", "trained")
 COUNTED = ("__call__", "encode", "encode_plus", "batch_encode_plus", "_encode_plus", "_batch_encode_plus",
            "tokenize", "apply_chat_template", "encode_batch")
@@ -214,7 +215,7 @@ def test_num_proc_2_writes_the_same_bytes_and_the_same_errors(tmp_path, tok, mon
 
 KILLED = r"""
 import os, sys
-sys.path.insert(0, sys.argv[1])
+sys.path[:0] = sys.argv[1].split(os.pathsep)  # this test's folder and tests/ (the helpers)
 from transformers import AutoTokenizer
 from rpcompile.finetune import data
 from test_token_cache import Counting
@@ -234,7 +235,7 @@ data.prepare(sys.argv[3], Counting(AutoTokenizer.from_pretrained(sys.argv[2]), D
 def test_a_killed_build_leaves_nothing_that_is_read(tmp_path, folder, tok):
     _, chat, _ = files(tmp_path)
     cache = tmp_path / "cache"
-    r = subprocess.run([sys.executable, "-c", KILLED, HERE, folder, chat, str(cache)], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", KILLED, os.pathsep.join([HERE, TESTS]), folder, chat, str(cache)], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 9, r.stderr
     (left,) = os.listdir(cache)

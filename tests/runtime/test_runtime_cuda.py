@@ -13,7 +13,6 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import models  # noqa: E402
 import rpcompile  # noqa: E402
 from rpcompile import AdamW, CostTable, StagePlan  # noqa: E402

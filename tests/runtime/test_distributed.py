@@ -73,7 +73,7 @@ def worker(mode: str, out: str) -> None:
 
 def _launch(mode: str, out: str, timeout: float):
     """Run `worker(mode, out)` as WORLD processes with torchrun's env on a free localhost port."""
-    return launch([f"from tests.test_distributed import worker; worker({mode!r}, {out!r})"] * WORLD, timeout)
+    return launch([f"from tests.runtime.test_distributed import worker; worker({mode!r}, {out!r})"] * WORLD, timeout)
 
 
 def _close(a: dict, b: dict, rel: float = 1e-5) -> None:

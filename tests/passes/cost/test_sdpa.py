@@ -10,7 +10,6 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import models as M  # noqa: E402
 import rpcompile  # noqa: E402

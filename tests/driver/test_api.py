@@ -9,6 +9,7 @@ import torch
 
 import rpcompile
 from rpcompile.models.zoo import LlamaConfig, TinyLlama
+from paths import ROOT  # noqa: E402 - tests/ is on sys.path (tests/conftest.py)
 
 CFG = LlamaConfig(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, ffn=64, max_seq=32)
 
@@ -62,9 +63,10 @@ def test_resume_in_a_fresh_process_is_bit_identical(tmp_path, staleness):
     ref.close()
     out = str(tmp_path / "resumed.pt")
     script = textwrap.dedent(f"""
-        import torch, rpcompile
+        import sys, torch, rpcompile
+        sys.path.insert(0, "tests")  # the helpers test_api imports
         from rpcompile.models.zoo import LlamaConfig, TinyLlama
-        from tests.test_api import CFG, batch, params
+        from tests.driver.test_api import CFG, batch, params
         c = rpcompile.load({path!r}, TinyLlama(CFG, seed=123))
         assert c.steps == 3, c.steps
         for i in range(3, 6):
@@ -72,8 +74,7 @@ def test_resume_in_a_fresh_process_is_bit_identical(tmp_path, staleness):
         torch.save(params(c), {out!r})
         c.close()
     """)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    subprocess.run([sys.executable, "-c", script], check=True, cwd=root, timeout=300)
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=ROOT, timeout=300)
     got = torch.load(out)
     assert got.keys() == want.keys()
     assert all(torch.equal(got[n], want[n]) for n in want)
@@ -129,15 +130,15 @@ def test_a_new_sequence_length_replans_and_keeps_training(capsys):
 
 def test_a_script_that_forgets_close_exits_cleanly():
     script = textwrap.dedent("""
-        import rpcompile
-        from tests.test_api import CFG, batch
+        import sys, rpcompile
+        sys.path.insert(0, "tests")  # the helpers test_api imports
+        from tests.driver.test_api import CFG, batch
         from rpcompile.models.zoo import TinyLlama
         c = rpcompile.compile(TinyLlama(CFG), gpus=2, example=batch(0), microbatches=2)
         c.step(batch(0))
         print("stepped")
     """)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-c", script], cwd=root, timeout=300, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, timeout=300, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "stepped" in r.stdout
 

@@ -11,7 +11,6 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import models as M  # noqa: E402
 from rpcompile import CostTable  # noqa: E402

@@ -9,7 +9,6 @@ import pytest
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import models as M  # noqa: E402
 from rpcompile.passes import trace  # noqa: E402
