@@ -6,7 +6,9 @@ import textwrap
 
 import pytest
 import torch
+from torch import nn
 
+import models
 import rpcompile
 from rpcompile.models.zoo import LlamaConfig, TinyLlama
 from paths import ROOT  # noqa: E402 - tests/ is on sys.path (tests/conftest.py)
@@ -19,11 +21,11 @@ def batch(seed, b=4, t=16):
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-def make(staleness=1, **kw):
+def make(staleness=1, model=None, **kw):
     opts = dict(gpus=2, example=batch(0), microbatches=2, staleness=staleness,
                 optimizer=rpcompile.AdamW(lr=1e-2, impl="foreach"), memory_budget=2**20, backend="host")
     opts.update(kw)
-    return rpcompile.compile(TinyLlama(CFG), **opts)
+    return rpcompile.compile(model or TinyLlama(CFG), **opts)
 
 
 def params(c):
@@ -149,3 +151,116 @@ def test_simulate_predicts_costs_for_the_target_hardware():
         slow = c.simulate("rtx4090")
         assert 0 < fast.iteration_time < slow.iteration_time
         assert len(fast.peak_memory) == 2
+
+
+# -- the global RNG state in a checkpoint ------------------------------------------------------------------
+class _RngMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), nn.Linear(8, 1))
+
+    def forward(self, x, y):
+        return nn.functional.mse_loss(self.blocks(x), y)
+
+def _rng_compile():
+    return rpcompile.compile(_RngMLP(), gpus=2, example=models.xy(0), microbatches=2, backend="host",
+                             optimizer=rpcompile.SGD(lr=1e-2, impl="foreach"))
+
+def test_load_state_dict_restores_the_global_rng():
+    with _rng_compile() as c:
+        c.step(models.xy(0))
+        torch.manual_seed(1234)
+        sd = c.state_dict()
+        saved = torch.get_rng_state()
+        assert torch.equal(sd["rng"], saved)
+        expect = torch.rand(5)  # what the saved state draws next; the global RNG has moved on
+        assert not torch.equal(torch.get_rng_state(), saved)
+        c.step(models.xy(1))
+        c.load_state_dict(sd)
+        assert torch.equal(torch.get_rng_state(), saved)
+        assert torch.equal(torch.rand(5), expect)
+
+def test_rpcompile_load_restores_the_global_rng(tmp_path):
+    path = str(tmp_path / "run.ckpt")
+    with _rng_compile() as c:
+        c.step(models.xy(0))
+        torch.manual_seed(4321)
+        saved = torch.get_rng_state()
+        c.save(path)
+        assert torch.equal(torch.get_rng_state(), saved)  # saving draws nothing
+        expect = torch.rand(5)
+    model = _RngMLP()  # (seeds the global RNG itself)
+    torch.rand(100)  # move the global RNG away from the saved state
+    with rpcompile.load(path, model) as d:
+        assert torch.equal(torch.get_rng_state(), saved)
+        assert torch.equal(torch.rand(5), expect)
+        assert d.steps == 1
+
+
+# -- bad arguments are ValueErrors that name them, before tracing ----------------------------------------------
+@pytest.mark.parametrize("kw,name", [
+    (dict(gpus=0), "gpus"), (dict(gpus=-1), "gpus"), (dict(gpus=True), "gpus"), (dict(gpus=2.0), "gpus"),
+    (dict(staleness=True), "staleness"), (dict(staleness=2), "staleness"),
+    (dict(microbatches=0), "microbatches"), (dict(microbatches=True), "microbatches"),
+    (dict(dtype=torch.int64), "dtype"), (dict(dtype="int8"), "dtype"), (dict(backend="tpu"), "backend"),
+    (dict(lm_head_shards=0), "lm_head_shards"), (dict(on_nonfinite="ignore"), "on_nonfinite"),
+])
+def test_bad_arguments_name_themselves(kw, name):
+    with pytest.raises(ValueError, match=name):
+        make(**kw)
+
+def test_torch_optimizers_and_meta_models_are_refused_with_what_to_do():
+    model = TinyLlama(CFG)
+    with pytest.raises(ValueError, match=r"rpcompile\.AdamW"):
+        make(model=model, optimizer=torch.optim.AdamW(model.parameters()))
+    with pytest.raises(ValueError, match=r"rpcompile\.SGD"):
+        make(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    with torch.device("meta"):
+        meta = TinyLlama(CFG)
+    with pytest.raises(ValueError, match="meta device"):
+        make(model=meta)
+
+def test_dtype_names_are_accepted():
+    with make(dtype="bfloat16") as c:
+        assert c.options.dtype is torch.bfloat16
+        assert next(iter(c.state.compute.values())).dtype is torch.bfloat16
+
+# -- exact resume: a checkpoint rebuilds its own plan, nothing is re-measured ---------------------------------
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_resume_with_perturbed_measurements_is_bit_identical(tmp_path, staleness):
+    """Save at step 3; load in a fresh process whose every measured time is multiplied by U(0.5, 2) noise
+    (and whose plans would differ): steps 4-6 are bit-identical to the uninterrupted run."""
+    ref = make(staleness=staleness)
+    for i in range(3):
+        ref.step(batch(i))
+    path = str(tmp_path / "ckpt.rp")
+    ref.save(path)
+    for i in range(3, 6):
+        ref.step(batch(i))
+    want = {n: p.detach().clone() for n, p in ref.model().named_parameters()}
+    ref.close()
+    out = str(tmp_path / "resumed.pt")
+    script = textwrap.dedent(f"""
+        import random, dataclasses, sys, torch, rpcompile
+        sys.path.insert(0, "tests")  # the helpers test_api imports
+        import rpcompile.passes as P, rpcompile.passes.cost as C
+        from rpcompile.models.zoo import TinyLlama
+        from tests.driver.test_api import CFG, batch
+        orig, rng, calls = C.estimate_costs, random.Random(7), []
+        def noisy(*a, **kw):
+            calls.append(1)
+            c = orig(*a, **kw)
+            return dataclasses.replace(c, fwd=tuple(x * rng.uniform(0.5, 2) for x in c.fwd),
+                                       bwd=tuple(x * rng.uniform(0.5, 2) for x in c.bwd))
+        C.estimate_costs = P.estimate_costs = noisy
+        c = rpcompile.load({path!r}, TinyLlama(CFG, seed=123))
+        assert c.steps == 3 and not calls, (c.steps, len(calls))
+        for i in range(3, 6):
+            c.step(batch(i))
+        torch.save({{n: p.detach().clone() for n, p in c.model().named_parameters()}}, {out!r})
+        c.close()
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=ROOT, timeout=300)
+    got = torch.load(out)
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)

@@ -13,6 +13,8 @@ import torch
 import models  # noqa: E402 - tests/ is on sys.path (pytest rootdir)
 import rpcompile
 from rpcompile import checkpoint
+from rpcompile.models.zoo import LlamaConfig, TinyLlama
+from tests.driver.test_api import batch, make
 
 
 _MLP, _xy = models.LossMLP, models.xy
@@ -27,7 +29,7 @@ def _threads() -> set[str]:
     return {t.name for t in threading.enumerate() if t.name.startswith("rpcompile")}
 
 
-# -- 3. interrupts stay interrupts ------------------------------------------------------------------------------
+# -- interrupts stay interrupts ------------------------------------------------------------------------------
 def _interrupted_second_step(hold_commit: bool):
     """Two steps; Ctrl-C arrives while the caller waits for step 1's losses. Returns (error, handle)."""
     c = _compile()
@@ -80,7 +82,7 @@ def test_ctrl_c_after_the_commit_raises_keyboard_interrupt_with_the_step_done():
     assert all(torch.equal(got[n], want[n]) for n in want)
 
 
-# -- 4. one handle, one caller at a time ----------------------------------------------------------------------
+# -- one handle, one caller at a time ----------------------------------------------------------------------
 def test_two_threads_stepping_one_handle_are_serialised_and_equal_the_sequential_run():
     b = _xy(3)
     with _compile() as c:
@@ -108,7 +110,7 @@ def test_two_threads_stepping_one_handle_are_serialised_and_equal_the_sequential
     assert all(torch.equal(got[n], want[n]) for n in want)
 
 
-# -- 6. a failed load leaves no thread behind ------------------------------------------------------------------
+# -- a failed load leaves no thread behind ------------------------------------------------------------------
 def test_a_failed_load_leaves_no_thread_and_is_refused_before_workers_start(tmp_path):
     path = str(tmp_path / "run.ckpt")
     with _compile() as c:
@@ -143,7 +145,7 @@ def test_a_load_failing_after_its_workers_started_closes_them(tmp_path, monkeypa
     assert _threads() == before
 
 
-# -- 5. a killed save's temporary file is removed by the next save or load of the path ------------------------
+# -- a killed save's temporary file is removed by the next save or load of the path ------------------------
 def _dead_pid() -> int:
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait()
@@ -180,3 +182,51 @@ def test_a_save_killed_by_sigkill_leaves_a_temporary_file_the_next_load_removes(
     assert [f for f in os.listdir(tmp_path) if ".tmp-" in f]  # the killed save's leftover
     assert checkpoint.load(path)["steps"] == 1  # the previous checkpoint is intact
     assert [f for f in os.listdir(tmp_path) if ".tmp-" in f] == []
+
+
+# -- a closed or failed handle: calls raise at once, never hang; a failure changes nothing ------------------
+def _within(seconds: float, fn):
+    """Run fn in a thread; fail if it neither returns nor raises within `seconds`. Returns its exception."""
+    out: dict = {}
+
+    def body():
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - returned to the test
+            out["error"] = exc
+    th = threading.Thread(target=body, daemon=True)
+    th.start()
+    th.join(seconds)
+    assert not th.is_alive(), f"call did not return within {seconds} s (a hang)"
+    return out.get("error")
+
+# -- no hangs --------------------------------------------------------------------------------------------
+def test_calls_on_a_closed_handle_raise_at_once():
+    c = make()
+    c.step(batch(0))
+    c.close()
+    for call in (lambda: c.step(batch(1)), lambda: c.evaluate(batch(1)), c.state_dict, c.model, c.stats,
+                 lambda: c.step(batch(1, t=8))):
+        err = _within(10, call)
+        assert isinstance(err, RuntimeError) and "closed" in str(err)
+    with make() as d:
+        d.step(batch(0))
+    assert isinstance(_within(10, lambda: d.step(batch(0))), RuntimeError)
+
+def test_a_failed_replan_leaves_the_handle_working():
+    with make() as c:
+        c.step(batch(0))
+        bad = batch(1, t=8)
+        bad["labels"] = bad["labels"][:, :5]  # labels shorter than the inputs: planning the new shape fails
+        assert _within(30, lambda: c.step(bad)) is not None
+        assert _within(30, lambda: c.step(batch(2))) is None  # works as before
+
+def test_a_failed_load_state_dict_changes_nothing_and_the_handle_works():
+    with make() as c, make(model=TinyLlama(LlamaConfig(vocab=64, dim=32, layers=3, heads=4, kv_heads=2,
+                                                               ffn=64, max_seq=32))) as other:
+        c.step(batch(0))
+        before = c.state_dict()["host"]["master"]  # flushes the pending update first
+        err = _within(30, lambda: c.load_state_dict(other.state_dict()))
+        assert isinstance(err, ValueError)
+        assert all(torch.equal(before[n], v) for n, v in c.state.parameters_fp32().items())
+        assert _within(30, lambda: c.step(batch(1))) is None

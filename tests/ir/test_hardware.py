@@ -5,7 +5,10 @@ import time
 import pytest
 import torch
 
-from rpcompile import Hardware
+from rpcompile import CostTable, Hardware, StagePlan
+from rpcompile.ir.hardware import blas_workspace_bytes
+from rpcompile.passes import partition
+from rpcompile.passes.cost.stage_memory import memory_refusal
 
 
 def test_presets_have_the_public_numbers():
@@ -55,3 +58,36 @@ def test_measure_this_machine_is_fast_and_sane():
     assert time.perf_counter() - t0 < 6.0  # ~1 s when the machine is idle
     assert 1e8 < h.flops("float32") < 1e14 and h.mem_bandwidth > 1e8 and h.h2d_bandwidth > 1e8
     assert h.host_memory > 2 ** 28 and h.gpus == 1 and h.optimizer_bytes_per_s > 1e6 and h.name == "measured-cpu"
+
+
+# -- the cuBLAS workspace: its bytes, and their place in the stage budget ---------------------------------
+KIB, MIB = 2**10, 2**20
+
+def test_blas_workspace_follows_torchs_rule():
+    assert blas_workspace_bytes((9, 0), env={}) == 32 * MIB + MIB  # Hopper: 32 MiB cuBLAS + 1 MiB cuBLASLt
+    assert blas_workspace_bytes((8, 9), env={}) == 8 * MIB + 128 * KIB + MIB  # ":4096:2:16:8" + 1 MiB
+    assert blas_workspace_bytes((8, 0), env={"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}) == 33 * MIB
+    assert blas_workspace_bytes((9, 0), env={"CUBLAS_WORKSPACE_CONFIG": ":16:8"}) == 2 * 128 * KIB  # Lt capped
+    assert blas_workspace_bytes((8, 0), env={"CUBLASLT_WORKSPACE_SIZE": "4096"}) == 8 * MIB + 128 * KIB + 4 * MIB
+    assert blas_workspace_bytes((9, 0), env={"TORCH_CUBLASLT_UNIFIED_WORKSPACE": "1"}) == 32 * MIB
+    assert Hardware.preset("h100").blas_workspace == 33 * MIB and Hardware.preset("cpu").blas_workspace == 0
+    for name in ("rtx4090", "rtx5090", "a800"):
+        assert Hardware.preset(name).blas_workspace == blas_workspace_bytes((8, 9), env={})
+    with pytest.raises(ValueError, match="blas_workspace"):
+        Hardware.preset("cpu", blas_workspace=-1)
+
+def test_a_blas_workspace_takes_exactly_its_bytes_off_the_budget_the_stages_must_fit():
+    cpu, h100 = Hardware.preset("cpu"), Hardware.preset("h100")
+    assert cpu.stage_budget() == int(0.9 * cpu.device_memory) and cpu.stage_budget(12345) == 12345  # unchanged
+    assert h100.stage_budget() == int(0.9 * h100.device_memory) - 33 * MIB
+    assert h100.stage_budget(2**30) == 2**30 - h100.blas_workspace and h100.stage_budget(MIB) == 0
+    n, p = 4, 64 * MIB
+    costs = CostTable.from_lists([1e-3] * n, [2e-3] * n, param_bytes=[p] * n, grad_bytes=[p] * n,
+                                 peak_bytes=[p // 2] * n, saved_bytes=[MIB] * n, act_bytes=[MIB] * n)
+    one = StagePlan.from_sizes([1] * (n - 1), 1, [1] * (n - 1))
+    budget = max(one.stage_memory(costs)) + h100.blas_workspace // 2  # fits the stages, not the workspace too
+    assert memory_refusal(costs, budget) is None and cpu.stage_budget(budget) == budget
+    assert "memory budget" in memory_refusal(costs, h100.stage_budget(budget))
+    partition(costs, gpus=2, microbatches=2, memory_budget=budget)
+    with pytest.raises(ValueError, match="budget"):
+        partition(costs, gpus=2, microbatches=2, memory_budget=h100.stage_budget(budget))

@@ -164,3 +164,37 @@ def test_rules_are_switchable():
 
 def test_instr_is_exported():
     assert Instr.from_str("h O.l1").layer == 1
+
+
+# -- a release dependency on the previous iteration, removed, is rejected ------------------------------
+# -- verify: a release dependency on the previous iteration ------------------------------------------------
+def _drop(p, name: str, dep: str):
+    """p with the dependency `dep` of instruction `name` removed (asserting it was a previous-iteration one)."""
+    out = []
+    for i in p.instrs:
+        if i.name == name:
+            (ref,) = [d for d in i.deps if d.name == dep]
+            assert ref.back == 1, f"{name} <- {ref} is not a previous-iteration dependency"
+            i = replace(i, deps=tuple(d for d in i.deps if d.name != dep))
+        out.append(i)
+    return replace(p, instrs=tuple(out))
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_verify_rejects_a_removed_previous_iteration_release(staleness):
+    # 5 stages on 2 workers: slot 1's upload w1 P1.r0.c0 reuses the buffer of slot 1 - 2N = -3, i.e. the
+    # previous iteration's slot 7 (w1 E2.r1), reached only through a Ref with back=1
+    p = emit(StagePlan.from_str("2,1|1|1,2"), gpus=2, microbatches=4, staleness=staleness)
+    assert verify(p) is p
+    for name, dep in (("w1 P1.r0.c0", "w1 E2.r1"), ("w0 P2.r0.c0", "w0 E3.r1"), ("w1 P3.r0.c0", "w1 E4.r1")):
+        with pytest.raises(ProgramError) as e:
+            verify(_drop(p, name, dep))
+        assert e.value.rule == "RELEASE" and e.value.instr == name and "iteration t)" in str(e.value)
+
+def test_verify_rejects_a_program_without_any_previous_iteration_release():
+    p = emit(StagePlan.from_str("2,1|1|1,2"), gpus=2, microbatches=8, round_size=4, staleness=1)
+    cross = tuple(replace(i, deps=tuple(d for d in i.deps if not (d.back and " E" in d.name)))
+                  if i.op.name == "PARAM_UP" else i for i in p.instrs)
+    assert cross != p.instrs
+    with pytest.raises(ProgramError) as e:
+        verify(replace(p, instrs=cross))
+    assert e.value.rule == "RELEASE"

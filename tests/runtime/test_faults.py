@@ -1,14 +1,14 @@
 """Faults: an exception in a worker, lane or the optimizer reaches the caller fast, state is kept, next call works."""
 from __future__ import annotations
 
-import os
-import sys
 import time
 
 import pytest
 import torch
+from torch import nn
 
 import models  # noqa: E402
+import rpcompile  # noqa: E402
 from rpcompile import AdamW, StagePlan  # noqa: E402
 from rpcompile.passes import emit, trace  # noqa: E402
 from rpcompile.ir.program import Op  # noqa: E402
@@ -183,3 +183,137 @@ def test_hang_is_reported_not_deadlocked():
             rt.step(BATCHES[0])
         rt.handlers[Op.ACT_DOWN] = orig
         rt.step(BATCHES[0])
+
+
+# -- a non-finite loss raises from the step that returns it -------------------------------------------
+def _xy(seed: int, nan: bool = False):
+    """LossMLP's batch `seed`; with `nan`, every microbatch's loss is NaN."""
+    x, y = models.xy(seed)
+    if nan:
+        x[:, 3] = float("nan")
+    return x, y
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_a_nan_loss_raises_from_the_step_that_returns_it(staleness):
+    with rpcompile.compile(models.LossMLP(), gpus=2, example=_xy(0), microbatches=2, staleness=staleness, backend="host",
+                           optimizer=rpcompile.AdamW(lr=1e-2, impl="foreach")) as c:
+        c.step(_xy(0)), c.step(_xy(1))
+        good = c.state_dict()["host"]
+        with pytest.raises(FloatingPointError, match=r"step 2 .*last good step"):
+            c.step(_xy(2, nan=True))  # no second call: this one raises
+        assert c.steps == 2
+        now = c.state.state_dict()
+        for key in ("master", "compute"):
+            assert all(torch.equal(now[key][n], good[key][n]) for n in good[key]), key
+        assert torch.isfinite(torch.tensor(c.step(_xy(2))))  # iteration 2 again, with a good batch
+        assert c.steps == 3
+
+
+# -- a NaN gradient under a finite loss -------------------------------------------------------------------
+class _Gate(nn.Module):
+    """Linear + ReLU plus a term that is 0 where x[:, 0] == 0 but whose gradient there is 0 * inf = NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h, s = self.lin(x), x[:, :1]
+        return torch.relu(h) + torch.sqrt(torch.abs(h * s)) * s
+
+class _NanGradMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.Sequential(_Gate(), nn.Sequential(nn.Linear(8, 8), nn.ReLU()), nn.Linear(8, 1))
+
+    def forward(self, x, y):
+        return nn.functional.mse_loss(self.blocks(x), y)
+
+def _gate_xy(seed: int, nan_grad: bool = False):
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
+    if nan_grad:
+        x[1, 0] = 0.0  # the loss stays finite, the gradient of blocks.0.lin is NaN
+    return x, y
+
+def test_the_nan_grad_batch_has_a_finite_loss_and_a_nan_gradient():
+    m = _NanGradMLP()
+    loss = m(*_gate_xy(2, nan_grad=True))
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isnan(m.blocks[0].lin.weight.grad).any()
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_a_nan_gradient_under_a_finite_loss_raises_and_keeps_the_weights(staleness):
+    with rpcompile.compile(_NanGradMLP(), gpus=2, example=_gate_xy(0), microbatches=2, staleness=staleness,
+                           backend="host", optimizer=rpcompile.AdamW(lr=1e-2, impl="foreach")) as c:
+        c.step(_gate_xy(0)), c.step(_gate_xy(1))
+        good = c.state_dict()["host"]  # flushed: the last good step applied
+        with pytest.raises(FloatingPointError, match=r"step 2 .*non-finite gradient.*layer group 0"):
+            loss = c.step(_gate_xy(2, nan_grad=True))  # the loss is finite: the commit check raises from the next call
+            assert loss == loss and abs(loss) != float("inf")
+            c.model()
+        now = c.state.state_dict()
+        for key in ("master", "compute"):
+            assert all(torch.equal(now[key][n], good[key][n]) for n in good[key]), key
+        for n, st in good["optim"].items():
+            assert all(torch.equal(now["optim"][n][k], v) for k, v in st.items()), n
+        assert c.steps == 2
+        c.step(_gate_xy(2))  # a good batch trains on
+        assert all(torch.isfinite(p).all() for p in c.model().parameters())
+
+
+# -- non-finite values never reach the weights ----------------------------------------------------------------
+def _xy_row_nan(seed: int, nan: bool = False):
+    """LossMLP's batch `seed`; with `nan`, one input row holds a NaN."""
+    x, y = models.xy(seed)
+    if nan:
+        x[1, 3] = float("nan")
+    return x, y
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_a_nan_input_raises_and_keeps_the_last_good_weights(staleness):
+    with rpcompile.compile(models.LossMLP(), gpus=2, example=_xy_row_nan(0), microbatches=2, staleness=staleness, backend="host",
+                           optimizer=rpcompile.AdamW(lr=1e-2, impl="foreach")) as c:
+        c.step(_xy_row_nan(0)), c.step(_xy_row_nan(1))
+        good = c.state_dict()["host"]  # flushed: the last good step applied
+        with pytest.raises(FloatingPointError, match=r"step 2 .*layer group \d") as err:
+            c.step(_xy_row_nan(2, nan=True))
+            c.model()  # staleness 1: the check runs after step() returned; the next call raises it
+        assert "last good step" in str(err.value)
+        now = c.state.state_dict()
+        for key in ("master", "compute"):
+            assert all(torch.equal(now[key][n], good[key][n]) for n in good[key]), key
+        assert c.steps == 2
+        c.step(_xy_row_nan(2))  # the next good batch trains on
+        assert all(torch.isfinite(p).all() for p in c.model().parameters())
+
+def test_on_nonfinite_skip_skips_and_counts():
+    with rpcompile.compile(models.LossMLP(), gpus=2, example=_xy_row_nan(0), microbatches=2, staleness=1, backend="host",
+                           on_nonfinite="skip", optimizer=rpcompile.AdamW(lr=1e-2, impl="foreach")) as c:
+        c.step(_xy_row_nan(0))
+        c.step(_xy_row_nan(1, nan=True))
+        c.step(_xy_row_nan(2))
+        m = c.model()
+        assert c.skipped_steps == [1] and c.steps == 3
+        assert all(torch.isfinite(p).all() for p in m.parameters())
+
+def test_fp16_dynamic_loss_scaling_keeps_its_skip_and_lower():
+    """With a DynamicLossScale the overflow is the scaler's to handle: it skips and halves, nothing raises."""
+    from rpcompile.ir.optim import DynamicLossScale
+    from rpcompile.passes import emit, trace
+    from rpcompile.runtime.executor import Runtime
+    from rpcompile.runtime.host.optimizer import HostState
+    graph = trace(models.LossMLP(), _xy_row_nan(0))
+    state = HostState.from_graph(graph, optimizer=rpcompile.SGD(lr=1e-2),
+                                 loss_scale=DynamicLossScale(init_scale=1024.0, growth_interval=100))
+    prog = emit(rpcompile.StagePlan.from_sizes([1] * (len(graph.layers) - 1), 1, [1] * (len(graph.layers) - 1)),
+                gpus=2, microbatches=2, staleness=1)
+    with Runtime(graph, prog, state, backend="host", timeout=20) as rt:
+        rt.step(_xy_row_nan(0))
+        rt.step(_xy_row_nan(1, nan=True))
+        rt.step(_xy_row_nan(2))
+        rt.flush()
+    assert state.skipped == [1] and state.loss_scale == 512.0
+    assert all(torch.isfinite(state.read(n)).all() for n in graph.params)

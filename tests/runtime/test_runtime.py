@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import copy
-import os
-import sys
 
 import pytest
 import torch
+from torch import nn
 
 import models
+import rpcompile
 from oracle import reference_train
 from rpcompile import AdamW, SGD, StagePlan
 from rpcompile.passes import emit, trace
@@ -200,3 +200,126 @@ def test_gradient_clipping_keeps_its_meaning(staleness):
     losses, params, _ = _train(graph, PLANS[6][2], 2, 4, batches, staleness=staleness, opt=opt)
     assert losses == pytest.approx(ref, rel=1e-5)
     _close(params, sd)
+
+
+# -- a microbatch's loss buffer goes back to the pool when its loss is read, not at the commit ------------
+def _llama_runtime_parts():
+    import models
+    from rpcompile.ir.costs import CostTable
+    from rpcompile.ir.plan import StagePlan
+    from rpcompile.passes import emit, trace
+    graph = trace(models.llama(), models.lm_batch(batch=4, seq=8, seed=0))
+    n = len(graph.layers)
+    prog = emit(StagePlan.from_sizes([n - 1], 1, [n - 1]), gpus=1, microbatches=2, round_size=2, staleness=1,
+                costs=CostTable.from_lists(fwd=[1e-3] * n, bwd=[2e-3] * n))
+    return graph, prog  # one round: the round's own gradient staging never waits for the gated accumulate
+
+def test_the_next_steps_loss_does_not_wait_for_this_steps_commit():
+    import threading
+
+    import models
+    from rpcompile.runtime.executor import Runtime
+    from rpcompile.runtime.host.optimizer import HostState
+    graph, prog = _llama_runtime_parts()
+
+    def run(gated: bool) -> tuple[list[float], dict]:
+        state = HostState.from_graph(graph, optimizer=rpcompile.AdamW(lr=1e-2, impl="foreach"))
+        gate, armed = threading.Event(), threading.Event()
+        add = state.accumulate_grad
+
+        def held(name, part):  # once armed, the gradients reach the host only after the test lets them
+            if armed.is_set():
+                assert gate.wait(30)
+            add(name, part)
+
+        state.accumulate_grad = held
+        batch = lambda s: models.lm_batch(batch=4, seq=8, seed=s)  # noqa: E731
+        with Runtime(graph, prog, state, backend="host", timeout=8) as rt:
+            losses = [rt.step(batch(0))]  # warm-up: its loss buffers are not yet the persistent ones
+            rt.flush()
+            if gated:
+                armed.set()  # iteration 1 cannot commit until the gate opens
+            losses.append(rt.step(batch(1)))
+            # staleness 1: step 2 reads the weights of update 0 and needs nothing of iteration 1's commit;
+            # its loss downloads reuse iteration 1's loss buffers
+            losses.append(rt.step(batch(2)))
+            armed.clear(), gate.set()
+            losses.append(rt.step(batch(3)))
+            rt.flush()
+        return losses, state.parameters_fp32()
+
+    gated, free = run(True), run(False)
+    assert gated[0] == free[0]
+    assert all(torch.equal(gated[1][n], free[1][n]) for n in free[1])
+
+# -- step() copies its batch: changing it in place after step returns does not change what trains ---
+def test_a_batch_changed_in_place_after_step_returns_trains_as_given():
+    from rpcompile.ir.costs import CostTable
+    from rpcompile.ir.plan import StagePlan
+    from rpcompile.passes import emit, trace
+    from rpcompile.runtime.executor import Runtime
+    from rpcompile.runtime.host.optimizer import HostState
+    graph = trace(models.LossMLP(), models.xy(0))
+    n = len(graph.layers)
+    prog = emit(StagePlan.from_sizes([n - 1], 1, [n - 1]), gpus=2, microbatches=2, staleness=1,
+                costs=CostTable.from_lists(fwd=[1e-3] * n, bwd=[2e-3] * n))
+    slow = lambda w, lane, label: 0.05 if lane == "act_up" else 0.0  # noqa: E731 - uploads run late
+
+    def run(scribble: bool) -> dict:
+        state = HostState.from_graph(graph, optimizer=rpcompile.SGD(lr=0.1, impl="foreach"))
+        with Runtime(graph, prog, state, backend="host", lane_delay=slow, timeout=20) as rt:
+            for s in range(3):
+                x, y = models.xy(s)
+                rt.step((x, y))
+                if scribble:  # the caller reuses its batch tensors at once (a data loader's buffer)
+                    x.fill_(100.0), y.fill_(-100.0)
+            rt.flush()
+        return state.parameters_fp32()
+
+    got, want = run(True), run(False)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+def test_cuda_workers_refuse_a_pageable_host_state():
+    from rpcompile.passes import trace
+    from rpcompile.runtime.executor import check_pinned
+    from rpcompile.runtime.host.optimizer import HostState
+    state = HostState.from_graph(trace(models.LossMLP(), models.xy(0)), optimizer=rpcompile.SGD(lr=0.1))  # pin_memory=False
+    check_pinned(state, "host")  # host workers read it in place
+    with pytest.raises(ValueError, match=r"not pinned .*pin_memory=True"):
+        check_pinned(state, "cuda")
+
+
+# -- buffers updated in the forward change once per microbatch, as in eager ---------------------------------
+class _BNNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.Sequential(nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU()),
+                                    nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.ReLU()),
+                                    nn.Linear(16, 3))
+
+    def forward(self, x, y):
+        return nn.functional.cross_entropy(self.blocks(x), y)
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_batchnorm_running_statistics_match_eager(gpus):
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(2)]
+    model = _BNNet()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, y in data:  # eager: 2 microbatches per step, the loss their mean, one update per step
+        opt.zero_grad()
+        sum(ref(xm, ym) for xm, ym in zip(x.chunk(2), y.chunk(2))).div(2).backward()
+        opt.step()
+    with rpcompile.compile(model, gpus=gpus, example=data[0], microbatches=2, staleness=0, backend="host",
+                           optimizer=rpcompile.SGD(lr=0.1, impl="foreach")) as c:
+        for b in data:
+            c.step(b)
+        got = c.model()
+    want = dict(ref.named_buffers())
+    for n, b in got.named_buffers():
+        assert torch.allclose(b.float(), want[n].float(), rtol=1e-5, atol=1e-6), n
+    assert int(got.blocks[0][1].num_batches_tracked) == 4 == int(ref.blocks[0][1].num_batches_tracked)
+    for n, p in got.named_parameters():
+        assert torch.allclose(p, dict(ref.named_parameters())[n], rtol=1e-5, atol=1e-6), n

@@ -401,3 +401,43 @@ def test_property_random_layouts_match_eager(data):
             opt.step()
         versions.append({k: p.detach().clone() for k, p in eager.items()})
     assert all(torch.equal(state.parameters_fp32()[k], p.detach()) for k, p in eager.items())
+
+
+# -- clipping with a global norm below the limit ------------------------------------------------------------
+def _flat(cfg):
+    torch.manual_seed(3)
+    params = {f"p{i}": nn.Parameter(torch.randn(4 + i, 3)) for i in range(3)}
+    state = HostState(params, {f"p{i}": (i,) for i in range(3)}, 3, optimizer=cfg)
+    return state, {k: nn.Parameter(v.detach().clone()) for k, v in params.items()}
+
+def _grads(scale: float) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    raw = {f"p{i}": torch.randn(4 + i, 3, generator=g) for i in range(3)}
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in raw.values()]))
+    return {k: v * (scale / norm) for k, v in raw.items()}  # global norm ~= scale
+
+@pytest.mark.parametrize("norm,limit", [(0.5, 1.0), (0.999, 1.0), (1e-3, 10.0), (3.0, 1.0)])
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_clipping_leaves_gradients_below_the_limit_unchanged(norm, limit, opt):
+    cfg = (rpcompile.SGD(lr=0.1, max_grad_norm=limit, impl="foreach") if opt == "sgd"
+           else rpcompile.AdamW(lr=0.1, weight_decay=0.0, max_grad_norm=limit, impl="foreach"))
+    state, eager = _flat(cfg)
+    before = {k: v.detach().clone() for k, v in eager.items()}
+    grads = _grads(norm)
+    ref_opt = eager_optimizer(cfg, eager.values())
+    for k, p in eager.items():
+        p.grad = grads[k].clone()
+        state.accumulate_grad(k, grads[k])
+    for l in (2, 1, 0):
+        state.grads_complete(l)
+    total = torch.nn.utils.clip_grad_norm_(eager.values(), limit)
+    assert torch.equal(state.global_norm(), total)
+    if total < limit:  # torch leaves them as they are (its coefficient is clamped to 1)
+        assert all(torch.equal(p.grad, grads[k]) for k, p in eager.items())
+    ref_opt.step()
+    for l in (2, 1, 0):
+        state.step(l)
+    assert all(torch.equal(state.master[k], p) for k, p in eager.items())
+    if opt == "sgd" and total < limit:  # the update is -lr * g with g unchanged (up to the kernel's rounding)
+        for k in eager:
+            torch.testing.assert_close(state.master[k], before[k] - 0.1 * grads[k], rtol=1e-6, atol=1e-7)

@@ -1,18 +1,16 @@
-"""The review of the CUDA path (issue 22, items 1a, 1b, 1d, 1f, 1i, 1j, 1k), checked on the CPU.
+"""The CUDA stream layer (runtime/streams/: cuda, launch, pool, devices, stats, values), checked on the CPU.
 
 The CUDA classes run against a fake `torch.cuda` (`fake_cuda`): streams and
 events that record what is asked of them, events that complete only when the
 test says the "GPU" got there (or never), and a `set_device` that notes which
 thread called it. Work launched on a fake stream runs at once in the calling
 thread, as a kernel launch returns at once; only the events model the GPU.
-The runtime side of 1d (the issuer never blocks on host work) also runs in
+The runtime side of the issuer never blocking on host work also runs in
 `tests/runtime/test_streams.py` under `backend="host-cuda"`.
 """
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -20,16 +18,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import models  # noqa: E402
-from rpcompile import AdamW, StagePlan  # noqa: E402
-from rpcompile.passes import emit, trace  # noqa: E402
 from rpcompile.runtime.streams import devices  # noqa: E402
 from rpcompile.runtime.streams.cuda import CudaStream  # noqa: E402
-from rpcompile.runtime.executor import Runtime  # noqa: E402
 from rpcompile.runtime.issuer import Issuer  # noqa: E402
-from rpcompile.runtime.host.layout import host_blocks  # noqa: E402
-from rpcompile.runtime.host.optimizer import HostState  # noqa: E402
 from rpcompile.runtime.streams.pool import BufferPool  # noqa: E402
 from rpcompile.runtime.streams.stats import Stats  # noqa: E402
 from rpcompile.runtime.streams.host import HostEvent, StreamContext  # noqa: E402
@@ -110,7 +101,7 @@ def _until(cond, timeout: float = 5.0) -> bool:
     return True
 
 
-# -- 1a: a host buffer is poisoned only after its readers ran ---------------------------------------------
+# -- a host buffer is poisoned only after its readers ran ---------------------------------------------
 def test_release_poison_waits_until_the_readers_ran(fake_cuda):
     """The upload reading a pinned host buffer is issued, not run: the buffer must not be NaN yet."""
     ctx = StreamContext(timeout=5.0)
@@ -129,7 +120,7 @@ def test_release_poison_waits_until_the_readers_ran(fake_cuda):
         up.close()
 
 
-# -- 1b: stats time each device against its own events ----------------------------------------------------
+# -- stats time each device against its own events ----------------------------------------------------
 class _DevEvent:
     """A completed event on device `dev` at time `t` (ms); elapsed_time refuses another device's event."""
 
@@ -161,7 +152,7 @@ def test_stats_on_two_devices():
     assert all(b >= a for _, _, a, b in recs.values())
 
 
-# -- 1d: the CUDA issuer does not block on host work ---------------------------------------------------------
+# -- the CUDA issuer does not block on host work ---------------------------------------------------------
 def test_cuda_stream_wait_on_host_work_does_not_block_the_issuer(fake_cuda):
     """P waits for the COPY that makes its version: the issuer goes on at once, the upload launches after it."""
     ctx = StreamContext(timeout=5.0)
@@ -208,7 +199,7 @@ def test_cuda_backlog_skips_an_abandoned_iteration(fake_cuda):
         pu.close()
 
 
-# -- 1f: a stuck GPU is a timeout, not a hang ----------------------------------------------------------------
+# -- a stuck GPU is a timeout, not a hang ----------------------------------------------------------------
 def test_cuda_event_wait_and_synchronize_have_a_deadline(fake_cuda):
     """The fake GPU never reaches the event: wait() and synchronize() raise TimeoutError within the timeout."""
     ctx = StreamContext(timeout=0.3)
@@ -225,7 +216,7 @@ def test_cuda_event_wait_and_synchronize_have_a_deadline(fake_cuda):
         s.close()
 
 
-# -- 1i: every thread that touches CUDA sets its device ----------------------------------------------------
+# -- every thread that touches CUDA sets its device ----------------------------------------------------
 def test_every_cuda_thread_sets_its_device(fake_cuda):
     """The issuer, a stream's backlog helper and the event watcher set the worker's device (cuda:1)."""
     ctx, dev = StreamContext(timeout=5.0), torch.device("cuda:1")
@@ -255,7 +246,7 @@ def test_every_cuda_thread_sets_its_device(fake_cuda):
         s.close()
 
 
-# -- 1j: no more workers per GPU than distinct streams ----------------------------------------------------
+# -- no more workers per GPU than distinct streams ----------------------------------------------------
 def test_more_workers_per_gpu_than_streams_is_refused(monkeypatch):
     """3 default-priority streams per worker, 32 per device: 11 workers on one GPU are refused, 10 fit."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -270,29 +261,13 @@ def test_more_workers_per_gpu_than_streams_is_refused(monkeypatch):
     assert made.count("cuda:0") == made.count("cuda:1") == 10
 
 
-# -- 1k: every parameter view is 16-byte aligned ---------------------------------------------------------
-def test_parameter_views_are_16_byte_aligned():
-    """Odd tensor sizes (hidden 30): host blocks and device slots place every view at a 16-byte offset,
-    and training still matches the runtime's results (the runtime tests check equality with eager)."""
-    model = models.llama(hidden_size=30, intermediate_size=45, num_attention_heads=3, num_key_value_heads=3)
-    batch = models.lm_batch(batch=4, seq=8)
-    graph = trace(model, batch)
-    state = HostState.from_graph(graph, optimizer=AdamW(lr=1e-2))
-    sizes = [p.numel() for p in state.compute.values()]
-    assert any(n % 4 for n in sizes)  # unaligned sizes exist: packing them back to back would misalign
-    for name, v in state.compute.items():
-        block = state.blocks[state.where[name][0]]
-        assert (v.data_ptr() - block.data_ptr()) % 16 == 0, name
-    blocks, where = host_blocks({"a": torch.ones(3, dtype=torch.bfloat16), "b": torch.ones(5, dtype=torch.bfloat16),
-                                 "c": torch.ones(1, dtype=torch.int8), "d": torch.ones(2, dtype=torch.int8)},
-                                {"a": 0, "b": 0, "c": 0, "d": 0})
-    assert [where[n][1] for n in "abcd"] == [0, 8, 0, 16]
-    prog = emit(StagePlan.from_str("2,2|1|1,3"), gpus=2, microbatches=2, staleness=0)
-    with Runtime(graph, prog, state, backend="host", timeout=20) as rt:
-        for lay in rt.layouts.values():
-            for slots in (lay.params, lay.grads):
-                for name, s in slots.items():
-                    assert s.offset * s.dtype.itemsize % 16 == 0, name
-        losses = [rt.step(models.lm_batch(batch=4, seq=8, seed=k)) for k in range(2)]
-        rt.flush()
-    assert all(torch.isfinite(torch.tensor(losses)))
+# -- only CUDA values are record_stream'ed on download ----------------------------------------------------
+def test_a_cpu_value_from_a_download_is_not_record_streamed():
+    from rpcompile.runtime.streams.values import keep_for
+
+    class _Stream:
+        stream = None  # a CUDA stream in the runtime; never reached for a CPU value
+
+    with pytest.raises((NotImplementedError, RuntimeError, TypeError)):
+        torch.ones(2).record_stream(_Stream.stream)  # what the download did for every value
+    keep_for(torch.ones(2), _Stream())  # a CPU value (e.g. a loss kept on the host): nothing to record

@@ -1,11 +1,12 @@
-"""What the GPU checks rely on, checked on the CPU (issue 22, item 2).
+"""The GPU checks, checked on the CPU: what tests/runtime/test_runtime_cuda.py, bench/gpu.sh and
+bench/gpu_compare.py rely on, and the CPU suite's part in them.
 
-- a: cuBLAS workspaces are counted: `Hardware.blas_workspace` comes off the budget the stages must
-  fit, and the CUDA peak-memory test's prediction adds it.
-- b: the bf16 dropout reproducibility test runs one plan twice, however the costs are measured.
-- c: `bench/gpu_compare.py` times k steps back to back with one flush.
-- d: `bench/gpu.sh` fails loudly when nvidia-smi lists a GPU that torch cannot use.
-- e: every compile()/Runtime() in the CPU suite names its backend, so a GPU machine runs the host
+- the CUDA peak-memory test's prediction adds the cuBLAS workspace (`Hardware.blas_workspace`,
+  tested in tests/ir/test_hardware.py);
+- the bf16 dropout reproducibility test runs one plan twice, however the costs are measured;
+- `bench/gpu_compare.py` times k steps back to back with one flush;
+- `bench/gpu.sh` fails loudly when nvidia-smi lists a GPU that torch cannot use;
+- every compile()/Runtime() in the CPU suite names its backend, so a GPU machine runs the host
   backend where the tolerances were set for it.
 """
 from __future__ import annotations
@@ -20,51 +21,17 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import rpcompile  # noqa: E402
 import rpcompile.api  # noqa: E402
-from rpcompile import CostTable, Hardware, StagePlan  # noqa: E402
-from rpcompile.ir.hardware import blas_workspace_bytes  # noqa: E402
-from rpcompile.passes import partition  # noqa: E402
-from rpcompile.passes.cost.stage_memory import memory_refusal  # noqa: E402
+from rpcompile import CostTable, StagePlan  # noqa: E402
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(TESTS)
+from paths import ROOT, TESTS  # noqa: E402
+
 KIB, MIB = 2**10, 2**20
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path")
 
 
-# a. cuBLAS workspaces ---------------------------------------------------------------------------
-
-def test_blas_workspace_follows_torchs_rule():
-    assert blas_workspace_bytes((9, 0), env={}) == 32 * MIB + MIB  # Hopper: 32 MiB cuBLAS + 1 MiB cuBLASLt
-    assert blas_workspace_bytes((8, 9), env={}) == 8 * MIB + 128 * KIB + MIB  # ":4096:2:16:8" + 1 MiB
-    assert blas_workspace_bytes((8, 0), env={"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}) == 33 * MIB
-    assert blas_workspace_bytes((9, 0), env={"CUBLAS_WORKSPACE_CONFIG": ":16:8"}) == 2 * 128 * KIB  # Lt capped
-    assert blas_workspace_bytes((8, 0), env={"CUBLASLT_WORKSPACE_SIZE": "4096"}) == 8 * MIB + 128 * KIB + 4 * MIB
-    assert blas_workspace_bytes((9, 0), env={"TORCH_CUBLASLT_UNIFIED_WORKSPACE": "1"}) == 32 * MIB
-    assert Hardware.preset("h100").blas_workspace == 33 * MIB and Hardware.preset("cpu").blas_workspace == 0
-    for name in ("rtx4090", "rtx5090", "a800"):
-        assert Hardware.preset(name).blas_workspace == blas_workspace_bytes((8, 9), env={})
-    with pytest.raises(ValueError, match="blas_workspace"):
-        Hardware.preset("cpu", blas_workspace=-1)
-
-
-def test_a_blas_workspace_takes_exactly_its_bytes_off_the_budget_the_stages_must_fit():
-    cpu, h100 = Hardware.preset("cpu"), Hardware.preset("h100")
-    assert cpu.stage_budget() == int(0.9 * cpu.device_memory) and cpu.stage_budget(12345) == 12345  # unchanged
-    assert h100.stage_budget() == int(0.9 * h100.device_memory) - 33 * MIB
-    assert h100.stage_budget(2**30) == 2**30 - h100.blas_workspace and h100.stage_budget(MIB) == 0
-    n, p = 4, 64 * MIB
-    costs = CostTable.from_lists([1e-3] * n, [2e-3] * n, param_bytes=[p] * n, grad_bytes=[p] * n,
-                                 peak_bytes=[p // 2] * n, saved_bytes=[MIB] * n, act_bytes=[MIB] * n)
-    one = StagePlan.from_sizes([1] * (n - 1), 1, [1] * (n - 1))
-    budget = max(one.stage_memory(costs)) + h100.blas_workspace // 2  # fits the stages, not the workspace too
-    assert memory_refusal(costs, budget) is None and cpu.stage_budget(budget) == budget
-    assert "memory budget" in memory_refusal(costs, h100.stage_budget(budget))
-    partition(costs, gpus=2, microbatches=2, memory_budget=budget)
-    with pytest.raises(ValueError, match="budget"):
-        partition(costs, gpus=2, microbatches=2, memory_budget=h100.stage_budget(budget))
+# cuBLAS workspaces in the CUDA peak-memory test's prediction ------------------------------------------
 
 
 def test_the_cuda_peak_memory_test_predicts_the_workspace_too():
@@ -77,7 +44,7 @@ def test_the_cuda_peak_memory_test_predicts_the_workspace_too():
     assert predicted_peak(plan, costs, (8, 9)) == stages + 8 * MIB + 128 * KIB + MIB
 
 
-# b. the dropout reproducibility test pins its plan ------------------------------------------------
+# the dropout reproducibility test pins its plan ------------------------------------------------
 
 def test_the_bf16_reproducibility_check_runs_one_plan_however_the_costs_are_measured(tmp_path, monkeypatch):
     """Every other measuring compile sees every other layer's forward 6x slower (measurement noise).
@@ -116,7 +83,7 @@ def test_the_bf16_reproducibility_check_runs_one_plan_however_the_costs_are_meas
     assert l1 == l2 and ev1 == ev2
 
 
-# c. gpu_compare times k steps back to back -------------------------------------------------------
+# gpu_compare times k steps back to back -------------------------------------------------------
 
 def test_gpu_compare_flushes_once_after_the_timed_steps():
     spec = importlib.util.spec_from_file_location("gpu_compare", os.path.join(ROOT, "bench", "gpu_compare.py"))
@@ -127,7 +94,7 @@ def test_gpu_compare_flushes_once_after_the_timed_steps():
     assert calls == [0, "flush", 1, 2, 3, "flush"] and out == [0, -1, -2, -3] and seconds >= 0
 
 
-# d. gpu.sh fails loudly --------------------------------------------------------------------------
+# gpu.sh fails loudly --------------------------------------------------------------------------
 
 def _gpu_sh(tmp_path, nvidia_smi: str | None) -> subprocess.CompletedProcess:
     """bench/gpu.sh with this interpreter and, if given, a fake nvidia-smi (a shell script body) on PATH."""
@@ -165,7 +132,7 @@ def test_gpu_sh_runs_the_cuda_tests_by_path():
     assert "tests/runtime/test_runtime_cuda.py" in script and "-m cuda" not in script
 
 
-# e. every compile()/Runtime() in the CPU suite names its backend ---------------------------------
+# every compile()/Runtime() in the CPU suite names its backend ---------------------------------
 
 def _targets(tree: ast.Module) -> set[str]:
     """Call names that reach rpcompile's compile or the Runtime in this module."""
@@ -233,8 +200,11 @@ def test_the_backend_check_finds_a_call_without_one():
 def test_every_compile_and_runtime_call_in_the_cpu_suite_names_its_backend():
     """backend="auto" picks CUDA on a GPU machine, where the host-set tolerances of these tests do not hold."""
     missing = []
-    for name in sorted(os.listdir(TESTS)):
-        if name.endswith(".py") and name != "test_runtime_cuda.py":  # that one is for CUDA
-            with open(os.path.join(TESTS, name)) as f:
-                missing += backendless_calls(f.read(), name)
+    for folder, dirs, files in os.walk(TESTS):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for name in sorted(files):
+            if name.endswith(".py") and name != "test_runtime_cuda.py":  # that one is for CUDA
+                path = os.path.join(folder, name)
+                with open(path) as f:
+                    missing += backendless_calls(f.read(), os.path.relpath(path, TESTS))
     assert not missing, "pass backend= (\"host\" where a tolerance is host-specific):\n" + "\n".join(missing)
