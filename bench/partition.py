@@ -124,7 +124,7 @@ def paper_costs(model: str) -> tuple[CostTable, dict]:
     import torch
     from rpcompile.api import Options, plan_pipeline
     from rpcompile.ir.hardware import Hardware
-    from rpcompile.cli.presets import build_meta, example_batch
+    from rpcompile.models.presets import build_meta, example_batch
     hw = Hardware.preset("rtx4090").replace(host_memory=2**42)  # the costs only: host memory is plan's check
     net = build_meta(model)
     opts = Options(gpus=GPUS, microbatches=MICROBATCHES, staleness=STALENESS, optimizer=None, dtype=torch.bfloat16,

@@ -1,7 +1,7 @@
 """Plan stability (issues 14 and 26): a model compiled in fresh processes on a loaded machine.
 
 Starts a background load (one busy-looping process per core, 2 by default), then
-compiles the demo model (`rpcompile.cli.demo`: the 4-layer Llama, 2 workers, 4
+compiles the demo model (`rpcompile.cli.demo` with `rpcompile.models.demo`: the 4-layer Llama, 2 workers, 4
 microbatches, 8 MiB budget; costs measured on the CPU) or the sub-block model
 (an 8-layer Llama whose blocks do not fit 4 MiB, planned as 62 sub-blocks) in
 `--runs` fresh `python -c` processes one after the other, and prints each run's plan, round size,
@@ -38,7 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CHILD = """
 import json, sys, time, torch, rpcompile
-from rpcompile.cli.demo import DemoConfig, batches, corpus
+from rpcompile.models.demo import DemoConfig, batches, corpus
 from rpcompile.models.zoo import LlamaConfig, TinyLlama
 cfg = DemoConfig()
 torch.manual_seed(cfg.seed)
@@ -113,7 +113,7 @@ def _near_ties(results: list[dict]) -> str:
 HEAD = "## plan_stability: fresh-process compiles on a loaded machine\n"
 ABOUT = {
     "demo": ("The demo model",
-             "`rpcompile.cli.demo`: 4-layer Llama, vocab 256, gpus=2, 4 microbatches, 8 MiB budget: 9 layers "
+             "`rpcompile.cli.demo` (data `rpcompile.models.demo`): 4-layer Llama, vocab 256, gpus=2, 4 microbatches, 8 MiB budget: 9 layers "
              "(the LM head in 2 vocabulary shards and a loss layer). History: before the robust timing "
              "(2026-12-01) 3 quiet runs gave 3 plans; with the robust timing but plans ranked by time alone "
              "(960a9bb) 2 distinct of 5 (3,2/4/1,1,1,2 and 2,1,1,1/4/1,1,1,2, 0.1-2.2% apart); a tie of 3% "

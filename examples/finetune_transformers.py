@@ -28,7 +28,7 @@ import time
 import torch
 
 import rpcompile
-from rpcompile.cli.demo import DemoConfig, batches, corpus
+from rpcompile.models.demo import DemoConfig, batches, corpus
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 import rpcompile
-from rpcompile.cli.demo import DemoConfig, batches, corpus
+from rpcompile.models.demo import DemoConfig, batches, corpus
 
 
 class LoRALinear(nn.Module):

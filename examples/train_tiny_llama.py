@@ -1,7 +1,7 @@
 """Train a tiny Llama on this repository's own text with the RoundPipe schedule.
 
 Shows the whole user-facing loop of rpcompile on the model and data the demo
-uses (`rpcompile.models.zoo.TinyLlama`, byte-level tokens from `rpcompile.cli.demo.corpus()`):
+uses (`rpcompile.models.zoo.TinyLlama`, byte-level tokens from `rpcompile.models.demo.corpus()`):
 compile, print the plan, step, save a checkpoint, load it in a fresh handle and
 check that training continues from the same state.
 
@@ -20,7 +20,7 @@ import time
 import torch
 
 import rpcompile
-from rpcompile.cli.demo import DemoConfig, batches, corpus
+from rpcompile.models.demo import DemoConfig, batches, corpus
 from rpcompile.models.zoo import LlamaConfig, TinyLlama
 
 

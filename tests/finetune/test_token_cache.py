@@ -110,7 +110,7 @@ def same(a, b):
     assert all(torch.equal(x[k], y[k]) for k in x)
 
 
-def test_packed_matches_the_issue_24_packing_bit_for_bit(tmp_path, tok):
+def test_packed_matches_the_reference_packing_bit_for_bit(tmp_path, tok):
     text, chat, pc = files(tmp_path)
     docs = {f: read_documents(f, tok, train_on=t) for f, t in ((text, None), (chat, None), (pc, None))}
     docs["last"] = read_documents(chat, tok, train_on="last")

@@ -140,7 +140,7 @@ def test_never_slower_than_the_reference_or_an_even_plan(problem):
     assert beaten_by(family, costs, got, kw, budget) is None
 
 
-def test_the_issue_case_plans_like_a_person_or_better():
+def test_a_reported_case_plans_like_a_person_or_better():
     costs, kw, _ = issue_case(0)
     person = StagePlan.from_str("7,7,7,7|1|3,3,3,3,3,3,2,2,2,2,2")
     got = partition(costs, **kw)
