@@ -52,8 +52,8 @@ def test_model_gives_back_the_module_with_every_update_applied():
         assert all(torch.equal(after[n], masters[n]) for n in masters)
 
 
-@pytest.mark.parametrize("staleness", [0, 1])
-def test_resume_in_a_fresh_process_is_bit_identical(tmp_path, staleness):
+def _saved_at_3_trained_to_6(tmp_path, staleness):
+    """A run saved after step 3 and trained on to step 6: (checkpoint path, weights at 6, a path for the resumed)."""
     ref = make(staleness)
     for i in range(3):
         ref.step(batch(i))
@@ -63,7 +63,12 @@ def test_resume_in_a_fresh_process_is_bit_identical(tmp_path, staleness):
         ref.step(batch(i))
     want = params(ref)
     ref.close()
-    out = str(tmp_path / "resumed.pt")
+    return path, want, str(tmp_path / "resumed.pt")
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_resume_in_a_fresh_process_is_bit_identical(tmp_path, staleness):
+    path, want, out = _saved_at_3_trained_to_6(tmp_path, staleness)
     script = textwrap.dedent(f"""
         import sys, torch, rpcompile
         sys.path.insert(0, "tests")  # the helpers test_api imports
@@ -231,16 +236,7 @@ def test_dtype_names_are_accepted():
 def test_resume_with_perturbed_measurements_is_bit_identical(tmp_path, staleness):
     """Save at step 3; load in a fresh process whose every measured time is multiplied by U(0.5, 2) noise
     (and whose plans would differ): steps 4-6 are bit-identical to the uninterrupted run."""
-    ref = make(staleness=staleness)
-    for i in range(3):
-        ref.step(batch(i))
-    path = str(tmp_path / "ckpt.rp")
-    ref.save(path)
-    for i in range(3, 6):
-        ref.step(batch(i))
-    want = {n: p.detach().clone() for n, p in ref.model().named_parameters()}
-    ref.close()
-    out = str(tmp_path / "resumed.pt")
+    path, want, out = _saved_at_3_trained_to_6(tmp_path, staleness)
     script = textwrap.dedent(f"""
         import random, dataclasses, sys, torch, rpcompile
         sys.path.insert(0, "tests")  # the helpers test_api imports
