@@ -172,7 +172,8 @@ def test_two_ranks_with_different_counts_equal_eager_on_the_global_batch(tmp_pat
     procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, text=True, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE,
                               env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                                       MASTER_PORT=str(port), LOCAL_RANK=str(r), OMP_NUM_THREADS="1"))
+                                       MASTER_PORT=str(port), LOCAL_RANK=str(r), OMP_NUM_THREADS="1",
+                                       PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])))
              for r in range(world)]
     try:
         for p in procs:
