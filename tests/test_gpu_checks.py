@@ -35,7 +35,7 @@ no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-o
 
 
 def test_the_cuda_peak_memory_test_predicts_the_workspace_too():
-    from test_runtime_cuda import predicted_peak
+    from tests.runtime.test_runtime_cuda import predicted_peak
     costs = CostTable.from_lists([1, 1, 1], [2, 2, 2], param_bytes=[MIB] * 3, grad_bytes=[MIB] * 3,
                                  peak_bytes=[3 * MIB] * 3)
     plan = StagePlan.from_str("1,1|1|2")
@@ -52,7 +52,7 @@ def test_the_bf16_reproducibility_check_runs_one_plan_however_the_costs_are_meas
     Two compiles (what the CUDA test did) then choose different plans; `bf16_runs` compiles once and
     restarts from the step-0 checkpoint, which measures nothing, so both runs use one plan, bit for bit.
     """
-    from test_runtime_cuda import bf16_runs
+    from tests.runtime.test_runtime_cuda import bf16_runs
     import models
     measured: list[int] = []  # one entry per compile that measured its costs
     real_passes, real_costs = rpcompile.api.compile_passes, rpcompile.passes.estimate_costs
