@@ -89,6 +89,9 @@ class Runtime:
             whose loss is non-finite, else from the next call; the iteration is undone) or "skip" (its
             steps apply nothing; listed in `skipped`).
             Not checked with fp16 dynamic loss scaling, which skips such iterations itself.
+        fp16_accumulation: CUDA workers run their compute launches with fp16 GEMM accumulation
+            (`torch.backends.cuda.matmul.allow_fp16_accumulation`, restored after each; see
+            `streams.cuda.Fp16Accumulation`). No effect on host workers.
 
     Note: what it owns. The pieces derived once from the program and the graph (workers, host
     pool, stage layouts, runners, ...) are built here and handed to the parts, which own the
@@ -99,7 +102,7 @@ class Runtime:
 
     def __init__(self, graph, program, state, *, backend: str = "auto", devices=None, seed: int = 0,
                  lane_delay=None, timeout: float = 60.0, start_iteration: int = 0, poison: bool = False,
-                 drop: tuple[str, ...] = (), on_nonfinite: str = "raise") -> None:
+                 drop: tuple[str, ...] = (), on_nonfinite: str = "raise", fp16_accumulation: bool = False) -> None:
         bad = set(drop) - set(DEP_KINDS)
         if bad:
             raise ValueError(f"drop: unknown dependency kinds {sorted(bad)}; choose from {DEP_KINDS}")
@@ -109,7 +112,7 @@ class Runtime:
             raise ValueError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
         self.on_nonfinite = on_nonfinite
         self.ctx = StreamContext(timeout=timeout, delay=make_delay(lane_delay))
-        self.workers = make_workers(program.gpus, self.ctx, backend, devices, poison)
+        self.workers = make_workers(program.gpus, self.ctx, backend, devices, poison, fp16_accumulation)
         self.pin = self.workers[0].kind == "cuda"
         check_pinned(state, self.workers[0].kind)
         self.host_pool = BufferPool("host", self.ctx, pin=self.pin, poison="release" if poison else None,
