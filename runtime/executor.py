@@ -56,8 +56,8 @@ from rpcompile.runtime.host.layout import slot_capacities, stage_layouts
 from rpcompile.runtime.streams.pool import BufferPool
 from rpcompile.runtime.program_info import EVAL_BASE, ProgramInfo, forward_only
 from rpcompile.runtime.recovery import Recovery
-from rpcompile.runtime.stage_exec import (LayerRunner, chunk_elements, has_random_ops, split_batch, stage_io,
-                                          tracked_buffers)
+from rpcompile.runtime.stage_exec import (LayerRunner, RoutingLog, chunk_elements, has_random_ops, split_batch,
+                                          stage_io, tracked_buffers)
 from rpcompile.runtime.streams.host import StreamContext
 from rpcompile.runtime.transfer import RuntimeFailure, make_delay, protocol_deps
 
@@ -121,7 +121,9 @@ class Runtime:
         self.tracked = {l: {n: state.buffers[n] for n in bufs}  # layer -> host copies of its running statistics
                         for l, bufs in tracked_buffers(graph).items()}
         random = has_random_ops(graph)
-        self.runners = [LayerRunner(graph, w.device, seed, w.generator if random else None) for w in self.workers]
+        self.routes = RoutingLog(timeout)  # MoE routing of the forwards, for their recomputes
+        self.runners = [LayerRunner(graph, w.device, seed, w.generator if random else None, self.routes)
+                        for w in self.workers]
         touches = {l.index: {state.group_of[state.canonical(p)] for p in l.params
                              if state.canonical(p) in state.group_of} for l in graph.layers}
         self.train_info = ProgramInfo.of(program, protocol_deps(program, touches), self.io)
