@@ -34,8 +34,8 @@ from rpcompile.ir.plan import StageKind, StagePlan
 from rpcompile.passes.meta.moe import Routing, routers
 from rpcompile.runtime.rng import WorkerRandom, layer_seed
 
-__all__ = ["StageIO", "stage_io", "LayerRunner", "RoutingLog", "tracked_buffers", "layer_seed", "split_batch", "has_random_ops",
-           "random_layers", "flat_ranges", "up_keys", "count_readers", "chunk_elements", "grads_of", "trained_tokens", "token_weights"]
+__all__ = ["StageIO", "stage_io", "LayerRunner", "RoutingLog", "tracked_buffers", "layer_seed", "split_batch",
+           "has_random_ops", "random_layers", "flat_ranges", "up_keys", "count_readers", "chunk_elements", "grads_of", "trained_tokens", "token_weights"]
 
 _RANDOM_FNS = ("dropout", "bernoulli", "rand", "randn", "randint", "randperm", "multinomial", "normal")
 

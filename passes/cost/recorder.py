@@ -71,6 +71,11 @@ class OpCount:
                     # region as the one compiled kernel CUDA runs (`priced` keeps one of the two)
 
 
+def _shapes_only(args: tuple) -> tuple:
+    """An op's positional arguments without dtypes (`addmm.dtype_out` takes `out_dtype` positionally)."""
+    return tuple(a for a in args if not isinstance(a, torch.dtype))
+
+
 def op_rate(op: OpCount, fp16_accumulation: bool = False) -> str:
     """The `Hardware.flops` rate key an op runs at: fp16 GEMMs accumulate in fp16 when the run asks for it.
 
@@ -229,8 +234,11 @@ class Recorder(TorchDispatchMode, Folding, Regions):
         nbytes = sum(tensor_bytes(t) for t in tensors)
         packet = func._overloadpacket
         rule = FLOP_RULES.get(packet) or GROUPED_MM_FLOPS.get(packet) or flop_registry.get(packet)
-        flops = int(rule(*args, **kwargs, out_val=out)) if rule is not None else 0
+        flops = int(rule(*_shapes_only(args), **{k: v for k, v in kwargs.items() if k not in ("out", "out_dtype")},
+                         out_val=out)) if rule is not None else 0
         floats = [t for t in tensors if t.is_floating_point()]
+        if name in GEMMS and len(floats) > 2:  # addmm(acc, a, b): the operands' dtype picks the rate, not acc's
+            floats = floats[1:]
         dtype = dtype_key(floats[0].dtype) if floats else "float32"
         if self._fused is not None:
             self._in_fused(tree_flatten((args, kwargs))[0], flat_out, flops, dtype)

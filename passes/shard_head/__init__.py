@@ -93,7 +93,9 @@ def shard_lm_head(graph: LayerGraph, shards: int | str = "auto", *, costs: CostT
     Args:
         graph: a traced causal LM whose last layer computes `linear -> cross_entropy`
             (HF LlamaForCausalLM / Qwen3 / GPT-2 `ForCausalLMLoss`, nanoGPT `F.linear(x, wte.weight)`).
-        shards: K >= 1, or "auto": K = ceil(head fwd+bwd / median fwd+bwd of the other layers) in
+        shards: K >= 1, or "auto": with `fused`, 1 (each token shard would repeat the whole weight, its
+            gradient and their transfers; the round-robin dispatch absorbs one heavy layer); otherwise
+            K = ceil(head fwd+bwd / median fwd+bwd of the other layers) in
             FLOPs from `costs` (or its times, `balance="time"`), else ceil(head param bytes / median
             param bytes of the other layers with parameters); clamped to [1, vocab]. Never from a
             measured time: K shapes the layer graph (`_head_auto`, Note).
@@ -124,7 +126,10 @@ def shard_lm_head(graph: LayerGraph, shards: int | str = "auto", *, costs: CostT
     """
     layer = graph.layers[-1]
     h = _match(layer)
-    k = auto_shards(graph, costs, h.vocab, balance) if shards == "auto" else shards
+    if shards == "auto":  # a fused head's token shards each repeat the whole weight and its gradient: one
+        k = 1 if fused else auto_shards(graph, costs, h.vocab, balance)
+    else:
+        k = shards
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= h.vocab:
         raise ValueError(f"shards must be 'auto' or an int in [1, {h.vocab}] (the vocabulary), got {shards!r}")
     meta = _shapes(graph, layer)

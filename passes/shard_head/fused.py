@@ -91,6 +91,17 @@ def ce_chunk(raw: torch.Tensor, target: torch.Tensor, steps: tuple, ignore_index
     return nll, g.to(raw.dtype)
 
 
+def _acc_gemm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b in acc's dtype: one GEMM that adds into acc (fp16 / bf16 operands into an fp32 acc on CUDA:
+    `addmm(out_dtype=)`); on the CPU, whose kernels have no mixed-dtype GEMM, the product is cast and added."""
+    if a.dtype == acc.dtype:
+        torch.addmm(acc, a, b, out=acc)
+    elif acc.device.type in ("cuda", "meta"):
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc += (a @ b).to(acc.dtype)
+
+
 @functools.cache
 def _compiled() -> tuple[Callable, threading.Lock]:
     """`ce_chunk` compiled with torch.compile (once per process) and the lock its first calls take.
@@ -139,7 +150,7 @@ def _forward(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: 
                     if need_x:
                         gx[lo:hi] = g @ w if dim == 0 else g @ w.t()
                     if need_w:
-                        gw += (g.t() @ xc if dim == 0 else xc.t() @ g).to(acc)
+                        _acc_gemm(gw, *((g.t(), xc) if dim == 0 else (xc.t(), g)))
                     if need_b:
                         gb += g.sum(0, dtype=acc)
     return nll, gx, gw, gb
@@ -169,7 +180,7 @@ class _FusedCE(torch.autograd.Function):
             gx = torch.zeros((shape[:-1].numel(), shape[-1]), dtype=xdt, device=go.device)
             gx[a:e] = gx_part * go.to(xdt)
             gx = gx.view(shape)
-        return (gx, None if gw is None else (gw * go).to(wdt), None if gb is None else (gb * go).to(bdt),
+        return (gx, None if gw is None else gw.mul_(go).to(wdt), None if gb is None else gb.mul_(go).to(bdt),
                 None, go if has_prev else None, None, None, None, None, None)
 
 

@@ -12,10 +12,12 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from rpcompile import Hardware  # noqa: E402
+import torch  # noqa: E402
+
+from rpcompile import DynamicLossScale, Hardware, checkpoint  # noqa: E402
 from rpcompile.cli.main import main  # noqa: E402
 from rpcompile.finetune.metrics import read_metrics  # noqa: E402
-from rpcompile.finetune.run import RUN_FILE  # noqa: E402
+from rpcompile.finetune.run import CHECKPOINT, RUN_FILE  # noqa: E402
 import hf_fixtures as fx  # noqa: E402
 
 FLAGS = ["--seq", "32", "--micro-batch-size", "2", "--microbatches", "2", "--gpus", "2", "--lr", "3e-3",
@@ -35,9 +37,13 @@ def run(files, out, *extra) -> int:
 
 def test_fp16_with_fp16_accumulation_trains_and_is_recorded(files, tmp_path):
     out = tmp_path / "o"
-    assert run(files, out, "--dtype", "fp16", "--fp16-accumulation", "--steps", 3, "--memory-gib", 0.5) == 0
+    assert run(files, out, "--dtype", "fp16", "--fp16-accumulation", "--steps", 3, "--memory-gib", 0.5,
+               "--save-every", 3) == 0
     settings = json.load(open(os.path.join(out, RUN_FILE)))["settings"]
     assert (settings["dtype"], settings["fp16_accumulation"]) == ("fp16", True)
+    options = checkpoint.load(os.path.join(out, CHECKPOINT))["options"]  # what the run was compiled with
+    assert options["fp16_accumulation"] is True and options["dtype"] == torch.float16
+    assert isinstance(options["loss_scale"], DynamicLossScale)
     losses = [r["loss"] for r in read_metrics(os.path.join(out, "metrics.jsonl"))]
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
 

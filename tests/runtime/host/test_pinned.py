@@ -34,11 +34,18 @@ class Recording:
         del self.live[ptr]
 
 
+def _graph(kind: str):
+    if kind == "gpt2":  # tied embedding / head: one block holds them
+        pytest.importorskip("transformers")
+        return trace(M.gpt2(), M.lm_batch())
+    model = M.sequential(width=5)  # 5-element biases: views padded to 16-byte boundaries inside the blocks
+    return trace(model, M.regression_batch(width=5), loss_fn=M.mse_loss)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "odd"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_registered_bytes_are_the_compute_blocks_host_bytes_counts(dtype):
-    pytest.importorskip("transformers")
-    model = M.gpt2()  # tied embedding / head: one block holds them
-    graph = trace(model, M.lm_batch())
+def test_registered_bytes_are_the_compute_blocks_host_bytes_counts(dtype, kind):
+    graph = _graph(kind)
     reg = Recording()
     state = HostState.from_graph(graph, optimizer=rpcompile.AdamW(), dtype=dtype, pin_memory=PinnedAllocator(reg))
     blocks = compute_blocks(graph, dtype)
