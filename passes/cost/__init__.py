@@ -168,16 +168,30 @@ def _robust_times(samplers: Sequence[Callable[[], tuple[float, ...]]], warmup: i
 
 
 def _layer_sampler(layer: Layer, state: dict, xs: list, dev: torch.device,
-                   clock: Callable[[], float]) -> Callable[[], tuple[float, float]]:
+                   clock: Callable[[], float], split: bool = False) -> Callable[[], tuple[float, float]]:
     """A sampler for `_robust_times`: (seconds of one forward, seconds of the backward of that forward).
 
     The output gradients (ones) are made between the two, untimed; a layer with nothing to
-    differentiate has a backward of 0 s.
+    differentiate has a backward of 0 s. With `split` (a layer that takes gradients in its forward,
+    `meta.regions.grad_region`), a forward without autograd is timed too: it is the forward (what an
+    F stage runs), and the rest of the forward with autograd counts with the backward.
     """
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda d: None)
     wrt = [t for t in [*xs, *state.values()] if isinstance(t, torch.Tensor) and t.requires_grad]
 
     def sample() -> tuple[float, float]:
+        fwd, bwd = timed()
+        if not split:
+            return fwd, bwd
+        with torch.no_grad():
+            sync(dev)
+            t0 = clock()
+            torch.func.functional_call(layer.module, state, tuple(xs))
+            sync(dev)
+            plain = clock() - t0
+        return plain, max(fwd - plain, 0.0) + bwd
+
+    def timed() -> tuple[float, float]:
         with torch.enable_grad():
             sync(dev)
             t0 = clock()
@@ -214,13 +228,16 @@ def _measure_layer(graph: LayerGraph, layer: Layer, inputs: list, later: set[str
         base = torch.cuda.memory_allocated(dev)
         torch.cuda.reset_peak_memory_stats(dev)
     outs, rf, rb, live = run_once(layer, state, xs)
+    if rf.grad_ops:  # gradients taken in the forward: time the forward an F stage runs apart
+        sampler = _layer_sampler(layer, state, xs, dev, clock, split=True)
     peak = max(live, default=0)
     if dev.type == "cuda":
         peak = torch.cuda.max_memory_allocated(dev) - base
     mem = _layer_memory(graph, layer, xs, outs, later)
-    flops = [sum(o.flops for o in rf.ops), sum(o.flops for o in rb.ops)]
+    bwd_ops = tuple(rf.grad_ops) + tuple(rb.ops)  # forward-time gradients count with the backward
+    flops = [_flops(rf.ops), _flops(bwd_ops)]
     outs = tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outs)
-    return [*mem, max(peak, 0), *flops], outs, (tuple(rf.ops), tuple(rb.ops), tuple(grads)), sampler
+    return [*mem, max(peak, 0), *flops], outs, (tuple(rf.ops), bwd_ops, tuple(grads)), sampler
 
 
 def _measure(graph: LayerGraph, inputs: dict, dev: torch.device, warmup: int, repeats: int,

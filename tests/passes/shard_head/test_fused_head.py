@@ -16,7 +16,7 @@ import rpcompile
 from rpcompile import Hardware
 from rpcompile.passes import shard_lm_head, trace
 from head_cases import B, T, ZOO, example as _example, loss_and_grads as _loss_and_grads, traced as _traced
-from rpcompile.passes.cost import count_layers, layer_times, split_microbatch
+from rpcompile.passes.cost import count_layers, estimate_costs, layer_times, split_microbatch
 from rpcompile.passes.shard_head.fused import fused_ce, fused_loss
 from tests.oracle import token_mean_loss
 
@@ -141,3 +141,14 @@ def test_compiled_fused_head_trains_as_eager_with_token_weighted_loss(shards: in
     with torch.no_grad():
         for n, p in ref.named_parameters():
             torch.testing.assert_close(got[n], p - p.grad, atol=1e-5, rtol=0, msg=n)
+
+
+def test_measured_costs_split_the_fused_head_as_predicted_ones_do():
+    """Measure mode counts the forward an F stage runs (logits) as the forward, the gradient GEMMs with the backward."""
+    _, graph = _traced("llama")
+    example = _example("llama")
+    fused = shard_lm_head(graph, shards=1, chunk=16, fused=True)
+    measured = estimate_costs(fused, example, mode="measure", device="cpu", repeats=1, warmup=0, progress=False)
+    predicted = estimate_costs(fused, example, mode="predict", hardware=Hardware.preset("cpu"), progress=False)
+    assert measured.fwd_flops == predicted.fwd_flops and measured.bwd_flops == predicted.bwd_flops
+    assert measured.bwd_flops[-2] == 2 * measured.fwd_flops[-2] > 0  # dX and dW: two GEMMs to the logits' one
