@@ -185,5 +185,5 @@ def make_workers(gpus: int, ctx: StreamContext, backend: str = "auto", devices: 
     mine = [devs[i % len(devs)] for i in range(gpus)]
     high = sum(1 for lane in LANES if lane in HIGH_PRIORITY)
     check_stream_pool(mine, low=len(LANES) - high, high=high)
-    acc = Fp16Accumulation() if fp16_accumulation else None  # one per runtime: its launches share the flag
-    return [Worker(i, ctx, mine[i], poison, accumulation=acc) for i in range(gpus)]
+    acc = {"accumulation": Fp16Accumulation()} if fp16_accumulation else {}  # one per runtime: shared flag scope
+    return [Worker(i, ctx, mine[i], poison, **acc) for i in range(gpus)]
