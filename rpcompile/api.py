@@ -38,7 +38,8 @@ def compile(model: torch.nn.Module, gpus: int = 8, *, example: Any, microbatches
             lm_head_shards: int | str = "auto", hardware: Hardware | str | None = None,
             memory_budget: int | None = None, backend: str = "auto", seed: int = 0,
             on_nonfinite: str = "raise", loss_scale: float | DynamicLossScale | None = None,
-            loss_mean: str = "microbatch", dist: Any = False, process_group: Any = None) -> "Compiled":
+            loss_mean: str = "microbatch", fp16_accumulation: bool = False, fused_head: bool = False,
+            dist: Any = False, process_group: Any = None) -> "Compiled":
     """Compile `model` for RoundPipe training on `gpus` workers.
 
     Args:
@@ -71,6 +72,16 @@ def compile(model: torch.nn.Module, gpus: int = 8, *, example: Any, microbatches
             n_m / N, the counts read from the batch's labels (N all-reduced over the processes) before
             anything runs; a microbatch with no trained token counts for nothing (no NaN). The update
             is this loss's gradient, and `step` / `evaluate` return it. Composes with loss_scale.
+        fp16_accumulation: with `dtype=torch.float16`, CUDA workers run their GEMMs accumulating in fp16
+            (`torch.backends.cuda.matmul.allow_fp16_accumulation`, the RoundPipe reference's recipe: twice the
+            fp32-accumulate rate on GeForce cards), set around each compute launch and restored after; the
+            costs are priced at that rate. Pair it with `loss_scale=rpcompile.DynamicLossScale()`. Accepted
+            on host workers, where it has no effect (CPU matmuls).
+        fused_head: the LM head + cross-entropy takes its gradients in its forward, chunk by chunk (logits,
+            loss, d(logits), then the input and weight gradients at once; no logits kept, nothing recomputed
+            in the backward; on CUDA the chunk's elementwise work is one `torch.compile` kernel). Heads
+            are cut into token shards instead of vocabulary shards (`lm_head_shards`). Needs a loss reduced
+            by mean or sum (HF causal LMs).
         dist: data parallelism across processes: True or a `rpcompile.runtime.distributed.DistConfig`.
             `example` and `step`'s batches are then this process's shard (see DistConfig, `shard`).
         process_group: the torch.distributed group to train over (implies dist; default: the
@@ -85,7 +96,8 @@ def compile(model: torch.nn.Module, gpus: int = 8, *, example: Any, microbatches
     opts = options(gpus=gpus, microbatches=microbatches, staleness=staleness, optimizer=optimizer, dtype=dtype,
                    loss_fn=loss_fn, layers=layers, lm_head_shards=lm_head_shards, hardware=hardware,
                    memory_budget=memory_budget, backend=backend, seed=seed, on_nonfinite=on_nonfinite,
-                   loss_scale=loss_scale, loss_mean=loss_mean)
+                   loss_scale=loss_scale, loss_mean=loss_mean, fp16_accumulation=fp16_accumulation,
+                   fused_head=fused_head)
     check_model(model)
     return Compiled(model, opts, example, dist=dist, process_group=process_group)
 
@@ -146,7 +158,7 @@ class Compiled:
     def _new_runtime(self, start: int, graph: LayerGraph | None = None, program: Any = None):
         rt = Runtime(graph or self.graph, program or self.program, self.state, backend=self.options.backend,
                      seed=self.options.seed + self.rank, start_iteration=start,  # per-rank dropout
-                     on_nonfinite=self.options.on_nonfinite)
+                     on_nonfinite=self.options.on_nonfinite, fp16_accumulation=self.options.fp16_accumulation)
         if self._dist:
             self._dist.attach(rt)  # counts the gradient writes that complete each layer group
         return rt
@@ -310,7 +322,8 @@ class Compiled:
         """
         hw = Hardware.preset(hardware) if isinstance(hardware, str) else hardware
         costs = passes.estimate_costs(self.graph, self._example if example is None else example, mode="predict",
-                                      hardware=hw, microbatches=self.microbatches, progress=False)
+                                      hardware=hw, microbatches=self.microbatches, progress=False,
+                                      fp16_accumulation=self.options.fp16_accumulation)
         return simulate(self.program, costs, hw, iterations=iterations)
 
     # -- state ------------------------------------------------------------------------------

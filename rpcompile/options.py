@@ -49,6 +49,10 @@ class Options:
     loss_scale: float | DynamicLossScale | None = None  # None: off; a constant; DynamicLossScale (fp16)
     loss_mean: str = "microbatch"              # a step's loss: "microbatch" (mean of the microbatch losses) or
                                                # "tokens" (sum of token NLLs / trained tokens; needs `labels`)
+    fp16_accumulation: bool = False            # fp16 GEMMs accumulate in fp16 on CUDA workers (and are priced
+                                               # so); needs dtype fp16; no effect on host workers
+    fused_head: bool = False                   # the LM head takes its gradients in its forward, chunk by chunk
+                                               # (`passes.shard_head.fused`): no recompute of the logits
 
 
 def default_microbatches(batch: int, gpus: int) -> int:
@@ -102,7 +106,7 @@ def options(*, gpus: Any, microbatches: Any = None, staleness: Any = 1, optimize
             loss_fn: Callable | None = None, layers: Sequence[str] | None = None, lm_head_shards: Any = "auto",
             hardware: Hardware | str | None = None, memory_budget: Any = None, backend: str = "auto",
             seed: Any = 0, on_nonfinite: str = "raise", loss_scale: Any = None,
-            loss_mean: Any = "microbatch") -> Options:
+            loss_mean: Any = "microbatch", fp16_accumulation: Any = False, fused_head: Any = False) -> Options:
     """Check compile()'s arguments and build the Options (see `rpcompile.compile` for their meaning).
 
     Raises:
@@ -129,6 +133,12 @@ def options(*, gpus: Any, microbatches: Any = None, staleness: Any = 1, optimize
     if loss_mean not in LOSS_MEANS:
         raise ValueError(f"loss_mean must be one of {LOSS_MEANS} ('tokens': the mean over the step's trained "
                          f"tokens, for models that take `labels`), got {loss_mean!r}")
+    for name, v in (("fp16_accumulation", fp16_accumulation), ("fused_head", fused_head)):
+        if not isinstance(v, bool):
+            raise ValueError(f"{name} must be True or False, got {v!r}")
+    if fp16_accumulation and parse_dtype(dtype) is not torch.float16:
+        raise ValueError(f"fp16_accumulation=True needs dtype=torch.float16 (it changes fp16 GEMMs only), got "
+                         f"dtype={dtype!r}")
     if loss_fn is not None and not callable(loss_fn):
         raise ValueError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     if isinstance(hardware, str):
@@ -138,7 +148,8 @@ def options(*, gpus: Any, microbatches: Any = None, staleness: Any = 1, optimize
     return Options(gpus=gpus, microbatches=microbatches, staleness=staleness, optimizer=_optimizer(optimizer),
                    dtype=parse_dtype(dtype), loss_fn=loss_fn, layers=layers, lm_head_shards=lm_head_shards,
                    hardware=hardware, memory_budget=memory_budget, backend=backend, seed=seed,
-                   on_nonfinite=on_nonfinite, loss_scale=loss_scale, loss_mean=loss_mean)
+                   on_nonfinite=on_nonfinite, loss_scale=loss_scale, loss_mean=loss_mean,
+                   fp16_accumulation=fp16_accumulation, fused_head=fused_head)
 
 
 def check_model(model: Any) -> None:

@@ -63,10 +63,13 @@ def _head_args(graph: LayerGraph) -> dict | None:
     if not shards:
         return None
     chunk: Any = "auto"
+    fused = False
     for node in shards[0].module.graph.nodes:  # the chunk is an argument of the shard's kernel call
         if node.op == "call_function" and getattr(node.target, "__name__", "") == "chunked_lse":
             chunk = node.args[5] if len(node.args) > 5 else node.kwargs.get("chunk", "auto")
-    return {"shards": len(shards), "chunk": chunk}
+        if node.op == "call_function" and getattr(node.target, "__name__", "") == "fused_ce":
+            chunk, fused = node.args[6], True
+    return {"shards": len(shards), "chunk": chunk, **({"fused": True} if fused else {})}
 
 
 def _rebuild(model: torch.nn.Module, example: Any, opts: Options, frozen: Frozen):
@@ -165,13 +168,16 @@ def _layers_and_costs(model, example, opts: Options, m: int, mode: str, layers, 
         raise ValueError(f"{type(model).__name__} has no trainable parameter (requires_grad is False for all "
                          f"{len(graph.params)}): nothing to train; unfreeze some (e.g. LoRA adapters)")
     # 2. measure (or predict) per-layer time and memory for one microbatch
-    costs = passes.estimate_costs(graph, example, mode=mode, hardware=opts.hardware, microbatches=m)
+    costs = passes.estimate_costs(graph, example, mode=mode, hardware=opts.hardware, microbatches=m,
+                                  fp16_accumulation=opts.fp16_accumulation)
     # 3. cut the LM head + loss into vocabulary shards (run in token chunks sized by the budget), cost them;
     #    "auto" shards by FLOPs, or by predicted times: a measured time never changes the layer graph
-    sharded = _shard_head(graph, opts.lm_head_shards, costs, budget, balance="time" if mode == "predict" else "flops")
+    sharded = _shard_head(graph, opts.lm_head_shards, costs, budget, balance="time" if mode == "predict" else "flops",
+                          fused=opts.fused_head)
     if sharded is not graph:
         graph = sharded
-        costs = passes.estimate_costs(graph, example, mode=mode, hardware=opts.hardware, microbatches=m)
+        costs = passes.estimate_costs(graph, example, mode=mode, hardware=opts.hardware, microbatches=m,
+                                      fp16_accumulation=opts.fp16_accumulation)
     return graph, costs
 
 
@@ -235,14 +241,15 @@ def _fits_host(graph: LayerGraph, costs: CostTable, plan, opts: Options, m: int,
 
 
 def _shard_head(graph: LayerGraph, shards: int | str, costs: CostTable, budget: int | None = None,
-                balance: str = "flops") -> LayerGraph:
+                balance: str = "flops", fused: bool = False) -> LayerGraph:
     """shard_lm_head when the graph ends in a supported LM head; the graph itself otherwise."""
-    if shards == 1:
+    if shards == 1 and not fused:
         return graph
     try:
-        return passes.shard_lm_head(graph, shards=shards, costs=costs, memory_budget=budget, balance=balance)
+        return passes.shard_lm_head(graph, shards=shards, costs=costs, memory_budget=budget, balance=balance,
+                                    fused=fused)
     except ValueError:
-        if shards == "auto":  # no recognised LM head (e.g. a plain Sequential): nothing to shard
+        if shards == "auto" and not fused:  # no recognised LM head (e.g. a plain Sequential): nothing to shard
             return graph
         raise
 

@@ -56,8 +56,8 @@ from rpcompile.runtime.host.layout import slot_capacities, stage_layouts
 from rpcompile.runtime.streams.pool import BufferPool
 from rpcompile.runtime.program_info import EVAL_BASE, ProgramInfo, forward_only
 from rpcompile.runtime.recovery import Recovery
-from rpcompile.runtime.stage_exec import (LayerRunner, chunk_elements, has_random_ops, split_batch, stage_io,
-                                          tracked_buffers)
+from rpcompile.runtime.stage_exec import (LayerRunner, RoutingLog, chunk_elements, has_random_ops, split_batch,
+                                          stage_io, tracked_buffers)
 from rpcompile.runtime.streams.host import StreamContext
 from rpcompile.runtime.transfer import RuntimeFailure, make_delay, protocol_deps
 
@@ -89,6 +89,9 @@ class Runtime:
             whose loss is non-finite, else from the next call; the iteration is undone) or "skip" (its
             steps apply nothing; listed in `skipped`).
             Not checked with fp16 dynamic loss scaling, which skips such iterations itself.
+        fp16_accumulation: CUDA workers run their compute launches with fp16 GEMM accumulation
+            (`torch.backends.cuda.matmul.allow_fp16_accumulation`, restored after each; see
+            `streams.cuda.Fp16Accumulation`). No effect on host workers.
 
     Note: what it owns. The pieces derived once from the program and the graph (workers, host
     pool, stage layouts, runners, ...) are built here and handed to the parts, which own the
@@ -99,7 +102,7 @@ class Runtime:
 
     def __init__(self, graph, program, state, *, backend: str = "auto", devices=None, seed: int = 0,
                  lane_delay=None, timeout: float = 60.0, start_iteration: int = 0, poison: bool = False,
-                 drop: tuple[str, ...] = (), on_nonfinite: str = "raise") -> None:
+                 drop: tuple[str, ...] = (), on_nonfinite: str = "raise", fp16_accumulation: bool = False) -> None:
         bad = set(drop) - set(DEP_KINDS)
         if bad:
             raise ValueError(f"drop: unknown dependency kinds {sorted(bad)}; choose from {DEP_KINDS}")
@@ -109,7 +112,7 @@ class Runtime:
             raise ValueError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
         self.on_nonfinite = on_nonfinite
         self.ctx = StreamContext(timeout=timeout, delay=make_delay(lane_delay))
-        self.workers = make_workers(program.gpus, self.ctx, backend, devices, poison)
+        self.workers = make_workers(program.gpus, self.ctx, backend, devices, poison, fp16_accumulation)
         self.pin = self.workers[0].kind == "cuda"
         check_pinned(state, self.workers[0].kind)
         self.host_pool = BufferPool("host", self.ctx, pin=self.pin, poison="release" if poison else None,
@@ -118,7 +121,9 @@ class Runtime:
         self.tracked = {l: {n: state.buffers[n] for n in bufs}  # layer -> host copies of its running statistics
                         for l, bufs in tracked_buffers(graph).items()}
         random = has_random_ops(graph)
-        self.runners = [LayerRunner(graph, w.device, seed, w.generator if random else None) for w in self.workers]
+        self.routes = RoutingLog(timeout)  # MoE routing of the forwards, for their recomputes
+        self.runners = [LayerRunner(graph, w.device, seed, w.generator if random else None, self.routes)
+                        for w in self.workers]
         touches = {l.index: {state.group_of[state.canonical(p)] for p in l.params
                              if state.canonical(p) in state.group_of} for l in graph.layers}
         self.train_info = ProgramInfo.of(program, protocol_deps(program, touches), self.io)

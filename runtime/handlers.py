@@ -236,7 +236,8 @@ class IssueHandlers:
         def run() -> None:
             env_in = {n: h.get() for n, h in inputs.items()}
             with torch.no_grad():
-                env = runner.forward(io.layers, slot.params, env_in, t, ins.mb, buffers=bufs, keep=keep)
+                env = runner.forward(io.layers, slot.params, env_in, t, ins.mb, buffers=bufs, keep=keep,
+                                     routing="record" if keep and not loss_only else None)  # for the recompute
             out = {"loss": env[self.graph.loss]} if loss_only else \
                 {"vals": _private({n: env[n] for n in io.down}, env_in)}
             worker.store.add(tensor_bytes(out))
@@ -293,7 +294,8 @@ class IssueHandlers:
         def run() -> None:
             env_in = {n: h.get() for n, h in inputs.items()}
             with torch.enable_grad(), saved_tensors_bytes(worker.store, slot.params, env_in) as ws:
-                env = runner.forward(io.layers, slot.params, env_in, t, ins.mb, grad_of=io.grad_out)
+                env = runner.forward(io.layers, slot.params, env_in, t, ins.mb, grad_of=io.grad_out,
+                                     routing="replay")  # the experts the forward chose
             cell.set((env, ws[0]))
         ev = self._compute(t, ins, w, run, self.its.label(t, ins, w))
         self.rc[(t, ins.stage, ins.mb)] = (cell, inputs)

@@ -7,6 +7,13 @@ microbatch, layer) seeded randomness on the worker's own generator
 (`runtime/rng.py`) so that a B stage's recompute reproduces the dropout masks
 of the F stage that ran the same layer earlier.
 
+MoE routing replay: `LayerRunner.forward(routing="record")` (an F stage) keeps
+each MoE layer's routing (`passes.meta.moe.Routing`: the top-k indices and
+weights of its routers) in the runtime's `RoutingLog`; the recompute of that
+layer in a B stage (`routing="replay"`), on any worker, routes with it, so the
+backward differentiates the experts the forward used even when the router's
+logits differ in the last bit there.
+
 Note:
     `torch.func.functional_call` swaps a module's parameters in place while it
     runs, so two threads may not call it on one module. Each worker gets its own
@@ -16,6 +23,7 @@ Note:
 from __future__ import annotations
 
 import copy
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,10 +31,11 @@ import torch
 
 from rpcompile.ir.graph import LayerGraph
 from rpcompile.ir.plan import StageKind, StagePlan
+from rpcompile.passes.meta.moe import Routing, routers
 from rpcompile.runtime.rng import WorkerRandom, layer_seed
 
-__all__ = ["StageIO", "stage_io", "LayerRunner", "tracked_buffers", "layer_seed", "split_batch", "has_random_ops",
-           "random_layers", "flat_ranges", "up_keys", "count_readers", "chunk_elements", "grads_of", "trained_tokens", "token_weights"]
+__all__ = ["StageIO", "stage_io", "LayerRunner", "RoutingLog", "tracked_buffers", "layer_seed", "split_batch",
+           "has_random_ops", "random_layers", "flat_ranges", "up_keys", "count_readers", "chunk_elements", "grads_of", "trained_tokens", "token_weights"]
 
 _RANDOM_FNS = ("dropout", "bernoulli", "rand", "randn", "randint", "randperm", "multinomial", "normal")
 
@@ -216,6 +225,54 @@ def token_weights(counts: list[int], total: int, world: int = 1) -> list[float]:
     return [world * n / total for n in counts]
 
 
+class RoutingLog:
+    """The MoE routing of each (iteration, microbatch, layer) forward, kept for its recompute (module docstring).
+
+    Host workers keep the recorded tensors. CUDA workers copy them to pinned host memory on the
+    forward's compute stream and record an event; the recomputing worker's stream waits for that
+    event before it copies them in. A recompute whose forward has not run yet waits for it (the
+    forward depends on nothing after the recompute), at most `timeout` seconds.
+    """
+
+    def __init__(self, timeout: float = 60.0) -> None:
+        self.timeout = timeout
+        self._cond = threading.Condition()
+        self._log: dict[tuple, tuple[list, Any]] = {}  # (t, mb, layer) -> (topk outputs, CUDA event or None)
+
+    def put(self, key: tuple, entries: list) -> None:
+        """Keep one forward's topk outputs (values, indices) in call order."""
+        event = None
+        if entries and entries[0][0].is_cuda:
+            entries = [(v.to("cpu", non_blocking=True), i.to("cpu", non_blocking=True)) for v, i in entries]
+            event = torch.cuda.Event()
+            event.record()
+        with self._cond:
+            self._log[key] = (entries, event)
+            self._cond.notify_all()
+
+    def take(self, key: tuple, device: torch.device) -> list:
+        """The forward's routing for its recompute on `device` (removed from the log).
+
+        Raises:
+            RuntimeError: the forward did not record it within the timeout (names the key).
+        """
+        with self._cond:
+            if not self._cond.wait_for(lambda: key in self._log, timeout=self.timeout):
+                raise RuntimeError(f"routing replay: no routing recorded for (iteration, microbatch, layer) "
+                                   f"{key} within {self.timeout:.0f}s")
+            entries, event = self._log.pop(key)
+        if event is None:
+            return entries
+        torch.cuda.current_stream(device).wait_event(event)
+        return [(v.to(device, non_blocking=True), i.to(device, non_blocking=True)) for v, i in entries]
+
+    def forget_from(self, t: int) -> None:
+        """Drop the routing of iterations >= t (abandoned after a failure)."""
+        with self._cond:
+            for k in [k for k in self._log if k[0] >= t]:
+                del self._log[k]
+
+
 class LayerRunner:
     """Runs the graph's layers on one worker's device with parameters passed by name.
 
@@ -224,25 +281,42 @@ class LayerRunner:
         device: where the worker's tensors live.
         seed: base seed of the per-layer RNG.
         generator: the worker's generator, or None when the graph draws no random numbers.
+        routes: the runtime's RoutingLog (MoE routing replay; one per runtime, shared by its workers).
     """
 
     def __init__(self, graph: LayerGraph, device: torch.device, seed: int,
-                 generator: torch.Generator | None) -> None:
+                 generator: torch.Generator | None, routes: RoutingLog | None = None) -> None:
         self.graph, self.device, self.seed, self.generator = graph, device, seed, generator
         self.random = random_layers(graph) if generator is not None else frozenset()  # layers under WorkerRandom
-        self.modules = []
+        self.routes = routes if routes is not None else RoutingLog()
+        self._route: dict | None = None  # Routing arguments while a layer with routers records or replays
+        self.modules, self.routed = [], set()  # routed: layers with MoE routers
         for lay in graph.layers:
             memo = {id(p): torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
                     for p in lay.module.parameters()}
             self.modules.append(_buffers_to(copy.deepcopy(lay.module, memo), device))
+            for r in routers(self.modules[-1]):
+                r.forward = self._routed_forward(r.forward)
+                self.routed.add(lay.index)
+
+    def _routed_forward(self, forward: Any) -> Any:
+        """A router's forward that records or replays its topk when the runner asks (`_route`)."""
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if self._route is None:
+                return forward(*args, **kwargs)
+            with Routing(**self._route):
+                return forward(*args, **kwargs)
+        return run
 
     def run_layer(self, index: int, params: dict[str, torch.Tensor], env: dict[str, Any], iteration: int,
-                  mb: int, buffers: dict[str, torch.Tensor] | None = None, keep: bool = True) -> None:
+                  mb: int, buffers: dict[str, torch.Tensor] | None = None, keep: bool = True,
+                  routing: str | None = None) -> None:
         """Run layer `index` reading and extending `env`, randomness seeded by (iteration, mb, layer).
 
         Args:
             buffers: host copies of the layer's tracked buffers (running statistics): loaded into
                 this worker's module first; with `keep` the updated values are written back.
+            routing: "record" this forward's MoE routing, "replay" the recorded one (a recompute), or None.
         """
         lay = self.graph.layers[index]
         mod_buffers = dict(self.modules[index].named_buffers()) if buffers else {}
@@ -250,11 +324,19 @@ class LayerRunner:
             mod_buffers[n].copy_(b, non_blocking=True)
         args = tuple(env[n] for n in lay.inputs)
         mine = {p: params[p] for p in lay.params}
-        if index not in self.random:
-            outs = torch.func.functional_call(self.modules[index], mine, args)
-        else:
-            with WorkerRandom(self.generator, layer_seed(self.seed, iteration, mb, index)):
+        key = (iteration, mb, index)
+        if routing is not None and index in self.routed:
+            self._route = {"record": []} if routing == "record" else {"replay": self.routes.take(key, self.device)}
+        try:
+            if index not in self.random:
                 outs = torch.func.functional_call(self.modules[index], mine, args)
+            else:
+                with WorkerRandom(self.generator, layer_seed(self.seed, iteration, mb, index)):
+                    outs = torch.func.functional_call(self.modules[index], mine, args)
+        finally:
+            route, self._route = self._route, None
+        if route is not None and "record" in route:
+            self.routes.put(key, route["record"])
         if not isinstance(outs, (tuple, list)):
             outs = (outs,)
         if len(outs) != len(lay.outputs):
@@ -266,7 +348,7 @@ class LayerRunner:
 
     def forward(self, layers: range, params: dict[str, torch.Tensor], inputs: dict[str, Any], iteration: int,
                 mb: int, *, grad_of: tuple[str, ...] = (), buffers: dict | None = None,
-                keep: bool = True) -> dict[str, Any]:
+                keep: bool = True, routing: str | None = None) -> dict[str, Any]:
         """Run `layers` in order from `inputs`; returns the environment of every value seen.
 
         Args:
@@ -274,11 +356,12 @@ class LayerRunner:
             buffers: layer -> host copies of its tracked buffers (see `run_layer`); None: the
                 worker's module buffers as they are (a recompute: their updates are dropped).
             keep: write the updated tracked buffers back (False: evaluation).
+            routing: MoE routing: "record" (an F stage), "replay" (a recompute) or None (see `run_layer`).
         """
         env = {n: (t.detach().requires_grad_(True) if n in grad_of and t.is_floating_point() else t)
                for n, t in inputs.items()}
         for i in layers:
-            self.run_layer(i, params, env, iteration, mb, (buffers or {}).get(i), keep)
+            self.run_layer(i, params, env, iteration, mb, (buffers or {}).get(i), keep, routing)
         return env
 
 

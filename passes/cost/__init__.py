@@ -83,32 +83,47 @@ import torch
 
 from rpcompile.ir.costs import CostTable
 from rpcompile.ir.graph import Layer, LayerGraph
-from rpcompile.ir.hardware import Hardware
+from rpcompile.ir.hardware import Hardware, fp16_gemms
 from rpcompile.passes.cost.stage_memory import memory_refusal
 from rpcompile.passes.cost.symbolic import symbolic_costs
 from rpcompile.passes.cost.count import (LayerCount, OpCount, _later_inputs, _layer_memory, _leaf, _progress,
                                      _random_cpu, _state, count_layers, run_once, split_microbatch)
+from rpcompile.passes.cost.recorder import op_rate, priced
 
 __all__ = ["estimate_costs", "OpCount", "LayerCount", "count_layers", "split_microbatch", "layer_times"]
 
 
-def layer_times(ops: Sequence[OpCount], hardware: Hardware) -> float:
-    """Predicted seconds of a sequence of ops: per-op roofline plus a launch latency per kernel (see module Note)."""
-    return (sum(hardware.roofline(o.flops, o.bytes, o.dtype) for o in ops)
-            + sum(o.launches for o in ops) * hardware.op_latency)
+def layer_times(ops: Sequence[OpCount], hardware: Hardware, fp16_accumulation: bool = False) -> float:
+    """Predicted seconds of a sequence of ops: per-op roofline plus a launch latency per kernel (see module Note).
+
+    Args:
+        ops: recorded ops (`count_layers`); a fused region counts in the form `hardware` runs (`priced`).
+        hardware: prices them.
+        fp16_accumulation: fp16 GEMMs run at the fp16-accumulate rate (`recorder.op_rate`).
+    Returns:
+        Seconds.
+    """
+    run = priced(ops, hardware)
+    return (sum(hardware.roofline(o.flops, o.bytes, op_rate(o, fp16_accumulation)) for o in run)
+            + sum(o.launches for o in run) * hardware.op_latency)
 
 
-def _predict(graph: LayerGraph, inputs: dict, hardware: Hardware, progress: bool) -> CostTable:
+def _flops(ops: Sequence[OpCount]) -> int:
+    """FLOPs of recorded ops, a fused region counted once."""
+    return sum(o.flops for o in ops if o.form != "fused")
+
+
+def _predict(graph: LayerGraph, inputs: dict, hardware: Hardware, progress: bool,
+             fp16_accumulation: bool = False) -> CostTable:
     """CostTable from counted ops priced on `hardware`."""
     counts = count_layers(graph, inputs, progress=progress)
     return CostTable.from_lists(
-        fwd=[layer_times(c.fwd_ops, hardware) for c in counts],
-        bwd=[layer_times(c.bwd_ops, hardware) for c in counts],
+        fwd=[layer_times(c.fwd_ops, hardware, fp16_accumulation) for c in counts],
+        bwd=[layer_times(c.bwd_ops, hardware, fp16_accumulation) for c in counts],
         param_bytes=[c.param_bytes for c in counts], grad_bytes=[c.grad_bytes for c in counts],
         act_bytes=[c.act_bytes for c in counts], saved_bytes=[c.saved_bytes for c in counts],
         peak_bytes=[c.peak_bytes for c in counts], names=[layer.name for layer in graph.layers],
-        fwd_flops=[sum(o.flops for o in c.fwd_ops) for c in counts],
-        bwd_flops=[sum(o.flops for o in c.bwd_ops) for c in counts])
+        fwd_flops=[_flops(c.fwd_ops) for c in counts], bwd_flops=[_flops(c.bwd_ops) for c in counts])
 
 
 def _robust_times(samplers: Sequence[Callable[[], tuple[float, ...]]], warmup: int, repeats: int, *,
@@ -153,16 +168,30 @@ def _robust_times(samplers: Sequence[Callable[[], tuple[float, ...]]], warmup: i
 
 
 def _layer_sampler(layer: Layer, state: dict, xs: list, dev: torch.device,
-                   clock: Callable[[], float]) -> Callable[[], tuple[float, float]]:
+                   clock: Callable[[], float], split: bool = False) -> Callable[[], tuple[float, float]]:
     """A sampler for `_robust_times`: (seconds of one forward, seconds of the backward of that forward).
 
     The output gradients (ones) are made between the two, untimed; a layer with nothing to
-    differentiate has a backward of 0 s.
+    differentiate has a backward of 0 s. With `split` (a layer that takes gradients in its forward,
+    `meta.regions.grad_region`), a forward without autograd is timed too: it is the forward (what an
+    F stage runs), and the rest of the forward with autograd counts with the backward.
     """
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda d: None)
     wrt = [t for t in [*xs, *state.values()] if isinstance(t, torch.Tensor) and t.requires_grad]
 
     def sample() -> tuple[float, float]:
+        fwd, bwd = timed()
+        if not split:
+            return fwd, bwd
+        with torch.no_grad():
+            sync(dev)
+            t0 = clock()
+            torch.func.functional_call(layer.module, state, tuple(xs))
+            sync(dev)
+            plain = clock() - t0
+        return plain, max(fwd - plain, 0.0) + bwd
+
+    def timed() -> tuple[float, float]:
         with torch.enable_grad():
             sync(dev)
             t0 = clock()
@@ -199,13 +228,16 @@ def _measure_layer(graph: LayerGraph, layer: Layer, inputs: list, later: set[str
         base = torch.cuda.memory_allocated(dev)
         torch.cuda.reset_peak_memory_stats(dev)
     outs, rf, rb, live = run_once(layer, state, xs)
+    if rf.grad_ops:  # gradients taken in the forward: time the forward an F stage runs apart
+        sampler = _layer_sampler(layer, state, xs, dev, clock, split=True)
     peak = max(live, default=0)
     if dev.type == "cuda":
         peak = torch.cuda.max_memory_allocated(dev) - base
     mem = _layer_memory(graph, layer, xs, outs, later)
-    flops = [sum(o.flops for o in rf.ops), sum(o.flops for o in rb.ops)]
+    bwd_ops = tuple(rf.grad_ops) + tuple(rb.ops)  # forward-time gradients count with the backward
+    flops = [_flops(rf.ops), _flops(bwd_ops)]
     outs = tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outs)
-    return [*mem, max(peak, 0), *flops], outs, (tuple(rf.ops), tuple(rb.ops), tuple(grads)), sampler
+    return [*mem, max(peak, 0), *flops], outs, (tuple(rf.ops), bwd_ops, tuple(grads)), sampler
 
 
 def _measure(graph: LayerGraph, inputs: dict, dev: torch.device, warmup: int, repeats: int,
@@ -251,7 +283,7 @@ def _measure(graph: LayerGraph, inputs: dict, dev: torch.device, warmup: int, re
 def estimate_costs(graph: LayerGraph, example: Any, *, mode: str = "measure", device: str | torch.device | None = None,
                    hardware: Hardware | None = None, microbatches: int = 1, symbolic: bool = False,
                    warmup: int = 1, repeats: int = 5, progress: bool = True, memory_budget: int | None = None,
-                   cpu_threads: int | None = 1):
+                   cpu_threads: int | None = 1, fp16_accumulation: bool = False):
     """Per-layer, per-microbatch costs of a traced model.
 
     Args:
@@ -271,6 +303,8 @@ def estimate_costs(graph: LayerGraph, example: Any, *, mode: str = "measure", de
             (pass it for the graph that will be partitioned, i.e. after `shard_lm_head`).
         cpu_threads: intra-op threads while timing on the CPU (default 1: the thread's CPU time is
             counted; None: torch's setting and the wall clock).
+        fp16_accumulation: the run accumulates fp16 GEMMs in fp16: predict mode prices them at the
+            hardware's "float16/float16" rate, measure mode on CUDA times them with the flag on.
     Returns:
         A CostTable (or a SymbolicCosts if `symbolic`).
     Raises:
@@ -288,12 +322,13 @@ def estimate_costs(graph: LayerGraph, example: Any, *, mode: str = "measure", de
     if symbolic:
         if mode != "predict":
             raise ValueError("symbolic=True needs mode='predict'")
-        return symbolic_costs(graph, inputs, hardware, progress=progress)
+        return symbolic_costs(graph, inputs, hardware, progress=progress, fp16_accumulation=fp16_accumulation)
     if mode == "predict":
-        table = _predict(graph, inputs, hardware, progress)
+        table = _predict(graph, inputs, hardware, progress, fp16_accumulation)
     else:
         dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-        table = _measure(graph, inputs, dev, warmup, repeats, progress, cpu_threads)
+        with fp16_gemms(dev.type == "cuda" and fp16_accumulation):
+            table = _measure(graph, inputs, dev, warmup, repeats, progress, cpu_threads)
     if memory_budget is not None:
         why = memory_refusal(table, memory_budget)
         if why is not None:

@@ -31,8 +31,9 @@ __all__ = ["OpCount", "LayerCount", "count_layers", "split_microbatch", "run_onc
 class LayerCount:
     """What one layer does for one microbatch shape (predict mode's raw data)."""
 
-    fwd_ops: tuple[OpCount, ...]  # aten ops of the forward
-    bwd_ops: tuple[OpCount, ...]  # aten ops of the backward (without recompute)
+    fwd_ops: tuple[OpCount, ...]  # aten ops of the forward (as a forward without autograd runs it)
+    bwd_ops: tuple[OpCount, ...]  # aten ops of the backward (without recompute), and the gradient
+                                  # regions a forward with autograd runs (`meta.regions.grad_region`)
     param_bytes: int  # bytes of its parameters
     grad_bytes: int  # bytes of its trainable parameters' gradients
     act_bytes: int  # bytes of outputs read downstream
@@ -153,7 +154,8 @@ def _count_one(graph: LayerGraph, layer: Layer, inputs: list, later: set[str],
                               f"({'; '.join(errors)}); counted it by running it on the CPU with random weights", stacklevel=3)
             outs = tuple(_plain_meta(o) for o in outs)
             mem = _layer_memory(graph, layer, inputs, outs, later)
-            return LayerCount(tuple(rf.ops), tuple(rb.ops), *mem, max(live, default=0), tuple(live)), outs
+            fwd, bwd = tuple(rf.ops), tuple(rf.grad_ops) + tuple(rb.ops)  # forward-time gradients: backward
+            return LayerCount(fwd, bwd, *mem, max(live, default=0), tuple(live)), outs
         except ValueError:
             raise
         except Exception as exc:  # noqa: BLE001 - try the next way, report all if none works

@@ -11,7 +11,9 @@ that does not fit the host before it starts:
 
 Note: what counts. Every parameter has a compute copy in the training dtype
 (its own dtype when the run keeps the model's), frozen ones included and
-nothing else for them. A trainable parameter (requires_grad, used by some
+nothing else for them; for a traced graph the copies count as the blocks
+that hold them are allocated (`compute_blocks`: 16-byte aligned views, pinned
+at exactly that size with CUDA, `runtime.host.pinned`). A trainable parameter (requires_grad, used by some
 layer) adds an fp32 master, an fp32 gradient buffer and the optimizer state:
 AdamW two fp32 moments, SGD one fp32 momentum buffer when momentum > 0. The
 activations are the saved stage inputs the host keeps for the backward stages
@@ -35,9 +37,10 @@ from rpcompile.ir.optim import SGD
 from rpcompile.ir.plan import StagePlan
 from rpcompile.passes.partition.timing import default_round_size
 
-__all__ = ["HostBytes", "host_bytes", "round_saved_bytes"]
+__all__ = ["HostBytes", "host_bytes", "round_saved_bytes", "compute_blocks"]
 
 _ADAM_MOMENTS = 2  # fp32 moments per trainable element (exp_avg, exp_avg_sq)
+_BLOCK_ALIGN = 16  # bytes: every compute copy starts on this boundary in its block (runtime.host.layout.ALIGN)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +97,8 @@ def host_bytes(model: Any, costs: Any = None, plan: Any = None, *, microbatches:
     for numel, own, train in _parameters(model):
         weights += numel * (dtype or own).itemsize
         trainable += numel if train else 0
+    if hasattr(model, "param_owners"):  # a traced graph: the compute-copy blocks exactly as they are allocated
+        weights = sum(compute_blocks(model, dtype).values())
     fp32 = torch.float32.itemsize
     saved = in_flight = 0
     if plan is not None:
@@ -122,6 +127,21 @@ def round_saved_bytes(saved: list[int], plan: StagePlan, gpus: int, microbatches
     per = [saved[b.start] for b in plan.bwd]  # execution order: the last ones hold the lowest layers
     tail = per[len(per) - min(len(per), gpus - 1):] if gpus > 1 else []
     return r * (sum(per) + sum(tail)), r
+
+
+def compute_blocks(graph: Any, dtype: Any = None) -> dict[tuple, int]:
+    """Bytes of each compute-copy block of a traced graph, as `HostState` allocates (and pins) them.
+
+    One block per (lowest owner layer, training dtype), the parameters in graph order, each starting
+    on a 16-byte boundary (`runtime.host.layout.host_blocks`); a parameter no layer uses goes to layer 0.
+    """
+    owners, ends = graph.param_owners(), {}
+    for name, v in graph.params.items():
+        dt = dtype or v.dtype
+        key, size = (min(owners.get(name) or (0,)), dt), max(dt.itemsize, 1)
+        step = max(1, _BLOCK_ALIGN // size)
+        ends[key] = -(-ends.get(key, 0) // step) * step + v.bytes // max(v.dtype.itemsize, 1)
+    return {k: n * k[1].itemsize for k, n in ends.items()}
 
 
 def _parameters(model: Any):

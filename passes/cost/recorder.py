@@ -20,6 +20,17 @@ modes count the same lifetimes; only the kernels' private scratch is unseen.
 Chunk loops (`meta.regions.chunk_loop`) are folded: op k of every iteration
 becomes one OpCount with summed FLOPs, bytes and `launches`, and one point of
 the live curve holding the largest value over the iterations.
+
+A fused region (`meta.regions.fused_region`) is recorded twice: op by op with
+`form="eager"` (what host workers run) and as one op with `form="fused"` (the
+compiled kernel CUDA runs: the bytes it reads from outside the region plus the
+bytes of what it leaves alive). `priced` keeps the form a Hardware runs. Ops
+of a gradient region (`meta.regions.grad_region`) go to `grad_ops`, which cost
+counting adds to the backward.
+
+The rate an op is priced at (`op_rate`) is its dtype's, except for GEMMs in
+fp16 when the run accumulates in fp16 (`fp16_accumulation`): those use the
+"float16/float16" rate (`Hardware.flops`).
 """
 from __future__ import annotations
 
@@ -32,12 +43,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from rpcompile.ir.hardware import dtype_key
+from rpcompile.ir.hardware import Hardware, dtype_key
 from rpcompile.passes.meta.attention import FLOP_RULES
 from rpcompile.passes.meta.moe import GROUPED_MM_FLOPS
-from rpcompile.passes.meta.regions import Folding
+from rpcompile.passes.meta.regions import Folding, Regions
 
-__all__ = ["OpCount", "Tracker", "Recorder", "tensor_bytes", "storage_id"]
+__all__ = ["OpCount", "Tracker", "Recorder", "tensor_bytes", "storage_id", "GEMMS", "op_rate", "priced"]
+
+# aten ops that run as cuBLAS GEMMs: the ops `torch.backends.cuda.matmul.allow_fp16_accumulation` speeds up
+GEMMS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "_grouped_mm"})
 
 _NO_DATA = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach",
                       "alias", "lift_fresh", "_local_scalar_dense", "sym_size", "sym_stride", "sym_numel",
@@ -53,6 +67,28 @@ class OpCount:
     bytes: int  # bytes read + written (0 for views)
     dtype: str  # dtype key of its first floating input, for the peak FLOP/s lookup
     launches: int = 1  # kernels it stands for: the iterations of a folded chunk loop
+    form: str = ""  # "" every device; "eager": part of a fused region as host workers run it; "fused": the
+                    # region as the one compiled kernel CUDA runs (`priced` keeps one of the two)
+
+
+def _shapes_only(args: tuple) -> tuple:
+    """An op's positional arguments without dtypes (`addmm.dtype_out` takes `out_dtype` positionally)."""
+    return tuple(a for a in args if not isinstance(a, torch.dtype))
+
+
+def op_rate(op: OpCount, fp16_accumulation: bool = False) -> str:
+    """The `Hardware.flops` rate key an op runs at: fp16 GEMMs accumulate in fp16 when the run asks for it.
+
+    >>> op_rate(OpCount("mm", 2, 8, "float16"), True), op_rate(OpCount("mul", 1, 8, "float16"), True)
+    ('float16/float16', 'float16')
+    """
+    return "float16/float16" if fp16_accumulation and op.dtype == "float16" and op.name in GEMMS else op.dtype
+
+
+def priced(ops: Iterable[OpCount], hardware: Hardware) -> list[OpCount]:
+    """The ops `hardware` runs: a fused region as one kernel on CUDA, op by op on host workers."""
+    skip = "eager" if hardware.kind == "cuda" else "fused"
+    return [o for o in ops if o.form != skip]
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -162,7 +198,7 @@ class Tracker:
         return [max(per_step[s] for s in g) for g in self.groups]
 
 
-class Recorder(TorchDispatchMode, Folding):
+class Recorder(TorchDispatchMode, Folding, Regions):
     """Dispatch mode appending an OpCount per op to `self.ops` and feeding the Tracker (module docstring).
 
     Args:
@@ -172,9 +208,18 @@ class Recorder(TorchDispatchMode, Folding):
     def __init__(self, tracker: Tracker | None = None) -> None:
         super().__init__()
         self.ops: list[OpCount] = []
+        self.grad_ops: list[OpCount] = []  # ops of gradient regions (counted with the backward)
         self.tracker = tracker
-        self._loop: list[list[OpCount]] | None = None  # iterations of the current chunk loop
-        self._base = 0  # len(self.ops) when the loop started
+        self._loop: list[list[tuple[bool, OpCount]]] | None = None  # iterations: (in a grad region, op)
+        self._grad = False  # inside a gradient region
+        self._fused: dict | None = None  # the open fused region: storages made and read, FLOPs, dtype
+
+    def _add(self, op: OpCount) -> None:
+        """Append an op where it belongs: the current loop iteration, else the forward or gradient list."""
+        if self._loop:
+            self._loop[-1].append((self._grad, op))
+        else:
+            (self.grad_ops if self._grad else self.ops).append(op)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -189,11 +234,49 @@ class Recorder(TorchDispatchMode, Folding):
         nbytes = sum(tensor_bytes(t) for t in tensors)
         packet = func._overloadpacket
         rule = FLOP_RULES.get(packet) or GROUPED_MM_FLOPS.get(packet) or flop_registry.get(packet)
-        flops = int(rule(*args, **kwargs, out_val=out)) if rule is not None else 0
+        flops = int(rule(*_shapes_only(args), **{k: v for k, v in kwargs.items() if k not in ("out", "out_dtype")},
+                         out_val=out)) if rule is not None else 0
         floats = [t for t in tensors if t.is_floating_point()]
-        op = OpCount(name, flops, nbytes, dtype_key(floats[0].dtype) if floats else "float32")
-        (self._loop[-1] if self._loop else self.ops).append(op)
+        if name in GEMMS and len(floats) > 2:  # addmm(acc, a, b): the operands' dtype picks the rate, not acc's
+            floats = floats[1:]
+        dtype = dtype_key(floats[0].dtype) if floats else "float32"
+        if self._fused is not None:
+            self._in_fused(tree_flatten((args, kwargs))[0], flat_out, flops, dtype)
+        self._add(OpCount(name, flops, nbytes, dtype, form="eager" if self._fused is not None else ""))
         return out
+
+    def _in_fused(self, ins: list, outs: list, flops: int, dtype: str) -> None:
+        """Note what an op of the open fused region reads from outside it and the storages it makes."""
+        r = self._fused
+        for t in ins:
+            if isinstance(t, torch.Tensor) and storage_id(t) not in r["made"]:
+                r["read"][storage_id(t)] = tensor_bytes(t)
+        for t in outs:
+            try:
+                r["made"].setdefault(storage_id(t), (StorageWeakRef(t.untyped_storage()), tensor_bytes(t)))
+            except (RuntimeError, NotImplementedError):
+                pass
+        r["flops"] += flops
+        r["dtype"] = r["dtype"] or dtype
+
+    def fused_begin(self) -> None:
+        if self._fused is not None:
+            raise RuntimeError("nested fused regions are not supported")
+        self._fused = {"made": {}, "read": {}, "flops": 0, "dtype": ""}
+
+    def fused_end(self) -> None:
+        r, self._fused = self._fused, None
+        if r is None or not r["made"]:
+            return
+        alive = sum(n for ref, n in r["made"].values() if not ref.expired())
+        self._add(OpCount("fused_elementwise", r["flops"], sum(r["read"].values()) + alive, r["dtype"] or "float32",
+                          form="fused"))
+
+    def grad_begin(self) -> None:
+        self._grad = True
+
+    def grad_end(self) -> None:
+        self._grad = False
 
     def fold_begin(self) -> None:
         self._loop = []
@@ -213,9 +296,12 @@ class Recorder(TorchDispatchMode, Folding):
         if not loop:
             return
         first = loop[0]
-        for k, op in enumerate(first):
-            same = [it[k] for it in loop if len(it) > k and it[k].name == op.name]
-            self.ops.append(OpCount(op.name, sum(o.flops for o in same), sum(o.bytes for o in same), op.dtype,
-                                    sum(o.launches for o in same)))
+        for k, (grad, op) in enumerate(first):
+            same = [it[k][1] for it in loop if len(it) > k and it[k][1].name == op.name]
+            (self.grad_ops if grad else self.ops).append(OpCount(
+                op.name, sum(o.flops for o in same), sum(o.bytes for o in same), op.dtype,
+                sum(o.launches for o in same), op.form))
         for it in loop:  # ops beyond the first iteration's length (or renamed) stay unfolded
-            self.ops.extend(o for k, o in enumerate(it) if k >= len(first) or first[k].name != o.name)
+            for k, (grad, o) in enumerate(it):
+                if k >= len(first) or first[k][1].name != o.name:
+                    (self.grad_ops if grad else self.ops).append(o)

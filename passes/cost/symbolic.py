@@ -22,7 +22,7 @@ solves the memory constraints for the largest S.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Callable, Sequence
 
@@ -34,7 +34,9 @@ from rpcompile.ir.costs import CostTable
 from rpcompile.ir.graph import LayerGraph
 from rpcompile.ir.hardware import Hardware
 from rpcompile.passes.shard_head.chunked import chunked_lse
+from rpcompile.passes.shard_head.fused import fused_ce
 from rpcompile.passes.cost.count import LayerCount, count_layers
+from rpcompile.passes.cost.recorder import op_rate, priced
 from rpcompile.passes.cost.host_bytes import host_bytes
 
 __all__ = ["SymbolicCosts", "symbolic_costs", "B", "S"]  # max_seq_len, which solves them: seqlen.py
@@ -133,12 +135,16 @@ def _points(s0: int | None, unit: int | None = None) -> tuple[list[tuple[int, in
 
 
 def chunk_unit(graph: LayerGraph) -> int | None:
-    """The chunk of the graph's chunked LM head (lcm over its shards), None without one."""
+    """The chunk of the graph's chunked LM head (lcm over its shards; x K for K token shards), None without one."""
     unit = None
     for layer in graph.layers:
         for n in layer.module.graph.nodes:
+            c = None
             if n.op == "call_function" and n.target is chunked_lse:
                 c = int(n.args[5])
+            elif n.op == "call_function" and n.target is fused_ce:  # token shards: every shard whole chunks
+                c = int(n.args[6]) * int(n.args[5][1])
+            if c is not None:
                 unit = c if unit is None else unit * c // math.gcd(unit, c)
     return unit
 
@@ -199,8 +205,10 @@ class _Fitter:
         return None if coef is None else self.expr(coef)
 
 
-def _time_expr(fitter: _Fitter, per_shape: list[Sequence], hw: Hardware, where: str) -> sympy.Expr:
+def _time_expr(fitter: _Fitter, per_shape: list[Sequence], hw: Hardware, where: str,
+               fp16_accumulation: bool = False) -> sympy.Expr:
     """Memory-bound ops' bytes / bw + launches * op_latency + sum of Max(flops/(peak*eff), bytes/bw) of FLOP ops."""
+    per_shape = [[replace(o, dtype=op_rate(o, fp16_accumulation)) for o in priced(ops, hw)] for ops in per_shape]
     flop_ops = [[o for o in ops if o.flops] for ops in per_shape]
     if any([o.name for o in ops] != [o.name for o in flop_ops[0]] for ops in flop_ops):
         raise ValueError(f"{where}: the FLOP-counted ops change with the shape; cannot fit it symbolically")
@@ -243,7 +251,8 @@ def _peak_expr(fitter: _Fitter, lives: list[tuple[int, ...]], where: str) -> sym
 
 
 def symbolic_costs(graph: LayerGraph, inputs: dict[str, torch.Tensor], hardware: Hardware, *,
-                   make_inputs: Callable[[int, int], dict] | None = None, progress: bool = False) -> SymbolicCosts:
+                   make_inputs: Callable[[int, int], dict] | None = None, progress: bool = False,
+                   fp16_accumulation: bool = False) -> SymbolicCosts:
     """Fit every layer's predicted costs as exact expressions in B and S.
 
     Args:
@@ -251,6 +260,7 @@ def symbolic_costs(graph: LayerGraph, inputs: dict[str, torch.Tensor], hardware:
         inputs: one microbatch's named inputs; its shapes pick the fitting points (near its S).
         hardware: prices the ops (times are Max-sums of rooflines).
         make_inputs: optional (B, S) -> named inputs; default tiles/crops `inputs`.
+        fp16_accumulation: fp16 GEMMs priced at the fp16-accumulate rate (`recorder.op_rate`).
     Returns:
         A SymbolicCosts; `.at(B, S)` equals predict mode at that shape (FLOPs/bytes exactly).
     Raises:
@@ -275,8 +285,8 @@ def symbolic_costs(graph: LayerGraph, inputs: dict[str, torch.Tensor], hardware:
             cols[k].append(e)
         for ph in ("fwd", "bwd"):
             ops = [getattr(c, f"{ph}_ops") for c in per]
-            cols[ph].append(_time_expr(fitter, ops, hardware, f"{where} {ph}"))
-            tot = [sum(o.flops for o in o_) for o_ in ops]
+            cols[ph].append(_time_expr(fitter, ops, hardware, f"{where} {ph}", fp16_accumulation))
+            tot = [sum(o.flops for o in o_ if o.form != "fused") for o_ in ops]
             cols[f"{ph}_flops"].append(fitter.fit(tot[:-1], tot[-1]))
     state = host_bytes(graph, microbatches=1)
     numel = sum(v.bytes // max(v.dtype.itemsize, 1) for v in graph.params.values())

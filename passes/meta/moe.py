@@ -17,6 +17,23 @@ that many tokens each; the loop is a `chunk_loop`, folded by cost counting.
     >>> import torch
     >>> with balanced_experts(torch.nn.Linear(2, 2)):  # no experts module: nothing changes
     ...     pass
+
+Routing replay (`Routing`, `routers`). The runtime recomputes a layer's forward
+on another worker before its backward; a router whose logits differ there in
+the last bit (another GEMM kernel, a tie) would send tokens to other experts
+than the forward did. Within a router's forward, `Routing` records the
+`(values, indices)` of every `topk` (the forward), or returns the recorded
+ones (the recompute): the indices as recorded, the values equal to the
+recorded ones and differentiable through the recompute's scores at those
+indices, so the router still gets its gradient.
+
+    >>> x = torch.tensor([[1.0, 2.0, 2.0]])
+    >>> log = []
+    >>> with Routing(record=log):
+    ...     _ = torch.topk(x, 1)
+    >>> with Routing(replay=log):   # a tie broken the other way would not change it
+    ...     torch.topk(torch.tensor([[1.0, 2.0, 2.1]]), 1).indices
+    tensor([[1]])
 """
 from __future__ import annotations
 
@@ -27,10 +44,13 @@ from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from rpcompile.passes.meta.regions import chunk_loop
 
-__all__ = ["balanced_experts", "GROUPED_MM_FLOPS"]
+__all__ = ["balanced_experts", "GROUPED_MM_FLOPS", "Routing", "routers"]
+
+_TOPK = (torch.topk, torch.Tensor.topk)
 
 
 def _grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
@@ -108,3 +128,37 @@ def balanced_experts(model: torch.nn.Module) -> Iterator[int]:
     finally:
         for m in patched:
             del m.forward
+
+
+def routers(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The MoE routers in `module`: modules with an int `top_k` and no such module inside (transformers'
+    `*TopKRouter`, or an older sparse block that routes itself)."""
+    found = [m for m in module.modules() if isinstance(getattr(m, "top_k", None), int)]
+    return [m for m in found if not any(c is not m and c in found for c in m.modules())]
+
+
+class Routing(TorchFunctionMode):
+    """Records every `topk` of the block (`record=` a list), or replays the recorded ones (`replay=`, in order).
+
+    A replayed topk returns the recorded indices and values; the values carry the gradient of the
+    current input gathered at those indices (see the module docstring).
+    """
+
+    def __init__(self, record: list | None = None, replay: list | None = None) -> None:
+        super().__init__()
+        self.record, self.replay = record, replay  # replay: consumed in order (shared by a layer's routers)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in _TOPK:
+            return func(*args, **kwargs)
+        if self.replay is None:
+            out = func(*args, **kwargs)
+            self.record.append((out.values.detach(), out.indices))
+            return out
+        if not self.replay:
+            raise RuntimeError("routing replay: the recompute ran more topk calls than the forward recorded")
+        values, indices = self.replay.pop(0)
+        dim = kwargs.get("dim", args[2] if len(args) > 2 else -1)
+        got = args[0].gather(dim, indices)
+        return torch.return_types.topk((values + (got - got.detach()), indices))

@@ -1,4 +1,4 @@
-"""Chunk loops that cost counting folds: one op per loop position instead of one per iteration.
+"""Regions that cost counting treats specially: folded chunk loops, fused elementwise work, forward-time gradients.
 
 A layer that loops over chunks of its tokens (the sequence-chunked LM head)
 issues the same ops once per chunk, so the number of ops it runs grows with
@@ -12,6 +12,17 @@ at every shape, which the exact symbolic fits need.
     ...     for a in range(0, 10, 4):
     ...         with loop.iteration():
     ...             pass
+
+Two more markers, for the fused LM head (`shard_head.fused`):
+- `fused_region()`: elementwise ops that run as one compiled kernel on CUDA
+  (`torch.compile`). A recording mode keeps them op by op (what runs eagerly on
+  host workers) and adds one op for the whole region (what runs on CUDA): its
+  bytes are what the region reads from outside and what it leaves alive.
+- `grad_region()`: ops a forward runs only to produce gradients (the head's
+  d(logits) and its two gradient GEMMs). A forward without autograd (an F
+  stage) skips them, so the cost model counts them with the backward: the
+  forward column is what an F stage runs, forward + backward what a recompute
+  or the fused stage runs.
 """
 from __future__ import annotations
 
@@ -20,7 +31,7 @@ from typing import Iterator
 
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-__all__ = ["Folding", "chunk_loop"]
+__all__ = ["Folding", "Regions", "chunk_loop", "fused_region", "grad_region"]
 
 
 class Folding:
@@ -64,3 +75,46 @@ def chunk_loop() -> Iterator[_Loop]:
     finally:
         for m in modes:
             m.fold_end()
+
+
+class Regions:
+    """Mixin of a dispatch mode that sees fused and gradient regions (see module docstring)."""
+
+    def fused_begin(self) -> None:
+        """A fused elementwise region starts."""
+        raise NotImplementedError
+
+    def fused_end(self) -> None:
+        """The fused region ended."""
+        raise NotImplementedError
+
+    def grad_begin(self) -> None:
+        """A forward-time gradient region starts."""
+        raise NotImplementedError
+
+    def grad_end(self) -> None:
+        """The gradient region ended."""
+        raise NotImplementedError
+
+
+@contextlib.contextmanager
+def _region(kind: str) -> Iterator[None]:
+    """Call `<kind>_begin` / `<kind>_end` on every `Regions` mode of the dispatch stack around the block."""
+    modes = [m for m in _get_current_dispatch_mode_stack() if isinstance(m, Regions)]
+    for m in modes:
+        getattr(m, f"{kind}_begin")()
+    try:
+        yield
+    finally:
+        for m in modes:
+            getattr(m, f"{kind}_end")()
+
+
+def fused_region() -> contextlib.AbstractContextManager[None]:
+    """Mark elementwise ops that run as one kernel on CUDA (a recording mode prices both forms)."""
+    return _region("fused")
+
+
+def grad_region() -> contextlib.AbstractContextManager[None]:
+    """Mark ops a forward runs only for gradients (a recording mode counts them with the backward)."""
+    return _region("grad")

@@ -4,7 +4,9 @@ The second pass of the pipeline (trace -> shard_lm_head -> estimate_costs -> par
 This folder holds it and the helpers only it uses:
 
     chunked.py  the kernels of the shard layers: a vocabulary shard of the head + loss, in token chunks
-    auto.py     the automatic choices: how many vocabulary shards, how many tokens per chunk
+    fused.py    the fused head's kernel: a token shard over the whole vocabulary that takes its gradients
+                in its forward, chunk by chunk (`fused=True`)
+    auto.py     the automatic choices: how many shards, how many tokens per chunk
 
 Note:
     `x @ W^T (+ b)` -> [float / to / contiguous / view(-1, V) / constant scale] ->
@@ -26,6 +28,13 @@ Note:
     `(name, dim, start, stop)`: a runtime uploads only that slice to
     `functional_call(module, {name: slice}, args)` and adds the gradient it gets
     into that slice of the full gradient.
+
+    Fused (`fused=True`, `fused.py`): the K shards are token shards instead. Shard
+    k takes tokens [T*k/K, T*(k+1)/K) over the whole vocabulary (the whole W,
+    no `param_slices`), computes their NLL sum and, when autograd needs it, the
+    gradients of that sum in the same chunk loop, and passes on `prev + sum`
+    (a scalar); the loss layer divides by the trained-token count (mean) or not
+    (sum). A head whose cross_entropy has reduction "none" cannot be fused.
 """
 from __future__ import annotations
 
@@ -42,6 +51,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from rpcompile.ir.costs import CostTable
 from rpcompile.ir.graph import Layer, LayerGraph, Value
 from rpcompile.passes.shard_head.chunked import chunked_lse, lse_loss, lse_update, vocab_slice
+from rpcompile.passes.shard_head.fused import fused_ce, fused_loss
 from rpcompile.passes.shard_head.auto import auto_chunk, auto_shards
 
 __all__ = ["shard_lm_head", "vocab_slice", "lse_update", "lse_loss"]
@@ -77,13 +87,15 @@ class _Head:
 
 def shard_lm_head(graph: LayerGraph, shards: int | str = "auto", *, costs: CostTable | None = None,
                   chunk: int | str = "auto", memory_budget: int | None = None,
-                  balance: str = "flops") -> LayerGraph:
+                  balance: str = "flops", fused: bool = False) -> LayerGraph:
     """Split the last layer's LM head + cross-entropy into `K` vocabulary shards (run in sequence chunks) and a loss layer.
 
     Args:
         graph: a traced causal LM whose last layer computes `linear -> cross_entropy`
             (HF LlamaForCausalLM / Qwen3 / GPT-2 `ForCausalLMLoss`, nanoGPT `F.linear(x, wte.weight)`).
-        shards: K >= 1, or "auto": K = ceil(head fwd+bwd / median fwd+bwd of the other layers) in
+        shards: K >= 1, or "auto": with `fused`, 1 (each token shard would repeat the whole weight, its
+            gradient and their transfers; the round-robin dispatch absorbs one heavy layer); otherwise
+            K = ceil(head fwd+bwd / median fwd+bwd of the other layers) in
             FLOPs from `costs` (or its times, `balance="time"`), else ceil(head param bytes / median
             param bytes of the other layers with parameters); clamped to [1, vocab]. Never from a
             measured time: K shapes the layer graph (`_head_auto`, Note).
@@ -95,6 +107,8 @@ def shard_lm_head(graph: LayerGraph, shards: int | str = "auto", *, costs: CostT
         memory_budget: device bytes per worker, for chunk="auto".
         balance: what shards="auto" balances: "flops" (default; the only choice for measured costs) or
             "time" (the costs' times: for predicted costs, a deterministic roofline of FLOPs and bytes).
+        fused: cut the head into K token shards that take their gradients in their forward
+            (`shard_head.fused`; module Note) instead of vocabulary shards; even K = 1 rewrites the head.
     Returns:
         A new LayerGraph (the input is unchanged): the head layer is replaced by K layers
         `<head>.shard{k}` (each `param_slices` one vocabulary slice of W and b) and `<head>.loss`,
@@ -112,7 +126,10 @@ def shard_lm_head(graph: LayerGraph, shards: int | str = "auto", *, costs: CostT
     """
     layer = graph.layers[-1]
     h = _match(layer)
-    k = auto_shards(graph, costs, h.vocab, balance) if shards == "auto" else shards
+    if shards == "auto":  # a fused head's token shards each repeat the whole weight and its gradient: one
+        k = 1 if fused else auto_shards(graph, costs, h.vocab, balance)
+    else:
+        k = shards
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= h.vocab:
         raise ValueError(f"shards must be 'auto' or an int in [1, {h.vocab}] (the vocabulary), got {shards!r}")
     meta = _shapes(graph, layer)
@@ -121,15 +138,22 @@ def shard_lm_head(graph: LayerGraph, shards: int | str = "auto", *, costs: CostT
         raise ValueError(f"shard_lm_head: in last layer {layer.name!r}, cross_entropy must read (tokens, {h.vocab}) "
                          f"logits with the vocabulary last throughout, got {tuple(logits.shape)}")
     tokens = logits.shape[0]
-    c = auto_chunk(costs, memory_budget, tokens, -(-h.vocab // k)) if chunk == "auto" else chunk
-    if shards == "auto" and k == 1 and c is not None and c < tokens and h.vocab > 1:
+    if fused:
+        if h.reduction == "none":
+            raise ValueError(f"shard_lm_head: in last layer {layer.name!r}, cross_entropy has reduction 'none'; "
+                             f"a fused head needs 'mean' or 'sum' (every token gets the same output gradient)")
+        k = min(k, tokens)
+        c = auto_chunk(costs, memory_budget, -(-tokens // k), h.vocab) if chunk == "auto" else chunk
+    else:
+        c = auto_chunk(costs, memory_budget, tokens, -(-h.vocab // k)) if chunk == "auto" else chunk
+    if not fused and shards == "auto" and k == 1 and c is not None and c < tokens and h.vocab > 1:
         k = 2  # a head that must be chunked is cut: K stays what compile's re-planning repeats
         c = auto_chunk(costs, memory_budget, tokens, -(-h.vocab // k)) if chunk == "auto" else chunk
     if c is not None and (not isinstance(c, int) or isinstance(c, bool) or c < 1):
         raise ValueError(f"chunk must be 'auto' or an int >= 1 (tokens per chunk), got {chunk!r}")
-    if k == 1 and (c is None or c >= tokens):
+    if k == 1 and (c is None or c >= tokens) and not fused:
         return graph
-    return _rewrite(graph, layer, h, k, min(c or tokens, tokens), meta)
+    return _rewrite(graph, layer, h, k, min(c or tokens, tokens), meta, fused)
 
 
 def _fmt(n: fx.Node) -> str:
@@ -301,8 +325,8 @@ def _steps(chain: tuple[fx.Node, ...]) -> tuple[tuple[str, Any], ...]:
 
 
 def _rewrite(graph: LayerGraph, layer: Layer, h: _Head, k: int, chunk: int | None,
-             meta: dict[fx.Node, Any]) -> LayerGraph:
-    """The new LayerGraph: layers[:-1] + K shard layers + the loss layer."""
+             meta: dict[fx.Node, Any], fused: bool = False) -> LayerGraph:
+    """The new LayerGraph: layers[:-1] + K shard layers + the loss layer (token shards if `fused`)."""
     gm, where, steps, logits = layer.module, f"last layer {layer.name!r}", _steps(h.chain), meta[h.logits]
     head_outs = dict(zip(next(n for n in gm.graph.nodes if n.op == "output").args[0], layer.outputs))
     e_in = list(dict.fromkeys(a for e in h.epilogue for a in e.all_input_nodes if a not in h.epilogue))
@@ -336,9 +360,10 @@ def _rewrite(graph: LayerGraph, layer: Layer, h: _Head, k: int, chunk: int | Non
 
     for n in exports:
         value(names[n], meta[n], bool(meta[n].requires_grad))
-    tok = torch.empty(logits.shape[0], device="meta")
-    stats = [tuple(value(fresh(f"{w}{i}"), tok, w != "max" and logits.requires_grad)
-                   for w in ("max", "sumexp", "tlogit")) for i in range(k)]
+    tok = torch.empty(() if fused else logits.shape[0], device="meta")
+    kinds = ("nll",) if fused else ("max", "sumexp", "tlogit")
+    stats = [tuple(value(fresh(f"{w}{i}"), tok, w != "max" and logits.requires_grad) for w in kinds)
+             for i in range(k)]
     xs = [names.get(h.x)] + [value(fresh(f"x{i}"), meta[h.x], bool(meta[h.x].requires_grad)) for i in range(k - 1)]
     canon = {n: graph.tied.get(n, n) for n in (h.weight, h.bias) if n}
     layers, bounds = list(graph.layers[:-1]), [h.vocab * i // k for i in range(k + 1)]
@@ -361,20 +386,28 @@ def _rewrite(graph: LayerGraph, layer: Layer, h: _Head, k: int, chunk: int | Non
             x, tgt, prev = env[h.x], env[h.target], ()
         else:
             x, tgt, prev = ph(xs[i]), ph(names[h.target]), tuple(ph(s) for s in stats[i - 1])
-        w = g.call_function(vocab_slice, (g.get_attr(h.weight), h.dim, lo, hi))
-        b = g.call_function(vocab_slice, (g.get_attr(h.bias), 0, lo, hi)) if h.bias else None
-        st = g.call_function(chunked_lse, (x, w, b, tgt, lo, chunk, steps, h.dim, *prev))
         outs = ([env[n] for n in exports] if i == 0 else []) + [g.call_method("view_as", (x, x))] * (i + 1 < k)
-        g.output(tuple(outs + [g.call_function(operator.getitem, (st, j)) for j in range(3)]))
+        if fused:  # a token shard over the whole vocabulary (fused.py)
+            b = g.get_attr(h.bias) if h.bias else None
+            st = g.call_function(fused_ce, (x, g.get_attr(h.weight), b, tgt, prev[0] if prev else None, (i, k),
+                                            chunk, steps, h.dim, h.ignore_index))
+            g.output(tuple(outs + [st]))
+            slices: tuple = ()
+        else:
+            w = g.call_function(vocab_slice, (g.get_attr(h.weight), h.dim, lo, hi))
+            b = g.call_function(vocab_slice, (g.get_attr(h.bias), 0, lo, hi)) if h.bias else None
+            st = g.call_function(chunked_lse, (x, w, b, tgt, lo, chunk, steps, h.dim, *prev))
+            g.output(tuple(outs + [g.call_function(operator.getitem, (st, j)) for j in range(3)]))
+            slices = tuple((canon[n], d, lo, hi) for n, d in ((h.weight, h.dim), (h.bias, 0)) if n)
         onames = ([names[n] for n in exports] if i == 0 else []) + xs[i + 1:i + 2] + list(stats[i])
-        slices = tuple((canon[n], d, lo, hi) for n, d in ((h.weight, h.dim), (h.bias, 0)) if n)
         layers.append(_layer(gm, g, len(layers), f"{layer.name}.shard{i}", ins, onames, slices))
     g, env, ins = fx.Graph(), {}, [*stats[-1], names[h.target]]
-    m, s, t, tgt = (g.placeholder(_ident(n)) for n in ins)
+    *st_in, tgt = (g.placeholder(_ident(n)) for n in ins)
     for a in (a for a in e_in if a is not h.ce):
         ins += [] if a.op == "get_attr" else [names[a]]
         env[a] = g.node_copy(a) if a.op == "get_attr" else g.placeholder(_ident(names[a]))
-    env[h.ce] = g.call_function(lse_loss, (m, s, t, tgt, h.ignore_index, h.reduction, meta[h.ce].dtype))
+    loss = fused_loss if fused else lse_loss
+    env[h.ce] = g.call_function(loss, (*st_in, tgt, h.ignore_index, h.reduction, meta[h.ce].dtype))
     for n in h.epilogue:
         env[n] = g.node_copy(n, env.__getitem__)
     last = [n for n in head_outs if n is h.ce or n in h.epilogue]

@@ -77,7 +77,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _add(b, "--microbatches", type=int, help="microbatches per step (default 2 x gpus)")
     _add(b, "--staleness", type=int, choices=(0, 1),
          help="1: RoundPipe, the CPU optimizer one step behind (default); 0: synchronous")
-    _add(b, "--dtype", choices=sorted(DTYPES), help="training dtype (default auto: bf16 on CUDA, fp32 on the CPU)")
+    _add(b, "--dtype", choices=sorted(DTYPES), help="training dtype (default auto: bf16 on CUDA, fp32 on the CPU; "
+         "fp16 trains with dynamic loss scaling)")
+    _add(b, "--fp16-accumulation", action="store_true",
+         help="with --dtype fp16: GEMMs accumulate in fp16 on CUDA (the RoundPipe recipe, 2x the fp32-accumulate "
+         "rate on GeForce cards) and the plan is priced so; no effect on host workers")
     _add(b, "--memory-gib", type=float,
          help="device memory per worker for the planner (default: 90%% of the smallest CUDA device)")
     _add(b, "--lm-head-shards", type=_shards, help="vocabulary shards of the LM head (default auto)")

@@ -19,7 +19,8 @@ __all__ = ["FinetuneConfig", "FinetuneResult", "check_config", "DTYPES", "REPORT
 
 REPORT_TO = ("tensorboard",)  # --report-to choices (metrics.jsonl is always written)
 DTYPES = {"auto": None, "fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-          "bfloat16": torch.bfloat16}  # --dtype names; auto: bf16 on CUDA, fp32 on the CPU
+          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}  # --dtype names; auto: bf16
+# on CUDA, fp32 on the CPU; fp16 trains with dynamic loss scaling (rpcompile.DynamicLossScale)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +45,9 @@ class FinetuneConfig:
     weight_decay: float = 0.0  # AdamW decoupled weight decay
     max_grad_norm: float | None = 1.0  # clip gradients by their global L2 norm; None = off
     staleness: int = 1  # 1: RoundPipe (the CPU optimizer one step behind), 0: synchronous
-    dtype: str = "auto"  # training dtype (DTYPES): auto = bf16 on CUDA, fp32 on the CPU
+    dtype: str = "auto"  # training dtype (DTYPES): auto = bf16 on CUDA, fp32 on the CPU; fp16 with dynamic loss scaling
+    fp16_accumulation: bool = False  # fp16 GEMMs accumulate in fp16 on CUDA (needs dtype fp16; no effect on host
+    # workers); the plan is priced at that rate
     lora: int = 0  # LoRA rank r (peft); 0 = full fine-tuning
     lora_alpha: float | None = None  # LoRA scale numerator (scale = alpha / r); None = 2 * r
     lora_targets: tuple[str, ...] | None = None  # modules to adapt, e.g. ("q_proj", "v_proj") or
@@ -115,8 +118,12 @@ def check_config(cfg: FinetuneConfig) -> None:
     if cfg.staleness not in (0, 1) or isinstance(cfg.staleness, bool):
         raise ValueError(f"--staleness must be 0 or 1, got {cfg.staleness!r}")
     if cfg.dtype not in DTYPES:
-        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r} (fp16 needs loss scaling: "
-                         f"use bf16)")
+        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
+    if not isinstance(cfg.fp16_accumulation, bool):
+        raise ValueError(f"--fp16-accumulation is a switch (true/false), got {cfg.fp16_accumulation!r}")
+    if cfg.fp16_accumulation and DTYPES[cfg.dtype] is not torch.float16:
+        raise ValueError(f"--fp16-accumulation needs --dtype fp16 (it changes fp16 GEMMs only), got --dtype "
+                         f"{cfg.dtype}")
     if cfg.train_on not in (None, *TRAIN_ON):
         raise ValueError(f"--train-on must be one of {TRAIN_ON}, got {cfg.train_on!r}")
     if cfg.packing not in PACKINGS:

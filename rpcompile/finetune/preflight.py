@@ -30,7 +30,7 @@ from rpcompile.finetune.hf import add_lora, trainable_module
 from rpcompile.finetune.packed_attention import use_packed_attention
 from rpcompile.hostmem import HostBytes, check_host_memory
 from rpcompile.ir import hardware as _hardware
-from rpcompile.ir.hardware import Hardware
+from rpcompile.ir.hardware import Hardware, rate_key
 from rpcompile.passes.cost.seqlen import max_seq_len
 from rpcompile.runtime import simulate
 
@@ -50,6 +50,8 @@ class Preflight:
     host_limit: int  # this machine's RAM
     seq_limit: Any  # rpcompile.SeqLenLimit: the longest sequence that fits and what binds it (None: see why)
     seq_limit_why: str | None  # why the longest sequence could not be found
+    iteration: float | None = None  # simulated seconds of one iteration on `hardware` (predicted costs)
+    gemm_rate: str = ""  # the rate key its training-dtype GEMMs were priced at ("float16/float16": fp16 accumulation)
 
     def lines(self) -> list[str]:
         """The findings, a line each."""
@@ -59,7 +61,9 @@ class Preflight:
         return [f"plan (predicted for {self.hardware.name}, {len(self.peaks)} workers) {self.plan.to_str()}",
                 f"device peak per worker{cap}: {peaks}",
                 f"host memory: {self.host} of {_size(self.host_limit)} RAM",
-                f"max_seq_len: {seq}"]
+                f"max_seq_len: {seq}",
+                f"predicted iteration: {self.iteration:.3g} s, GEMMs priced at {self.gemm_rate} "
+                f"({self.hardware.flops(self.gemm_rate) / 1e12:g} TFLOP/s peak)"]
 
 
 def local_hardware(gpus: int, budget: int | None) -> Hardware:
@@ -102,13 +106,14 @@ def meta_model(config: Any, *, dtype: torch.dtype, lora: dict | None, packed: bo
 
 def preflight(config: Any, example: Any, *, gpus: int, microbatches: int, microbatch_size: int, staleness: int,
               dtype: torch.dtype, optimizer: Any, budget: int | None, lora: dict | None, packed: bool,
-              lm_head_shards: int | str = "auto") -> Preflight:
+              lm_head_shards: int | str = "auto", fp16_accumulation: bool = False) -> Preflight:
     """Plan and size the run on the meta device; raise ValueError if it cannot fit (see the module docstring).
 
     Args:
         config: the model's transformers config.
         example: one step's batch of this process (its shapes are planned; the tokens are not read).
-        gpus, microbatches, staleness, dtype, optimizer, lm_head_shards: as for `rpcompile.compile`.
+        gpus, microbatches, staleness, dtype, optimizer, lm_head_shards, fp16_accumulation: as for
+            `rpcompile.compile` (fp16 accumulation prices the GEMMs at the hardware's fp16-accumulate rate).
         microbatch_size: sequences per microbatch (for max_seq_len).
         budget: device bytes per worker (None: unbounded host workers, or 90% of the CUDA device).
         lora, packed: as for `meta_model`.
@@ -122,16 +127,18 @@ def preflight(config: Any, example: Any, *, gpus: int, microbatches: int, microb
     check_host_memory(module, microbatches=microbatches, **state)  # the parameters' state alone, before planning
     opts = Options(gpus=gpus, microbatches=microbatches, staleness=staleness, optimizer=optimizer, dtype=dtype,
                    loss_fn=None, layers=None, lm_head_shards=lm_head_shards, hardware=hw, memory_budget=budget,
-                   backend="host", seed=0)
+                   backend="host", seed=0, fp16_accumulation=fp16_accumulation)
     graph, costs, plan, program, m = plan_pipeline(module, example, opts, mode="predict")
     host = check_host_memory(graph, costs, plan, microbatches=m, gpus=gpus, round_size=program.round_size, **state)
-    peaks = tuple(int(p) for p in simulate(program, costs, hw).peak_memory)
+    timeline = simulate(program, costs, hw)
+    peaks = tuple(int(p) for p in timeline.peak_memory)
+    rate = rate_key(dtype, torch.float16 if fp16_accumulation else None)
     try:
         limit, why = max_seq_len(graph, hw, gpus=gpus, microbatch_size=microbatch_size, microbatches=m,
                                  memory_budget=budget, host_memory=hw.host_memory), None
     except Exception as exc:  # noqa: BLE001 - reported: the plan and the checks above still stand
         limit, why = None, f"{type(exc).__name__}: {exc}"
-    return Preflight(hw, plan, program, peaks, budget, host, hw.host_memory, limit, why)
+    return Preflight(hw, plan, program, peaks, budget, host, hw.host_memory, limit, why, timeline.iteration_time, rate)
 
 
 def _size(n: int) -> str:

@@ -55,7 +55,7 @@ from rpcompile.finetune.hf import add_lora, check_model, export, load_model, loa
 from rpcompile.finetune.metrics import MetricsLog, check_report_to
 from rpcompile.finetune.packed_attention import use_packed_attention
 from rpcompile.finetune.preflight import preflight
-from rpcompile.ir.optim import AdamW
+from rpcompile.ir.optim import AdamW, DynamicLossScale
 
 __all__ = ["FinetuneConfig", "FinetuneResult", "finetune", "CHECKPOINT", "RUN_FILE", "DTYPES", "StepOutOfMemory"]
 
@@ -118,7 +118,8 @@ def finetune(cfg: FinetuneConfig, *, on_step: Callable[[int, float], None] | Non
     example = ranks.share(train.batch(0, size, cfg.seed))
     pre = preflight(config, example, gpus=gpus, microbatches=micro, microbatch_size=cfg.micro_batch_size,
                     staleness=cfg.staleness, dtype=dtype, optimizer=optimizer, budget=_budget(cfg, cuda), lora=lora,
-                    packed=cfg.packing != "none", lm_head_shards=cfg.lm_head_shards)  # refuses what cannot fit
+                    packed=cfg.packing != "none", lm_head_shards=cfg.lm_head_shards,
+                    fp16_accumulation=cfg.fp16_accumulation)  # refuses what cannot fit
     if cfg.dry_run:
         print("\n".join(pre.lines()))
         print(f"dry run: {plan.total} steps of {size} sequences; nothing loaded or written")
@@ -185,7 +186,8 @@ def _start(cfg: FinetuneConfig, module: Any, run: dict, example: Any, ranks: Ran
         write_text_atomic(os.path.join(cfg.out, RUN_FILE), json.dumps(run, indent=1))
     return compile(module, gpus=gpus, example=example, microbatches=micro, staleness=cfg.staleness, dtype=dtype,
                    seed=cfg.seed, optimizer=optimizer, memory_budget=budget, lm_head_shards=cfg.lm_head_shards,
-                   loss_mean="tokens", dist=dist)
+                   loss_mean="tokens", dist=dist, fp16_accumulation=cfg.fp16_accumulation,
+                   loss_scale=DynamicLossScale() if dtype == torch.float16 else None)  # fp16: gradients underflow
 
 
 def _datasets(cfg: FinetuneConfig, tokenizer: Any, ranks: Ranks) -> tuple[Any, Any]:

@@ -4,11 +4,19 @@ Presets come from public spec sheets; `Hardware.measure()` times this machine.
 Nothing here touches a device at import time.
 
     >>> hw = Hardware.preset("rtx4090")
-    >>> hw.device_memory // 10**9, hw.flops("bf16") / 1e12
-    (24, 330.0)
+    >>> hw.device_memory // 10**9, hw.flops("bf16") / 1e12, hw.flops("fp16", accumulate="fp16") / 1e12
+    (24, 165.2, 330.3)
+
+Rates are per (input dtype, accumulation dtype). A `peak_flops` key is a dtype
+key ("bfloat16") for the default accumulation (fp32 for fp16 / bf16 inputs,
+what training uses), or "<dtype>/<accumulate>" ("float16/float16": fp16
+inputs with fp16 accumulation, `torch.backends.cuda.matmul.allow_fp16_accumulation`).
+GeForce cards run fp32 accumulation at half their fp16-accumulate tensor rate;
+data-center cards run both at one rate.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -16,11 +24,11 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping
+from typing import Iterator, Mapping
 
 import torch
 
-__all__ = ["Hardware", "dtype_key", "blas_workspace_bytes"]
+__all__ = ["Hardware", "dtype_key", "rate_key", "fp16_gemms", "blas_workspace_bytes"]
 
 _ALIASES = MappingProxyType({
     "fp32": "float32", "float": "float32", "tf32": "tf32", "bf16": "bfloat16", "fp16": "float16",
@@ -32,6 +40,41 @@ def dtype_key(dtype: torch.dtype | str) -> str:
     """The `peak_flops` key of a dtype: torch.bfloat16, "bf16", "bfloat16" -> "bfloat16"."""
     name = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else str(dtype).lower()
     return _ALIASES.get(name, name)
+
+
+def rate_key(dtype: torch.dtype | str, accumulate: torch.dtype | str | None = None) -> str:
+    """The `peak_flops` key of (input dtype, accumulation dtype); the default accumulation is the bare dtype key.
+
+    >>> rate_key(torch.float16), rate_key("fp16", "fp16"), rate_key("bf16", "fp32"), rate_key("float16/float16")
+    ('float16', 'float16/float16', 'bfloat16', 'float16/float16')
+    """
+    if accumulate is None and isinstance(dtype, str) and "/" in dtype:
+        dtype, accumulate = dtype.split("/", 1)
+    key = dtype_key(dtype)
+    acc = None if accumulate is None else dtype_key(accumulate)
+    return key if acc is None or acc == "float32" or acc == key and key in ("float32", "float64") else f"{key}/{acc}"
+
+
+@contextlib.contextmanager
+def fp16_gemms(enabled: bool = True) -> Iterator[None]:
+    """Within the block (if `enabled`), CUDA GEMMs in fp16 accumulate in fp16; the previous setting comes back.
+
+    `torch.backends.cuda.matmul.allow_fp16_accumulation` is process-wide: use it from one thread
+    (measuring); the runtime's workers share one counted scope (`runtime.streams.cuda.Fp16Accumulation`).
+
+    >>> with fp16_gemms(False):
+    ...     pass
+    """
+    if not enabled:
+        yield
+        return
+    flags = torch.backends.cuda.matmul
+    before = flags.allow_fp16_accumulation
+    flags.allow_fp16_accumulation = True
+    try:
+        yield
+    finally:
+        flags.allow_fp16_accumulation = before
 
 
 def blas_workspace_bytes(capability: tuple[int, int], env: Mapping[str, str] | None = None) -> int:
@@ -70,12 +113,12 @@ def blas_workspace_bytes(capability: tuple[int, int], env: Mapping[str, str] | N
 class Hardware:
     """One server: N identical accelerators attached to a host that keeps the model state.
 
-    Bandwidths are bytes/s, memories bytes, times seconds. `peak_flops` maps a dtype
-    key ("float32", "bfloat16", "float16", ...; see `dtype_key`) to dense FLOP/s.
+    Bandwidths are bytes/s, memories bytes, times seconds. `peak_flops` maps a rate
+    key ("float32", "bfloat16", "float16", "float16/float16", ...; see `rate_key`) to dense FLOP/s.
     """
 
     name: str  # preset name or "measured-<device>"
-    peak_flops: dict[str, float] = field(hash=False)  # dtype key -> peak dense FLOP/s of one device
+    peak_flops: dict[str, float] = field(hash=False)  # rate key (dtype[/accumulate]) -> peak dense FLOP/s of one device
     efficiency: float  # fraction of peak_flops a real kernel achieves (roofline compute ceiling)
     device_memory: int  # bytes of memory per device (GPU, or one host worker's share)
     mem_bandwidth: float  # device memory bandwidth, bytes/s (roofline memory ceiling)
@@ -94,9 +137,14 @@ class Hardware:
     # cuBLAS + cuBLASLt workspace torch allocates per worker compute stream (`blas_workspace_bytes`), outside
     # the plan's buffers; `stage_budget` takes it off each worker's budget. 0: none (host workers)
     blas_workspace: int = 0
+    # what runs the kernels: "cuda" (GPU workers: the fused LM head's elementwise work is one compiled kernel)
+    # or "cpu" (host workers: every op runs eagerly); the cost model prices what runs
+    kind: str = "cuda"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "peak_flops", {dtype_key(k): float(v) for k, v in dict(self.peak_flops).items()})
+        object.__setattr__(self, "peak_flops", {rate_key(k): float(v) for k, v in dict(self.peak_flops).items()})
+        if self.kind not in ("cuda", "cpu"):
+            raise ValueError(f"Hardware.kind must be 'cuda' or 'cpu', got {self.kind!r}")
         if not self.peak_flops:
             raise ValueError("Hardware.peak_flops needs at least one dtype")
         for f in ("efficiency", "device_memory", "mem_bandwidth", "h2d_bandwidth", "d2h_bandwidth",
@@ -111,21 +159,29 @@ class Hardware:
             raise ValueError(f"Hardware.nodes must be >= 1 and net_bandwidth > 0, got {self.nodes}, "
                              f"{self.net_bandwidth!r}")
 
-    def flops(self, dtype: torch.dtype | str) -> float:
-        """Peak dense FLOP/s for `dtype`; a dtype without an entry uses float32's (or the slowest).
+    def flops(self, dtype: torch.dtype | str, accumulate: torch.dtype | str | None = None) -> float:
+        """Peak dense FLOP/s for `dtype` inputs accumulating in `accumulate` (None: the default, fp32).
+
+        A rate key without an entry falls back to its dtype's default-accumulation rate, and a dtype
+        without an entry to float32's (or the slowest).
 
         >>> Hardware.preset("h100").flops(torch.bfloat16) / 1e12
         989.5
+        >>> hw = Hardware.preset("rtx4090"); hw.flops("fp16", "fp16") / 1e12, hw.flops("fp16") / 1e12
+        (330.3, 165.2)
         """
-        key = dtype_key(dtype)
-        if key in self.peak_flops:
-            return self.peak_flops[key]
+        key = rate_key(dtype, accumulate)
+        for k in (key, key.split("/")[0]):
+            if k in self.peak_flops:
+                return self.peak_flops[k]
         return self.peak_flops.get("float32", min(self.peak_flops.values()))
 
     def roofline(self, flops: float, nbytes: float, dtype: torch.dtype | str = "float32") -> float:
         """Seconds for one op: max(compute time at efficiency x peak, memory time), no launch cost.
 
-        >>> Hardware.preset("rtx4090").roofline(330e12 * 0.6, 0, "bf16")
+        `dtype` is a rate key (`rate_key`): "float16/float16" prices fp16 accumulation.
+
+        >>> Hardware.preset("rtx4090").roofline(165.2e12 * 0.6, 0, "bf16")
         1.0
         """
         return max(flops / (self.flops(dtype) * self.efficiency), nbytes / self.mem_bandwidth)
@@ -198,6 +254,8 @@ class Hardware:
         per = budget_s / 8
         dtypes = [torch.float32, torch.bfloat16] + ([torch.float16] if dev.type == "cuda" else [])
         peak = {dtype_key(dt): _matmul_rate(dev, dt, per) for dt in dtypes}
+        if dev.type == "cuda" and hasattr(torch.backends.cuda.matmul, "allow_fp16_accumulation"):
+            peak["float16/float16"] = _matmul_rate(dev, torch.float16, per, fp16_accumulation=True)
         peak = {k: v for k, v in peak.items() if v > 0}
         mem_bw = _elementwise_bandwidth(dev, per)
         if dev.type == "cuda":
@@ -217,7 +275,7 @@ class Hardware:
                    device_memory=dev_mem or max(host // max(count, 1) // 2, 1), mem_bandwidth=mem_bw,
                    h2d_bandwidth=h2d, d2h_bandwidth=d2h, host_memory=host, gpus=count,
                    optimizer_bytes_per_s=opt, link_latency=10e-6 if dev.type == "cuda" else 2e-6,
-                   op_latency=op_lat, blas_workspace=blas,
+                   op_latency=op_lat, blas_workspace=blas, kind="cuda" if dev.type == "cuda" else "cpu",
                    notes=f"measured with torch {torch.__version__} in ~{budget_s:.0f} s")
 
 
@@ -243,8 +301,11 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def _matmul_rate(dev: torch.device, dtype: torch.dtype, budget: float) -> float:
-    """Best matmul FLOP/s over a few square sizes (0 if the dtype is unusably slow)."""
+def _matmul_rate(dev: torch.device, dtype: torch.dtype, budget: float, fp16_accumulation: bool = False) -> float:
+    """Best matmul FLOP/s over a few square sizes (0 if the dtype is unusably slow); optionally fp16 accumulation."""
+    if fp16_accumulation:
+        with fp16_gemms():
+            return _matmul_rate(dev, dtype, budget)
     best = 0.0
     sizes = (1024, 4096, 8192) if dev.type == "cuda" else (512, 1024)
     for n in sizes:
@@ -312,35 +373,57 @@ def _host_memory() -> int:
 
 _GB = 10 ** 9
 _BLAS_DEFAULT = blas_workspace_bytes((8, 0), env={})  # torch's default workspaces off Hopper (9.1 MiB)
-# Public spec-sheet numbers. Dense (no sparsity) tensor-core peaks. Host side: a typical 8-GPU
-# server (host memory and the CPU AdamW rate are our assumptions, not vendor figures).
+# Public spec-sheet numbers. Dense (no sparsity) tensor-core peaks, per (input dtype, accumulation): a bare
+# dtype key is fp32 accumulation (what training uses by default), "float16/float16" fp16 accumulation. Host
+# side: a typical 8-GPU server (host memory and the CPU AdamW rate are our assumptions, not vendor figures).
 _PRESETS = MappingProxyType({
     "rtx4090": dict(
         name="rtx4090", efficiency=0.6, device_memory=24 * _GB, mem_bandwidth=1008 * _GB,
-        # 330 TFLOP/s is the dense fp16/bf16 tensor rate with fp16 accumulate (the issue's figure);
-        # GeForce parts run fp32-accumulate (what training uses) at half that, 165 TFLOP/s.
-        peak_flops={"bfloat16": 330e12, "float16": 330e12, "tf32": 82.6e12, "float32": 82.6e12},
+        # NVIDIA Ada GPU Architecture whitepaper (v2.1), Appendix A, Table 2 (GeForce RTX 4090), dense / sparse:
+        #   "Peak FP16 Tensor TFLOPS with FP16 Accumulate   330.3 / 660.6"
+        #   "Peak FP16 Tensor TFLOPS with FP32 Accumulate   165.2 / 330.4"
+        #   "Peak BF16 Tensor TFLOPS with FP32 Accumulate   165.2 / 330.4"
+        #   "Peak TF32 Tensor TFLOPS                         82.6 / 165.2"
+        #   "Peak FP32 TFLOPS (non-Tensor)                   82.6"
+        peak_flops={"bfloat16": 165.2e12, "float16": 165.2e12, "float16/float16": 330.3e12, "tf32": 82.6e12,
+                    "float32": 82.6e12},
         h2d_bandwidth=32 * _GB, d2h_bandwidth=32 * _GB,  # PCIe 4.0 x16, per direction
         host_memory=512 * 2 ** 30, gpus=8, optimizer_bytes_per_s=20 * _GB,
         blas_workspace=_BLAS_DEFAULT,  # sm89
-        notes="NVIDIA Ada GPU architecture whitepaper (RTX 4090); PCIe 4.0 x16"),
+        notes="NVIDIA Ada GPU architecture whitepaper (RTX 4090, dense, per accumulation); PCIe 4.0 x16"),
     "rtx5090": dict(
         name="rtx5090", efficiency=0.6, device_memory=32 * _GB, mem_bandwidth=1792 * _GB,
-        peak_flops={"bfloat16": 419e12, "float16": 419e12, "tf32": 104.8e12, "float32": 104.8e12},
+        # NVIDIA RTX Blackwell GPU Architecture whitepaper, Appendix A, Table 1 (GeForce RTX 5090), dense / sparse:
+        #   "Peak FP16 Tensor TFLOPS with FP16 Accumulate   419 / 838"
+        #   "Peak FP16 Tensor TFLOPS with FP32 Accumulate   209.5 / 419"
+        #   "Peak BF16 Tensor TFLOPS with FP32 Accumulate   209.5 / 419"
+        #   "Peak TF32 Tensor TFLOPS                        104.8 / 209.5"
+        #   "Peak FP32 TFLOPS (non-Tensor)                  104.8"
+        peak_flops={"bfloat16": 209.5e12, "float16": 209.5e12, "float16/float16": 419e12, "tf32": 104.8e12,
+                    "float32": 104.8e12},
         h2d_bandwidth=64 * _GB, d2h_bandwidth=64 * _GB,  # PCIe 5.0 x16, per direction
         host_memory=512 * 2 ** 30, gpus=8, optimizer_bytes_per_s=20 * _GB,
         blas_workspace=_BLAS_DEFAULT,  # sm120
-        notes="NVIDIA Blackwell GeForce whitepaper (RTX 5090, fp16-accumulate dense); PCIe 5.0 x16"),
+        notes="NVIDIA RTX Blackwell GPU architecture whitepaper (RTX 5090, dense, per accumulation); PCIe 5.0 x16"),
     "a800": dict(
         name="a800", efficiency=0.7, device_memory=80 * _GB, mem_bandwidth=2039 * _GB,
-        peak_flops={"bfloat16": 312e12, "float16": 312e12, "tf32": 156e12, "float32": 19.5e12},
+        # NVIDIA A100 Tensor Core GPU datasheet (A800 80GB has A100 80GB compute), dense: "BFLOAT16 Tensor Core
+        # 312 TFLOPS", "FP16 Tensor Core 312 TFLOPS", "TF32 Tensor Core 156 TFLOPS", "FP32 19.5 TFLOPS". The
+        # data-center tensor cores accumulate fp16 in fp32 at full rate (NVIDIA A100 architecture whitepaper,
+        # Table 1: FP16/FP32-accumulate = FP16/FP16-accumulate = 312), so fp16 accumulation buys nothing here.
+        peak_flops={"bfloat16": 312e12, "float16": 312e12, "float16/float16": 312e12, "tf32": 156e12,
+                    "float32": 19.5e12},
         h2d_bandwidth=32 * _GB, d2h_bandwidth=32 * _GB,  # PCIe 4.0 x16
         host_memory=1024 * 2 ** 30, gpus=8, optimizer_bytes_per_s=30 * _GB,
         blas_workspace=_BLAS_DEFAULT,  # sm80
         notes="A800 80GB = A100 80GB compute (NVIDIA A100 datasheet); PCIe 4.0 x16"),
     "h100": dict(
         name="h100", efficiency=0.7, device_memory=80 * _GB, mem_bandwidth=3350 * _GB,
-        peak_flops={"bfloat16": 989.5e12, "float16": 989.5e12, "tf32": 494.7e12, "float32": 66.9e12},
+        # NVIDIA H100 Tensor Core GPU datasheet (SXM5), dense = half the with-sparsity figures: "BFLOAT16 Tensor
+        # Core 1,979 TFLOPS*", "FP16 Tensor Core 1,979 TFLOPS*", "TF32 Tensor Core 989 TFLOPS*", "FP32 67 TFLOPS"
+        # (* with sparsity); one fp16 rate for either accumulation (NVIDIA H100 architecture whitepaper, Table 2).
+        peak_flops={"bfloat16": 989.5e12, "float16": 989.5e12, "float16/float16": 989.5e12, "tf32": 494.7e12,
+                    "float32": 66.9e12},
         h2d_bandwidth=64 * _GB, d2h_bandwidth=64 * _GB,  # PCIe 5.0 x16
         host_memory=2048 * 2 ** 30, gpus=8, optimizer_bytes_per_s=40 * _GB,
         blas_workspace=blas_workspace_bytes((9, 0), env={}),  # sm90: a 32 MiB cuBLAS workspace
@@ -350,5 +433,6 @@ _PRESETS = MappingProxyType({
         peak_flops={"float32": 200e9, "bfloat16": 200e9, "float16": 5e9},
         h2d_bandwidth=10 * _GB, d2h_bandwidth=10 * _GB,  # memcpy between host workers
         host_memory=64 * 2 ** 30, gpus=2, optimizer_bytes_per_s=4 * _GB, link_latency=2e-6, op_latency=10e-6,
+        kind="cpu",
         notes="rough host-worker defaults (a few modern cores); use Hardware.measure() for real numbers"),
 })

@@ -52,7 +52,9 @@ class PlanResult:
 
 def plan_model(model: str, *, gpus: int = 8, hardware: str | Hardware = "rtx4090", seq: int = 2048,
                microbatches: int = 16, staleness: int = 1, frozen_base: bool = False,
-               host_memory: int | None = None, microbatch_size: int = 1) -> PlanResult:
+               host_memory: int | None = None, microbatch_size: int = 1, dtype: torch.dtype = torch.bfloat16,
+               fp16_accumulation: bool = False, fused_head: bool = False,
+               lm_head_shards: int | str = "auto", seq_limit: bool = True) -> PlanResult:
     """Build `model` on meta, predict its costs on `hardware`, plan, simulate, compare.
 
     Args:
@@ -62,6 +64,11 @@ def plan_model(model: str, *, gpus: int = 8, hardware: str | Hardware = "rtx4090
         frozen_base: plan a LoRA-style run: every matrix is frozen, only the 1-D weights (norms)
             train. LoRA adapters are small enough that their bytes and FLOPs are left out.
         host_memory: host bytes of the target machine, overriding the hardware preset's.
+        dtype, fp16_accumulation, fused_head: the recipe, as for `rpcompile.compile` (default bf16, the
+            fp32-accumulate rate, the vocabulary-sharded head); the RoundPipe reference's is
+            `dtype=torch.float16, fp16_accumulation=True, fused_head=True`.
+        lm_head_shards: the LM head's shards, as for `rpcompile.compile` (default "auto").
+        seq_limit: also find `max_seq` (the slow part); False leaves it None.
     Returns:
         A PlanResult; `.table()` compares our schedule with GPipe, 1F1B, interleaved and looped-BFS
         (a baseline that cannot be built for this run says why in its row); `.max_seq` is
@@ -80,16 +87,17 @@ def plan_model(model: str, *, gpus: int = 8, hardware: str | Hardware = "rtx4090
     hw = Hardware.preset(hardware) if isinstance(hardware, str) else hardware
     if host_memory is not None:
         hw = hw.replace(host_memory=host_memory)
-    net = build_meta(model)
+    net = build_meta(model, dtype=dtype)
     if frozen_base:
         for p in net.parameters():
             p.requires_grad_(p.dim() == 1)
-    state = dict(staleness=staleness, optimizer=AdamW(), dtype=torch.bfloat16, hardware=hw, limit=host_memory)
+    state = dict(staleness=staleness, optimizer=AdamW(), dtype=dtype, hardware=hw, limit=host_memory)
     check_host_memory(net, microbatches=microbatches, **state)  # the parameters' state alone, before planning
     example = example_batch(net.config.vocab_size, microbatches * microbatch_size, seq)
     opts = Options(gpus=gpus, microbatches=microbatches, staleness=staleness,
-                   optimizer=None, dtype=torch.bfloat16, loss_fn=None, layers=None,
-                   lm_head_shards="auto", hardware=hw, memory_budget=None, backend="host", seed=0)
+                   optimizer=None, dtype=dtype, loss_fn=None, layers=None,
+                   lm_head_shards=lm_head_shards, hardware=hw, memory_budget=None, backend="host", seed=0,
+                   fp16_accumulation=fp16_accumulation, fused_head=fused_head)
     graph, costs, plan, program, m = plan_pipeline(net, example, opts, mode="predict")
     host = check_host_memory(graph, costs, plan, microbatches=m, gpus=gpus, round_size=program.round_size, **state)
     tokens = microbatches * microbatch_size * seq
@@ -102,7 +110,7 @@ def plan_model(model: str, *, gpus: int = 8, hardware: str | Hardware = "rtx4090
                  _fits(ours, hw)))
     rows += _baseline_rows(costs, gpus, m, tokens, hw)
     longest, why = _seq_limit(model, hw, gpus=gpus, microbatch_size=microbatch_size, microbatches=m,
-                              frozen_base=frozen_base)
+                              frozen_base=frozen_base) if seq_limit else (None, "not asked for")
     n_params = sum(v.shape.numel() if hasattr(v.shape, "numel") else _numel(v.shape)
                    for v in graph.params.values())
     return PlanResult(model, n_params, plan, program, costs, tuple(rows), longest, why, tokens, host, hw.host_memory,

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rpcompile.runtime.host.pinned import pinned_zeros
+
 __all__ = ["Slot", "StageLayout", "host_blocks", "stage_layouts", "slot_capacities", "ALIGN", "aligned"]
 
 ALIGN = 16  # bytes: every view's offset in its flat buffer is a multiple of this
@@ -78,7 +80,7 @@ def host_blocks(tensors: Mapping[str, torch.Tensor], layer_of: Mapping[str, int]
     Args:
         tensors: name -> tensor (copied in; the blocks do not alias them).
         layer_of: name -> the layer group whose block holds it.
-        pin: allocate pinned memory.
+        pin: allocate pinned memory: True, or the `pinned.PinnedAllocator` to register it with (exact size).
     Returns:
         (blocks, where): (layer, dtype) -> flat block; name -> ((layer, dtype), element offset).
     """
@@ -88,7 +90,7 @@ def host_blocks(tensors: Mapping[str, torch.Tensor], layer_of: Mapping[str, int]
         key = (layer_of[n], t.dtype)
         where[n] = (key, aligned(sizes.get(key, 0), t.dtype))
         sizes[key] = where[n][1] + t.numel()
-    blocks = {k: torch.zeros(n, dtype=k[1], pin_memory=pin) for k, n in sizes.items()}  # gaps: zeros
+    blocks = {k: pinned_zeros(n, k[1], pin) for k, n in sizes.items()}  # gaps: zeros; pinned at exact size
     for n, t in tensors.items():
         key, off = where[n]
         blocks[key][off:off + t.numel()].copy_(t.detach().reshape(-1))

@@ -43,6 +43,7 @@ from torch import Tensor
 
 from rpcompile.ir.optim import SGD, AdamW, DynamicLossScale, make_torch_optimizer
 from rpcompile.runtime.host.layout import host_blocks, view
+from rpcompile.runtime.host.pinned import pinning
 from rpcompile.runtime.stage_exec import tracked_buffers
 from rpcompile.runtime.host.state_io import StateIO
 
@@ -77,7 +78,8 @@ class HostState(StateIO):
         dtype: training dtype of the compute copies; None keeps each parameter's dtype.
         tied: alias -> canonical name; aliases are accepted by `read`/`accumulate_grad`.
         loss_scale: None, a constant float, or a `DynamicLossScale` (fp16).
-        pin_memory: pin the compute-copy blocks (only if CUDA is available).
+        pin_memory: pin the compute-copy blocks at their exact size (only if CUDA is available), or a
+            `runtime.host.pinned.PinnedAllocator` to pin them with.
         timeout_s: how long `step` waits for the global statistics before raising.
         buffers: name -> tensor of the buffers the forward updates (BatchNorm running statistics);
             the runtime applies each microbatch's update to these host copies, in microbatch order.
@@ -115,7 +117,7 @@ class HostState(StateIO):
         self.tied = dict(tied or {})  # alias -> canonical
         self.owners = {n: tuple(sorted(set(owners.get(n, ())))) for n in params}  # canonical -> layers
         self.timeout_s = timeout_s
-        pin = pin_memory and torch.cuda.is_available()
+        pin = pinning(pin_memory)  # exact-size pinned blocks (runtime/host/pinned.py), with CUDA or a given allocator
         self.master: dict[str, Tensor] = {}  # trainable canonical -> fp32 master (its .grad is the buffer)
         self.grad: dict[str, Tensor] = {}  # trainable canonical -> fp32 buffer (valid if written this iteration)
         groups: list[list[str]] = [[] for _ in range(num_layers)]

@@ -8,6 +8,12 @@
   readers ran.
 - `CudaStream`: a `LaunchStream` over `CudaOps` (launch under the stream,
   record, device-side wait): the issuer never blocks on host work.
+- `Fp16Accumulation`: a run with `fp16_accumulation` launches its compute
+  streams' work with `torch.backends.cuda.matmul.allow_fp16_accumulation` on.
+  The flag is process-wide in torch (one global context, not per thread), so
+  it is on exactly while some compute launch of the runtime runs and the
+  caller's value comes back after the last one: outside a step's launches
+  the caller's setting is untouched.
 - Devices: every thread that touches CUDA sets its device (`thread_device`,
   the issuers, the backlog helpers and watchers at their start; `on_device`
   around event queries from any other thread), so none creates a context on
@@ -29,8 +35,8 @@ import torch
 from rpcompile.runtime.streams.launch import LaunchStream
 from rpcompile.runtime.streams.host import StreamContext
 
-__all__ = ["CudaEvent", "CudaOps", "CudaStream", "EventWatcher", "on_device", "set_thread_device",
-           "thread_device", "check_stream_pool", "STREAMS_PER_POOL"]
+__all__ = ["CudaEvent", "CudaOps", "CudaStream", "EventWatcher", "Fp16Accumulation", "on_device",
+           "set_thread_device", "thread_device", "check_stream_pool", "STREAMS_PER_POOL"]
 
 # torch.cuda.Stream() hands out streams round-robin from a fixed pool per (device, priority):
 # c10/cuda/CUDAStream.cpp, kStreamsPerPoolBits = 5 ("There are 32 of these streams per device", the
@@ -65,6 +71,48 @@ def on_device(device: Any) -> Iterator[None]:
         return
     with torch.cuda.device(device):
         yield
+
+
+class Fp16Accumulation:
+    """Launches of one runtime's compute streams run with fp16 GEMM accumulation; the caller's setting comes back.
+
+    torch keeps `torch.backends.cuda.matmul.allow_fp16_accumulation` in its global context (every
+    thread sees one value; checked on torch 2.13), and cuBLAS reads it when a GEMM is launched. So
+    `scope()` counts the launches in flight: the first saves the process's value and turns the flag
+    on, the last puts the saved value back. Host workers never enter it (their matmuls are the CPU's).
+
+    >>> acc = Fp16Accumulation()
+    >>> with acc.scope():
+    ...     torch.backends.cuda.matmul.allow_fp16_accumulation
+    True
+    >>> torch.backends.cuda.matmul.allow_fp16_accumulation
+    False
+    """
+
+    def __init__(self) -> None:
+        if not hasattr(torch.backends.cuda.matmul, "allow_fp16_accumulation"):
+            raise RuntimeError(f"fp16_accumulation needs torch.backends.cuda.matmul.allow_fp16_accumulation, "
+                               f"which torch {torch.__version__} does not have (torch >= 2.7)")
+        self._lock = threading.Lock()
+        self._active = 0  # launches in flight
+        self._saved = False  # the process's value before the first of them
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        """Run the block (one launch) with fp16 accumulation on."""
+        flags = torch.backends.cuda.matmul
+        with self._lock:
+            if self._active == 0:
+                self._saved = flags.allow_fp16_accumulation
+                flags.allow_fp16_accumulation = True
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._active -= 1
+                if self._active == 0:
+                    flags.allow_fp16_accumulation = self._saved
 
 
 def check_stream_pool(devices: list, low: int, high: int) -> None:
@@ -214,12 +262,14 @@ class CudaOps:
         priority: -1 (high: activation lanes) or 0.
         watcher: the worker's EventWatcher.
         worker, lane: for the delay hook.
+        accumulation: the runtime's `Fp16Accumulation` when its compute launches accumulate in fp16.
     """
 
     def __init__(self, name: str, ctx: StreamContext, device: Any, priority: int, watcher: EventWatcher,
-                 worker: int = -1, lane: str = "") -> None:
+                 worker: int = -1, lane: str = "", accumulation: Fp16Accumulation | None = None) -> None:
         self.name, self.ctx, self.device, self.watcher, self.worker, self.lane = name, ctx, device, watcher, worker, lane
         self.stream = torch.cuda.Stream(device=device, priority=priority)
+        self.scope = accumulation.scope if accumulation is not None else contextlib.nullcontext
 
     def launch(self, fn: Callable[[], Any], label: str, it: int | None) -> None:
         """Run `fn()` in this thread under the stream (its kernels and copies queue there), timed by events."""
@@ -230,7 +280,8 @@ class CudaOps:
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             start = torch.cuda.Event(enable_timing=True)
             start.record(self.stream)
-            fn()
+            with self.scope():
+                fn()
             end = torch.cuda.Event(enable_timing=True)
             end.record(self.stream)
         self.ctx.stats.busy_cuda(it, self.name, label, start, end)
@@ -269,16 +320,18 @@ class CudaStream(LaunchStream):
         priority: -1 (high: activation lanes) or 0.
         worker, lane: for the delay hook.
         watcher: the worker's EventWatcher (default: one of its own, stopped by `close`).
+        accumulation: see `CudaOps` (the compute lane of a run with fp16_accumulation).
     """
 
     kind = "cuda"
 
     def __init__(self, name: str, ctx: StreamContext, device: Any, priority: int = 0, worker: int = -1,
-                 lane: str = "", watcher: EventWatcher | None = None) -> None:
+                 lane: str = "", watcher: EventWatcher | None = None,
+                 accumulation: Fp16Accumulation | None = None) -> None:
         self.device = torch.device(device)
         self._own_watcher = watcher is None
         self.watcher = watcher or EventWatcher(name, ctx, self.device)
-        ops = CudaOps(name, ctx, self.device, priority, self.watcher, worker, lane)
+        ops = CudaOps(name, ctx, self.device, priority, self.watcher, worker, lane, accumulation)
         self.stream = ops.stream  # the torch.cuda.Stream (record_stream, tests)
         super().__init__(name, ctx, ops, worker=worker, lane=lane)
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from rpcompile.runtime.streams.cuda import CudaStream, EventWatcher, check_stream_pool
+from rpcompile.runtime.streams.cuda import CudaStream, EventWatcher, Fp16Accumulation, check_stream_pool
 from rpcompile.runtime.streams.launch import HostOps, LaunchStream
 from rpcompile.runtime.streams.pool import BufferPool
 from rpcompile.runtime.streams.host import HostStream, StreamContext
@@ -112,10 +112,11 @@ class Worker:
         poison: test mode: poison pool buffers when handed out.
         issue: host workers only: None (host streams), "cuda" (CUDA's issuing side over host streams)
             or "cuda-old" (the same, blocking the issuer on host work as the CUDA backend once did).
+        accumulation: CUDA only: the runtime's `Fp16Accumulation`, entered around every compute launch.
     """
 
     def __init__(self, index: int, ctx: StreamContext, device: Any = "cpu", poison: bool = False,
-                 issue: str | None = None) -> None:
+                 issue: str | None = None, accumulation: Fp16Accumulation | None = None) -> None:
         self.index = index
         self.device = torch.device(device)
         self.kind = "cuda" if self.device.type == "cuda" else "host"
@@ -126,7 +127,8 @@ class Worker:
             self.watcher = EventWatcher(f"w{index}", ctx, self.device)
             self.streams = {lane: CudaStream(f"w{index}/{lane}", ctx, self.device,
                                              priority=-1 if lane in HIGH_PRIORITY else 0, worker=index, lane=lane,
-                                             watcher=self.watcher)
+                                             watcher=self.watcher,
+                                             accumulation=accumulation if lane == "compute" else None)
                             for lane in LANES}
         elif issue is not None:
             self.streams = {lane: LaunchStream(f"w{index}/{lane}", ctx,
@@ -155,7 +157,7 @@ class Worker:
 
 
 def make_workers(gpus: int, ctx: StreamContext, backend: str = "auto", devices: list | None = None,
-                 poison: bool = False) -> list[Worker]:
+                 poison: bool = False, fp16_accumulation: bool = False) -> list[Worker]:
     """One Worker per worker.
 
     Args:
@@ -165,6 +167,8 @@ def make_workers(gpus: int, ctx: StreamContext, backend: str = "auto", devices: 
             "host-cuda" / "host-cuda-old": host workers issuing as the CUDA backend does / did.
         devices: for CUDA, the device of each worker (cycled); default all visible devices, cycled.
         poison: test mode (see `runtime/streams/pool.py`).
+        fp16_accumulation: CUDA workers launch their compute with fp16 GEMM accumulation (`Fp16Accumulation`);
+            no effect on host workers.
     Raises:
         ValueError: an unknown backend, or more CUDA workers per GPU than torch has distinct streams for.
     """
@@ -181,4 +185,5 @@ def make_workers(gpus: int, ctx: StreamContext, backend: str = "auto", devices: 
     mine = [devs[i % len(devs)] for i in range(gpus)]
     high = sum(1 for lane in LANES if lane in HIGH_PRIORITY)
     check_stream_pool(mine, low=len(LANES) - high, high=high)
-    return [Worker(i, ctx, mine[i], poison) for i in range(gpus)]
+    acc = {"accumulation": Fp16Accumulation()} if fp16_accumulation else {}  # one per runtime: shared flag scope
+    return [Worker(i, ctx, mine[i], poison, **acc) for i in range(gpus)]

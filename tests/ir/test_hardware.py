@@ -13,9 +13,10 @@ from rpcompile.passes.cost.stage_memory import memory_refusal
 
 def test_presets_have_the_public_numbers():
     h = Hardware.preset("rtx4090")
-    assert h.flops("bf16") == 330e12 and h.device_memory == 24 * 10 ** 9
+    assert h.flops("bf16") == 165.2e12 and h.device_memory == 24 * 10 ** 9
     assert h.h2d_bandwidth == h.d2h_bandwidth == 32e9 and h.mem_bandwidth == 1008e9 and h.gpus == 8
-    assert Hardware.preset("rtx5090").flops(torch.bfloat16) == 419e12
+    assert Hardware.preset("rtx5090").flops(torch.bfloat16) == 209.5e12
+    assert Hardware.preset("rtx5090").flops(torch.float16, torch.float16) == 419e12
     assert Hardware.preset("rtx5090").h2d_bandwidth == 64e9
     assert Hardware.preset("a800").flops("bfloat16") == 312e12
     assert Hardware.preset("h100").flops("fp16") == 989.5e12
@@ -63,6 +64,7 @@ def test_measure_this_machine_is_fast_and_sane():
 # -- the cuBLAS workspace: its bytes, and their place in the stage budget ---------------------------------
 KIB, MIB = 2**10, 2**20
 
+
 def test_blas_workspace_follows_torchs_rule():
     assert blas_workspace_bytes((9, 0), env={}) == 32 * MIB + MIB  # Hopper: 32 MiB cuBLAS + 1 MiB cuBLASLt
     assert blas_workspace_bytes((8, 9), env={}) == 8 * MIB + 128 * KIB + MIB  # ":4096:2:16:8" + 1 MiB
@@ -75,6 +77,7 @@ def test_blas_workspace_follows_torchs_rule():
         assert Hardware.preset(name).blas_workspace == blas_workspace_bytes((8, 9), env={})
     with pytest.raises(ValueError, match="blas_workspace"):
         Hardware.preset("cpu", blas_workspace=-1)
+
 
 def test_a_blas_workspace_takes_exactly_its_bytes_off_the_budget_the_stages_must_fit():
     cpu, h100 = Hardware.preset("cpu"), Hardware.preset("h100")
@@ -91,3 +94,29 @@ def test_a_blas_workspace_takes_exactly_its_bytes_off_the_budget_the_stages_must
     partition(costs, gpus=2, microbatches=2, memory_budget=budget)
     with pytest.raises(ValueError, match="budget"):
         partition(costs, gpus=2, microbatches=2, memory_budget=h100.stage_budget(budget))
+
+
+@pytest.mark.parametrize("name", ["rtx4090", "rtx5090"])
+def test_geforce_prices_bf16_at_fp32_accumulate_and_fp16_accumulation_at_twice_that(name):
+    h = Hardware.preset(name)
+    assert h.flops("bf16") == h.flops("fp16") == h.flops(torch.float16, torch.float32)  # training's default
+    assert h.flops("fp16", accumulate="fp16") == pytest.approx(2 * h.flops("bf16"), rel=1e-3)  # 330.3 vs 165.2
+    assert h.flops("bf16", accumulate="bf16") == h.flops("bf16")  # no such rate: bf16's own
+    assert h.roofline(h.flops("bf16") * h.efficiency, 0, "float16/float16") == pytest.approx(0.5, rel=1e-3)
+
+
+def test_each_rate_quotes_its_source():
+    import inspect
+    import rpcompile.ir.hardware as hw_mod
+    text = inspect.getsource(hw_mod)
+    for quote in ("Ada GPU Architecture whitepaper", "Peak BF16 Tensor TFLOPS with FP32 Accumulate   165.2",
+                  "Peak FP16 Tensor TFLOPS with FP16 Accumulate   330.3", "RTX Blackwell GPU Architecture whitepaper",
+                  "Peak BF16 Tensor TFLOPS with FP32 Accumulate   209.5", "A100 Tensor Core GPU datasheet",
+                  "H100 Tensor Core GPU datasheet"):
+        assert quote in text, quote
+
+
+def test_data_center_cards_gain_nothing_from_fp16_accumulation():
+    for name in ("a800", "h100"):
+        h = Hardware.preset(name)
+        assert h.flops("fp16", "fp16") == h.flops("fp16") == h.flops("bf16")

@@ -1,7 +1,6 @@
 """The LM head + loss chunked along the sequence as well as sharded over the vocabulary (issue 13)."""
 from __future__ import annotations
 
-import functools
 import math
 import os
 import sys
@@ -13,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import models as M  # noqa: E402
 from rpcompile import Hardware  # noqa: E402
-from rpcompile.passes import estimate_costs, shard_lm_head, trace  # noqa: E402
+from rpcompile.passes import estimate_costs, shard_lm_head  # noqa: E402
 from rpcompile.passes.shard_head.chunked import chunk_bounds, chunked_lse  # noqa: E402
 from rpcompile.passes.shard_head.auto import LOGIT_BYTES  # noqa: E402
 from rpcompile.passes.cost.recorder import Recorder, Tracker, storage_id  # noqa: E402
@@ -21,36 +20,8 @@ from rpcompile.passes.cost.symbolic import chunk_unit, symbolic_costs  # noqa: E
 
 pytest.importorskip("transformers")
 
-B, T = 4, 16  # 64 tokens
-ZOO = {  # untied (llama) and tied (gpt2, nanoGPT) heads
-    "llama": (M.llama, lambda: M.lm_batch(batch=B, seq=T), None, -100),
-    "gpt2": (M.gpt2, lambda: M.lm_batch(batch=B, seq=T), None, -100),
-    "nanogpt": (M.nanogpt, lambda: M.token_batch(batch=B, seq=T), M.gpt_loss, -1),
-}
-
-
-@functools.lru_cache(maxsize=None)
-def _traced(name: str):
-    build, batch, loss_fn, _ = ZOO[name]
-    model = build()
-    return model, trace(model, batch(), loss_fn=loss_fn)
-
-
-def _example(name: str, ignored: bool):
-    """The batch, optionally with ignored labels (a run of the first sequence and every 4th of the third)."""
-    ex = ZOO[name][1]()
-    if ignored:
-        labels = ex["labels"] if isinstance(ex, dict) else ex[1]
-        labels[0, :5] = ZOO[name][3]
-        labels[2, 3::4] = ZOO[name][3]
-    return ex
-
-
-def _loss_and_grads(model, graph, example):
-    model.zero_grad(set_to_none=True)
-    loss = graph.run(example)
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+from head_cases import B, T, ZOO, example as _example, loss_and_grads as _loss_and_grads  # noqa: E402
+from head_cases import traced as _traced  # noqa: E402
 
 
 @pytest.mark.parametrize("k,chunk,ignored", [(1, 7, True), (3, 5, False), (2, 3, True)])  # none divides 64 tokens

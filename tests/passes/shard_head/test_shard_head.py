@@ -1,7 +1,6 @@
 """Acceptance tests for rpcompile.passes.shard_lm_head (issue #4 item 5)."""
 from __future__ import annotations
 
-import functools
 import math
 import os
 import sys
@@ -18,36 +17,8 @@ from rpcompile.passes import shard_lm_head, trace  # noqa: E402
 
 pytest.importorskip("transformers")
 
-B, T = 4, 16  # tokens = 64 >= hidden (32): the shard weight gradient is no bigger than the shard logits
-
-ZOO = {
-    "llama": (M.llama, lambda: M.lm_batch(batch=B, seq=T), None, -100),
-    "gpt2": (M.gpt2, lambda: M.lm_batch(batch=B, seq=T), None, -100),
-    "nanogpt": (M.nanogpt, lambda: M.token_batch(batch=B, seq=T), M.gpt_loss, -1),  # nanoGPT ignores -1
-}
-
-
-@functools.lru_cache(maxsize=None)
-def _traced(name: str):
-    build, batch, loss_fn, _ = ZOO[name]
-    model = build()
-    return model, trace(model, batch(), loss_fn=loss_fn)
-
-
-def _example(name: str):
-    """The batch with some ignored labels (incl. a whole row of the first sequence)."""
-    ex = ZOO[name][1]()
-    labels = ex["labels"] if isinstance(ex, dict) else ex[1]
-    labels[0, :5] = ZOO[name][3]
-    labels[2, 3::4] = ZOO[name][3]
-    return ex
-
-
-def _loss_and_grads(model: nn.Module, graph, example):
-    model.zero_grad(set_to_none=True)
-    loss = graph.run(example)
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+from head_cases import B, T, ZOO, example as _example, loss_and_grads as _loss_and_grads  # noqa: E402
+from head_cases import traced as _traced  # noqa: E402
 
 
 @pytest.mark.parametrize("k", [2, 3, 4])
