@@ -175,7 +175,7 @@ def _start(cfg: FinetuneConfig, module: Any, run: dict, example: Any, ranks: Ran
     if cfg.resume:
         local = ranks.fetch_checkpoint(plan.checkpoint)  # rank 0's file, on every server
         try:
-            return load(local, module, dist=dist)
+            return load(local, module, dist=dist, timeout=cfg.timeout)
         finally:
             ranks.release(local, plan.checkpoint)
     if ranks.writes:
@@ -185,7 +185,7 @@ def _start(cfg: FinetuneConfig, module: Any, run: dict, example: Any, ranks: Ran
         write_text_atomic(os.path.join(cfg.out, RUN_FILE), json.dumps(run, indent=1))
     return compile(module, gpus=gpus, example=example, microbatches=micro, staleness=cfg.staleness, dtype=dtype,
                    seed=cfg.seed, optimizer=optimizer, memory_budget=budget, lm_head_shards=cfg.lm_head_shards,
-                   loss_mean="tokens", dist=dist)
+                   loss_mean="tokens", dist=dist, timeout=cfg.timeout)
 
 
 def _datasets(cfg: FinetuneConfig, tokenizer: Any, ranks: Ranks) -> tuple[Any, Any]:

@@ -3,12 +3,14 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
 
 import rpcompile
 from rpcompile.models.zoo import LlamaConfig, TinyLlama
+from rpcompile.runtime.transfer import RuntimeFailure
 from paths import ROOT  # noqa: E402 - tests/ is on sys.path (tests/conftest.py)
 
 CFG = LlamaConfig(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, ffn=64, max_seq=32)
@@ -19,11 +21,11 @@ def batch(seed, b=4, t=16):
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-def make(staleness=1, **kw):
+def make(staleness=1, model=None, **kw):
     opts = dict(gpus=2, example=batch(0), microbatches=2, staleness=staleness,
                 optimizer=rpcompile.AdamW(lr=1e-2, impl="foreach"), memory_budget=2**20, backend="host")
     opts.update(kw)
-    return rpcompile.compile(TinyLlama(CFG), **opts)
+    return rpcompile.compile(model or TinyLlama(CFG), **opts)
 
 
 def params(c):
@@ -149,3 +151,77 @@ def test_simulate_predicts_costs_for_the_target_hardware():
         slow = c.simulate("rtx4090")
         assert 0 < fast.iteration_time < slow.iteration_time
         assert len(fast.peak_memory) == 2
+
+
+NAP = {"cpu": 0.0, "sleep": 0.0}  # seconds the slow block spins (CPU time: what compile times) and sleeps
+
+
+def nap(x):
+    """Spin NAP["cpu"] s of this thread's CPU time, sleep NAP["sleep"] s, then x + 0: an op of its own, so the
+    block's ops differ from its siblings' and compile times it apart from them."""
+    end = time.thread_time() + NAP["cpu"]
+    while time.thread_time() < end:
+        pass
+    time.sleep(NAP["sleep"])
+    return x + 0
+
+
+torch.fx.wrap("nap")
+
+
+class Napping(torch.nn.Module):
+    """A decoder block that spins and sleeps before it runs: a slow but healthy layer."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x, cos, sin):
+        return self.block(nap(x), cos, sin)
+
+
+def napping_llama():
+    model = TinyLlama(CFG)
+    model.layers[1] = Napping(model.layers[1])
+    return model
+
+
+def test_the_default_deadline_comes_from_the_plan_and_never_undercuts_ten_minutes(monkeypatch):
+    from rpcompile.runtime import transfer
+    costs = rpcompile.CostTable.from_lists(fwd=[1.0, 75.0], bwd=[2.0, 150.0], grad_bytes=[0, 10**9])
+    # a 75 s layer: 4 microbatches of forward, recompute and backward, and 1 GB of gradient to step
+    assert transfer.plan_deadline(costs, 4) == transfer.DEADLINE_FACTOR * (4 * (4.0 + 300.0) + 10.0)
+    assert transfer.plan_deadline(rpcompile.CostTable.from_lists(fwd=[1e-3], bwd=[2e-3]), 4) == 600.0
+    with make() as c:  # measured costs of milliseconds: the floor, far above the 75 s a layer may take once
+        assert c.deadline_s == 600.0
+    with make(timeout=2.5) as c:
+        assert c.deadline_s == 2.5
+    with pytest.raises(ValueError, match="timeout must be"):
+        make(timeout=0)
+
+
+def test_a_slow_layer_gets_a_deadline_from_its_measured_time_and_a_set_timeout_still_fails_it(monkeypatch):
+    """A layer that compile measures at 0.1 s, with the floor scaled down from 600 s to 0.05 s.
+
+    Its measured time sets the deadline (20x an iteration's serial work), so a step whose layer sleeps 0.3 s
+    per call (6x the scaled floor) waits for it. The same run with `timeout=0.25` fails within that
+    deadline, naming the instruction and what it waited for.
+    """
+    from rpcompile.runtime import transfer
+    monkeypatch.setattr(transfer, "DEADLINE_FLOOR_S", 0.05)
+    monkeypatch.setitem(NAP, "sleep", 0.0)
+    monkeypatch.setitem(NAP, "cpu", 0.1)
+    with make(model=napping_llama()) as c:
+        assert c.costs.fwd[2] >= 0.1 and c.deadline_s >= transfer.DEADLINE_FACTOR * 2 * 0.2
+        NAP.update(cpu=0.0, sleep=0.3)
+        c.step(batch(0))
+    NAP.update(cpu=0.0, sleep=0.0)
+    with make(model=napping_llama(), timeout=0.25) as c:
+        NAP.update(sleep=0.3)
+        t0 = time.perf_counter()
+        with pytest.raises(RuntimeFailure, match=r"instruction \S+ \S+ of iteration 0 failed: "
+                                                 r"DeadlineExceeded: waited 0.25 s for ") as e:
+            c.step(batch(0))
+        assert time.perf_counter() - t0 < 5.0
+        assert isinstance(e.value.__cause__, TimeoutError) and e.value.__cause__.waited == 0.25
+        NAP.update(sleep=0.0)
