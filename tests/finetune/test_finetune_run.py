@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import signal
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -245,3 +247,54 @@ def test_val_size_holds_out_a_seeded_disjoint_part_and_records_it(files, tmp_pat
     with open(tmp_path / "b" / "rpcompile-run.json") as f:
         assert json.load(f)["data"]["held_out"]["documents"] != held  # the seed draws them
 
+
+
+def test_a_wait_past_timeout_is_one_line_naming_the_instruction_and_a_file_with_the_grid(files, tmp_path, monkeypatch,
+                                                                                         capsys):
+    """Step 2's layer 1 sleeps 1 s under --timeout 0.6: exit 1, one line, the grid and tracebacks in OUT."""
+    real = rpcompile.Compiled.step
+
+    def step(self, batch):
+        if self.steps == 1:
+            for runner in self._runtime.runners:
+                def slow(index, *rest, orig=runner.run_layer):
+                    if index == 1:
+                        time.sleep(1.0)
+                    return orig(index, *rest)
+                runner.run_layer = slow
+        return real(self, batch)
+    monkeypatch.setattr(rpcompile.Compiled, "step", step)
+    out = tmp_path / "o"
+    assert run(files, out, "--timeout", "0.6", "--save-every", "1") == 1
+    (line,) = errors(capsys)
+    path = os.path.join(out, "rpcompile-failure.txt")
+    assert re.fullmatch(r"python -m rpcompile finetune: error: step 2 failed: instruction (w\d \S+|h \S+) "
+                        r"\((worker \d|the host)\) waited 0.6 s for .+ \(the deadline: raise it with --timeout "
+                        r"SECONDS if the machine is just slow\); the checkpoint of step 1 is kept; the instruction "
+                        rf"grid and tracebacks are in {re.escape(path)}", line), line
+    instr = line.split("instruction ")[1].split(" (")[0]
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    assert f">>{instr.split()[1]}<<" in text and "--- worker traceback ---" in text and "DeadlineExceeded" in text
+    assert checkpoint.load(os.path.join(out, CHECKPOINT))["steps"] == 1
+
+
+def test_a_token_cache_overwritten_in_place_is_rebuilt_before_a_resume_trains_on_it(files, six, tmp_path,
+                                                                                   monkeypatch, capsys):
+    """ids.i32 rewritten with the same size and other tokens between a stop and --resume: rebuilt, same run."""
+    out = tmp_path / "o"
+    with monkeypatch.context() as mp:
+        mp.setattr(rpcompile.Compiled, "step", _interrupt_in_step(4))
+        assert run(files, out, "--save-every", "1") == 130
+    (key,) = os.listdir(out / "token-cache")
+    ids = out / "token-cache" / key / "ids.i32"
+    data = ids.read_bytes()
+    ids.write_bytes(data[4:] + data[:4])  # same size: only the content digest tells
+    capsys.readouterr()
+    assert run(files, out, "--save-every", "1", "--resume") == 0
+    captured = capsys.readouterr()
+    assert "token cache: hit" not in captured.out and ids.read_bytes() == data
+    assert f"token cache {out / 'token-cache' / key}: damaged, its files' sha256 is not the one in meta.json" \
+        in captured.err
+    lines = read_metrics(os.path.join(out, "metrics.jsonl"))
+    assert [r["loss"] for r in lines] == six.losses  # steps 4-6 trained on the right tokens

@@ -66,6 +66,7 @@ def layout(cache: TokenCache, seq: int, packing: str = "whole", documents: Itera
     sel = np.arange(n, dtype=np.int64) if documents is None else np.unique(np.fromiter(documents, np.int64))
     if sel.size and (sel[0] < 0 or sel[-1] >= n):
         raise ValueError(f"document {int(sel[0] if sel[0] < 0 else sel[-1])} is out of range: the data holds {n}")
+    cache.check()  # a cache file truncated under this run: OSError naming it, not SIGBUS
     start = cache.offsets[sel]
     full = cache.offsets[sel + 1] - start
     if packing == "split":
