@@ -28,6 +28,9 @@ and a fingerprint of the data; written atomically). The data position and the
 schedule step are both the checkpoint's step count, so `resume=True` continues
 bit for bit; it refuses settings that differ from the run's.
 
+One run at a time owns `out`: an exclusive lock on `out/.lock` for the whole run refuses a second run
+on the same folder at once, naming the first one's pid (`rpcompile.finetune.out.claim_out`).
+
 A finished run is never overwritten by accident: an `out` that holds a run record,
 a checkpoint, or model, adapter or tokenizer files is refused unless the run is
 resumed (`resume=True`) or replaced (`overwrite=True`, which deletes those files
@@ -50,7 +53,8 @@ from rpcompile.finetune.data import prepare, read_template
 from rpcompile.finetune.config import DTYPES, FinetuneConfig, FinetuneResult, check_config
 from rpcompile.finetune.dist import Ranks
 from rpcompile.finetune.loop import Loop, StepOutOfMemory, StepPlan, evaluate_loss
-from rpcompile.finetune.out import CHECKPOINT, RUN_FILE, TOKEN_CACHE, check_out, check_resume, remove_previous, run_record
+from rpcompile.finetune.out import (CHECKPOINT, RUN_FILE, TOKEN_CACHE, OutLock, check_resume, claim_out, remove_previous,
+                                   run_record)
 from rpcompile.finetune.hf import add_lora, check_model, export, load_model, load_tokenizer, trainable_module
 from rpcompile.finetune.metrics import MetricsLog, check_report_to
 from rpcompile.finetune.packed_attention import use_packed_attention
@@ -94,8 +98,18 @@ def finetune(cfg: FinetuneConfig, *, on_step: Callable[[int, float], None] | Non
     check_report_to(cfg.report_to)
     _check_transformers()
     ranks = Ranks.from_env()  # alone, or one of torchrun's processes
-    if not cfg.dry_run:  # before anything slow: a finished run is never overwritten by accident
-        ranks.on_rank0(lambda: check_out(cfg))
+    locks: list[OutLock] = []
+    if not cfg.dry_run:  # before anything slow: a finished run is never overwritten by accident, and one run
+        ranks.on_rank0(lambda: locks.append(claim_out(cfg)))  # at a time owns the folder (rank 0's lock)
+    try:
+        return _train(cfg, ranks, on_step)
+    finally:
+        for lock in locks:
+            lock.release()
+
+
+def _train(cfg: FinetuneConfig, ranks: Ranks, on_step: Callable[[int, float], None] | None) -> FinetuneResult:
+    """The run of `finetune`, once `out` is this run's (see its docstring)."""
     cuda = torch.cuda.is_available()
     dtype = DTYPES[cfg.dtype] or (torch.bfloat16 if cuda else torch.float32)
     tokenizer = load_tokenizer(cfg.model)  # everything that can be wrong is checked before the weights load
