@@ -278,6 +278,20 @@ class Compiled:
         return self._runtime.stats()
 
     @_one_caller
+    def flush(self) -> None:
+        """Wait for the work of every step so far (the staleness-1 update in the background too).
+
+        Raises:
+            RuntimeFailure: background work (e.g. an optimizer step) failed; as for `step`.
+
+        Example:
+            >>> c.step(batch); c.flush(); c.state.norms[c.steps - 1] is not None   # doctest: +SKIP
+            True
+        """
+        self._check_open()
+        self._runtime.flush()
+
+    @_one_caller
     def set_lr(self, lr: float) -> None:
         """Set the CPU optimizer's learning rate, from the update made with the next `step`'s gradient on.
 

@@ -3,8 +3,13 @@
     >>> losses = Loop(c, cfg, plan, train, held, log, ranks).run(evals, on_step)   # doctest: +SKIP
 
 Per step t: set the scheduled learning rate, step this rank's share of batch t,
-update the progress bar, checkpoint every `save_every` steps, eval every
-`eval_every` steps, and record the step's metrics (`rpcompile.finetune.metrics`).
+update the progress bar, eval every `eval_every` steps, checkpoint every `save_every`
+steps, and record the step's metrics (`rpcompile.finetune.metrics`).
+
+A checkpoint never covers a line that is not on disk: at a checkpoint step the eval runs
+first, then every pending line (that step's eval included) is written, and only then is the
+checkpoint saved. A kill before the save leaves the previous checkpoint, whose resume drops the
+later lines and runs those steps and evals again; a kill after it loses nothing.
 
 A step's metrics line is written once the next step has returned (or at a
 checkpoint, or at the end): its gradient norm and the runtime's counters are
@@ -203,14 +208,15 @@ class Loop:
             self.pending.append({"step": c.steps, "loss": loss, "lr": rate,
                                  "trained_tokens": int((batch["labels"][:, 1:] != IGNORE).sum()),
                                  "tokens_per_s": tokens / took, "_took": took})
-        if cfg.save_every and c.steps % cfg.save_every == 0:
-            c.save(plan.checkpoint)  # waits for the step's work: every pending line is complete
-            self.saved = c.steps
-            self._write(complete=True)
         if self.held is not None and cfg.eval_every and c.steps % cfg.eval_every == 0 and c.steps < plan.total:
             evals.append((c.steps, evaluate_loss(c, self.held, plan.size, self.ranks)))
             bar.write(f"step {c.steps}: eval loss {evals[-1][1]:.4f}")
             self._add_eval(evals[-1])
+        if cfg.save_every and c.steps % cfg.save_every == 0:
+            c.flush()  # the step's work done: every pending line is complete
+            self._write(complete=True)  # on disk before the checkpoint that covers them (its eval too)
+            c.save(plan.checkpoint)
+            self.saved = c.steps
         return loss
 
     def _add_eval(self, ev: tuple[int, float]) -> None:

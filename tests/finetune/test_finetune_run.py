@@ -6,6 +6,8 @@ import importlib.util
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -298,3 +300,38 @@ def test_a_token_cache_overwritten_in_place_is_rebuilt_before_a_resume_trains_on
         in captured.err
     lines = read_metrics(os.path.join(out, "metrics.jsonl"))
     assert [r["loss"] for r in lines] == six.losses  # steps 4-6 trained on the right tokens
+
+
+KILL_AT_CHECKPOINT = r"""
+import os, signal, sys
+from rpcompile.finetune import FinetuneConfig, finetune
+from rpcompile.finetune.metrics import MetricsLog
+model, train, held, out, where, mem = sys.argv[1:]
+cfg = FinetuneConfig(model=model, data=train, eval=held, out=out, seq=32, micro_batch_size=2, microbatches=2, gpus=2,
+                     steps=6, save_every=2, eval_every=2, memory_gib=float(mem), lm_head_shards=1, progress=False,
+                     lr=3e-3, warmup=2)
+kill = lambda: os.kill(os.getpid(), signal.SIGKILL)
+if where == "eval line":  # right after step 4's line with its eval loss is written
+    real = MetricsLog.write
+    def write(self, record):
+        real(self, record)
+        if record.get("step") == 4 and "eval_loss" in record:
+            kill()
+    MetricsLog.write = write
+finetune(cfg, on_step=lambda step, loss: kill() if where == "after step" and step == 4 else None)
+"""
+
+
+@pytest.mark.parametrize("where", ["after step", "eval line"])
+def test_a_kill_at_a_checkpoint_step_never_loses_the_eval_the_checkpoint_covers(files, tmp_path, where):
+    """--save-every 2 --eval-every 2, SIGKILL after step 4 (checkpoint and eval done) or as its eval line is
+    written: the resumed run's metrics hold every eval, at steps 0, 2, 4 and 6, each step's line once."""
+    out, held = tmp_path / "o", fx.write_jsonl(tmp_path / "held.jsonl", fx.text_rows()[40:48])
+    r = subprocess.run([sys.executable, "-c", KILL_AT_CHECKPOINT, files.model, files.train, held, str(out), where,
+                        str(2**19 / 2**30)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    flags = ["--eval", held, "--save-every", "2", "--eval-every", "2"]
+    assert run(files, out, *flags, "--resume") == 0
+    lines = read_metrics(os.path.join(out, "metrics.jsonl"))
+    assert [r["step"] for r in lines if "eval_loss" in r] == [0, 2, 4, 6]
+    assert [r["step"] for r in lines if "loss" in r] == [1, 2, 3, 4, 5, 6]
