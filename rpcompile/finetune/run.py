@@ -49,7 +49,7 @@ import torch
 from rpcompile.api import compile
 from rpcompile.resume import load
 from rpcompile.checkpoint import write_text_atomic
-from rpcompile.finetune.data import prepare, read_template
+from rpcompile.finetune.data import CONVERSATIONAL, NothingToTrain, file_kind, prepare, read_template
 from rpcompile.finetune.config import DTYPES, FinetuneConfig, FinetuneResult, check_config
 from rpcompile.finetune.dist import Ranks
 from rpcompile.finetune.loop import Loop, StepOutOfMemory, StepPlan, evaluate_loss
@@ -209,21 +209,39 @@ def _datasets(cfg: FinetuneConfig, tokenizer: Any, ranks: Ranks) -> tuple[Any, A
     root = os.path.join(cfg.out, TOKEN_CACHE) if ranks.writes and not cfg.dry_run else None
     train = _data(cfg, cfg.data, tokenizer, root)
     if cfg.eval:
-        return train, _data(cfg, cfg.eval, tokenizer, root)
+        return train, _data(cfg, cfg.eval, tokenizer, root, flag="--eval")
     if not cfg.val_size:
         return train, None
-    train, held = train.split_documents(cfg.val_size, cfg.seed)
+    try:
+        train, held = train.split_documents(cfg.val_size, cfg.seed)
+    except NothingToTrain as exc:
+        raise _no_targets(cfg, f"--val-size {cfg.val_size:g}: a part of --data", cfg.data, exc) from None
     for name, part in (("training", train), ("held out", held)):
         _summary(f"--val-size {cfg.val_size}: {name}", part, cfg)
     return train, held
 
 
-def _data(cfg: FinetuneConfig, path: str, tokenizer: Any, cache_root: str | None) -> Any:
+def _data(cfg: FinetuneConfig, path: str, tokenizer: Any, cache_root: str | None, flag: str = "--data") -> Any:
     """Read, mask and pack one data file (through the token cache); print its summary line."""
-    packed = prepare(path, tokenizer, seq=cfg.seq, packing=cfg.packing, whole_file=cfg.whole_file,
-                     train_on=cfg.train_on, text_field=cfg.text_field, cache_root=cache_root, num_proc=cfg.num_proc)
+    try:
+        packed = prepare(path, tokenizer, seq=cfg.seq, packing=cfg.packing, whole_file=cfg.whole_file,
+                         train_on=cfg.train_on, text_field=cfg.text_field, cache_root=cache_root,
+                         num_proc=cfg.num_proc)
+    except NothingToTrain as exc:
+        raise _no_targets(cfg, flag, path, exc) from None
     _summary(f"data {path}", packed, cfg, rows=f"{packed.read:,} rows, ")
     return packed
+
+
+def _no_targets(cfg: FinetuneConfig, flag: str, path: str, exc: NothingToTrain) -> ValueError:
+    """The no-trained-token error naming the file (--data, --eval) and, for conversations, the chat template."""
+    if file_kind(path, cfg.text_field) not in CONVERSATIONAL:
+        return ValueError(f"{flag} {path!r}: {exc}")
+    template = (f"the template of --chat-template {cfg.chat_template!r}" if cfg.chat_template else
+                f"the tokenizer's chat template (of --model {cfg.model!r})")
+    return ValueError(f"{flag} {path!r}: none of its {exc.documents} conversation(s) leaves a token to train on "
+                      f"(--train-on {cfg.train_on or 'assistant'}) as {template} renders them: does it render "
+                      f"each message's content?")
 
 
 def _summary(what: str, packed: Any, cfg: FinetuneConfig, rows: str = "") -> None:
