@@ -97,7 +97,7 @@ def finetune(cfg: FinetuneConfig, *, on_step: Callable[[int, float], None] | Non
     check_config(cfg)
     check_report_to(cfg.report_to)
     _check_transformers()
-    ranks = Ranks.from_env()  # alone, or one of torchrun's processes
+    ranks = Ranks.from_env(cfg.dist_timeout)  # alone, or one of torchrun's processes
     locks: list[OutLock] = []
     if not cfg.dry_run:  # before anything slow: a finished run is never overwritten by accident, and one run
         ranks.on_rank0(lambda: locks.append(claim_out(cfg)))  # at a time owns the folder (rank 0's lock)
