@@ -335,3 +335,40 @@ def test_a_kill_at_a_checkpoint_step_never_loses_the_eval_the_checkpoint_covers(
     lines = read_metrics(os.path.join(out, "metrics.jsonl"))
     assert [r["step"] for r in lines if "eval_loss" in r] == [0, 2, 4, 6]
     assert [r["step"] for r in lines if "loss" in r] == [1, 2, 3, 4, 5, 6]
+
+
+PEAK_RSS = r"""
+import resource, sys
+from rpcompile.cli.main import main
+rc = main(sys.argv[1:])
+print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}")  # Linux counts KiB
+sys.exit(rc)
+"""
+
+
+def test_the_ram_a_run_is_said_to_need_on_host_workers_is_its_peak_rss_within_25_percent(tmp_path):
+    """A 17.7M-parameter Llama on 2 host workers (fp32, seq 128): the RAM the pre-load check counts (host state,
+    the loaded model and the runtime's buffers, every worker's device peak, and the stated 512 MiB for Python and
+    torch) against the run's peak RSS in a fresh process; the host state alone is a quarter of it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    if sys.platform != "linux":
+        pytest.skip("ru_maxrss in KiB is Linux's")
+    tok = fx.tokenizer()
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=512, intermediate_size=1376, num_hidden_layers=6,
+                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "mid")
+    tok.save_pretrained(tmp_path / "mid")
+    data = fx.write_jsonl(tmp_path / "d.jsonl", fx.text_rows() * 4)
+    r = subprocess.run([sys.executable, "-c", PEAK_RSS, "finetune", "--model", str(tmp_path / "mid"), "--data", data,
+                        "--out", str(tmp_path / "o"), "--seq", "128", "--steps", "3", "--gpus", "2", "--no-progress"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    said = re.search(r"host memory: ([\d.]+) GiB of [\d.]+ GiB RAM: host state ([\d.]+) MiB .* \+ 2 host workers' "
+                     r"device peaks ([\d.]+) MiB \(RAM here\) \+ Python and torch 512.0 MiB", r.stdout)
+    assert said, r.stdout
+    predicted, state = float(said.group(1)) * 2**30, float(said.group(2)) * 2**20
+    peak = int(re.search(r"peak RSS (\d+)", r.stdout).group(1))
+    assert abs(peak - predicted) <= 0.25 * predicted, (peak / 2**20, predicted / 2**20)
+    assert state < 0.3 * peak  # what the check counted before: the host state alone
