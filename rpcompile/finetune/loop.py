@@ -93,8 +93,9 @@ def step_failure(exc: BaseException, step: int, saved: int | None, out: str, ran
     except OSError as err:
         path = f"(not written: {err})"
     cause = exc.__cause__
-    worker = re.match(r"w(\d+)[ /]", exc.instr)
+    worker, lane = re.match(r"w(\d+)[ /]", exc.instr), re.fullmatch(r"w(\d+)/(\w+)", exc.instr)
     where = f"worker {worker.group(1)}" if worker else "the host" if exc.instr.startswith("h ") else "the caller"
+    what = f"the {lane.group(2)} stream of worker {lane.group(1)}" if lane else f"instruction {exc.instr} ({where})"
     if isinstance(cause, TimeoutError) and getattr(cause, "what", None):
         why = (f"waited {seconds(cause.waited)} for {cause.what} (the deadline: raise it with --timeout SECONDS if "
                f"the machine is just slow)")
@@ -102,8 +103,8 @@ def step_failure(exc: BaseException, step: int, saved: int | None, out: str, ran
         text = str(cause).strip().splitlines()[0] if cause is not None and str(cause).strip() else ""
         why = f"failed: {type(cause).__name__}: {text}" if cause is not None else str(exc).splitlines()[0]
     kept = f"the checkpoint of step {saved} is kept" if saved else "no checkpoint yet"
-    return StepFailed(f"step {step} failed: instruction {exc.instr} ({where}) {why}; {kept}; the instruction grid "
-                      f"and tracebacks are in {path}", path)
+    return StepFailed(f"step {step} failed: {what} {why}; {kept}; the instruction grid and tracebacks are in {path}",
+                      path)
 
 
 def out_of_memory(exc: BaseException, step: int, saved: int | None) -> StepOutOfMemory | None:

@@ -52,7 +52,7 @@ from rpcompile.checkpoint import write_text_atomic
 from rpcompile.finetune.data import CONVERSATIONAL, NothingToTrain, file_kind, prepare, read_template
 from rpcompile.finetune.config import DTYPES, FinetuneConfig, FinetuneResult, check_config
 from rpcompile.finetune.dist import Ranks
-from rpcompile.finetune.loop import Loop, StepOutOfMemory, StepPlan, evaluate_loss
+from rpcompile.finetune.loop import Loop, StepFailed, StepOutOfMemory, StepPlan, evaluate_loss
 from rpcompile.finetune.out import (CHECKPOINT, RUN_FILE, TOKEN_CACHE, OutLock, check_resume, claim_out, remove_previous,
                                    run_record)
 from rpcompile.finetune.hf import add_lora, check_model, export, load_model, load_tokenizer, trainable_module
@@ -61,7 +61,8 @@ from rpcompile.finetune.packed_attention import use_packed_attention
 from rpcompile.finetune.preflight import preflight
 from rpcompile.ir.optim import AdamW
 
-__all__ = ["FinetuneConfig", "FinetuneResult", "finetune", "CHECKPOINT", "RUN_FILE", "DTYPES", "StepOutOfMemory"]
+__all__ = ["FinetuneConfig", "FinetuneResult", "finetune", "CHECKPOINT", "RUN_FILE", "DTYPES", "StepOutOfMemory",
+           "StepFailed"]
 
 
 def finetune(cfg: FinetuneConfig, *, on_step: Callable[[int, float], None] | None = None) -> FinetuneResult:
@@ -78,7 +79,12 @@ def finetune(cfg: FinetuneConfig, *, on_step: Callable[[int, float], None] | Non
         FileNotFoundError / ValueError / ImportError: bad input, named (the CLI prints one line, exit 2);
             ValueError too for an `out` that holds a run or a model, without `resume` or `overwrite`,
             and for a run that does not fit the host or device memory (checked before the weights load).
+            ValueError too when another run holds `out` (its lock; the message names its pid).
         NotADirectoryError / PermissionError: `out` is a file, or cannot be written.
+        TimeoutError: under torchrun, the ranks did not all join within `dist_timeout` (one line).
+        StepFailed: a step failed in the runtime (an instruction raised, or a wait ran past `timeout`):
+            one line naming the step, the instruction, its worker and the wait; the grid and the
+            tracebacks are in OUT/rpcompile-failure.txt (the CLI: exit status 1).
         StepOutOfMemory: a step ran out of device or host memory (a MemoryError: the CLI prints its
             one line, exit 2); the last checkpoint stays valid.
         KeyboardInterrupt: Ctrl-C; the step is undone and the last checkpoint stays valid (exit 130).

@@ -108,6 +108,22 @@ def test_truncated_checkpoint_is_detected_and_the_previous_file_survives(tmp_pat
         assert [f for f in os.listdir(tmp_path) if ".tmp-" in f] == []
 
 
+def test_a_checkpoint_with_one_flipped_payload_byte_is_refused(tmp_path):
+    """The right length, one bit of a weight changed: only the SHA-256 can tell, and load must check it."""
+    path = str(tmp_path / "ckpt.rp")
+    with make() as c:
+        c.step(batch(0))
+        c.save(path)
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0x01  # in the middle of the payload: tensor bytes
+    with open(path, "wb") as f:
+        f.write(data)
+    with pytest.raises(ValueError, match=f"checkpoint {path!r} is corrupt: its SHA-256 does not match"):
+        rpcompile.checkpoint.load(path)
+    with pytest.raises(ValueError, match="is corrupt"):
+        rpcompile.load(path, TinyLlama(CFG))
+
+
 def test_bad_batches_are_named_before_any_worker_starts():
     with make() as c:
         b = batch(0)
@@ -212,14 +228,15 @@ def test_a_slow_layer_gets_a_deadline_from_its_measured_time_and_a_set_timeout_s
     monkeypatch.setitem(NAP, "sleep", 0.0)
     monkeypatch.setitem(NAP, "cpu", 0.1)
     with make(model=napping_llama()) as c:
-        assert c.costs.fwd[2] >= 0.1 and c.deadline_s >= transfer.DEADLINE_FACTOR * 2 * 0.2
+        assert c.costs.fwd[2] >= 0.1 and c.deadline_s == transfer.plan_deadline(c.costs, c.microbatches)
+        assert transfer.DEADLINE_FACTOR * 2 * 0.2 <= c.deadline_s < 60  # from the measured layer, not a floor
         NAP.update(cpu=0.0, sleep=0.3)
         c.step(batch(0))
     NAP.update(cpu=0.0, sleep=0.0)
     with make(model=napping_llama(), timeout=0.25) as c:
         NAP.update(sleep=0.3)
         t0 = time.perf_counter()
-        with pytest.raises(RuntimeFailure, match=r"instruction \S+ \S+ of iteration 0 failed: "
+        with pytest.raises(RuntimeFailure, match=r"instruction .+ of iteration 0 failed: "
                                                  r"DeadlineExceeded: waited 0.25 s for ") as e:
             c.step(batch(0))
         assert time.perf_counter() - t0 < 5.0
