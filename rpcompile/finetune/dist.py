@@ -184,8 +184,9 @@ def rendezvous(world: int, timeout: float) -> None:
         raise TimeoutError(f"distributed start: rank {rank} of {world} gave up at {addr}:{port} after "
                            f"--dist-timeout {timeout:g} s ({why}); start every rank, raise --dist-timeout, or unset "
                            f"WORLD_SIZE (it comes from the environment) to train alone") from None
-    torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                         timeout=datetime.timedelta(seconds=DistConfig().timeout_s))
+    group_timeout = datetime.timedelta(seconds=DistConfig().timeout_s)
+    store.set_timeout(group_timeout)  # --dist-timeout bounds the start only, not the store's later waits
+    torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=group_timeout)
 
 
 @contextlib.contextmanager
