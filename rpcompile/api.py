@@ -28,6 +28,7 @@ from rpcompile.runtime.executor import Runtime
 from rpcompile.runtime.host.optimizer import HostState
 from rpcompile.runtime.stage_exec import token_weights, trained_tokens
 from rpcompile.runtime.sim.simulator import Record
+from rpcompile.runtime.transfer import plan_deadline
 
 __all__ = ["compile", "Compiled", "Options", "default_microbatches", "plan_pipeline"]
 
@@ -39,7 +40,7 @@ def compile(model: torch.nn.Module, gpus: int = 8, *, example: Any, microbatches
             memory_budget: int | None = None, backend: str = "auto", seed: int = 0,
             on_nonfinite: str = "raise", loss_scale: float | DynamicLossScale | None = None,
             loss_mean: str = "microbatch", fp16_accumulation: bool = False, fused_head: bool = False,
-            dist: Any = False, process_group: Any = None) -> "Compiled":
+            dist: Any = False, process_group: Any = None, timeout: float | None = None) -> "Compiled":
     """Compile `model` for RoundPipe training on `gpus` workers.
 
     Args:
@@ -86,6 +87,10 @@ def compile(model: torch.nn.Module, gpus: int = 8, *, example: Any, microbatches
             `example` and `step`'s batches are then this process's shard (see DistConfig, `shard`).
         process_group: the torch.distributed group to train over (implies dist; default: the
             initialised default group, else gloo from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT).
+        timeout: seconds any wait of the runtime may last before the step fails with a RuntimeFailure
+            naming the instruction and what it waited for (a hang). None (default): derived from the
+            plan, the larger of 10 minutes and 20x one iteration's predicted work done serially
+            (`rpcompile.runtime.transfer.plan_deadline`); `Compiled.deadline_s` says what it is.
     Returns:
         A `Compiled` handle: `.plan`, `.program`, `.step(batch)`, `.simulate()`, `.save()`...
     Raises:
@@ -97,7 +102,7 @@ def compile(model: torch.nn.Module, gpus: int = 8, *, example: Any, microbatches
                    loss_fn=loss_fn, layers=layers, lm_head_shards=lm_head_shards, hardware=hardware,
                    memory_budget=memory_budget, backend=backend, seed=seed, on_nonfinite=on_nonfinite,
                    loss_scale=loss_scale, loss_mean=loss_mean, fp16_accumulation=fp16_accumulation,
-                   fused_head=fused_head)
+                   fused_head=fused_head, timeout=timeout)
     check_model(model)
     return Compiled(model, opts, example, dist=dist, process_group=process_group)
 
@@ -151,6 +156,16 @@ class Compiled:
         return self._runtime.t
 
     @property
+    def deadline_s(self) -> float:
+        """Seconds a wait of the runtime may last before it fails as a hang: `timeout`, else from the plan.
+
+        Example:
+            >>> rpcompile.compile(model, gpus=2, example=batch).deadline_s   # doctest: +SKIP
+            600.0
+        """
+        return self._runtime.timeout
+
+    @property
     def skipped_steps(self) -> list[int]:
         """Iterations skipped for a non-finite loss or gradient (on_nonfinite="skip")."""
         return list(self._runtime.skipped)
@@ -158,7 +173,8 @@ class Compiled:
     def _new_runtime(self, start: int, graph: LayerGraph | None = None, program: Any = None):
         rt = Runtime(graph or self.graph, program or self.program, self.state, backend=self.options.backend,
                      seed=self.options.seed + self.rank, start_iteration=start,  # per-rank dropout
-                     on_nonfinite=self.options.on_nonfinite, fp16_accumulation=self.options.fp16_accumulation)
+                     on_nonfinite=self.options.on_nonfinite, fp16_accumulation=self.options.fp16_accumulation,
+                     timeout=self.options.timeout or plan_deadline(self.costs, self.microbatches))
         if self._dist:
             self._dist.attach(rt)  # counts the gradient writes that complete each layer group
         return rt
@@ -273,6 +289,20 @@ class Compiled:
         return self._runtime.stats()
 
     @_one_caller
+    def flush(self) -> None:
+        """Wait for the work of every step so far (the staleness-1 update in the background too).
+
+        Raises:
+            RuntimeFailure: background work (e.g. an optimizer step) failed; as for `step`.
+
+        Example:
+            >>> c.step(batch); c.flush(); c.state.norms[c.steps - 1] is not None   # doctest: +SKIP
+            True
+        """
+        self._check_open()
+        self._runtime.flush()
+
+    @_one_caller
     def set_lr(self, lr: float) -> None:
         """Set the CPU optimizer's learning rate, from the update made with the next `step`'s gradient on.
 
@@ -332,7 +362,8 @@ class Compiled:
         """Full training state: weights, masters, optimizer state (incl. a pending update), step, RNG."""
         self._check_open()
         self._runtime.flush()
-        opts = {k: v for k, v in dataclasses.asdict(self.options).items() if k != "loss_fn"}
+        opts = {k: v for k, v in dataclasses.asdict(self.options).items()
+                if k not in ("loss_fn", "timeout")}  # the deadline belongs to the machine: `load` takes its own
         opts["optimizer"], opts["hardware"] = self.options.optimizer, self.options.hardware
         opts["loss_scale"] = self.options.loss_scale  # asdict would turn a DynamicLossScale into a dict
         return {"format": checkpoint.FORMAT, "steps": self.steps, "plan": self.plan.to_str(),

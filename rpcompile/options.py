@@ -19,7 +19,7 @@ import torch
 from rpcompile.ir.hardware import Hardware
 from rpcompile.ir.optim import SGD, AdamW, DynamicLossScale
 
-__all__ = ["Options", "options", "default_microbatches", "parse_dtype", "check_model"]
+__all__ = ["Options", "options", "default_microbatches", "parse_dtype", "check_model", "check_timeout"]
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
           "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
@@ -53,6 +53,8 @@ class Options:
                                                # so); needs dtype fp16; no effect on host workers
     fused_head: bool = False                   # the LM head takes its gradients in its forward, chunk by chunk
                                                # (`passes.shard_head.fused`): no recompute of the logits
+    timeout: float | None = None               # seconds a runtime wait may last before it fails as a hang;
+                                               # None: from the plan (`runtime.transfer.plan_deadline`, >= 10 min)
 
 
 def default_microbatches(batch: int, gpus: int) -> int:
@@ -106,7 +108,8 @@ def options(*, gpus: Any, microbatches: Any = None, staleness: Any = 1, optimize
             loss_fn: Callable | None = None, layers: Sequence[str] | None = None, lm_head_shards: Any = "auto",
             hardware: Hardware | str | None = None, memory_budget: Any = None, backend: str = "auto",
             seed: Any = 0, on_nonfinite: str = "raise", loss_scale: Any = None,
-            loss_mean: Any = "microbatch", fp16_accumulation: Any = False, fused_head: Any = False) -> Options:
+            loss_mean: Any = "microbatch", fp16_accumulation: Any = False, fused_head: Any = False,
+            timeout: Any = None) -> Options:
     """Check compile()'s arguments and build the Options (see `rpcompile.compile` for their meaning).
 
     Raises:
@@ -149,7 +152,16 @@ def options(*, gpus: Any, microbatches: Any = None, staleness: Any = 1, optimize
                    dtype=parse_dtype(dtype), loss_fn=loss_fn, layers=layers, lm_head_shards=lm_head_shards,
                    hardware=hardware, memory_budget=memory_budget, backend=backend, seed=seed,
                    on_nonfinite=on_nonfinite, loss_scale=loss_scale, loss_mean=loss_mean,
-                   fp16_accumulation=fp16_accumulation, fused_head=fused_head)
+                   fp16_accumulation=fp16_accumulation, fused_head=fused_head, timeout=check_timeout(timeout))
+
+
+def check_timeout(timeout: Any) -> float | None:
+    """compile()'s / load()'s `timeout` as float seconds (None: derived from the plan); ValueError naming it."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        raise ValueError(f"timeout must be None (derived from the plan) or a number of seconds > 0, got {timeout!r}")
+    return float(timeout)
 
 
 def check_model(model: Any) -> None:

@@ -11,14 +11,14 @@ import torch
 
 from rpcompile import checkpoint
 from rpcompile.api import Compiled
-from rpcompile.options import Options
+from rpcompile.options import Options, check_timeout
 from rpcompile.pipeline import Frozen
 
 __all__ = ["load"]
 
 
 def load(path: str, model: torch.nn.Module, *, loss_fn: Callable | None = None, dist: Any = False,
-         process_group: Any = None) -> Compiled:
+         process_group: Any = None, timeout: float | None = None) -> Compiled:
     """Load a checkpoint written by `Compiled.save` and continue training `model` from it.
 
     The checkpoint records the compile options, the example batch and the
@@ -31,6 +31,7 @@ def load(path: str, model: torch.nn.Module, *, loss_fn: Callable | None = None, 
         model: a module of the architecture the checkpoint was trained with (its weights are replaced).
         loss_fn: the run's loss_fn, if any.
         dist, process_group: as for `compile` (every process loads the same file).
+        timeout: as for `compile` (None: from the saved plan's costs); a checkpoint keeps none.
     Returns:
         A Compiled whose next `step` continues the saved run bit for bit.
     Raises:
@@ -38,7 +39,7 @@ def load(path: str, model: torch.nn.Module, *, loss_fn: Callable | None = None, 
             the state does not match `model`.
     """
     sd = checkpoint.load(path)
-    opts = Options(**{**sd["options"], "loss_fn": loss_fn})
+    opts = Options(**{**sd["options"], "loss_fn": loss_fn, "timeout": check_timeout(timeout)})
     frozen = Frozen(**sd["frozen"]) if "frozen" in sd else None  # the saved plan, not a re-measured one
     c = Compiled(model, opts, sd["example"], dist=dist, process_group=process_group, frozen=frozen, resume=sd)
     try:

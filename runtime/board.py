@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from rpcompile.runtime.streams.host import Abort, StreamContext
+from rpcompile.runtime.streams.host import Abort, DeadlineExceeded, StreamContext
 
 __all__ = ["IssueBoard"]
 
@@ -56,8 +56,8 @@ class IssueBoard:
                 with self._lock:
                     if key in self._items:
                         return self._items[key]
-                raise TimeoutError(f"{what} waited {self.ctx.timeout:.0f}s for {key[1]} (iteration {key[0]}) "
-                                   f"to be issued")
+                raise DeadlineExceeded(self.ctx.timeout, f"{key[1]} (iteration {key[0]}) to be issued",
+                                       f" (in {what})" if what else "")
 
     def has(self, key: tuple) -> bool:
         """True if `key` was issued."""

@@ -58,7 +58,7 @@ from rpcompile.runtime.program_info import EVAL_BASE, ProgramInfo, forward_only
 from rpcompile.runtime.recovery import Recovery
 from rpcompile.runtime.stage_exec import (LayerRunner, RoutingLog, chunk_elements, has_random_ops, split_batch,
                                           stage_io, tracked_buffers)
-from rpcompile.runtime.streams.host import StreamContext
+from rpcompile.runtime.streams.host import DEADLINE_FLOOR_S, StreamContext
 from rpcompile.runtime.transfer import RuntimeFailure, make_delay, protocol_deps
 
 __all__ = ["Runtime", "run", "RuntimeFailure", "DEP_KINDS", "check_pinned"]
@@ -79,7 +79,9 @@ class Runtime:
         seed: base seed of the per-(iteration, microbatch, layer) RNG (dropout).
         lane_delay: test hook: callable(worker, lane, label) -> seconds, or an int seed for random
             0-2 ms delays, slept inside the host streams before each item.
-        timeout: seconds any wait may last before it counts as a hang.
+        timeout: seconds any wait may last before it counts as a hang (a `DeadlineExceeded`, raised as a
+            RuntimeFailure naming the instruction); None: `DEADLINE_FLOOR_S` (10 minutes). `compile`
+            passes one derived from the plan's costs (`rpcompile.runtime.transfer.plan_deadline`).
         start_iteration: the iteration number of the first `step` (resuming a checkpoint: earlier
             iterations count as complete, so their refs are satisfied).
         poison: test mode: pool buffers are NaN when handed out, host buffers when released.
@@ -101,7 +103,7 @@ class Runtime:
     """
 
     def __init__(self, graph, program, state, *, backend: str = "auto", devices=None, seed: int = 0,
-                 lane_delay=None, timeout: float = 60.0, start_iteration: int = 0, poison: bool = False,
+                 lane_delay=None, timeout: float | None = None, start_iteration: int = 0, poison: bool = False,
                  drop: tuple[str, ...] = (), on_nonfinite: str = "raise", fp16_accumulation: bool = False) -> None:
         bad = set(drop) - set(DEP_KINDS)
         if bad:
@@ -111,7 +113,11 @@ class Runtime:
         if on_nonfinite not in ("raise", "skip"):
             raise ValueError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
         self.on_nonfinite = on_nonfinite
-        self.ctx = StreamContext(timeout=timeout, delay=make_delay(lane_delay))
+        if timeout is None:
+            timeout = DEADLINE_FLOOR_S
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+            raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+        self.ctx = StreamContext(timeout=float(timeout), delay=make_delay(lane_delay))
         self.workers = make_workers(program.gpus, self.ctx, backend, devices, poison, fp16_accumulation)
         self.pin = self.workers[0].kind == "cuda"
         check_pinned(state, self.workers[0].kind)
@@ -165,6 +171,11 @@ class Runtime:
     def first(self) -> int:
         """The first iteration this runtime runs (earlier ones count as complete)."""
         return self.iterations.first
+
+    @property
+    def timeout(self) -> float:
+        """Seconds any wait may last before it fails as a hang (the deadline)."""
+        return self.ctx.timeout
 
     @property
     def skipped(self) -> list[int]:

@@ -68,7 +68,7 @@ class Issuer:
             prod = info.by_name[key[1]]
             if prod.is_host:  # R2 (a P reads the new copy) waits here; R4 (a G) waits in the accumulate lane
                 if ins.op is Op.PARAM_UP and "copy>param_up" not in self.drop:
-                    stream.wait(self.host.event(key), t)
+                    stream.wait(self.host.event(key), t, label)  # a failed wait names the instruction
                 continue
             events = self.board.get(key, t, label)
             if prod.op is Op.RELEASE or ins.op is Op.GRAD_DOWN and prod.op is Op.GRAD_DOWN:
@@ -76,5 +76,5 @@ class Issuer:
             if dep_kind(prod.op, ins.op) in self.drop:
                 continue
             for ev in events:
-                stream.wait(ev, t)
+                stream.wait(ev, t, label)
         self.board.publish((t, ins.name), self.handlers[ins.op](t, ins, w))

@@ -59,7 +59,14 @@ class Recovery:
                 if not ev.wait(self.ctx.timeout * 2):
                     raise RuntimeError("rpcompile runtime: a lane did not drain (a hang); state may be inconsistent")
         for w in self.workers:
-            w.synchronize()
+            for tries in (1, 0):  # like the lanes: up to twice the deadline for a slow item still running
+                try:
+                    w.synchronize()
+                    break
+                except TimeoutError:
+                    if not tries:
+                        raise RuntimeError("rpcompile runtime: a worker's streams did not drain (a hang); state may "
+                                           "be inconsistent") from None
 
     def prune(self) -> None:
         """Forget records no instruction can reach any more (refs reach back at most one iteration)."""

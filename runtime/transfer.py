@@ -8,6 +8,8 @@
 - `protocol_deps`: the program's dependencies plus the per-layer rules the
   executor adds (tied parameters, a fixed gradient accumulation order, the
   commit point of an iteration).
+- `plan_deadline`: how long a wait may last before it counts as a hang, from
+  the plan's costs (never shorter than `DEADLINE_FLOOR_S`).
 
     >>> f = make_delay(3); 0.0 <= f(0, "compute", "w0 F0.m0") <= 0.002
     True
@@ -21,8 +23,13 @@ import zlib
 from typing import Any, Callable
 
 from rpcompile.ir.program import Op, Ref
+from rpcompile.runtime.streams.host import DEADLINE_FLOOR_S
 
-__all__ = ["LaneThread", "make_delay", "RuntimeFailure", "NonFiniteError", "protocol_deps"]
+__all__ = ["LaneThread", "make_delay", "RuntimeFailure", "NonFiniteError", "protocol_deps", "plan_deadline",
+           "DEADLINE_FACTOR"]
+
+DEADLINE_FACTOR = 20.0  # a default deadline is at least this multiple of the iteration's predicted serial work
+OPTIMIZER_BYTES_PER_S = 1e8  # the CPU optimizer priced (pessimistically) at 100 MB of gradient per second
 
 
 class RuntimeFailure(RuntimeError):
@@ -39,6 +46,37 @@ class NonFiniteError(FloatingPointError):
     def __init__(self, message: str, iteration: int, group: int | None) -> None:
         super().__init__(message)
         self.iteration, self.group = iteration, group
+
+
+def plan_deadline(costs: Any, microbatches: int, *, floor: float | None = None,
+                  factor: float = DEADLINE_FACTOR) -> float:
+    """The default deadline of every runtime wait: max(floor, factor * one iteration's work done serially).
+
+    The serial work of an iteration bounds what any one wait of a healthy run waits for (an
+    instruction, the issue of its producers, a buffer's release, the optimizer of a layer): every
+    microbatch's forward, recompute and backward of every layer on one worker, plus the CPU
+    optimizer at `OPTIMIZER_BYTES_PER_S`. The costs are the plan's (measured at compile, or
+    predicted for a hardware target), so a big layer on a slow machine gets a longer deadline;
+    the floor (`DEADLINE_FLOOR_S`, 10 minutes) covers what no plan predicts, such as a first CUDA
+    call that compiles kernels, or a machine that got busier since it was measured.
+
+    Args:
+        costs: the plan's CostTable (seconds per layer per microbatch).
+        microbatches: per iteration.
+        floor: the shortest deadline (None: `DEADLINE_FLOOR_S`).
+        factor: the multiple of the serial work.
+    Returns:
+        Seconds.
+
+    >>> from rpcompile.ir.costs import CostTable
+    >>> plan_deadline(CostTable.from_lists(fwd=[1.0, 2.0], bwd=[2.0, 4.0]), 8)   # 20 * 8 * (2*3 + 6)
+    1920.0
+    >>> plan_deadline(CostTable.from_lists(fwd=[1e-3], bwd=[2e-3]), 8)
+    600.0
+    """
+    work = microbatches * sum(2 * f + b for f, b in zip(costs.fwd, costs.bwd))
+    work += sum(costs.grad_bytes) / OPTIMIZER_BYTES_PER_S
+    return max(DEADLINE_FLOOR_S if floor is None else floor, factor * work)
 
 
 class LaneThread(threading.Thread):

@@ -120,6 +120,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _add(r, "--dry-run", action="store_true",
          help="load the tokenizer and the data, plan on a meta model, print it all; write nothing")
     _add(r, "--no-progress", action="store_true", help="no progress bar")
+    _add(r, "--timeout", type=float, metavar="SECONDS",
+         help="how long any wait of the runtime may last before the step fails as a hang, naming the instruction "
+         "(default: from the plan, the larger of 10 minutes and 20x a step's predicted work)")
+    _add(r, "--dist-timeout", type=float, metavar="SECONDS",
+         help=f"torchrun: how long to wait for every rank to join (default {d.dist_timeout:g})")
 
 
 def settings_from_args(a: argparse.Namespace) -> dict[str, Any]:

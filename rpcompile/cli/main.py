@@ -22,6 +22,7 @@ import time
 
 from rpcompile.checkpoint import write_text_atomic
 from rpcompile.cli.demo import DemoConfig, run
+from rpcompile.finetune.loop import StepFailed
 from rpcompile.finetune.run import finetune
 from rpcompile.cli.finetune import add_arguments, config_from_args
 from rpcompile.models.planning import plan_model
@@ -172,6 +173,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 REFUSED = (ValueError, ImportError, OSError, FloatingPointError, MemoryError)  # printed as one line, exit 2
+FAILED = (StepFailed,)  # a run that failed in the runtime: one line (the rest in a file it names), exit 1
 INTERRUPTED = 130  # the exit status after Ctrl-C (128 + SIGINT), as shells report it
 
 
@@ -182,7 +184,10 @@ def main(argv: list[str] | None = None) -> int:
         Caught: `REFUSED` (ValueError, ImportError, OSError such as FileNotFoundError,
         NotADirectoryError, IsADirectoryError or PermissionError, FloatingPointError such
         as the runtime's NonFiniteError, and MemoryError such as finetune's StepOutOfMemory).
-        Ctrl-C (KeyboardInterrupt) is one line too, and exit status 130. Only the message's first line is printed (a
+        Ctrl-C (KeyboardInterrupt) is one line too, and exit status 130; a finetune step that failed in
+        the runtime (`StepFailed`: an instruction raised, or a wait ran past --timeout) is one line
+        naming the instruction, the worker and the wait, and the file in OUT that holds the grid and the
+        tracebacks, exit status 1. Only the message's first line is printed (a
         runtime error's grid follows it); anything else is a bug and keeps its traceback.
     """
     try:
@@ -195,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # the command said what it kept (e.g. finetune: the last checkpoint)
         print(f"python -m rpcompile {args.command}: interrupted", file=sys.stderr)
         return INTERRUPTED
+    except FAILED as exc:
+        print(f"python -m rpcompile {args.command}: error: {exc}", file=sys.stderr)
+        return 1
     except REFUSED as exc:
         line = str(exc).strip().split("\n")[0].strip() or type(exc).__name__
         print(f"python -m rpcompile {args.command}: error: {line}", file=sys.stderr)

@@ -32,14 +32,14 @@ import types
 from rpcompile.finetune.config import FinetuneConfig, FinetuneResult
 from rpcompile.finetune.data import prepare, read_documents, read_template
 from rpcompile.finetune.hf import add_lora, export, load_model, load_tokenizer, trainable_module
-from rpcompile.finetune.loop import StepOutOfMemory
+from rpcompile.finetune.loop import StepFailed, StepOutOfMemory
 from rpcompile.finetune.packed_attention import use_packed_attention
 from rpcompile.finetune.run import finetune
 from rpcompile.finetune.schedule import lr_at
 
 __all__ = ["FinetuneConfig", "FinetuneResult", "finetune", "prepare", "read_documents", "read_template", "load_model",
            "load_tokenizer", "add_lora", "trainable_module", "export", "use_packed_attention", "lr_at",
-           "StepOutOfMemory"]
+           "StepOutOfMemory", "StepFailed"]
 
 
 class _FinetunePackage(types.ModuleType):

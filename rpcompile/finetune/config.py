@@ -75,6 +75,9 @@ class FinetuneConfig:
     dry_run: bool = False  # load the tokenizer and the data, plan on a meta model, print it all; write nothing
     num_proc: int = 1  # processes that tokenize the data (the token cache is the same for any number)
     val_size: float = 0.0  # without eval: hold out this seeded fraction of the documents for the eval loss
+    timeout: float | None = None  # seconds a runtime wait may last before the step fails as a hang; None: from the
+    # plan (the larger of 10 minutes and 20x a step's predicted work, `rpcompile.compile(timeout=)`)
+    dist_timeout: float = 60.0  # torchrun: seconds to wait for every rank to join before giving up
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,5 +139,8 @@ def check_config(cfg: FinetuneConfig) -> None:
         raise ValueError("--eval-every needs --eval FILE or --val-size F")
     if cfg.memory_gib is not None and not cfg.memory_gib > 0:
         raise ValueError(f"--memory-gib must be > 0, got {cfg.memory_gib}")
+    for name, v in {"timeout": cfg.timeout, "dist_timeout": cfg.dist_timeout}.items():
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf):
+            raise ValueError(f"--{name.replace('_', '-')} must be a number of seconds > 0, got {v!r}")
     if cfg.resume and cfg.overwrite:
         raise ValueError("give --resume (continue the run in --out) or --overwrite (replace it), not both")

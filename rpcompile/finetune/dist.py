@@ -12,11 +12,19 @@ command trains the same model at any world size. Rank 0 alone writes (the
 metrics, the run record, the token cache, the checkpoints and the exported
 model); on `--resume` it sends the checkpoint to the others (`fetch_checkpoint`),
 so the servers need no shared file system.
+
+The start: each rank prints one line saying what it waits for (the other ranks, or rank 0), at which
+address, and that the values come from the environment; the rendezvous (a `TCPStore` at
+MASTER_ADDR:MASTER_PORT) has its own deadline (`--dist-timeout`, 60 s by default) and a rank that is
+left alone ends with one line (a TimeoutError) instead of waiting for the group's timeout.
 """
 from __future__ import annotations
 
+import contextlib
+import datetime
 import hashlib
 import os
+import sys
 import tempfile
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +33,7 @@ import torch
 
 from rpcompile.runtime.distributed import DistConfig, init_group, shard
 
-__all__ = ["Ranks", "CHUNK_BYTES"]
+__all__ = ["Ranks", "CHUNK_BYTES", "rendezvous"]
 
 CHUNK_BYTES = 64 * 2**20  # a checkpoint crosses to the other ranks in pieces of this size
 
@@ -39,11 +47,20 @@ class Ranks:
     group: Any = None  # the torch.distributed group (None alone)
 
     @classmethod
-    def from_env(cls) -> "Ranks":
-        """The ranks torchrun describes in the environment; alone (rank 0 of 1) without WORLD_SIZE > 1."""
+    def from_env(cls, timeout: float = 60.0) -> "Ranks":
+        """The ranks torchrun describes in the environment; alone (rank 0 of 1) without WORLD_SIZE > 1.
+
+        Args:
+            timeout: seconds to wait for every rank to join (`rendezvous`).
+        Raises:
+            ValueError: WORLD_SIZE > 1 without RANK, MASTER_ADDR or MASTER_PORT.
+            TimeoutError: the ranks did not all join within `timeout` (one line).
+        """
         world = int(os.environ.get("WORLD_SIZE", "1") or 1)
         if world <= 1:
             return cls()
+        if not torch.distributed.is_initialized():
+            rendezvous(world, timeout)
         group = init_group(DistConfig())
         return cls(torch.distributed.get_rank(group), world, group)
 
@@ -132,3 +149,56 @@ class Ranks:
         """Remove the temporary copy `fetch_checkpoint` made (rank 0 keeps its own file)."""
         if local != path:
             os.remove(local)
+
+
+def rendezvous(world: int, timeout: float) -> None:
+    """Join the `world` ranks the environment names (gloo), saying so in one line; give up after `timeout` s.
+
+    Raises:
+        ValueError: RANK, MASTER_ADDR or MASTER_PORT is missing or not a number.
+        TimeoutError: not every rank joined in time (or the address cannot be used), in one line.
+
+    Example:
+        >>> rendezvous(2, 60.0)   # doctest: +SKIP
+        rank 0 of 2: waiting up to 60 s (--dist-timeout) for 1 more rank to join at 10.0.0.1:29500 (RANK, ...
+    """
+    missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
+    if missing:
+        raise ValueError(f"WORLD_SIZE={world} is set in the environment but {', '.join(missing)} not: launch with "
+                         f"torchrun, or unset WORLD_SIZE to train alone")
+    try:
+        rank, port = int(os.environ["RANK"]), int(os.environ["MASTER_PORT"])
+    except ValueError:
+        raise ValueError(f"RANK={os.environ['RANK']!r} and MASTER_PORT={os.environ['MASTER_PORT']!r} in the "
+                         f"environment must be whole numbers") from None
+    addr = os.environ["MASTER_ADDR"]
+    what = f"{world - 1} more rank(s) to join" if rank == 0 else "rank 0"
+    print(f"rank {rank} of {world}: waiting up to {timeout:g} s (--dist-timeout) for {what} at {addr}:{port} "
+          f"(RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT come from the environment)", flush=True)
+    try:
+        with _quiet_stderr():  # c10d logs every failed connection attempt, with a C++ stack, to stderr
+            store = torch.distributed.TCPStore(addr, port, world, is_master=rank == 0, wait_for_workers=True,
+                                               timeout=datetime.timedelta(seconds=timeout))
+    except (RuntimeError, OSError) as exc:  # DistStoreError, DistNetworkError: a RuntimeError
+        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TimeoutError(f"distributed start: rank {rank} of {world} gave up at {addr}:{port} after "
+                           f"--dist-timeout {timeout:g} s ({why}); start every rank, raise --dist-timeout, or unset "
+                           f"WORLD_SIZE (it comes from the environment) to train alone") from None
+    group_timeout = datetime.timedelta(seconds=DistConfig().timeout_s)
+    store.set_timeout(group_timeout)  # --dist-timeout bounds the start only, not the store's later waits
+    torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=group_timeout)
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Send file descriptor 2 to /dev/null for the block (what C++ code writes there too)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)

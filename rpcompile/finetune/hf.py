@@ -23,9 +23,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 
 def _first_line(exc: BaseException) -> str:
-    """An exception's message, first line only (transformers' messages run over many lines)."""
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    """An exception's message on one line: its first line (transformers' messages run over many lines), and when
+    that only introduces what follows (it ends with ":", as a config validator's does), the last line too,
+    which names the field."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    return f"{lines[0]} {lines[-1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
 
 
 def _check_folder(folder: str) -> None:
@@ -41,7 +45,7 @@ def load_tokenizer(folder: str) -> Any:
 
     Raises:
         FileNotFoundError: no such folder, or no config.json in it.
-        ValueError: the folder holds no tokenizer, or transformers cannot load it (its message).
+        ValueError: the folder holds no tokenizer, or transformers cannot load it (its message, one line).
 
     Example:
         >>> load_tokenizer("tiny-llama/").eos_token   # doctest: +SKIP
@@ -54,7 +58,8 @@ def load_tokenizer(folder: str) -> Any:
     from transformers import AutoTokenizer
     try:
         return AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    except (OSError, ValueError) as exc:
+    except Exception as exc:  # noqa: BLE001 - OSError, ValueError, a config validator's error...: one line
+        _read_config(folder)  # the tokenizer reads config.json too: if that is what fails, say so
         raise ValueError(f"model folder {folder!r}: cannot load its tokenizer: {_first_line(exc)}") from None
 
 
@@ -64,8 +69,9 @@ def check_model(folder: str, tokenizer: Any, seq: int) -> Any:
     Returns:
         The model's config (as saved: e.g. its `use_cache`, which training turns off).
     Raises:
-        ValueError: `seq` exceeds max_position_embeddings, or the tokenizer has more tokens than
-            the model's vocabulary.
+        ValueError: config.json cannot be read or fails transformers' validation (one line naming the
+            folder and the field), `seq` exceeds max_position_embeddings, or the tokenizer has more
+            tokens than the model's vocabulary.
 
     Example:
         >>> check_model("tiny/", tok, seq=4096)   # doctest: +SKIP
@@ -73,11 +79,7 @@ def check_model(folder: str, tokenizer: Any, seq: int) -> Any:
         ValueError: --seq 4096 is longer than the model's 64 positions (max_position_embeddings in tiny/config.json)
     """
     _check_folder(folder)
-    from transformers import AutoConfig
-    try:
-        config = AutoConfig.from_pretrained(folder, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"model folder {folder!r}: cannot read its config.json: {_first_line(exc)}") from None
+    config = _read_config(folder)
     text = getattr(config, "text_config", None) or config  # multimodal configs nest the language model's
     limit = getattr(text, "max_position_embeddings", None)
     if limit is not None and seq > limit:
@@ -88,6 +90,15 @@ def check_model(folder: str, tokenizer: Any, seq: int) -> Any:
         raise ValueError(f"the tokenizer in {folder!r} has {len(tokenizer)} tokens but the model's vocabulary "
                          f"only {vocab} (vocab_size in config.json): they do not belong together")
     return config
+
+
+def _read_config(folder: str) -> Any:
+    """`AutoConfig.from_pretrained(folder)`, offline; ValueError in one line naming the folder (and the field)."""
+    from transformers import AutoConfig
+    try:
+        return AutoConfig.from_pretrained(folder, local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - e.g. huggingface_hub's StrictDataclassClassValidationError
+        raise ValueError(f"model folder {folder!r}: cannot read its config.json: {_first_line(exc)}") from None
 
 
 def load_model(folder: str, *, dtype: torch.dtype | None = None) -> Any:
@@ -109,7 +120,7 @@ def load_model(folder: str, *, dtype: torch.dtype | None = None) -> Any:
     try:
         # the absolute path becomes the adapters' base_model_name_or_path: loadable from any folder
         model = AutoModelForCausalLM.from_pretrained(os.path.abspath(folder), local_files_only=True, dtype=dtype)
-    except (OSError, ValueError) as exc:
+    except Exception as exc:  # noqa: BLE001 - whatever transformers raises for the folder: one line
         raise ValueError(f"model folder {folder!r}: cannot load it as a causal LM: {_first_line(exc)}") from None
     model.config.use_cache = False  # no KV cache while training (and none crosses a stage cut)
     return model.train()

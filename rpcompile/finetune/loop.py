@@ -3,23 +3,34 @@
     >>> losses = Loop(c, cfg, plan, train, held, log, ranks).run(evals, on_step)   # doctest: +SKIP
 
 Per step t: set the scheduled learning rate, step this rank's share of batch t,
-update the progress bar, checkpoint every `save_every` steps, eval every
-`eval_every` steps, and record the step's metrics (`rpcompile.finetune.metrics`).
+update the progress bar, eval every `eval_every` steps, checkpoint every `save_every`
+steps, and record the step's metrics (`rpcompile.finetune.metrics`).
+
+A checkpoint never covers a line that is not on disk: at a checkpoint step the eval runs
+first, then every pending line (that step's eval included) is written, and only then is the
+checkpoint saved. A kill before the save leaves the previous checkpoint, whose resume drops the
+later lines and runs those steps and evals again; a kill after it loses nothing.
 
 A step's metrics line is written once the next step has returned (or at a
 checkpoint, or at the end): its gradient norm and the runtime's counters are
 read then, from what the runtime recorded, so logging never makes a step wait
 for the staleness-1 update still running behind it.
 
-What stops a run (`StepOutOfMemory`, KeyboardInterrupt): the step that failed is
+A runtime failure (an instruction that raised, or a wait past its deadline) stops the run with
+`StepFailed`: one line naming the step, the instruction, its worker and the wait, and the path of
+`OUT/rpcompile-failure.txt`, which holds the whole message (the instruction grid, the worker's traceback).
+
+What stops a run (`StepOutOfMemory`, `StepFailed`, KeyboardInterrupt): the step that failed is
 undone by the runtime, the lines of the steps that finished are written, and the
 last checkpoint is left as it was (a checkpoint is replaced atomically, never
 half-written), so `--resume` continues from it.
 """
 from __future__ import annotations
 
+import os
 import re
 import resource
+import traceback
 import sys
 import time
 from dataclasses import dataclass
@@ -29,12 +40,15 @@ import torch
 
 from rpcompile.finetune.schedule import lr_at
 from rpcompile.ir.instr import Op
+from rpcompile.runtime.streams.host import seconds
 from rpcompile.runtime.transfer import RuntimeFailure
 
-__all__ = ["Loop", "StepPlan", "StepOutOfMemory", "evaluate_loss", "out_of_memory"]
+__all__ = ["Loop", "StepPlan", "StepOutOfMemory", "StepFailed", "evaluate_loss", "out_of_memory", "step_failure",
+           "FAILURE_FILE"]
 
 IGNORE = -100  # the label of an untrained position
 _INSTR = re.compile(r"w(\d+) ([A-Za-z]+)(\d+)(?:\.m(\d+))?")  # an instruction name, e.g. "w3 B5.m2"
+FAILURE_FILE = "rpcompile-failure.txt"  # in OUT: the last runtime failure's grid and tracebacks
 
 
 class StepOutOfMemory(MemoryError):
@@ -49,6 +63,48 @@ class StepPlan:
     size: int  # sequences per step, every rank together
     lr: float  # peak learning rate
     checkpoint: str  # the checkpoint's path
+
+
+class StepFailed(RuntimeError):
+    """A step failed in the runtime (an instruction raised, or a wait ran past its deadline); one line, the rest in
+    `path`."""
+
+    def __init__(self, message: str, path: str) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+def step_failure(exc: BaseException, step: int, saved: int | None, out: str, rank: int = 0) -> StepFailed | None:
+    """The one-line error for a `RuntimeFailure` `exc` in 1-based `step` (None if `exc` is none); the whole failure
+    (the instruction grid, the worker's and the caller's tracebacks) is written to OUT/rpcompile-failure.txt.
+
+    Example:
+        >>> str(step_failure(failure, 1, None, "out/"))   # doctest: +SKIP
+        'step 1 failed: instruction w0 G0.r0.c0 (worker 0) waited 600 s for h C.l3 (iteration 0) (the deadline: ...'
+    """
+    if not isinstance(exc, RuntimeFailure):
+        return None
+    name = FAILURE_FILE if rank == 0 else f"rpcompile-failure-rank{rank}.txt"
+    path = os.path.join(out, name)
+    try:
+        os.makedirs(out, exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write("".join(traceback.format_exception(exc)))
+    except OSError as err:
+        path = f"(not written: {err})"
+    cause = exc.__cause__
+    worker, lane = re.match(r"w(\d+)[ /]", exc.instr), re.fullmatch(r"w(\d+)/(\w+)", exc.instr)
+    where = f"worker {worker.group(1)}" if worker else "the host" if exc.instr.startswith("h ") else "the caller"
+    what = f"the {lane.group(2)} stream of worker {lane.group(1)}" if lane else f"instruction {exc.instr} ({where})"
+    if isinstance(cause, TimeoutError) and getattr(cause, "what", None):
+        why = (f"waited {seconds(cause.waited)} for {cause.what} (the deadline: raise it with --timeout SECONDS if "
+               f"the machine is just slow)")
+    else:
+        text = str(cause).strip().splitlines()[0] if cause is not None and str(cause).strip() else ""
+        why = f"failed: {type(cause).__name__}: {text}" if cause is not None else str(exc).splitlines()[0]
+    kept = f"the checkpoint of step {saved} is kept" if saved else "no checkpoint yet"
+    return StepFailed(f"step {step} failed: {what} {why}; {kept}; the instruction grid and tracebacks are in {path}",
+                      path)
 
 
 def out_of_memory(exc: BaseException, step: int, saved: int | None) -> StepOutOfMemory | None:
@@ -127,9 +183,12 @@ class Loop:
             except Exception as exc:
                 self._write(complete=True)
                 oom = out_of_memory(exc, t + 1, self.saved)
-                if oom is None:
+                if oom is not None:
+                    raise oom from None
+                failed = step_failure(exc, t + 1, self.saved, cfg.out, self.ranks.rank)
+                if failed is None:
                     raise
-                raise oom from None
+                raise failed from exc
         return losses
 
     def _step(self, bar: Any, evals: list) -> float:
@@ -150,14 +209,15 @@ class Loop:
             self.pending.append({"step": c.steps, "loss": loss, "lr": rate,
                                  "trained_tokens": int((batch["labels"][:, 1:] != IGNORE).sum()),
                                  "tokens_per_s": tokens / took, "_took": took})
-        if cfg.save_every and c.steps % cfg.save_every == 0:
-            c.save(plan.checkpoint)  # waits for the step's work: every pending line is complete
-            self.saved = c.steps
-            self._write(complete=True)
         if self.held is not None and cfg.eval_every and c.steps % cfg.eval_every == 0 and c.steps < plan.total:
             evals.append((c.steps, evaluate_loss(c, self.held, plan.size, self.ranks)))
             bar.write(f"step {c.steps}: eval loss {evals[-1][1]:.4f}")
             self._add_eval(evals[-1])
+        if cfg.save_every and c.steps % cfg.save_every == 0:
+            c.flush()  # the step's work done: every pending line is complete
+            self._write(complete=True)  # on disk before the checkpoint that covers them (its eval too)
+            c.save(plan.checkpoint)
+            self.saved = c.steps
         return loss
 
     def _add_eval(self, ev: tuple[int, float]) -> None:

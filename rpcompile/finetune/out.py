@@ -1,7 +1,14 @@
 """The output folder of a fine-tuning run: what a run writes there, what it refuses, what a resume must match.
 
     >>> check_out(cfg)                  # raises unless cfg.out may be written (see finetune's docstring)  # doctest: +SKIP
+    >>> lock = claim_out(cfg); ...; lock.release()   # check_out, and the folder is this run's alone      # doctest: +SKIP
     >>> check_resume(cfg, run_record(cfg, train))                                                     # doctest: +SKIP
+
+One run owns its output folder: `claim_out` takes an exclusive lock (`fcntl.flock` on `OUT/.lock`,
+which holds the owner's pid) for the whole run, so a second run on the same folder is refused at
+once, naming the pid that holds it. The operating system releases the lock with the process, so a
+killed run leaves no lock behind (the file stays; it locks nothing). Where there is no `flock`
+(Windows) there is no lock.
 """
 from __future__ import annotations
 
@@ -11,19 +18,25 @@ import os
 import shutil
 from typing import Any
 
+try:
+    import fcntl  # POSIX only: no lock without it
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None
+
 from rpcompile.finetune.config import FinetuneConfig
 from rpcompile.finetune.hf import TOKENIZER_FILES
 from rpcompile.finetune.metrics import METRICS_FILE, TENSORBOARD_DIR
 
-__all__ = ["CHECKPOINT", "RUN_FILE", "TOKEN_CACHE", "FREE", "check_out", "previous_run", "remove_previous", "run_record",
-           "read_run", "check_resume"]
+__all__ = ["CHECKPOINT", "RUN_FILE", "TOKEN_CACHE", "FREE", "LOCK_FILE", "OutLock", "check_out", "claim_out",
+           "previous_run", "remove_previous", "run_record", "read_run", "check_resume"]
 
 CHECKPOINT = "rpcompile-checkpoint.rp"  # in `out`: the training state (rpcompile.load format)
 RUN_FILE = "rpcompile-run.json"  # in `out`: the run's settings and data fingerprint, checked on resume
 TOKEN_CACHE = "token-cache"  # in `out`: the tokenized data files (rpcompile.finetune.data.token_cache), kept for reruns
+LOCK_FILE = ".lock"  # in `out`: locked (flock) by the run that owns the folder; holds its pid
 # a resume may change these (the data file is checked by the fingerprint of its packed tokens, not its path)
 FREE = ("out", "data", "resume", "overwrite", "save_every", "eval", "eval_every", "progress", "logging_steps",
-        "report_to", "dry_run", "num_proc")
+        "report_to", "dry_run", "num_proc", "timeout", "dist_timeout")
 # what a run writes into `out` (and `out/adapter`): found there, it is refused without --resume or --overwrite
 RUN_OUTPUTS = (RUN_FILE, CHECKPOINT, METRICS_FILE, "config.json", "generation_config.json", "adapter_config.json",
                "special_tokens_map.json", "chat_template.jinja", *TOKENIZER_FILES)
@@ -51,6 +64,60 @@ def check_out(cfg: FinetuneConfig) -> None:
         names = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
         raise ValueError(f"--out {cfg.out!r} already holds a run or a model ({names}): continue that run with "
                          f"--resume, replace it with --overwrite, or give another --out")
+
+
+class OutLock:
+    """An exclusive lock on an output folder, held until `release` (or the process ends).
+
+    Args:
+        out: the folder (created if missing).
+    Raises:
+        ValueError: another process holds the folder (names its pid).
+    """
+
+    def __init__(self, out: str) -> None:
+        self.path = os.path.join(out, LOCK_FILE)
+        self._fd: int | None = None
+        if fcntl is None:
+            return
+        os.makedirs(out, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+            os.close(fd)
+            raise ValueError(f"--out {out!r} is in use by another run (pid {holder}, which holds {self.path}): "
+                             f"wait for it to end, or give another --out") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        """Let another run have the folder (closing the descriptor drops the lock)."""
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+
+
+def claim_out(cfg: FinetuneConfig) -> OutLock:
+    """`check_out`, then lock `cfg.out` for this run and check it again under the lock (another run may have
+    written it in between); the caller releases the lock when the run ends.
+
+    Raises:
+        as `check_out`, and ValueError when another run holds the folder (naming its pid).
+    """
+    check_out(cfg)
+    lock = OutLock(cfg.out)
+    try:
+        check_out(cfg)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
 
 
 def previous_run(out: str) -> list[str]:

@@ -14,6 +14,14 @@ longest sequence that fits (`rpcompile.passes.max_seq_len`). A run that cannot
 fit is refused here, in seconds, with the bytes named (ValueError); `finetune`
 runs it before it loads the weights, and `--dry-run` prints what it found.
 
+The RAM a run needs is more than the host state (`rpcompile.hostmem`): the model as loaded keeps
+its own parameters, the runtime keeps each stage's gradients in the training dtype while they land
+(gradient staging) and, with staleness 1, a copy of the compute copies it may have to restore (undo
+copies); and on host workers (no CUDA) a worker's "device" memory is RAM too, so every worker's
+simulated peak counts. `INTERPRETER_BYTES` is added for Python, torch, transformers and the runtime's
+threads. The check and `--dry-run` count all of it and say so; with CUDA workers their peaks are device
+memory and do not count.
+
 The plan printed is the predicted one: the run itself measures its layers and may
 group them differently; the memory figures are bytes, the same either way.
 """
@@ -34,7 +42,10 @@ from rpcompile.ir.hardware import Hardware, rate_key
 from rpcompile.passes.cost.seqlen import max_seq_len
 from rpcompile.runtime import simulate
 
-__all__ = ["Preflight", "preflight", "local_hardware", "meta_model"]
+__all__ = ["Preflight", "preflight", "local_hardware", "meta_model", "INTERPRETER_BYTES"]
+
+INTERPRETER_BYTES = 512 * 2**20  # RAM of Python, torch, transformers and the runtime's threads beside the model's
+# bytes: a finetune of a 38k-parameter model on 2 host workers peaks at 432 MiB RSS (torch CPU build)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,10 +59,25 @@ class Preflight:
     budget: int | None  # device bytes per worker the plan had to fit (None: unbounded)
     host: HostBytes  # host bytes of the run, by category
     host_limit: int  # this machine's RAM
+    workers_ram: int  # host workers: the sum of their device peaks, which are RAM too (0 with CUDA workers)
+    buffers: int  # the model as loaded, gradient staging and undo copies (see the module docstring)
     seq_limit: Any  # rpcompile.SeqLenLimit: the longest sequence that fits and what binds it (None: see why)
     seq_limit_why: str | None  # why the longest sequence could not be found
     iteration: float | None = None  # simulated seconds of one iteration on `hardware` (predicted costs)
     gemm_rate: str = ""  # the rate key its training-dtype GEMMs were priced at ("float16/float16": fp16 accumulation)
+
+    @property
+    def ram(self) -> int:
+        """The RAM the run needs: the host state, the host workers' peaks and `INTERPRETER_BYTES`."""
+        return self.host.total + self.buffers + self.workers_ram + INTERPRETER_BYTES
+
+    def ram_line(self) -> str:
+        """What `ram` adds up, in words."""
+        workers = (f" + {len(self.peaks)} host workers' device peaks {_size(self.workers_ram)} (RAM here)"
+                   if self.workers_ram else "")
+        return (f"{_size(self.ram)} of {_size(self.host_limit)} RAM: host state {self.host} + the loaded model, "
+                f"gradient staging and undo copies {_size(self.buffers)}{workers} + Python and torch "
+                f"{_size(INTERPRETER_BYTES)}")
 
     def lines(self) -> list[str]:
         """The findings, a line each."""
@@ -60,7 +86,7 @@ class Preflight:
         seq = str(self.seq_limit) if self.seq_limit is not None else f"not found ({self.seq_limit_why})"
         return [f"plan (predicted for {self.hardware.name}, {len(self.peaks)} workers) {self.plan.to_str()}",
                 f"device peak per worker{cap}: {peaks}",
-                f"host memory: {self.host} of {_size(self.host_limit)} RAM",
+                f"host memory: {self.ram_line()}",
                 f"max_seq_len: {seq}",
                 f"predicted iteration: {self.iteration:.3g} s, GEMMs priced at {self.gemm_rate} "
                 f"({self.hardware.flops(self.gemm_rate) / 1e12:g} TFLOP/s peak)"]
@@ -118,8 +144,9 @@ def preflight(config: Any, example: Any, *, gpus: int, microbatches: int, microb
         budget: device bytes per worker (None: unbounded host workers, or 90% of the CUDA device).
         lora, packed: as for `meta_model`.
     Raises:
-        ValueError: the host state or the saved activations exceed the RAM, or a layer cannot fit the
-            device budget (each names the bytes).
+        ValueError: the host state or the saved activations exceed the RAM, or with host workers so do
+            they and the workers' device peaks, or a layer cannot fit the device budget (each names the
+            bytes).
     """
     module = meta_model(config, dtype=dtype, lora=lora, packed=packed)
     hw = local_hardware(gpus, budget)
@@ -133,12 +160,20 @@ def preflight(config: Any, example: Any, *, gpus: int, microbatches: int, microb
     timeline = simulate(program, costs, hw)
     peaks = tuple(int(p) for p in timeline.peak_memory)
     rate = rate_key(dtype, torch.float16 if fp16_accumulation else None)
+    workers = 0 if torch.cuda.is_available() else sum(peaks)  # host workers' device memory is RAM
+    staging = host.grads // torch.float32.itemsize * dtype.itemsize  # every stage's gradients, training dtype
+    buffers = host.weights + staging + (host.weights if staleness == 1 else 0)  # loaded model, staging, undo
+    found = Preflight(hw, plan, program, peaks, budget, host, hw.host_memory, workers, buffers, None, None)
+    if found.ram > hw.host_memory:
+        raise ValueError(f"host memory: the run needs {found.ram_line().replace(' of ', ' but has ', 1)}; lower "
+                         f"--micro-batch-size, --seq or --microbatches, or train adapters (--lora)")
     try:
         limit, why = max_seq_len(graph, hw, gpus=gpus, microbatch_size=microbatch_size, microbatches=m,
                                  memory_budget=budget, host_memory=hw.host_memory), None
     except Exception as exc:  # noqa: BLE001 - reported: the plan and the checks above still stand
         limit, why = None, f"{type(exc).__name__}: {exc}"
-    return Preflight(hw, plan, program, peaks, budget, host, hw.host_memory, limit, why, timeline.iteration_time, rate)
+    return Preflight(hw, plan, program, peaks, budget, host, hw.host_memory, workers, buffers, limit, why,
+                     timeline.iteration_time, rate)
 
 
 def _size(n: int) -> str:

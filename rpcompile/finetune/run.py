@@ -28,6 +28,9 @@ and a fingerprint of the data; written atomically). The data position and the
 schedule step are both the checkpoint's step count, so `resume=True` continues
 bit for bit; it refuses settings that differ from the run's.
 
+One run at a time owns `out`: an exclusive lock on `out/.lock` for the whole run refuses a second run
+on the same folder at once, naming the first one's pid (`rpcompile.finetune.out.claim_out`).
+
 A finished run is never overwritten by accident: an `out` that holds a run record,
 a checkpoint, or model, adapter or tokenizer files is refused unless the run is
 resumed (`resume=True`) or replaced (`overwrite=True`, which deletes those files
@@ -46,18 +49,20 @@ import torch
 from rpcompile.api import compile
 from rpcompile.resume import load
 from rpcompile.checkpoint import write_text_atomic
-from rpcompile.finetune.data import prepare, read_template
+from rpcompile.finetune.data import CONVERSATIONAL, NothingToTrain, file_kind, prepare, read_template
 from rpcompile.finetune.config import DTYPES, FinetuneConfig, FinetuneResult, check_config
 from rpcompile.finetune.dist import Ranks
-from rpcompile.finetune.loop import Loop, StepOutOfMemory, StepPlan, evaluate_loss
-from rpcompile.finetune.out import CHECKPOINT, RUN_FILE, TOKEN_CACHE, check_out, check_resume, remove_previous, run_record
+from rpcompile.finetune.loop import Loop, StepFailed, StepOutOfMemory, StepPlan, evaluate_loss
+from rpcompile.finetune.out import (CHECKPOINT, RUN_FILE, TOKEN_CACHE, OutLock, check_resume, claim_out, remove_previous,
+                                   run_record)
 from rpcompile.finetune.hf import add_lora, check_model, export, load_model, load_tokenizer, trainable_module
 from rpcompile.finetune.metrics import MetricsLog, check_report_to
 from rpcompile.finetune.packed_attention import use_packed_attention
 from rpcompile.finetune.preflight import preflight
 from rpcompile.ir.optim import AdamW, DynamicLossScale
 
-__all__ = ["FinetuneConfig", "FinetuneResult", "finetune", "CHECKPOINT", "RUN_FILE", "DTYPES", "StepOutOfMemory"]
+__all__ = ["FinetuneConfig", "FinetuneResult", "finetune", "CHECKPOINT", "RUN_FILE", "DTYPES", "StepOutOfMemory",
+           "StepFailed"]
 
 
 def finetune(cfg: FinetuneConfig, *, on_step: Callable[[int, float], None] | None = None) -> FinetuneResult:
@@ -74,7 +79,12 @@ def finetune(cfg: FinetuneConfig, *, on_step: Callable[[int, float], None] | Non
         FileNotFoundError / ValueError / ImportError: bad input, named (the CLI prints one line, exit 2);
             ValueError too for an `out` that holds a run or a model, without `resume` or `overwrite`,
             and for a run that does not fit the host or device memory (checked before the weights load).
+            ValueError too when another run holds `out` (its lock; the message names its pid).
         NotADirectoryError / PermissionError: `out` is a file, or cannot be written.
+        TimeoutError: under torchrun, the ranks did not all join within `dist_timeout` (one line).
+        StepFailed: a step failed in the runtime (an instruction raised, or a wait ran past `timeout`):
+            one line naming the step, the instruction, its worker and the wait; the grid and the
+            tracebacks are in OUT/rpcompile-failure.txt (the CLI: exit status 1).
         StepOutOfMemory: a step ran out of device or host memory (a MemoryError: the CLI prints its
             one line, exit 2); the last checkpoint stays valid.
         KeyboardInterrupt: Ctrl-C; the step is undone and the last checkpoint stays valid (exit 130).
@@ -93,9 +103,19 @@ def finetune(cfg: FinetuneConfig, *, on_step: Callable[[int, float], None] | Non
     check_config(cfg)
     check_report_to(cfg.report_to)
     _check_transformers()
-    ranks = Ranks.from_env()  # alone, or one of torchrun's processes
-    if not cfg.dry_run:  # before anything slow: a finished run is never overwritten by accident
-        ranks.on_rank0(lambda: check_out(cfg))
+    ranks = Ranks.from_env(cfg.dist_timeout)  # alone, or one of torchrun's processes
+    locks: list[OutLock] = []
+    if not cfg.dry_run:  # before anything slow: a finished run is never overwritten by accident, and one run
+        ranks.on_rank0(lambda: locks.append(claim_out(cfg)))  # at a time owns the folder (rank 0's lock)
+    try:
+        return _train(cfg, ranks, on_step)
+    finally:
+        for lock in locks:
+            lock.release()
+
+
+def _train(cfg: FinetuneConfig, ranks: Ranks, on_step: Callable[[int, float], None] | None) -> FinetuneResult:
+    """The run of `finetune`, once `out` is this run's (see its docstring)."""
     cuda = torch.cuda.is_available()
     dtype = DTYPES[cfg.dtype] or (torch.bfloat16 if cuda else torch.float32)
     tokenizer = load_tokenizer(cfg.model)  # everything that can be wrong is checked before the weights load
@@ -176,7 +196,7 @@ def _start(cfg: FinetuneConfig, module: Any, run: dict, example: Any, ranks: Ran
     if cfg.resume:
         local = ranks.fetch_checkpoint(plan.checkpoint)  # rank 0's file, on every server
         try:
-            return load(local, module, dist=dist)
+            return load(local, module, dist=dist, timeout=cfg.timeout)
         finally:
             ranks.release(local, plan.checkpoint)
     if ranks.writes:
@@ -186,7 +206,7 @@ def _start(cfg: FinetuneConfig, module: Any, run: dict, example: Any, ranks: Ran
         write_text_atomic(os.path.join(cfg.out, RUN_FILE), json.dumps(run, indent=1))
     return compile(module, gpus=gpus, example=example, microbatches=micro, staleness=cfg.staleness, dtype=dtype,
                    seed=cfg.seed, optimizer=optimizer, memory_budget=budget, lm_head_shards=cfg.lm_head_shards,
-                   loss_mean="tokens", dist=dist, fp16_accumulation=cfg.fp16_accumulation,
+                   loss_mean="tokens", dist=dist, fp16_accumulation=cfg.fp16_accumulation, timeout=cfg.timeout,
                    loss_scale=DynamicLossScale() if dtype == torch.float16 else None)  # fp16: gradients underflow
 
 
@@ -197,21 +217,39 @@ def _datasets(cfg: FinetuneConfig, tokenizer: Any, ranks: Ranks) -> tuple[Any, A
     root = os.path.join(cfg.out, TOKEN_CACHE) if ranks.writes and not cfg.dry_run else None
     train = _data(cfg, cfg.data, tokenizer, root)
     if cfg.eval:
-        return train, _data(cfg, cfg.eval, tokenizer, root)
+        return train, _data(cfg, cfg.eval, tokenizer, root, flag="--eval")
     if not cfg.val_size:
         return train, None
-    train, held = train.split_documents(cfg.val_size, cfg.seed)
+    try:
+        train, held = train.split_documents(cfg.val_size, cfg.seed)
+    except NothingToTrain as exc:
+        raise _no_targets(cfg, f"--val-size {cfg.val_size:g}: a part of --data", cfg.data, exc) from None
     for name, part in (("training", train), ("held out", held)):
         _summary(f"--val-size {cfg.val_size}: {name}", part, cfg)
     return train, held
 
 
-def _data(cfg: FinetuneConfig, path: str, tokenizer: Any, cache_root: str | None) -> Any:
+def _data(cfg: FinetuneConfig, path: str, tokenizer: Any, cache_root: str | None, flag: str = "--data") -> Any:
     """Read, mask and pack one data file (through the token cache); print its summary line."""
-    packed = prepare(path, tokenizer, seq=cfg.seq, packing=cfg.packing, whole_file=cfg.whole_file,
-                     train_on=cfg.train_on, text_field=cfg.text_field, cache_root=cache_root, num_proc=cfg.num_proc)
+    try:
+        packed = prepare(path, tokenizer, seq=cfg.seq, packing=cfg.packing, whole_file=cfg.whole_file,
+                         train_on=cfg.train_on, text_field=cfg.text_field, cache_root=cache_root,
+                         num_proc=cfg.num_proc)
+    except NothingToTrain as exc:
+        raise _no_targets(cfg, flag, path, exc) from None
     _summary(f"data {path}", packed, cfg, rows=f"{packed.read:,} rows, ")
     return packed
+
+
+def _no_targets(cfg: FinetuneConfig, flag: str, path: str, exc: NothingToTrain) -> ValueError:
+    """The no-trained-token error naming the file (--data, --eval) and, for conversations, the chat template."""
+    if file_kind(path, cfg.text_field) not in CONVERSATIONAL:
+        return ValueError(f"{flag} {path!r}: {exc}")
+    template = (f"the template of --chat-template {cfg.chat_template!r}" if cfg.chat_template else
+                f"the tokenizer's chat template (of --model {cfg.model!r})")
+    return ValueError(f"{flag} {path!r}: none of its {exc.documents} conversation(s) leaves a token to train on "
+                      f"(--train-on {cfg.train_on or 'assistant'}) as {template} renders them: does it render "
+                      f"each message's content?")
 
 
 def _summary(what: str, packed: Any, cfg: FinetuneConfig, rows: str = "") -> None:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from rpcompile.runtime.streams.launch import LaunchStream
-from rpcompile.runtime.streams.host import StreamContext
+from rpcompile.runtime.streams.host import DeadlineExceeded, StreamContext
 
 __all__ = ["CudaEvent", "CudaOps", "CudaStream", "EventWatcher", "Fp16Accumulation", "on_device",
            "set_thread_device", "thread_device", "check_stream_pool", "STREAMS_PER_POOL"]
@@ -164,8 +164,8 @@ class CudaEvent:
         t = self._ctx.timeout if timeout is None else timeout
         with on_device(self.device):
             if not poll(self.raw.query, t):
-                raise TimeoutError(f"waited {t:.0f}s for {self.label or 'an event'} on {self.device}: "
-                                   f"the GPU did not reach it (a hang?)")
+                raise DeadlineExceeded(t, self.label or "an event", f" on {self.device}: the GPU did not reach it "
+                                       f"(a hang?)")
 
     def then(self, fn: Callable[[], None]) -> None:
         """Call `fn()` once the GPU has reached the event (on the watcher's thread; at once if it has)."""
@@ -235,8 +235,8 @@ class EventWatcher:
                 except BaseException as exc:  # noqa: BLE001 - the caller's thread re-raises it
                     self.ctx.failure.fail(ev.it if ev.it is not None else -1, ev.label or self.name, exc)
             for ev, _, _ in late:
-                self.ctx.failure.fail(ev.it if ev.it is not None else -1, ev.label or self.name, TimeoutError(
-                    f"waited {self.ctx.timeout:.0f}s for {ev.label or 'an event'} on {self.device} (a hang?)"))
+                self.ctx.failure.fail(ev.it if ev.it is not None else -1, ev.label or self.name, DeadlineExceeded(
+                    self.ctx.timeout, ev.label or "an event", f" on {self.device} (a hang?)"))
             if done:
                 nap = 2e-5
             else:

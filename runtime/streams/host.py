@@ -36,7 +36,27 @@ from typing import Any
 
 from rpcompile.runtime.streams.stats import Stats
 
-__all__ = ["Abort", "Failure", "StreamContext", "HostEvent", "HostStream", "wait_all"]
+__all__ = ["Abort", "Failure", "StreamContext", "HostEvent", "HostStream", "wait_all", "DeadlineExceeded",
+           "DEADLINE_FLOOR_S", "seconds"]
+
+DEADLINE_FLOOR_S = 600.0  # the shortest default deadline of a wait (compile derives a longer one from its plan)
+
+
+def seconds(s: float) -> str:
+    """A duration for messages: "600 s", "0.25 s"."""
+    return f"{s:.3g} s" if s < 100 else f"{s:.0f} s"
+
+
+class DeadlineExceeded(TimeoutError):
+    """A wait of the runtime ran past its deadline (`StreamContext.timeout`): names what it waited for and how long.
+
+    >>> str(DeadlineExceeded(600.0, "w0 G0.r0.c0"))
+    'waited 600 s for w0 G0.r0.c0'
+    """
+
+    def __init__(self, waited: float, what: str, detail: str = "") -> None:
+        super().__init__(f"waited {seconds(waited)} for {what}{detail}")
+        self.waited, self.what = waited, what
 
 
 class Abort(Exception):
@@ -97,12 +117,13 @@ class StreamContext:
     """What every stream and event of one runtime shares: failure, timeout, delays, stats.
 
     Args:
-        timeout: seconds any wait may last before it fails as a hang.
+        timeout: seconds any wait may last before it fails as a hang (`DeadlineExceeded`); the Runtime
+            derives it from the plan (`rpcompile.runtime.transfer.plan_deadline`) unless it is given.
         delay: test hook `delay(worker, lane, label) -> seconds`, slept before each host-stream item.
         stats: per-iteration counters (host waits, bytes, busy time).
     """
 
-    def __init__(self, timeout: float = 60.0, delay: Callable[[int, str, str], float] | None = None,
+    def __init__(self, timeout: float = DEADLINE_FLOOR_S, delay: Callable[[int, str, str], float] | None = None,
                  stats: Stats | None = None) -> None:
         self.timeout, self.delay = timeout, delay
         self.failure = Failure()
@@ -136,7 +157,7 @@ class HostEvent:
         """Block until complete. Raises Abort if aborted, TimeoutError after `timeout` (default the context's)."""
         t = self._ctx.timeout if timeout is None else timeout
         if not self._flag.wait(t):
-            raise TimeoutError(f"waited {t:.0f}s for {self.label or 'an event'}")
+            raise DeadlineExceeded(t, self.label or "an event")
         if self.aborted:
             raise Abort(self.label)
 

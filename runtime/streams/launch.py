@@ -54,7 +54,7 @@ from collections.abc import Callable
 from queue import SimpleQueue
 from typing import Any
 
-from rpcompile.runtime.streams.host import Abort, HostStream, StreamContext
+from rpcompile.runtime.streams.host import Abort, DeadlineExceeded, HostStream, StreamContext
 
 __all__ = ["LaunchEvent", "LaunchStream", "HostOps"]
 
@@ -92,7 +92,7 @@ class LaunchEvent:
         """Block until recorded. Raises Abort if aborted, TimeoutError after `timeout` (default the context's)."""
         t = self._ctx.timeout if timeout is None else timeout
         if not self._flag.wait(t):
-            raise TimeoutError(f"waited {t:.0f}s for {self.label or 'an event'} to be recorded on its stream")
+            raise DeadlineExceeded(t, f"{self.label or 'an event'} to be recorded on its stream")
         if self.aborted:
             raise Abort(self.label)
 
@@ -248,7 +248,7 @@ class LaunchStream:
         """Block until the backlog is launched and the device stream has run everything (TimeoutError if not)."""
         with self._drained:
             if not self._drained.wait_for(lambda: self._backlog == 0, self.ctx.timeout):
-                raise TimeoutError(f"{self.name}: waited {self.ctx.timeout:.0f}s for its backlog to be issued")
+                raise DeadlineExceeded(self.ctx.timeout, f"the backlog of {self.name} to be issued")
         self.ops.synchronize()
 
     def close(self) -> None:

@@ -17,7 +17,7 @@ smallest value) when handed out, host buffers when their last user is done
 (its event *completed*, not merely issued), so a missing dependency reads
 poison instead of the right numbers.
 
-    >>> from rpcompile.runtime.streams.host import Abort, StreamContext, wait_all, HostStream
+    >>> from rpcompile.runtime.streams.host import Abort, DeadlineExceeded, StreamContext, wait_all, HostStream
     >>> ctx = StreamContext(); s = HostStream("w0/x", ctx)
     >>> pool = BufferPool("w0", ctx, device="cpu"); h = pool.take((4,), torch.float32, s, 0)
     >>> pool.give(h, []); pool.take((4,), torch.float32, s, 1).tensor is h.tensor   # reused, not allocated
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from rpcompile.runtime.streams.host import Abort, StreamContext, wait_all
+from rpcompile.runtime.streams.host import Abort, DeadlineExceeded, StreamContext, wait_all
 
 __all__ = ["Handle", "BufferPool", "poison"]
 
@@ -139,8 +139,7 @@ class BufferPool:
                     if self.ctx.failure.abandoned(it):
                         raise Abort(f"{self.name}: buffer {key}")
                     if not self._cond.wait(self.ctx.timeout):
-                        raise TimeoutError(f"{self.name}: waited {self.ctx.timeout:.0f}s for buffer {key} "
-                                           f"to be released")
+                        raise DeadlineExceeded(self.ctx.timeout, f"buffer {key} to be released", f" ({self.name})")
                 if self._free.get(fkey):
                     buf, events, _ = self._free[fkey].pop()
                     if flat and buf.numel() < n:  # grow: the next user needs more than the last one

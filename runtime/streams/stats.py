@@ -32,7 +32,7 @@ class Stats:
     blocking the issuer, `runtime/streams/launch.py`), allocations, bytes each way.
     """
 
-    def __init__(self, timeout: float = 60.0) -> None:
+    def __init__(self, timeout: float = 600.0) -> None:  # StreamContext hands it its own deadline
         self.timeout = timeout
         self._lock = threading.Lock()
         self._counts: dict[Any, dict[str, int]] = {}
@@ -82,7 +82,7 @@ class Stats:
         deadline, nap = time.monotonic() + self.timeout, 2e-5
         while not ev.query():
             if time.monotonic() > deadline:
-                raise TimeoutError(f"waited {self.timeout:.0f}s for the end of {label} on the GPU (a hang?)")
+                raise TimeoutError(f"waited {self.timeout:.3g} s for the end of {label} on the GPU (a hang?)")
             time.sleep(nap)
             nap = min(2 * nap, 1e-3)
 

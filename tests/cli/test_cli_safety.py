@@ -181,6 +181,17 @@ def test_a_truncated_run_record_is_named_on_resume(files, tmp_path, capsys):
     assert "corrupt" in one_line(capsys, *finetune_args(files, out, "--resume", "--steps", "2"))
 
 
+def test_an_atomic_json_write_gives_a_new_file_0644_and_keeps_an_existing_files_mode(tmp_path):
+    """Not mkstemp's 0600 for a new run record, and a mode the user set survives the rename."""
+    from rpcompile import checkpoint
+    path = tmp_path / "record.json"
+    checkpoint.write_text_atomic(str(path), json.dumps({"a": 1}))
+    assert os.stat(path).st_mode & 0o777 == 0o644
+    os.chmod(path, 0o640)
+    checkpoint.write_text_atomic(str(path), json.dumps({"a": 2}))
+    assert os.stat(path).st_mode & 0o777 == 0o640 and json.loads(path.read_text()) == {"a": 2}
+
+
 def test_json_is_written_atomically(tmp_path, monkeypatch):
     from rpcompile import checkpoint
     path = tmp_path / "record.json"

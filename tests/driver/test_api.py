@@ -3,6 +3,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from torch import nn
 import models
 import rpcompile
 from rpcompile.models.zoo import LlamaConfig, TinyLlama
+from rpcompile.runtime.transfer import RuntimeFailure
 from paths import ROOT  # noqa: E402 - tests/ is on sys.path (tests/conftest.py)
 
 CFG = LlamaConfig(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, ffn=64, max_seq=32)
@@ -111,6 +113,22 @@ def test_truncated_checkpoint_is_detected_and_the_previous_file_survives(tmp_pat
             os.replace = real_replace
         assert open(path, "rb").read() == good
         assert [f for f in os.listdir(tmp_path) if ".tmp-" in f] == []
+
+
+def test_a_checkpoint_with_one_flipped_payload_byte_is_refused(tmp_path):
+    """The right length, one bit of a weight changed: only the SHA-256 can tell, and load must check it."""
+    path = str(tmp_path / "ckpt.rp")
+    with make() as c:
+        c.step(batch(0))
+        c.save(path)
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0x01  # in the middle of the payload: tensor bytes
+    with open(path, "wb") as f:
+        f.write(data)
+    with pytest.raises(ValueError, match=f"checkpoint {path!r} is corrupt: its SHA-256 does not match"):
+        rpcompile.checkpoint.load(path)
+    with pytest.raises(ValueError, match="is corrupt"):
+        rpcompile.load(path, TinyLlama(CFG))
 
 
 def test_bad_batches_are_named_before_any_worker_starts():
@@ -260,3 +278,76 @@ def test_resume_with_perturbed_measurements_is_bit_identical(tmp_path, staleness
     subprocess.run([sys.executable, "-c", script], check=True, cwd=ROOT, timeout=300)
     got = torch.load(out)
     assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+NAP = {"cpu": 0.0, "sleep": 0.0}  # seconds the slow block spins (CPU time: what compile times) and sleeps
+
+
+def nap(x):
+    """Spin NAP["cpu"] s of this thread's CPU time, sleep NAP["sleep"] s, then x + 0: an op of its own, so the
+    block's ops differ from its siblings' and compile times it apart from them."""
+    end = time.thread_time() + NAP["cpu"]
+    while time.thread_time() < end:
+        pass
+    time.sleep(NAP["sleep"])
+    return x + 0
+
+
+torch.fx.wrap("nap")
+
+
+class Napping(torch.nn.Module):
+    """A decoder block that spins and sleeps before it runs: a slow but healthy layer."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x, cos, sin):
+        return self.block(nap(x), cos, sin)
+
+
+def napping_llama():
+    model = TinyLlama(CFG)
+    model.layers[1] = Napping(model.layers[1])
+    return model
+
+
+def test_the_default_deadline_comes_from_the_plan_and_never_undercuts_ten_minutes(monkeypatch):
+    from rpcompile.runtime import transfer
+    costs = rpcompile.CostTable.from_lists(fwd=[1.0, 75.0], bwd=[2.0, 150.0], grad_bytes=[0, 10**9])
+    # a 75 s layer: 4 microbatches of forward, recompute and backward, and 1 GB of gradient to step
+    assert transfer.plan_deadline(costs, 4) == transfer.DEADLINE_FACTOR * (4 * (4.0 + 300.0) + 10.0)
+    assert transfer.plan_deadline(rpcompile.CostTable.from_lists(fwd=[1e-3], bwd=[2e-3]), 4) == 600.0
+    with make() as c:  # measured costs of milliseconds: the floor, far above the 75 s a layer may take once
+        assert c.deadline_s == 600.0
+    with make(timeout=2.5) as c:
+        assert c.deadline_s == 2.5
+    with pytest.raises(ValueError, match="timeout must be"):
+        make(timeout=0)
+
+
+def test_a_slow_layer_gets_a_deadline_from_its_measured_time_and_a_set_timeout_still_fails_it(monkeypatch):
+    """A layer that compile measures at 0.1 s, with the floor scaled down from 600 s to 0.05 s.
+
+    Its measured time sets the deadline (20x an iteration's serial work), so a step whose layer sleeps 0.3 s
+    per call (6x the scaled floor) waits for it. The same run with `timeout=0.25` fails within that
+    deadline, naming the instruction and what it waited for.
+    """
+    from rpcompile.runtime import transfer
+    monkeypatch.setattr(transfer, "DEADLINE_FLOOR_S", 0.05)
+    monkeypatch.setitem(NAP, "sleep", 0.0)
+    monkeypatch.setitem(NAP, "cpu", 0.1)
+    with make(model=napping_llama()) as c:
+        assert c.costs.fwd[2] >= 0.1 and c.deadline_s == transfer.plan_deadline(c.costs, c.microbatches)
+        assert transfer.DEADLINE_FACTOR * 2 * 0.2 <= c.deadline_s < 60  # from the measured layer, not a floor
+        NAP.update(cpu=0.0, sleep=0.3)
+        c.step(batch(0))
+    NAP.update(cpu=0.0, sleep=0.0)
+    with make(model=napping_llama(), timeout=0.25) as c:
+        NAP.update(sleep=0.3)
+        t0 = time.perf_counter()
+        with pytest.raises(RuntimeFailure, match=r"instruction .+ of iteration 0 failed: "
+                                                 r"DeadlineExceeded: waited 0.25 s for ") as e:
+            c.step(batch(0))
+        assert time.perf_counter() - t0 < 5.0
+        assert isinstance(e.value.__cause__, TimeoutError) and e.value.__cause__.waited == 0.25
+        NAP.update(sleep=0.0)

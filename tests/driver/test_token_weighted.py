@@ -190,3 +190,21 @@ def test_two_ranks_with_different_counts_equal_eager_on_the_global_batch(tmp_pat
     for r in range(world):
         assert abs(got[r]["loss"] - want_loss) < 1e-6, (r, got[r]["loss"], want_loss)
         assert _max_diff(got[r]["params"], want) < 1e-6
+
+
+def test_a_trained_first_label_is_not_counted_as_in_the_eager_transformers_mean():
+    """labels = input_ids (the first label trained, as in split packing mid-document) in microbatch 0, and only
+    the first two labels trained in microbatch 1: the counts are of shifted labels (30 and 2), so the loss and
+    the update equal the eager token mean."""
+    model = models.llama(seed=0)
+    ids = torch.randint(0, models.VOCAB, (ROWS, SEQ), generator=torch.Generator().manual_seed(5))
+    labels = ids.clone()
+    labels[2:, 2:] = -100
+    batch = {"input_ids": ids, "labels": labels}
+    assert _counts(batch, M) == [30, 2] and bool((labels[:, 0] != -100).all())
+    want_loss, want = _eager_step(model, batch)
+    with _compile(copy.deepcopy(model), batch) as c:
+        loss = c.step(batch)
+        got = _params(c)
+    assert abs(loss - want_loss) < 1e-6, (loss, want_loss)
+    assert _max_diff(got, want) < 1e-6

@@ -231,3 +231,15 @@ def test_example_script_trains_and_exports(files, tmp_path, capsys):
     start = tensors(files.model)
     moved = [k for k, p in trained.named_parameters() if not torch.equal(p.detach(), start[k])]
     assert len(moved) > len(start) // 2
+
+
+def test_a_config_that_fails_transformers_validation_is_one_line_naming_the_folder_and_the_field(files, tmp_path,
+                                                                                                 capsys):
+    folder = fx.model_folder(tmp_path / "bad-config")
+    with open(os.path.join(folder, "config.json")) as f:
+        cfg = json.load(f)
+    cfg.update(num_hidden_layers=4, layer_types=["full_attention"] * 2)  # 4 layers, 2 layer types
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    err = bad_input(capsys, "--model", folder, "--data", files.train, "--out", str(tmp_path / "o"), "--seq", "32")
+    assert f"model folder {folder!r}: cannot read its config.json: " in err and "`num_hidden_layers` (4)" in err and "`layer_types` (2)" in err

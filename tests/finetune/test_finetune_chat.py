@@ -206,3 +206,24 @@ def test_cli_summary_line_and_evals_start_at_step_0(files, tmp_path, capsys, tok
     assert [s for s, _ in r.evals] == [0, 1]
     want = nll_alone(AutoModelForCausalLM.from_pretrained(files.model).eval(), tok, files.eval)
     assert abs(r.evals[0][1] - want) < 1e-5, (r.evals, want)
+
+
+EMPTY = "{% for m in messages %}{% endfor %}"  # a chat template that renders nothing
+
+
+def test_no_trained_token_names_the_file_and_the_chat_template_in_use(files, tmp_path, capsys):
+    common = ["--out", str(tmp_path / "o"), "--seq", str(SEQ)]
+    template = tmp_path / "empty.jinja"
+    template.write_text(EMPTY)
+    err = bad_input(capsys, "--model", files.model, "--data", files.train, "--chat-template", str(template), *common)
+    assert err.endswith(f"error: --data {files.train!r}: none of its 16 conversation(s) leaves a token to train on "
+                        f"(--train-on assistant) as the template of --chat-template {str(template)!r} renders them: "
+                        f"does it render each message's content?")
+    tok = fx.turn_tokenizer()
+    tok.chat_template = EMPTY
+    silent = fx.model_folder(tmp_path / "silent", tok=tok)
+    text = fx.write_jsonl(tmp_path / "text.jsonl", [{"text": f"the {w} plan"} for w in WORDS])
+    err = bad_input(capsys, "--model", silent, "--data", text, "--eval", files.eval, *common)
+    assert err.endswith(f"error: --eval {files.eval!r}: none of its 8 conversation(s) leaves a token to train on "
+                        f"(--train-on assistant) as the tokenizer's chat template (of --model {silent!r}) renders "
+                        f"them: does it render each message's content?")

@@ -83,3 +83,32 @@ def test_a_world_that_does_not_divide_the_microbatches_is_refused():
     assert Ranks(rank=1, world=2).microbatches(4) == 2
     with pytest.raises(ValueError, match="--microbatches 3 counts the microbatches of all 2 processes"):
         Ranks(rank=0, world=2).microbatches(3)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_stray_rank_and_world_size_end_within_the_dist_deadline_in_one_line(rank, tmp_path, monkeypatch, capsys):
+    """RANK/WORLD_SIZE left in the environment and no other rank: a line saying what it waits for, at which
+    address and from where the values come; then, within --dist-timeout, one line of error (exit 2)."""
+    import socket
+    import time
+    from rpcompile.cli.main import main
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in dict(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(k, v)
+    t0 = time.monotonic()
+    rc = main(["finetune", "--model", str(tmp_path / "m"), "--data", str(tmp_path / "d.jsonl"), "--out",
+               str(tmp_path / "o"), "--dist-timeout", "2"])
+    took = time.monotonic() - t0
+    out, err = capsys.readouterr()
+    what = "1 more rank(s) to join" if rank == 0 else "rank 0"
+    assert out.splitlines() == [f"rank {rank} of 2: waiting up to 2 s (--dist-timeout) for {what} at "
+                                f"127.0.0.1:{port} (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT come from the "
+                                f"environment)"]
+    (line,) = err.strip().splitlines()
+    assert rc == 2 and line.startswith(f"python -m rpcompile finetune: error: distributed start: rank {rank} of 2 "
+                                       f"gave up at 127.0.0.1:{port} after --dist-timeout 2 s (")
+    assert line.endswith("start every rank, raise --dist-timeout, or unset WORLD_SIZE (it comes from the "
+                         "environment) to train alone")
+    assert 2 <= took < 2 + 15, took

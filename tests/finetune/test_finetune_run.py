@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import signal
+import subprocess
+import sys
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -245,3 +249,170 @@ def test_val_size_holds_out_a_seeded_disjoint_part_and_records_it(files, tmp_pat
     with open(tmp_path / "b" / "rpcompile-run.json") as f:
         assert json.load(f)["data"]["held_out"]["documents"] != held  # the seed draws them
 
+
+
+def test_a_wait_past_timeout_is_one_line_naming_the_instruction_and_a_file_with_the_grid(files, tmp_path, monkeypatch,
+                                                                                         capsys):
+    """Step 2's layer 1 sleeps 1 s under --timeout 0.6: exit 1, one line, the grid and tracebacks in OUT."""
+    real = rpcompile.Compiled.step
+
+    def step(self, batch):
+        if self.steps == 1:
+            for runner in self._runtime.runners:
+                def slow(index, *rest, orig=runner.run_layer):
+                    if index == 1:
+                        time.sleep(1.0)
+                    return orig(index, *rest)
+                runner.run_layer = slow
+        return real(self, batch)
+    monkeypatch.setattr(rpcompile.Compiled, "step", step)
+    out = tmp_path / "o"
+    assert run(files, out, "--timeout", "0.6", "--save-every", "1") == 1
+    (line,) = errors(capsys)
+    path = os.path.join(out, "rpcompile-failure.txt")
+    assert re.fullmatch(r"python -m rpcompile finetune: error: step 2 failed: (instruction (w\d \S+|h \S+) "
+                        r"\((worker \d|the host)\)|the \w+ stream of worker \d) waited 0.6 s for .+ \(the deadline: "
+                        r"raise it with --timeout "
+                        r"SECONDS if the machine is just slow\); the checkpoint of step 1 is kept; the instruction "
+                        rf"grid and tracebacks are in {re.escape(path)}", line), line
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    assert "--- worker traceback ---" in text and "DeadlineExceeded" in text and "step  w0" in text  # the grid
+    if "failed: instruction " in line:  # the grid marks it
+        assert f">>{line.split('failed: instruction ')[1].split(' (')[0].split()[1]}<<" in text
+    assert checkpoint.load(os.path.join(out, CHECKPOINT))["steps"] == 1
+
+
+def test_a_token_cache_overwritten_in_place_is_rebuilt_before_a_resume_trains_on_it(files, six, tmp_path,
+                                                                                   monkeypatch, capsys):
+    """ids.i32 rewritten with the same size and other tokens between a stop and --resume: rebuilt, same run."""
+    out = tmp_path / "o"
+    with monkeypatch.context() as mp:
+        mp.setattr(rpcompile.Compiled, "step", _interrupt_in_step(4))
+        assert run(files, out, "--save-every", "1") == 130
+    (key,) = os.listdir(out / "token-cache")
+    ids = out / "token-cache" / key / "ids.i32"
+    data = ids.read_bytes()
+    ids.write_bytes(data[4:] + data[:4])  # same size: only the content digest tells
+    capsys.readouterr()
+    assert run(files, out, "--save-every", "1", "--resume") == 0
+    captured = capsys.readouterr()
+    assert "token cache: hit" not in captured.out and ids.read_bytes() == data
+    assert f"token cache {out / 'token-cache' / key}: damaged, its files' sha256 is not the one in meta.json" \
+        in captured.err
+    lines = read_metrics(os.path.join(out, "metrics.jsonl"))
+    assert [r["loss"] for r in lines] == six.losses  # steps 4-6 trained on the right tokens
+
+
+KILL_AT_CHECKPOINT = r"""
+import os, signal, sys
+from rpcompile.finetune import FinetuneConfig, finetune
+from rpcompile.finetune.metrics import MetricsLog
+model, train, held, out, where, mem = sys.argv[1:]
+cfg = FinetuneConfig(model=model, data=train, eval=held, out=out, seq=32, micro_batch_size=2, microbatches=2, gpus=2,
+                     steps=6, save_every=2, eval_every=2, memory_gib=float(mem), lm_head_shards=1, progress=False,
+                     lr=3e-3, warmup=2)
+kill = lambda: os.kill(os.getpid(), signal.SIGKILL)
+if where == "eval line":  # right after step 4's line with its eval loss is written
+    real = MetricsLog.write
+    def write(self, record):
+        real(self, record)
+        if record.get("step") == 4 and "eval_loss" in record:
+            kill()
+    MetricsLog.write = write
+finetune(cfg, on_step=lambda step, loss: kill() if where == "after step" and step == 4 else None)
+"""
+
+
+@pytest.mark.parametrize("where", ["after step", "eval line"])
+def test_a_kill_at_a_checkpoint_step_never_loses_the_eval_the_checkpoint_covers(files, tmp_path, where):
+    """--save-every 2 --eval-every 2, SIGKILL after step 4 (checkpoint and eval done) or as its eval line is
+    written: the resumed run's metrics hold every eval, at steps 0, 2, 4 and 6, each step's line once."""
+    out, held = tmp_path / "o", fx.write_jsonl(tmp_path / "held.jsonl", fx.text_rows()[40:48])
+    r = subprocess.run([sys.executable, "-c", KILL_AT_CHECKPOINT, files.model, files.train, held, str(out), where,
+                        str(2**19 / 2**30)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    flags = ["--eval", held, "--save-every", "2", "--eval-every", "2"]
+    assert run(files, out, *flags, "--resume") == 0
+    lines = read_metrics(os.path.join(out, "metrics.jsonl"))
+    assert [r["step"] for r in lines if "eval_loss" in r] == [0, 2, 4, 6]
+    assert [r["step"] for r in lines if "loss" in r] == [1, 2, 3, 4, 5, 6]
+
+
+PEAK_RSS = r"""
+import resource, sys
+from rpcompile.cli.main import main
+rc = main(sys.argv[1:])
+print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}")  # Linux counts KiB
+sys.exit(rc)
+"""
+
+
+def test_the_ram_a_run_is_said_to_need_on_host_workers_is_its_peak_rss_within_25_percent(tmp_path):
+    """A 17.7M-parameter Llama on 2 host workers (fp32, seq 128): the RAM the pre-load check counts (host state,
+    the loaded model and the runtime's buffers, every worker's device peak, and the stated 512 MiB for Python and
+    torch) against the run's peak RSS in a fresh process; the host state alone is a quarter of it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    if sys.platform != "linux":
+        pytest.skip("ru_maxrss in KiB is Linux's")
+    tok = fx.tokenizer()
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=512, intermediate_size=1376, num_hidden_layers=6,
+                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "mid")
+    tok.save_pretrained(tmp_path / "mid")
+    data = fx.write_jsonl(tmp_path / "d.jsonl", fx.text_rows() * 4)
+    r = subprocess.run([sys.executable, "-c", PEAK_RSS, "finetune", "--model", str(tmp_path / "mid"), "--data", data,
+                        "--out", str(tmp_path / "o"), "--seq", "128", "--steps", "3", "--gpus", "2", "--no-progress"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    said = re.search(r"host memory: ([\d.]+) GiB of [\d.]+ GiB RAM: host state ([\d.]+) MiB .* \+ 2 host workers' "
+                     r"device peaks ([\d.]+) MiB \(RAM here\) \+ Python and torch 512.0 MiB", r.stdout)
+    assert said, r.stdout
+    predicted, state = float(said.group(1)) * 2**30, float(said.group(2)) * 2**20
+    peak = int(re.search(r"peak RSS (\d+)", r.stdout).group(1))
+    assert abs(peak - predicted) <= 0.25 * predicted, (peak / 2**20, predicted / 2**20)
+    assert state < 0.3 * peak  # what the check counted before: the host state alone
+
+
+def test_the_eval_loss_under_split_packing_is_the_eager_token_mean(files):
+    """--packing split: continued pieces start with a trained label, which predicts nothing after the shift; the
+    eval loss must weigh each batch by its shifted labels, as the eager sum of NLLs / their count does."""
+    from transformers import AutoModelForCausalLM
+    from rpcompile.finetune.data import prepare
+    from rpcompile.finetune.dist import Ranks
+    from rpcompile.finetune.loop import evaluate_loss
+    from rpcompile.finetune.packed_attention import use_packed_attention
+    tok = fx.tokenizer()
+    held = prepare(files.train, tok, seq=24, packing="split")
+    assert bool((held.labels[:, 0] != -100).any())  # some rows start mid-document, their first label trained
+    model = AutoModelForCausalLM.from_pretrained(files.model, local_files_only=True, dtype=torch.float32)
+    model.config.use_cache = False
+    use_packed_attention(model)
+    model.eval()
+    with torch.no_grad():
+        nll = n = 0.0
+        for r in range(len(held)):
+            row = held.rows([r])
+            logits = model(input_ids=row["input_ids"], position_ids=row["position_ids"]).logits[0, :-1]
+            target = row["labels"][0, 1:]
+            nll += float(torch.nn.functional.cross_entropy(logits.double(), target, ignore_index=-100,
+                                                           reduction="sum"))
+            n += int((target != -100).sum())
+    with rpcompile.compile(model, gpus=2, example=held.batch(0, 4, seed=0), microbatches=2, loss_mean="tokens",
+                           backend="host", dtype=torch.float32) as c:
+        got = evaluate_loss(c, held, 4, Ranks())
+    assert abs(got - nll / n) < 5e-7, (got, nll / n)  # unshifted counts: off by 4e-6 here (3e-8 when right)
+
+
+def test_dry_run_max_seq_len_is_for_the_micro_batch_size_given(files, tmp_path, monkeypatch, capsys):
+    """Four sequences per microbatch hold four times the activations of one: a shorter max_seq_len."""
+    _no_weights(monkeypatch)
+    lengths = {}
+    for mbs in ("1", "4"):
+        assert run(files, tmp_path / "o", "--dry-run", "--micro-batch-size", mbs, "--memory-gib", str(2**22 / 2**30)) == 0
+        found = re.search(r"max_seq_len: ([\d,]+) tokens; at [\d,]+ the (.+?) needs", capsys.readouterr().out)
+        assert found, mbs
+        lengths[mbs] = (int(found.group(1).replace(",", "")), found.group(2))
+    assert lengths["4"][0] < 0.6 * lengths["1"][0], lengths

@@ -226,3 +226,14 @@ def test_attention_sinks_are_kept_per_document() -> None:
         whole = model(input_ids=ids[None], labels=labels[None], use_cache=False).loss  # control: no restarts
     torch.testing.assert_close(packed, alone, atol=1e-5, rtol=0)
     assert (whole - alone).abs() > 1e-3
+
+
+def test_three_rows_laid_out_a_a_b_each_equal_the_row_alone() -> None:
+    """Rows 0 and 1 share their document starts, row 2 does not: every row must keep its own documents."""
+    q, k, v = _qkv(b=3, seed=3)
+    a, b = [0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3], [0, 1, 0, 1, 2, 3, 4, 5, 6, 0, 1]
+    pos = torch.tensor([a, a, b])
+    got = PA.packed_sdpa(q, k, v, pos, groups=2)
+    for r in range(3):
+        alone = _block_reference(q[r:r + 1], k[r:r + 1], v[r:r + 1], pos[r:r + 1])
+        torch.testing.assert_close(got[r:r + 1], alone, atol=1e-6, rtol=0)

@@ -269,3 +269,62 @@ def test_preparing_50000_lines_stays_within_the_memory_bound(tmp_path, folder):
     bound = 2 * m["arrays"] + 100 * 2**20  # the final arrays: token cache + packing layout
     assert m["tokens"] > 1_000_000 and not m["cached"], m
     assert m["growth"] <= bound, f"peak RSS growth {m['growth'] / 2**20:.1f} MiB > bound {bound / 2**20:.1f} MiB: {m}"
+
+
+def test_a_cache_changed_in_place_is_rebuilt_and_says_so(tmp_path, folder, tok, capsys):
+    _, chat, _ = files(tmp_path)
+    cache = tmp_path / "cache"
+    p = prepare(chat, Counting(load(folder)), seq=32, cache_root=str(cache))
+    (name,) = os.listdir(cache)
+    ids = cache / name / "ids.i32"
+    data = open(ids, "rb").read()
+    with open(ids, "r+b") as f:
+        f.write(data[4:] + data[:4])  # the same size, other tokens (meta.json untouched)
+    t = Counting(load(folder))
+    q = prepare(chat, t, seq=32, cache_root=str(cache))
+    err = capsys.readouterr().err
+    assert f"token cache {cache / name}: damaged, its files' sha256 is not the one in meta.json" in err
+    assert t.calls and not q.cached and q.fingerprint() == p.fingerprint()  # tokenized again: the same tokens
+    assert open(ids, "rb").read() == data
+    same(ref.pack(read_documents(chat, tok), tok, 32, "whole"), q)
+
+
+TRUNCATED = r"""
+import os, sys
+sys.path[:0] = sys.argv[1].split(os.pathsep)
+import hf_fixtures as fx
+from rpcompile.finetune.data import prepare
+p = prepare(sys.argv[2], fx.turn_tokenizer(), seq=32, cache_root=sys.argv[3])
+p.batch(0, 4, seed=0)
+(name,) = os.listdir(sys.argv[3])
+os.truncate(os.path.join(sys.argv[3], name, "ids.i32"), 0)  # another program, while this job reads the cache
+try:
+    p.batch(1, 4, seed=0)
+except OSError as exc:
+    print(exc)
+"""
+
+
+def test_a_cache_file_truncated_under_a_running_job_is_one_line_not_sigbus(tmp_path):
+    _, chat, _ = files(tmp_path)
+    cache = tmp_path / "cache"
+    r = subprocess.run([sys.executable, "-c", TRUNCATED, os.pathsep.join([HERE, TESTS]), chat, str(cache)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])  # SIGBUS: -7
+    (name,) = os.listdir(cache)
+    assert r.stdout.startswith(f"token cache file {str(cache / name / 'ids.i32')!r} shrank to 0 of its "), r.stdout
+    assert r.stdout.count("\n") == 1
+
+
+def test_a_cache_of_many_tokenizer_chunks_matches_the_reference_packing_bit_for_bit(tmp_path, tok, monkeypatch):
+    """Documents after the first chunk must point at their own tokens (chunks of 7 documents: 6 chunks and a part)."""
+    from rpcompile.finetune.data import packing
+    monkeypatch.setattr(data_mod, "CHUNK_DOCS", 7)  # prepare: a data file's rows
+    monkeypatch.setattr(packing, "CHUNK_DOCS", 7)  # pack: a list of documents
+    text, chat, _ = files(tmp_path)
+    for path in (text, chat):
+        docs = read_documents(path, tok)
+        for packing_kind in ("whole", "split"):
+            want = ref.pack(docs, tok, 40, packing_kind)
+            same(want, prepare(path, tok, seq=40, packing=packing_kind, cache_root=str(tmp_path / "cache")))
+            same(want, pack(docs, tok, 40, packing_kind))

@@ -1,6 +1,7 @@
 """Faults: an exception in a worker, lane or the optimizer reaches the caller fast, state is kept, next call works."""
 from __future__ import annotations
 
+import sys
 import time
 
 import pytest
@@ -317,3 +318,36 @@ def test_fp16_dynamic_loss_scaling_keeps_its_skip_and_lower():
         rt.flush()
     assert state.skipped == [1] and state.loss_scale == 512.0
     assert all(torch.isfinite(state.read(n)).all() for n in graph.params)
+def test_an_interrupt_at_the_commit_point_leaves_the_iteration_committed_or_undone_never_both():
+    """The optimizer lane is held inside iteration 1's commit point (after its abandoned check, before it
+    records the commit) while the caller's interrupt of iteration 1 arrives: the interrupt must wait for the
+    commit, then abandon only what follows. Events hold the threads, so the interleaving is the same each run."""
+    import threading
+    g = _graph()
+    rt, state = _runtime(g, staleness=0)
+    inside, go, failed = threading.Event(), threading.Event(), threading.Event()
+    real = rt.ctx.failure.abandoned
+
+    def abandoned(it):
+        at_commit = (it == 1 and threading.current_thread() is rt.lanes["optimizer"] and not inside.is_set()
+                     and sys._getframe(1).f_code.co_name == "_step_one")  # its check before recording the commit
+        if at_commit:
+            inside.set()
+            go.wait(10)
+        return real(it)
+    rt.ctx.failure.abandoned = abandoned
+    with rt:
+        rt.step(BATCHES[0])
+        rt.step(BATCHES[1])  # returns with its loss; iteration 1's commit runs on the optimizer lane
+        assert inside.wait(10)
+        caller = threading.Thread(target=lambda: (rt.host.fail_caller(1, KeyboardInterrupt()), failed.set()))
+        caller.start()
+        early = failed.wait(0.3)  # the caller's failure must not slip in while the commit is half done
+        go.set()
+        caller.join(10)
+        with pytest.raises(KeyboardInterrupt):
+            rt.flush()
+        assert not early
+        assert rt.t == rt.host.committed == 2  # iteration 1 committed and kept; only iteration 2 abandoned
+        rt.step(BATCHES[2])
+        rt.flush()

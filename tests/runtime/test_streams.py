@@ -97,6 +97,37 @@ def test_a_failure_releases_every_waiter():
         s.close()
 
 
+@pytest.mark.parametrize("kind", ["host", "host-cuda host event", "host-cuda launch event"])
+def test_after_recovery_a_live_iteration_waits_past_an_aborted_event_of_the_abandoned_one(kind):
+    """Iteration 1 failed (its events aborted) and was recovered (the failure reset); its retry waits on an event
+    the abandoned attempt left aborted (a buffer it held, now free): the wait is done, the retry runs."""
+    from rpcompile.runtime.streams.launch import HostOps, LaunchStream
+    ctx = StreamContext(timeout=5.0)
+    host = HostStream("w0/x", ctx)
+    s = host if kind == "host" else LaunchStream("w0/x", ctx, HostOps(host))
+    other = LaunchStream("w1/x", ctx, HostOps(HostStream("w1/x", ctx)))
+    try:
+        if kind == "host-cuda launch event":  # recorded behind a wait on host work: in w1's backlog
+            other.wait(HostEvent(ctx, 1, "h C.l0"), 1)
+            ev = other.record(1, "w1 X.m0")
+        else:
+            ev = HostEvent(ctx, 1, "w1 X.m0")
+        ctx.failure.fail(1, "w1 X.m0", RuntimeError("boom"))  # iteration 1 abandoned: its events aborted
+        other.synchronize()
+        assert ev.query() and ev.aborted
+        ctx.failure.reset()  # recovered: iteration 1 runs again
+        out = []
+        s.wait(ev, 1)
+        s.submit(lambda: out.append("retry"), "retry", 1)
+        done = s.record(1)
+        done.wait()
+        assert out == ["retry"] and not done.aborted
+    finally:
+        s.close(), other.close()
+        if s is not host:
+            host.close()
+
+
 def test_pool_reuses_after_the_last_users_and_poisons():
     ctx = StreamContext(timeout=5.0)
     s = HostStream("s", ctx)

@@ -73,11 +73,12 @@ from typing import Any, Iterator
 
 from rpcompile.finetune.data.encoding import special_ids
 from rpcompile.finetune.data.packing import IGNORE, PACKINGS, Packed, check_packing, pack, pack_cache  # re-exported
+from rpcompile.finetune.data.layout import NothingToTrain  # re-exported
 from rpcompile.finetune.data.rows import CONVERSATIONAL, TRAIN_ON, Document, row_document, row_kind, text_only  # re-exported
 from rpcompile.finetune.data.token_cache import CHUNK_CHARS, CHUNK_DOCS, build_cache, cache_key, cached
 
 __all__ = ["Document", "Reader", "reader", "iter_documents", "read_documents", "prepare", "read_template", "pack",
-           "Packed", "IGNORE", "TRAIN_ON", "PACKINGS"]
+           "Packed", "IGNORE", "TRAIN_ON", "PACKINGS", "NothingToTrain", "CONVERSATIONAL", "file_kind"]
 
 @dataclass(frozen=True, slots=True)
 class Reader:
@@ -291,6 +292,26 @@ def _stamp(path: str) -> tuple[int, int]:
     """(size, modification time in ns) of a file."""
     st = os.stat(path)
     return st.st_size, st.st_mtime_ns
+
+
+def file_kind(path: str, text_field: str = "text") -> str | None:
+    """The kind of a data file's rows, from its first non-blank line: "text" for .txt, a `row_kind` for .jsonl
+    (None: not a known row, or no row).
+
+    Example:
+        >>> file_kind("chat.jsonl")   # doctest: +SKIP
+        'messages'
+    """
+    if not path.lower().endswith(".jsonl"):
+        return "text"
+    with open(path, "rb") as f:
+        for raw in f:
+            if raw.strip():
+                try:
+                    return row_kind(json.loads(_no_bom(raw)), text_field)
+                except ValueError:  # not JSON (UnicodeDecodeError included)
+                    return None
+    return None
 
 
 def read_template(path: str) -> str:

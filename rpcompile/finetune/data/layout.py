@@ -18,7 +18,7 @@ import numpy as np
 
 from rpcompile.finetune.data.token_cache import TokenCache
 
-__all__ = ["Layout", "layout", "check_packing", "PACKINGS"]
+__all__ = ["Layout", "layout", "check_packing", "PACKINGS", "NothingToTrain"]
 
 PACKINGS = ("whole", "split", "none")  # --packing choices
 BLOCK = 1 << 18  # tokens counted at once when the layout counts targets (2 MiB of int64 counts)
@@ -66,6 +66,7 @@ def layout(cache: TokenCache, seq: int, packing: str = "whole", documents: Itera
     sel = np.arange(n, dtype=np.int64) if documents is None else np.unique(np.fromiter(documents, np.int64))
     if sel.size and (sel[0] < 0 or sel[-1] >= n):
         raise ValueError(f"document {int(sel[0] if sel[0] < 0 else sel[-1])} is out of range: the data holds {n}")
+    cache.check()  # a cache file truncated under this run: OSError naming it, not SIGBUS
     start = cache.offsets[sel]
     full = cache.offsets[sel + 1] - start
     if packing == "split":
@@ -111,10 +112,18 @@ def _split(cache: TokenCache, seq: int, sel: np.ndarray, start: np.ndarray, full
                   int(targets[keep].sum()))
 
 
-def _nothing(n: int) -> ValueError:
+class NothingToTrain(ValueError):
+    """Documents that leave no target: `documents` of them (the caller names their file and the masking)."""
+
+    def __init__(self, documents: int) -> None:
+        super().__init__(f"the {documents} document(s) leave no token to train on (each document's first token "
+                         f"predicts nothing, and the masking trains none of the rest)")
+        self.documents = documents
+
+
+def _nothing(n: int) -> NothingToTrain:
     """The error for documents that leave no target."""
-    return ValueError(f"the {n} document(s) leave no token to train on (each document's first token predicts "
-                      f"nothing, and the masking trains none of the rest)")
+    return NothingToTrain(n)
 
 
 def _count(trained: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:

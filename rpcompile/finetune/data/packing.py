@@ -122,6 +122,7 @@ class Packed:
         at = base - np.repeat(base[first], count)  # each segment's offset in its row
         dest = np.repeat(np.repeat(np.arange(b) * seq, count) + at, length) + within
         ids = np.full(b * seq, self.cache.pad, np.int64)
+        self.cache.check()  # a cache file truncated under this run: OSError naming it, not SIGBUS
         ids[dest] = self.cache.ids[src]
         labels = np.full(b * seq, IGNORE, np.int64)
         if train:
