@@ -67,7 +67,7 @@ def test_metrics_file_has_a_line_per_step_with_the_losses(six):
         assert r["trained_tokens"] > 0 and r["tokens_per_s"] > 0 and r["peak_host_bytes"] > 2**20
         assert r["grad_norm"] > 0 and r["bytes_to_device"] > 0 and "host_waits" in r
         assert any(k.startswith("w0/") for k in r["busy_share"])
-    assert lines[0]["lr"] == pytest.approx(1.5e-3) and lines[1]["lr"] == pytest.approx(3e-3)  # warmup 2
+    assert [r["lr"] for r in lines[:3]] == pytest.approx([0, 1.5e-3, 3e-3])  # warmup 2: the first update uses 0
 
 
 def test_tensorboard_reads_six_loss_points(six):
