@@ -138,18 +138,21 @@ class Loop:
         t = c.steps
         rate = lr_at(t, lr=plan.lr, total=plan.total, warmup=cfg.warmup, kind=cfg.schedule)
         c.set_lr(rate)  # the lr of the update made from this step's gradient
-        batch = self.train.batch(t, plan.size, cfg.seed)
+        rows = self.train.batch_rows(t, plan.size, cfg.seed)
+        batch = self.train.rows(rows)
         start = time.perf_counter()
         loss = c.step(self.ranks.share(batch))
         took = time.perf_counter() - start
-        tokens = batch["input_ids"].numel()
+        tokens = self.train.real_tokens(rows)  # padding left out (--packing none pads every document)
         bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens / took:,.0f}", lr=f"{rate:.2e}", refresh=False)
         bar.update(1)
         self._write(complete=False)  # the previous step's line: its figures are recorded by now
         if c.steps % cfg.logging_steps == 0 or c.steps == plan.total:
-            self.pending.append({"step": c.steps, "loss": loss, "lr": rate,
-                                 "trained_tokens": int((batch["labels"][:, 1:] != IGNORE).sum()),
-                                 "tokens_per_s": tokens / took, "_took": took})
+            trained = int((batch["labels"][:, 1:] != IGNORE).sum())
+            self.pending.append({"step": c.steps, "loss": loss, "lr": rate, "tokens": tokens,
+                                 "trained_tokens": trained, "step_s": took, "tokens_per_s": tokens / took,
+                                 "trained_tokens_per_s": trained / took,
+                                 "padded_tokens_per_s": batch["input_ids"].numel() / took})
         if cfg.save_every and c.steps % cfg.save_every == 0:
             c.save(plan.checkpoint)  # waits for the step's work: every pending line is complete
             self.saved = c.steps
@@ -187,7 +190,7 @@ class Loop:
 
     def _figures(self, r: dict[str, Any]) -> dict[str, Any]:
         """A pending record with the gradient norm, the host peak and the runtime's counters of its step."""
-        took = r.pop("_took", None)
+        took = r.get("step_s")
         if "loss" not in r:
             return r
         it = r["step"] - 1  # the runtime's 0-based iteration
