@@ -294,12 +294,30 @@ class Compiled:
                 for name, w, lane, start, end in self._runtime.last_timeline]
 
     @_one_caller
-    def evaluate(self, batch: Any) -> float:
-        """Forward only with the weights the next step would read; returns the loss, weighted as `step`'s."""
+    def evaluate(self, batch: Any, *, accuracy: bool = False) -> Any:
+        """Forward only, in eval mode, with the weights the next step would read; the loss, weighted as `step`'s.
+
+        Args:
+            batch: a batch like `step`'s.
+            accuracy: also count the next-token predictions of the loss's cross-entropy: a target
+                (not ignore_index) is right where the logits' argmax is it (with a sharded LM head:
+                where its logit is the maximum).
+        Returns:
+            The loss; with `accuracy`, (loss, (right, counted)) summed over every process, or
+            (loss, None) if the loss computes no cross-entropy.
+
+        Example:
+            >>> loss, (right, counted) = c.evaluate(batch, accuracy=True)   # doctest: +SKIP
+        """
         self._prepare(batch)
         weights, counts = self._weights(batch, "evaluate")
-        loss = self._runtime.evaluate(batch, weights)
-        return self._result(loss, counts, "evaluate loss")
+        loss, hits = self._runtime.evaluate(batch, weights, hits=True)
+        loss = self._result(loss, counts, "evaluate loss")
+        if not accuracy:
+            return loss
+        if hits is not None and self._dist:
+            hits = (self._dist.total(hits[0], "right predictions"), self._dist.total(hits[1], "counted targets"))
+        return loss, hits
 
     def simulate(self, hardware: Hardware | str = "rtx4090", iterations: int = 1, *, example: Any = None):
         """Simulate this program on `hardware`, with layer costs predicted for that hardware.
