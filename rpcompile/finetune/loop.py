@@ -4,7 +4,8 @@
 
 Per step t: set the scheduled learning rate, step this rank's share of batch t,
 update the progress bar, checkpoint every `save_every` steps, eval every
-`eval_every` steps, and record the step's metrics (`rpcompile.finetune.metrics`).
+`eval_every` steps (the loss and the token accuracy), and record the step's metrics
+(`rpcompile.finetune.metrics`).
 
 A step's metrics line is written once the next step has returned (or at a
 checkpoint, or at the end): its gradient norm and the runtime's counters are
@@ -71,14 +72,25 @@ def out_of_memory(exc: BaseException, step: int, saved: int | None) -> StepOutOf
                            f"--microbatches; {kept}")
 
 
-def evaluate_loss(c: Any, held: Any, size: int, ranks: Any) -> float:
-    """The held-out loss: sum NLL / trained tokens over all of it (each sequence once, token-weighted).
+def evaluate_loss(c: Any, held: Any, size: int, ranks: Any) -> tuple[float, float | None]:
+    """The held-out loss and token accuracy, each sequence once, token-weighted.
 
     Every rank evaluates its share of each batch; `evaluate` all-reduces the token counts.
+
+    Returns:
+        (sum NLL / trained tokens, right / trained tokens): a trained token is right where the
+        model's most likely next token is it (TRL's mean_token_accuracy); None if the loss has no
+        cross-entropy to count.
     """
     batches = held.eval_batches(size, fill="ignore")
     counts = [int((b["labels"][:, 1:] != IGNORE).sum()) for b in batches]
-    return sum(c.evaluate(ranks.share(b)) * n for b, n in zip(batches, counts) if n) / sum(counts)
+    loss, right, counted = 0.0, 0, 0
+    for b, n in zip(batches, counts):
+        if n:
+            part, hits = c.evaluate(ranks.share(b), accuracy=True)
+            loss += part * n
+            right, counted = (right + hits[0], counted + hits[1]) if hits else (right, None)
+    return loss / sum(counts), (right / counted if counted else None)
 
 
 class Loop:
@@ -98,6 +110,7 @@ class Loop:
             log, ranks
         self.pending: list[dict[str, Any]] = []  # records of finished steps, written when the next one returns
         self.saved: int | None = c.steps or None  # the step of the checkpoint on disk (a resume starts at one)
+        self.accuracy: dict[int, float | None] = {}  # step -> its eval's token accuracy
 
     def run(self, evals: list, on_step: Callable | None) -> list[float]:
         """The loop; returns this call's losses; evals gets (step, eval loss) appended."""
@@ -106,9 +119,8 @@ class Loop:
         c, cfg, plan = self.c, self.cfg, self.plan
         losses: list[float] = []
         if self.held is not None and c.steps == 0:
-            evals.append((0, evaluate_loss(c, self.held, plan.size, self.ranks)))  # the model before training
-            print(f"step 0: eval loss {evals[-1][1]:.4f}")
-            self.pending.append({"step": 0, "eval_loss": evals[-1][1]})
+            print(self.evaluate(evals))  # the model before training
+            self._add_eval(evals[-1])
         quiet = not cfg.progress or not self.ranks.writes
         with tqdm(total=plan.total, initial=c.steps, unit="step", disable=quiet, dynamic_ncols=True) as bar:
             t = c.steps
@@ -158,18 +170,29 @@ class Loop:
             self.saved = c.steps
             self._write(complete=True)
         if self.held is not None and cfg.eval_every and c.steps % cfg.eval_every == 0 and c.steps < plan.total:
-            evals.append((c.steps, evaluate_loss(c, self.held, plan.size, self.ranks)))
-            bar.write(f"step {c.steps}: eval loss {evals[-1][1]:.4f}")
+            bar.write(self.evaluate(evals))
             self._add_eval(evals[-1])
         return loss
 
+    def evaluate(self, evals: list) -> str:
+        """Evaluate the held-out data now: (step, loss) goes to `evals`, the token accuracy is kept for the
+        step's metrics line; returns the line to print."""
+        loss, accuracy = evaluate_loss(self.c, self.held, self.plan.size, self.ranks)
+        evals.append((self.c.steps, loss))
+        self.accuracy[self.c.steps] = accuracy
+        return f"step {self.c.steps}: eval loss {loss:.4f}" + (
+            f", token accuracy {accuracy:.4f}" if accuracy is not None else "")
+
     def _add_eval(self, ev: tuple[int, float]) -> None:
-        """Put an eval loss on its step's line (a line of its own if that step is not logged)."""
+        """Put an eval loss (and token accuracy) on its step's line (a line of its own if that step is not logged)."""
+        figures = {"eval_loss": ev[1]}
+        if self.accuracy.get(ev[0]) is not None:
+            figures["eval_token_accuracy"] = self.accuracy[ev[0]]
         for r in self.pending:
             if r["step"] == ev[0]:
-                r["eval_loss"] = ev[1]
+                r.update(figures)
                 return
-        self.pending.append({"step": ev[0], "eval_loss": ev[1]})
+        self.pending.append({"step": ev[0], **figures})
 
     def finish(self, evals: list) -> None:
         """The end of the run: the final eval on the last line, every pending line written."""
