@@ -124,7 +124,8 @@ def finetune(cfg: FinetuneConfig, *, on_step: Callable[[int, float], None] | Non
     example = ranks.share(train.batch(0, size, cfg.seed))
     pre = preflight(config, example, gpus=gpus, microbatches=micro, microbatch_size=cfg.micro_batch_size,
                     staleness=cfg.staleness, dtype=dtype, optimizer=optimizer, budget=_budget(cfg, cuda), lora=lora,
-                    packed=cfg.packing != "none", lm_head_shards=cfg.lm_head_shards)  # refuses what cannot fit
+                    packed=cfg.packing != "none", lm_head_shards=cfg.lm_head_shards,
+                    seq_limit=cfg.dry_run)  # refuses what cannot fit
     if cfg.dry_run:
         print("\n".join(pre.lines()))
         print(f"dry run: {plan.total} steps of {size} sequences; nothing loaded or written")
