@@ -12,7 +12,8 @@ Phases (seconds of the process, each counted once: a phase nested in another is 
 imports (interpreter start to the command's first line: torch, rpcompile), tokenizer + config
 (transformers' import comes here), data (read, tokenize, pack), preflight (the model on meta, traced,
 costed and planned before any weight loads), weights (from_pretrained), compile = trace + costs +
-plan (the rest of compile: runtime start), eval, steps, export, other (the run's own lines, exit).
+plan (the rest of compile: runtime start), eval, steps, export, other (the run's own lines), and the
+interpreter's start and exit (the process's wall time less all of those).
 
     python bench/finetune_startup.py                 # 3 interleaved repeats, writes docs/bench/finetune_startup.md
     python bench/finetune_startup.py --repeats 5 --before 217a999
@@ -37,7 +38,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 from _common import machine_line, write_doc  # noqa: E402
 
 PHASES = ("imports", "tokenizer + config", "data", "preflight", "weights", "compile: trace", "compile: costs",
-          "compile: plan", "compile: other", "eval", "steps", "export", "other")
+          "compile: plan", "compile: other", "eval", "steps", "export", "other", "interpreter start + exit")
 
 # The child: maps rpcompile (and its passes/runtime folders, as pyproject's package-dir does) to TREE, times
 # the phases by wrapping the run's functions (those a revision lacks are skipped), runs the command.
@@ -127,6 +128,7 @@ def one_run(tree: str, model: str, data: str, out: str) -> dict:
     phases["compile: other"] = phases.pop("compile", 0.0)
     for k in [k for k in phases if k.startswith("preflight: ")]:  # the meta plan's passes count as preflight
         phases["preflight"] = phases.get("preflight", 0.0) + phases.pop(k)
+    phases["interpreter start + exit"] = wall - sum(phases.values())  # what the child cannot time itself
     return {"wall": wall, **phases}
 
 

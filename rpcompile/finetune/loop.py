@@ -84,13 +84,14 @@ def evaluate_loss(c: Any, held: Any, size: int, ranks: Any) -> tuple[float, floa
     """
     batches = held.eval_batches(size, fill="ignore")
     counts = [int((b["labels"][:, 1:] != IGNORE).sum()) for b in batches]
-    loss, right, counted = 0.0, 0, 0
+    loss, hits = 0.0, []
     for b, n in zip(batches, counts):
         if n:
-            part, hits = c.evaluate(ranks.share(b), accuracy=True)
+            part, h = c.evaluate(ranks.share(b), accuracy=True)
             loss += part * n
-            right, counted = (right + hits[0], counted + hits[1]) if hits else (right, None)
-    return loss / sum(counts), (right / counted if counted else None)
+            hits.append(h)
+    counted = sum(h[1] for h in hits) if None not in hits else 0
+    return loss / sum(counts), (sum(h[0] for h in hits) / counted if counted else None)
 
 
 class Loop:
