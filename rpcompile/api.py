@@ -18,7 +18,7 @@ from rpcompile import checkpoint, passes
 from rpcompile.batch import check_batch, describe_change, signature
 from rpcompile.ir.graph import LayerGraph
 from rpcompile.ir.hardware import Hardware
-from rpcompile.ir.optim import SGD, AdamW, DynamicLossScale
+from rpcompile.ir.optim import SGD, AdamW, DynamicLossScale, decay_names
 from rpcompile.options import Options, check_model, default_microbatches, options
 from rpcompile.pipeline import Frozen, compile_passes, frozen_of, plan_pipeline
 from rpcompile.replan import Variant, Variants, plan_for
@@ -49,7 +49,8 @@ def compile(model: torch.nn.Module, gpus: int = 8, *, example: Any, microbatches
         example: one global batch (tensor, tuple or dict of tensors, batch along dim 0).
         microbatches: microbatches per iteration (default: smallest divisor of the batch >= gpus).
         staleness: 1 (default, RoundPipe) or 0 (synchronous).
-        optimizer: `rpcompile.AdamW(...)` (default lr 1e-4) or `rpcompile.SGD(...)`.
+        optimizer: `rpcompile.AdamW(...)` (default lr 1e-4) or `rpcompile.SGD(...)`; its `decay` (names or a
+            callable over `model.named_parameters()` names) picks the parameters weight decay applies to.
         dtype: training dtype of the compute copies (masters stay fp32).
         loss_fn: loss_fn(output, example) -> scalar, when the model's output is not the loss.
         layers: module-name patterns that override the layer detection, e.g. ["model.layers.*"].
@@ -104,6 +105,7 @@ def compile(model: torch.nn.Module, gpus: int = 8, *, example: Any, microbatches
                    loss_scale=loss_scale, loss_mean=loss_mean, fp16_accumulation=fp16_accumulation,
                    fused_head=fused_head, timeout=timeout)
     check_model(model)
+    decay_names(opts.optimizer, [n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad])
     return Compiled(model, opts, example, dist=dist, process_group=process_group)
 
 
@@ -141,6 +143,7 @@ class Compiled:
         self.state = HostState.from_graph(self.graph, optimizer=opts.optimizer, dtype=opts.dtype,
                                           loss_scale=opts.loss_scale,
                                           pin_memory=opts.backend != "host")  # pinned only where CUDA is
+        self.options = dataclasses.replace(opts, optimizer=self.state.config)  # decay resolved to names
         if resume is not None:  # a checkpoint of another model or plan is refused before any thread starts
             checkpoint.check(resume)
             self.state.check_state_dict(resume["host"])
@@ -333,12 +336,30 @@ class Compiled:
                 for name, w, lane, start, end in self._runtime.last_timeline]
 
     @_one_caller
-    def evaluate(self, batch: Any) -> float:
-        """Forward only with the weights the next step would read; returns the loss, weighted as `step`'s."""
+    def evaluate(self, batch: Any, *, accuracy: bool = False) -> Any:
+        """Forward only, in eval mode, with the weights the next step would read; the loss, weighted as `step`'s.
+
+        Args:
+            batch: a batch like `step`'s.
+            accuracy: also count the next-token predictions of the loss's cross-entropy: a target
+                (not ignore_index) is right where the logits' argmax is it (with a sharded LM head:
+                where its logit is the maximum).
+        Returns:
+            The loss; with `accuracy`, (loss, (right, counted)) summed over every process, or
+            (loss, None) if the loss computes no cross-entropy.
+
+        Example:
+            >>> loss, (right, counted) = c.evaluate(batch, accuracy=True)   # doctest: +SKIP
+        """
         self._prepare(batch)
         weights, counts = self._weights(batch, "evaluate")
-        loss = self._runtime.evaluate(batch, weights)
-        return self._result(loss, counts, "evaluate loss")
+        loss, hits = self._runtime.evaluate(batch, weights, hits=True)
+        loss = self._result(loss, counts, "evaluate loss")
+        if not accuracy:
+            return loss
+        if hits is not None and self._dist:
+            hits = (self._dist.total(hits[0], "right predictions"), self._dist.total(hits[1], "counted targets"))
+        return loss, hits
 
     def simulate(self, hardware: Hardware | str = "rtx4090", iterations: int = 1, *, example: Any = None):
         """Simulate this program on `hardware`, with layer costs predicted for that hardware.

@@ -9,6 +9,7 @@ machine and maybe planning differently.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,7 @@ from rpcompile.batch import batch_size, check_batch
 from rpcompile.hostmem import check_host_memory
 from rpcompile.ir.costs import CostTable
 from rpcompile.ir.graph import LayerGraph
+from rpcompile.ir.hardware import Hardware
 from rpcompile.ir.plan import StagePlan
 from rpcompile.options import Options, default_microbatches
 from rpcompile.passes.cost.stage_memory import memory_refusal
@@ -167,18 +169,23 @@ def _layers_and_costs(model, example, opts: Options, m: int, mode: str, layers, 
     if not any(v.requires_grad for v in graph.params.values()):
         raise ValueError(f"{type(model).__name__} has no trainable parameter (requires_grad is False for all "
                          f"{len(graph.params)}): nothing to train; unfreeze some (e.g. LoRA adapters)")
-    # 2. measure (or predict) per-layer time and memory for one microbatch
-    costs = passes.estimate_costs(graph, example, mode=mode, hardware=opts.hardware, microbatches=m,
-                                  fp16_accumulation=opts.fp16_accumulation)
-    # 3. cut the LM head + loss into vocabulary shards (run in token chunks sized by the budget), cost them;
-    #    "auto" shards by FLOPs, or by predicted times: a measured time never changes the layer graph
-    sharded = _shard_head(graph, opts.lm_head_shards, costs, budget, balance="time" if mode == "predict" else "flops",
-                          fused=opts.fused_head)
-    if sharded is not graph:
-        graph = sharded
-        costs = passes.estimate_costs(graph, example, mode=mode, hardware=opts.hardware, microbatches=m,
+    # 2. per-layer FLOPs and bytes (counted on meta: the same numbers as a measurement's) and predicted times
+    with warnings.catch_warnings():
+        if mode == "measure":  # a layer meta cannot run is counted on the CPU: the measurement says so once
+            warnings.simplefilter("ignore", UserWarning)
+        probe = passes.estimate_costs(graph, example, mode="predict", microbatches=m,
+                                      hardware=opts.hardware or Hardware.preset("cpu"),
                                       fp16_accumulation=opts.fp16_accumulation)
-    return graph, costs
+    # 3. cut the LM head + loss into vocabulary shards (run in token chunks sized by the budget), cost them;
+    #    "auto" shards by FLOPs, or by predicted times: a measured time never changes the layer graph, so
+    #    only the final graph is measured (the unsharded head's full logits never run here)
+    sharded = _shard_head(graph, opts.lm_head_shards, probe, budget, balance="time" if mode == "predict" else "flops",
+                          fused=opts.fused_head)
+    if sharded is graph and mode == "predict" and opts.hardware is not None:
+        return graph, probe
+    graph = sharded
+    return graph, passes.estimate_costs(graph, example, mode=mode, hardware=opts.hardware, microbatches=m,
+                                        fp16_accumulation=opts.fp16_accumulation)
 
 
 def _refusal(costs: CostTable, budget: int | None) -> str | None:

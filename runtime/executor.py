@@ -280,13 +280,16 @@ class Runtime:
         for w in self.workers:
             w.pool.stock(most, t)
 
-    def evaluate(self, batch: Any, weights: list[float] | None = None) -> float:
+    def evaluate(self, batch: Any, weights: list[float] | None = None, *, hits: bool = False) -> Any:
         """Forward only with the weights the next step reads, streamed through the workers; no state change.
 
-        `weights`: as for `step` (per-microbatch loss factors; None: the mean).
+        `weights`: as for `step` (per-microbatch loss factors; None: the mean). The layers run in
+        eval mode (`LayerRunner.run_layer`).
 
         Returns:
-            The mean microbatch loss (the weighted sum with `weights`).
+            The mean microbatch loss (the weighted sum with `weights`); with `hits`, (that loss,
+            (targets predicted right, targets counted)) of the loss's cross-entropy, or (loss, None)
+            when the loss computes none.
         """
         self.flush()
         if self.eval_info is None:
@@ -299,9 +302,10 @@ class Runtime:
         pairs = self.recovery.guard(lambda: self._submit(t, self.eval_info, mbs, weights), t)
         loss = self.recovery.guard(lambda: self._losses(t, self.eval_info, pairs), t)
         self.flush()
+        right = self.iterations.take_hits(t)
         self.iterations.end(t)
         self.issue.restore_slot_counts(made)
-        return loss
+        return (loss, right) if hits else loss
 
     def flush(self) -> None:
         """Wait for all issued work (optimizer steps included); afterwards the HostState is quiescent.

@@ -18,7 +18,7 @@ import torch
 
 from rpcompile.ir.program import Op
 from rpcompile.runtime.streams.devices import saved_tensors_bytes, tensor_bytes
-from rpcompile.runtime.stage_exec import grads_of, up_keys
+from rpcompile.runtime.stage_exec import HITS, grads_of, up_keys
 from rpcompile.runtime.streams.values import CallerSide, Cell, HostVal, ParamSlot, keep_for
 
 __all__ = ["IssueHandlers", "HANDLER_NAMES"]
@@ -240,6 +240,8 @@ class IssueHandlers:
                                      routing="record" if keep and not loss_only else None)  # for the recompute
             out = {"loss": env[self.graph.loss]} if loss_only else \
                 {"vals": _private({n: env[n] for n in io.down}, env_in)}
+            if loss_only and HITS in env:  # evaluation: the (right, counted) predictions go down beside the loss
+                out["hits"] = env[HITS]
             worker.store.add(tensor_bytes(out))
             cell.set(out)
         return self._launch(t, ins, w, run, cell, inputs.values())
@@ -354,6 +356,8 @@ class IssueHandlers:
                 keep_for(v, ad)  # a device value the download still reads (a CPU value needs nothing)
                 h.get().copy_(v, non_blocking=True)
                 self.ctx.stats.add(t, "bytes_to_host", tensor_bytes(v))
+            if "hits" in out:
+                self.its.add_hits(t, out["hits"].to("cpu"))  # two ints, evaluation only: a blocking copy is fine
             worker.store.add(-tensor_bytes(out))
         label = self.its.label(t, ins, w)
         ad.submit(run, label, t)

@@ -37,6 +37,8 @@ class Iterations:
         weights: iteration -> per microbatch, the factor its loss counts with in the iteration's loss
             (token weighting: n_m / N; 0 for a microbatch with nothing to train), given with its batch;
             absent: the plain mean, 1 / M each.
+        hits: evaluation -> (targets predicted right, targets counted) summed over its microbatches
+            (`add_hits`, `take_hits`).
 
     Handed:
         program: the template Program (its rotation: `gpus`, `shift`).
@@ -50,6 +52,7 @@ class Iterations:
         self.values: dict[int, list[float]] = {}
         self.scales: dict[int, float] = {}
         self.weights: dict[int, list[float]] = {}
+        self.hits: dict[int, Any] = {}
         self._lock = threading.Lock()
 
     # -- lookups ------------------------------------------------------------------------------------
@@ -120,6 +123,18 @@ class Iterations:
         """Leave microbatch mb's loss download (host buffer, event) for whoever takes iteration t's losses."""
         self.losses[t][mb] = pair
 
+    def add_hits(self, t: int, hits: Any) -> None:
+        """Add a microbatch's (right, counted) predictions (a CPU tensor of 2) to evaluation t's."""
+        with self._lock:
+            self.hits[t] = hits if t not in self.hits else self.hits[t] + hits
+
+    def take_hits(self, t: int) -> tuple[int, int] | None:
+        """Evaluation t's (right, counted) predictions over its microbatches (None: its loss has no
+        cross-entropy to count); forgotten once taken."""
+        with self._lock:
+            h = self.hits.pop(t, None)
+        return None if h is None else (int(h[0]), int(h[1]))
+
     def read_losses(self, t: int, ctx: Any, give: Callable[[Any], None]) -> list[float]:
         """Iteration t's microbatch losses, read once from their downloads (one host wait if still running).
 
@@ -151,6 +166,7 @@ class Iterations:
             self.info.pop(t, None)
             self.values.pop(t, None)
             self.weights.pop(t, None)
+            self.hits.pop(t, None)
 
     def forget(self, keep: Callable[[int], bool]) -> None:
         """Drop the ProgramInfo and loss scale of training iterations failing `keep(iteration)`."""
@@ -165,7 +181,7 @@ class Iterations:
     def rewind(self, u: int) -> None:
         """Drop the records of the abandoned iterations >= u; a training u becomes the next `step`'s."""
         with self._lock:
-            for d in (self.losses, self.values, self.info, self.weights):
+            for d in (self.losses, self.values, self.info, self.weights, self.hits):
                 for t in [t for t in d if t >= u]:
                     del d[t]
         if u < EVAL_BASE:

@@ -27,16 +27,24 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+import inspect
+
 import torch
+import torch.fx as fx
+import torch.nn.functional as F
 
 from rpcompile.ir.graph import LayerGraph
 from rpcompile.ir.plan import StageKind, StagePlan
 from rpcompile.passes.meta.moe import Routing, routers
+from rpcompile.passes.shard_head.chunked import lse_loss
 from rpcompile.runtime.rng import WorkerRandom, layer_seed
 
-__all__ = ["StageIO", "stage_io", "LayerRunner", "RoutingLog", "tracked_buffers", "layer_seed", "split_batch",
-           "has_random_ops", "random_layers", "flat_ranges", "up_keys", "count_readers", "chunk_elements", "grads_of", "trained_tokens", "token_weights"]
+__all__ = ["StageIO", "stage_io", "LayerRunner", "RoutingLog", "HITS", "tracked_buffers", "layer_seed", "split_batch",
+           "has_random_ops", "random_layers", "flat_ranges", "up_keys", "count_readers", "chunk_elements", "grads_of",
+           "trained_tokens", "token_weights"]
 
+HITS = "<token hits>"  # env key of evaluation's (right, counted) predictions (`LayerRunner.run_layer`)
+_CE = inspect.signature(F.cross_entropy)
 _RANDOM_FNS = ("dropout", "bernoulli", "rand", "randn", "randint", "randperm", "multinomial", "normal")
 
 
@@ -148,8 +156,8 @@ def random_layers(graph: LayerGraph) -> frozenset[int]:
 def _draws(lay) -> bool:
     """True if layer `lay` may draw random numbers."""
     for m in lay.module.modules():
-        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0:
-            return True
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 or getattr(m, "draws_random", False):
+            return True  # draws_random: a module that says so (NEFTune's noise, rpcompile.finetune.neftune)
         for attr in ("attention_dropout", "dropout", "dropout_p"):
             v = getattr(m, attr, 0.0)
             if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
@@ -298,6 +306,8 @@ class LayerRunner:
             for r in routers(self.modules[-1]):
                 r.forward = self._routed_forward(r.forward)
                 self.routed.add(lay.index)
+        self.modes = [[(m, m.training) for m in mod.modules()] for mod in self.modules]  # as compiled
+        self.evaluating = [False] * len(self.modules)  # layer -> its modules are in eval mode now
 
     def _routed_forward(self, forward: Any) -> Any:
         """A router's forward that records or replays its topk when the runner asks (`_route`)."""
@@ -316,27 +326,42 @@ class LayerRunner:
         Args:
             buffers: host copies of the layer's tracked buffers (running statistics): loaded into
                 this worker's module first; with `keep` the updated values are written back.
+            keep: False for evaluation, which also runs the layer's modules in eval mode
+                (`module.eval()`: no dropout, no NEFTune noise, BatchNorm's running statistics),
+                and puts in env[HITS] the layer's (right, counted) predictions if it computes the loss
+                (`_Hits`).
             routing: "record" this forward's MoE routing, "replay" the recorded one (a recompute), or None.
         """
         lay = self.graph.layers[index]
+        if self.evaluating[index] == keep:  # this worker's own copy: only its compute stream runs it
+            for m, mode in self.modes[index]:
+                m.training = mode and keep  # training: each module's mode as compiled; evaluation: all off
+            self.evaluating[index] = not keep
         mod_buffers = dict(self.modules[index].named_buffers()) if buffers else {}
         for n, b in (buffers or {}).items():
             mod_buffers[n].copy_(b, non_blocking=True)
         args = tuple(env[n] for n in lay.inputs)
         mine = {p: params[p] for p in lay.params}
+        module, hits = self.modules[index], None
+        if not keep and self.graph.loss in lay.outputs:  # evaluation's loss layer: count the right predictions
+            module = _Hits(module)
+            hits = module.hits
+            mine = {f"layer.{p}": v for p, v in mine.items()}
         key = (iteration, mb, index)
         if routing is not None and index in self.routed:
             self._route = {"record": []} if routing == "record" else {"replay": self.routes.take(key, self.device)}
         try:
             if index not in self.random:
-                outs = torch.func.functional_call(self.modules[index], mine, args)
+                outs = torch.func.functional_call(module, mine, args)
             else:
                 with WorkerRandom(self.generator, layer_seed(self.seed, iteration, mb, index)):
-                    outs = torch.func.functional_call(self.modules[index], mine, args)
+                    outs = torch.func.functional_call(module, mine, args)
         finally:
             route, self._route = self._route, None
         if route is not None and "record" in route:
             self.routes.put(key, route["record"])
+        if hits:
+            env[HITS] = torch.stack(hits).sum(0)
         if not isinstance(outs, (tuple, list)):
             outs = (outs,)
         if len(outs) != len(lay.outputs):
@@ -355,7 +380,7 @@ class LayerRunner:
             grad_of: input names to turn into leaves that require grad (the recompute's inputs).
             buffers: layer -> host copies of its tracked buffers (see `run_layer`); None: the
                 worker's module buffers as they are (a recompute: their updates are dropped).
-            keep: write the updated tracked buffers back (False: evaluation).
+            keep: write the updated tracked buffers back (False: evaluation, in eval mode).
             routing: MoE routing: "record" (an F stage), "replay" (a recompute) or None (see `run_layer`).
         """
         env = {n: (t.detach().requires_grad_(True) if n in grad_of and t.is_floating_point() else t)
@@ -363,6 +388,56 @@ class LayerRunner:
         for i in layers:
             self.run_layer(i, params, env, iteration, mb, (buffers or {}).get(i), keep, routing)
         return env
+
+
+class _Hits(torch.nn.Module):
+    """A layer run through an fx Interpreter that notes (right, counted) targets of each cross-entropy it computes.
+
+    A target counts unless it is the ignore_index; it is right where the logits' argmax is the target:
+    `F.cross_entropy` / `nn.CrossEntropyLoss` read the argmax of their input, `lse_loss` (the sharded
+    head, whose logits never exist whole) has the target logit equal the running max. The same ops run
+    in the same order as the layer's own forward, so the loss is the same bits.
+    """
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        super().__init__()
+        self.layer, self.hits = layer, []
+
+    def forward(self, *args: Any) -> Any:
+        return _HitInterpreter(self.layer, self.hits).run(*args)
+
+
+class _HitInterpreter(fx.Interpreter):
+    """`_Hits`'s interpreter: each call of a cross-entropy appends a (right, counted) tensor to `hits`."""
+
+    def __init__(self, gm: fx.GraphModule, hits: list) -> None:
+        super().__init__(gm)
+        self.found = hits
+
+    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        out = super().call_function(target, args, kwargs)
+        if target is F.cross_entropy:
+            a = _CE.bind(*args, **kwargs).arguments
+            self.found.append(_right(a["input"], a["target"], a.get("ignore_index", -100)))
+        elif target is lse_loss:
+            m, _, t, tgt, ignore = args[:5]
+            keep = tgt != ignore
+            self.found.append(torch.stack([((t >= m) & keep).sum(), keep.sum()]))
+        return out
+
+    def call_module(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        out = super().call_module(target, args, kwargs)
+        mod = self.fetch_attr(target)
+        if isinstance(mod, torch.nn.CrossEntropyLoss):
+            self.found.append(_right(args[0], args[1], mod.ignore_index))
+        return out
+
+
+def _right(logits: torch.Tensor, target: torch.Tensor, ignore: int) -> torch.Tensor:
+    """(targets where the argmax over the class dim is right, targets counted); ignore_index left out."""
+    keep = target != ignore
+    pred = logits.detach().argmax(1 if logits.dim() > 1 else 0)
+    return torch.stack([((pred == target) & keep).sum(), keep.sum()])
 
 
 def _buffers_to(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:

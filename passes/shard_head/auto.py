@@ -15,6 +15,14 @@ Note:
     miss the memory-bound elementwise work). Costs without FLOPs, a head
     without FLOPs, or no costs: parameter bytes.
 
+    K is at most the number of the other layers (those with a load): a head
+    hundreds of times a layer's work (a toy model's: Qwen2.5's 151,665-token
+    vocabulary on hidden 8) would otherwise become hundreds of shard layers, each
+    with a layer's fixed cost to measure, plan and run, and more shards than the
+    rest of the model has layers cannot balance against anything (issue 35:
+    452 shards took 2.5 minutes of a 3-step run; `bench/finetune_startup.py`).
+    A real model's ratio is far below its layer count (Qwen3-1.7B: about 6 of 28).
+
     The chunk bounds memory: a shard's live working set while it runs one
     chunk is `LOGIT_BYTES` bytes per logit of the chunk (chunk x ceil(V/K)
     logits): the matmul's output in the training dtype, its fp32 copy, the
@@ -41,10 +49,11 @@ LOGIT_BYTES = 16  # live bytes per logit of a chunk during a shard's backward (m
 
 
 def auto_shards(graph: LayerGraph, costs: CostTable | None, vocab: int, balance: str = "flops") -> int:
-    """K for shards="auto": the head's load / the median load of the other layers, rounded up (module Note).
+    """K for shards="auto": the head's load / the median load of the other layers, rounded up (module Note),
+    and at most the number of those layers.
 
     The load is fwd + bwd FLOPs (`balance="flops"`) or time (`"time"`, for predicted costs); parameter
-    bytes without costs or FLOPs. Layers of no load are left out of the median.
+    bytes without costs or FLOPs. Layers of no load are left out of the median and of the count.
 
     >>> auto_shards(graph, CostTable.from_lists([1, 1, 3], [2, 2, 6], fwd_flops=[0, 4, 9],
     ...             bwd_flops=[0, 8, 18]), vocab=100)  # doctest: +SKIP
@@ -58,7 +67,7 @@ def auto_shards(graph: LayerGraph, costs: CostTable | None, vocab: int, balance:
     load = _load(graph, costs, balance)
     rest = [x for x in load[:-1] if x > 0]
     ratio = load[-1] / statistics.median(rest) if rest else 0.0
-    return max(1, min(vocab, math.ceil(ratio * (1 - 1e-9))))
+    return max(1, min(vocab, len(rest), math.ceil(ratio * (1 - 1e-9))))  # at most one shard per other layer
 
 
 def _load(graph: LayerGraph, costs: CostTable | None, balance: str) -> list[float]:

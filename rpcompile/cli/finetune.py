@@ -92,7 +92,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _add(o, "--lr", type=float, help="peak learning rate (default 2e-5, or 2e-4 with --lora)")
     _add(o, "--warmup", type=int, help=f"linear warmup steps (default {d.warmup})")
     _add(o, "--schedule", choices=SCHEDULES, help=f"after the warmup (default {d.schedule})")
-    _add(o, "--weight-decay", type=float, help=f"AdamW weight decay (default {d.weight_decay:g})")
+    _add(o, "--weight-decay", type=float, help=f"AdamW weight decay (default {d.weight_decay:g}), on the parameters "
+         "transformers' Trainer decays: no biases, no LayerNorm/RMSNorm weights (LoRA: the adapters)")
+    _add(o, "--decay-all", action="store_true",
+         help="weight decay on every trainable parameter, biases and norm weights too")
+    _add(o, "--neftune-alpha", type=float, metavar="A",
+         help="NEFTune: uniform noise of scale A/sqrt(seq*hidden) on the input embeddings while training (never "
+         "in eval); 5 is usual (default 0: off)")
     _add(o, "--max-grad-norm", type=float, help=f"clip by the global gradient norm (default {d.max_grad_norm:g}; "
          f"0 = off)")
     _add(o, "--seed", type=int, help=f"data order, adapter init, dropout (default {d.seed})")

@@ -42,7 +42,9 @@ class FinetuneConfig:
     lr: float | None = None  # peak learning rate; None: 2e-5, or 2e-4 with LoRA
     warmup: int = 0  # linear warmup steps before the schedule
     schedule: str = "cosine"  # after the warmup: "cosine", "linear" (both towards 0) or "constant"
-    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    weight_decay: float = 0.0  # AdamW decoupled weight decay, on the parameters transformers' Trainer decays
+    # (`Trainer.get_decay_parameter_names`: no biases, no LayerNorm/RMSNorm weights; LoRA: the adapters)
+    decay_all: bool = False  # weight decay on every trainable parameter instead (biases and norms too)
     max_grad_norm: float | None = 1.0  # clip gradients by their global L2 norm; None = off
     staleness: int = 1  # 1: RoundPipe (the CPU optimizer one step behind), 0: synchronous
     dtype: str = "auto"  # training dtype (DTYPES): auto = bf16 on CUDA, fp32 on the CPU; fp16 with dynamic loss scaling
@@ -78,6 +80,8 @@ class FinetuneConfig:
     timeout: float | None = None  # seconds a runtime wait may last before the step fails as a hang; None: from the
     # plan (the larger of 10 minutes and 20x a step's predicted work, `rpcompile.compile(timeout=)`)
     dist_timeout: float = 60.0  # torchrun: seconds to wait for every rank to join before giving up
+    neftune_alpha: float = 0.0  # NEFTune: uniform noise of scale alpha / sqrt(seq * hidden) on the input
+    # embeddings in training steps (never in eval); 0 = off (TRL's neftune_noise_alpha; 5 is usual)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +141,9 @@ def check_config(cfg: FinetuneConfig) -> None:
         raise ValueError("--merge merges LoRA adapters: it needs --lora R")
     if cfg.eval_every and not (cfg.eval or cfg.val_size):
         raise ValueError("--eval-every needs --eval FILE or --val-size F")
+    for name, v in {"weight_decay": cfg.weight_decay, "neftune_alpha": cfg.neftune_alpha}.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+            raise ValueError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {v!r}")
     if cfg.memory_gib is not None and not cfg.memory_gib > 0:
         raise ValueError(f"--memory-gib must be > 0, got {cfg.memory_gib}")
     for name, v in {"timeout": cfg.timeout, "dist_timeout": cfg.dist_timeout}.items():

@@ -15,8 +15,8 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["load_tokenizer", "check_model", "load_model", "add_lora", "trainable_module", "export",
-           "TOKENIZER_FILES"]
+__all__ = ["load_tokenizer", "check_model", "load_model", "add_lora", "trainable_module", "decay_parameters",
+           "export", "TOKENIZER_FILES"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model",
                    "tekken.json")  # any of these marks a folder that holds a tokenizer
@@ -166,6 +166,35 @@ def trainable_module(model: Any) -> Any:
         so training it trains the peft model.
     """
     return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def decay_parameters(model: Any) -> frozenset[str]:
+    """The trainable parameters `transformers.Trainer` applies weight decay to, named as in `trainable_module(model)`.
+
+    `Trainer.get_decay_parameter_names(model)` (no biases, no LayerNorm / RMSNorm weights) among the
+    parameters that require grad, as Trainer's optimizer groups them; for a peft model (LoRA) its names
+    (`base_model.model.`...) are mapped by identity to the compiled module's, so the adapters decay as
+    Trainer would decay them. The set goes to `rpcompile.AdamW(decay=...)`.
+
+    Args:
+        model: the transformers model, or the peft model, that would be given to Trainer.
+    Returns:
+        Parameter names of `trainable_module(model)` (canonical: a tied parameter under its first name).
+
+    Note:
+        transformers' own rule is called (it changes between versions), without building a Trainer:
+        `get_decay_parameter_names` reads only the model. Importing Trainer takes seconds, so a run
+        without weight decay never calls this.
+
+    Example:
+        >>> sorted(decay_parameters(model))[:2]   # doctest: +SKIP
+        ['lm_head.weight', 'model.embed_tokens.weight']
+    """
+    from transformers import Trainer
+    names = set(Trainer.get_decay_parameter_names(object.__new__(Trainer), model))
+    module = trainable_module(model)
+    canonical = {id(p): n for n, p in module.named_parameters()}
+    return frozenset(canonical[id(p)] for n, p in model.named_parameters() if n in names and p.requires_grad)
 
 
 def export(model: Any, tokenizer: Any, out: str, *, merge: bool = False, use_cache: bool = True) -> None:

@@ -3,8 +3,8 @@
     >>> losses = Loop(c, cfg, plan, train, held, log, ranks).run(evals, on_step)   # doctest: +SKIP
 
 Per step t: set the scheduled learning rate, step this rank's share of batch t,
-update the progress bar, eval every `eval_every` steps, checkpoint every `save_every`
-steps, and record the step's metrics (`rpcompile.finetune.metrics`).
+update the progress bar, eval every `eval_every` steps (the loss and the token accuracy), checkpoint
+every `save_every` steps, and record the step's metrics (`rpcompile.finetune.metrics`).
 
 A checkpoint never covers a line that is not on disk: at a checkpoint step the eval runs
 first, then every pending line (that step's eval included) is written, and only then is the
@@ -127,14 +127,26 @@ def out_of_memory(exc: BaseException, step: int, saved: int | None) -> StepOutOf
                            f"--microbatches; {kept}")
 
 
-def evaluate_loss(c: Any, held: Any, size: int, ranks: Any) -> float:
-    """The held-out loss: sum NLL / trained tokens over all of it (each sequence once, token-weighted).
+def evaluate_loss(c: Any, held: Any, size: int, ranks: Any) -> tuple[float, float | None]:
+    """The held-out loss and token accuracy, each sequence once, token-weighted.
 
     Every rank evaluates its share of each batch; `evaluate` all-reduces the token counts.
+
+    Returns:
+        (sum NLL / trained tokens, right / trained tokens): a trained token is right where the
+        model's most likely next token is it (TRL's mean_token_accuracy); None if the loss has no
+        cross-entropy to count.
     """
     batches = held.eval_batches(size, fill="ignore")
     counts = [int((b["labels"][:, 1:] != IGNORE).sum()) for b in batches]
-    return sum(c.evaluate(ranks.share(b)) * n for b, n in zip(batches, counts) if n) / sum(counts)
+    loss, hits = 0.0, []
+    for b, n in zip(batches, counts):
+        if n:
+            part, h = c.evaluate(ranks.share(b), accuracy=True)
+            loss += part * n
+            hits.append(h)
+    counted = sum(h[1] for h in hits) if None not in hits else 0
+    return loss / sum(counts), (sum(h[0] for h in hits) / counted if counted else None)
 
 
 class Loop:
@@ -154,6 +166,7 @@ class Loop:
             log, ranks
         self.pending: list[dict[str, Any]] = []  # records of finished steps, written when the next one returns
         self.saved: int | None = c.steps or None  # the step of the checkpoint on disk (a resume starts at one)
+        self.accuracy: dict[int, float | None] = {}  # step -> its eval's token accuracy
 
     def run(self, evals: list, on_step: Callable | None) -> list[float]:
         """The loop; returns this call's losses; evals gets (step, eval loss) appended."""
@@ -162,9 +175,8 @@ class Loop:
         c, cfg, plan = self.c, self.cfg, self.plan
         losses: list[float] = []
         if self.held is not None and c.steps == 0:
-            evals.append((0, evaluate_loss(c, self.held, plan.size, self.ranks)))  # the model before training
-            print(f"step 0: eval loss {evals[-1][1]:.4f}")
-            self.pending.append({"step": 0, "eval_loss": evals[-1][1]})
+            print(self.evaluate(evals))  # the model before training
+            self._add_eval(evals[-1])
         quiet = not cfg.progress or not self.ranks.writes
         with tqdm(total=plan.total, initial=c.steps, unit="step", disable=quiet, dynamic_ncols=True) as bar:
             t = c.steps
@@ -197,21 +209,23 @@ class Loop:
         t = c.steps
         rate = lr_at(t, lr=plan.lr, total=plan.total, warmup=cfg.warmup, kind=cfg.schedule)
         c.set_lr(rate)  # the lr of the update made from this step's gradient
-        batch = self.train.batch(t, plan.size, cfg.seed)
+        rows = self.train.batch_rows(t, plan.size, cfg.seed)
+        batch = self.train.rows(rows)
         start = time.perf_counter()
         loss = c.step(self.ranks.share(batch))
         took = time.perf_counter() - start
-        tokens = batch["input_ids"].numel()
+        tokens = self.train.real_tokens(rows)  # padding left out (--packing none pads every document)
         bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens / took:,.0f}", lr=f"{rate:.2e}", refresh=False)
         bar.update(1)
         self._write(complete=False)  # the previous step's line: its figures are recorded by now
         if c.steps % cfg.logging_steps == 0 or c.steps == plan.total:
-            self.pending.append({"step": c.steps, "loss": loss, "lr": rate,
-                                 "trained_tokens": int((batch["labels"][:, 1:] != IGNORE).sum()),
-                                 "tokens_per_s": tokens / took, "_took": took})
+            trained = int((batch["labels"][:, 1:] != IGNORE).sum())
+            self.pending.append({"step": c.steps, "loss": loss, "lr": rate, "tokens": tokens,
+                                 "trained_tokens": trained, "step_s": took, "tokens_per_s": tokens / took,
+                                 "trained_tokens_per_s": trained / took,
+                                 "padded_tokens_per_s": batch["input_ids"].numel() / took})
         if self.held is not None and cfg.eval_every and c.steps % cfg.eval_every == 0 and c.steps < plan.total:
-            evals.append((c.steps, evaluate_loss(c, self.held, plan.size, self.ranks)))
-            bar.write(f"step {c.steps}: eval loss {evals[-1][1]:.4f}")
+            bar.write(self.evaluate(evals))
             self._add_eval(evals[-1])
         if cfg.save_every and c.steps % cfg.save_every == 0:
             c.flush()  # the step's work done: every pending line is complete
@@ -220,13 +234,25 @@ class Loop:
             self.saved = c.steps
         return loss
 
+    def evaluate(self, evals: list) -> str:
+        """Evaluate the held-out data now: (step, loss) goes to `evals`, the token accuracy is kept for the
+        step's metrics line; returns the line to print."""
+        loss, accuracy = evaluate_loss(self.c, self.held, self.plan.size, self.ranks)
+        evals.append((self.c.steps, loss))
+        self.accuracy[self.c.steps] = accuracy
+        return f"step {self.c.steps}: eval loss {loss:.4f}" + (
+            f", token accuracy {accuracy:.4f}" if accuracy is not None else "")
+
     def _add_eval(self, ev: tuple[int, float]) -> None:
-        """Put an eval loss on its step's line (a line of its own if that step is not logged)."""
+        """Put an eval loss (and token accuracy) on its step's line (a line of its own if that step is not logged)."""
+        figures = {"eval_loss": ev[1]}
+        if self.accuracy.get(ev[0]) is not None:
+            figures["eval_token_accuracy"] = self.accuracy[ev[0]]
         for r in self.pending:
             if r["step"] == ev[0]:
-                r["eval_loss"] = ev[1]
+                r.update(figures)
                 return
-        self.pending.append({"step": ev[0], "eval_loss": ev[1]})
+        self.pending.append({"step": ev[0], **figures})
 
     def finish(self, evals: list) -> None:
         """The end of the run: the final eval on the last line, every pending line written."""
@@ -247,7 +273,7 @@ class Loop:
 
     def _figures(self, r: dict[str, Any]) -> dict[str, Any]:
         """A pending record with the gradient norm, the host peak and the runtime's counters of its step."""
-        took = r.pop("_took", None)
+        took = r.get("step_s")
         if "loss" not in r:
             return r
         it = r["step"] - 1  # the runtime's 0-based iteration

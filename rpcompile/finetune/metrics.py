@@ -5,14 +5,16 @@
     >>> log.close()                                                      # doctest: +SKIP
 
 One JSON object per line, one line per logged step (`python -m rpcompile finetune`
-writes: step, loss, lr, grad_norm, trained_tokens, tokens_per_s, peak_host_bytes,
-the runtime's counters of that step, eval_loss on eval steps). A resumed run
+writes: step, loss, lr, grad_norm, tokens (real, no padding), trained_tokens, step_s,
+tokens_per_s and trained_tokens_per_s (those over step_s), padded_tokens_per_s (every
+position of the batch), peak_host_bytes, the runtime's counters of that step, eval_loss
+and eval_token_accuracy on eval steps). A resumed run
 (`resume_at=k`, the checkpoint's step) first drops every line of a step after k:
 those steps run again, so no step is written twice. Lines are flushed as they are
 written, so `tail -f OUT/metrics.jsonl` follows a run.
 
 TensorBoard (`pip install "rpcompile[tensorboard]"`): the same numbers as
-scalars in `OUT/tensorboard`, `train/<name>` per step and `eval/loss`, through
+scalars in `OUT/tensorboard`, `train/<name>` per step, `eval/loss` and `eval/token_accuracy`, through
 `torch.utils.tensorboard.SummaryWriter` (`tensorboard --logdir OUT/tensorboard`).
 """
 from __future__ import annotations
@@ -89,7 +91,7 @@ class MetricsLog:
             return
         step = record["step"]
         for key, value in _scalars(record):
-            self._tb.add_scalar("eval/loss" if key == "eval_loss" else f"train/{key}", value, step)
+            self._tb.add_scalar(f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}", value, step)
         self._tb.flush()
 
     def close(self) -> None:

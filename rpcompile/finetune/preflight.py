@@ -10,7 +10,7 @@ parameters' host state fits this machine's RAM, plans it with predicted costs
 (`rpcompile.plan_pipeline(mode="predict")`: FLOPs and bytes on a `Hardware` that
 describes this machine's devices), checks the saved activations against the RAM
 again, simulates the program for each worker's device peak, and finds the
-longest sequence that fits (`rpcompile.passes.max_seq_len`). A run that cannot
+longest sequence that fits (`rpcompile.passes.max_seq_len`; for `--dry-run` only). A run that cannot
 fit is refused here, in seconds, with the bytes named (ValueError); `finetune`
 runs it before it loads the weights, and `--dry-run` prints what it found.
 
@@ -132,7 +132,8 @@ def meta_model(config: Any, *, dtype: torch.dtype, lora: dict | None, packed: bo
 
 def preflight(config: Any, example: Any, *, gpus: int, microbatches: int, microbatch_size: int, staleness: int,
               dtype: torch.dtype, optimizer: Any, budget: int | None, lora: dict | None, packed: bool,
-              lm_head_shards: int | str = "auto", fp16_accumulation: bool = False) -> Preflight:
+              lm_head_shards: int | str = "auto", fp16_accumulation: bool = False,
+              seq_limit: bool = True) -> Preflight:
     """Plan and size the run on the meta device; raise ValueError if it cannot fit (see the module docstring).
 
     Args:
@@ -143,6 +144,8 @@ def preflight(config: Any, example: Any, *, gpus: int, microbatches: int, microb
         microbatch_size: sequences per microbatch (for max_seq_len).
         budget: device bytes per worker (None: unbounded host workers, or 90% of the CUDA device).
         lora, packed: as for `meta_model`.
+        seq_limit: also find the longest sequence that fits (`max_seq_len`, for `--dry-run`'s report; a
+            real run skips it: it is the slowest check and refuses nothing).
     Raises:
         ValueError: the host state or the saved activations exceed the RAM, or with host workers so do
             they and the workers' device peaks, or a layer cannot fit the device budget (each names the
@@ -167,9 +170,11 @@ def preflight(config: Any, example: Any, *, gpus: int, microbatches: int, microb
     if found.ram > hw.host_memory:
         raise ValueError(f"host memory: the run needs {found.ram_line().replace(' of ', ' but has ', 1)}; lower "
                          f"--micro-batch-size, --seq or --microbatches, or train adapters (--lora)")
+    limit, why = None, "not asked"
     try:
-        limit, why = max_seq_len(graph, hw, gpus=gpus, microbatch_size=microbatch_size, microbatches=m,
-                                 memory_budget=budget, host_memory=hw.host_memory), None
+        if seq_limit:
+            limit, why = max_seq_len(graph, hw, gpus=gpus, microbatch_size=microbatch_size, microbatches=m,
+                                     memory_budget=budget, host_memory=hw.host_memory), None
     except Exception as exc:  # noqa: BLE001 - reported: the plan and the checks above still stand
         limit, why = None, f"{type(exc).__name__}: {exc}"
     return Preflight(hw, plan, program, peaks, budget, host, hw.host_memory, workers, buffers, limit, why,

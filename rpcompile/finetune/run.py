@@ -14,10 +14,13 @@ optionally add LoRA adapters (peft), read, mask and pack the data
 `rpcompile.finetune.data.packing`: documents kept apart, `packing`) and print one summary
 line (rows, documents, sequences, trained tokens, documents truncated), compile
 for RoundPipe with the token-weighted loss (`loss_mean="tokens"`: a step's loss
-is the NLL summed over its trained tokens / their number), then per step set
-the scheduled learning rate (`rpcompile.finetune.schedule`) and `step` one batch
-(`input_ids`, `labels`, `position_ids`); eval loss before the first step, every
-`eval_every` steps and at the end, weighted by trained tokens the same way; an
+is the NLL summed over its trained tokens / their number) and AdamW whose weight
+decay skips what transformers' Trainer skips (biases, norm weights; `decay_all`
+decays everything), NEFTune noise on the input embeddings if asked
+(`rpcompile.finetune.neftune`), then per step set the scheduled learning rate
+(`rpcompile.finetune.schedule`: transformers' `get_scheduler`) and `step` one batch
+(`input_ids`, `labels`, `position_ids`); eval loss and token accuracy before the
+first step, every `eval_every` steps and at the end, weighted by trained tokens the same way; an
 atomic checkpoint every `save_every` steps; at the end `save_pretrained` into
 `out` (with the `chat_template` given, if any).
 
@@ -38,6 +41,7 @@ first).
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -52,11 +56,13 @@ from rpcompile.checkpoint import write_text_atomic
 from rpcompile.finetune.data import CONVERSATIONAL, NothingToTrain, file_kind, prepare, read_template
 from rpcompile.finetune.config import DTYPES, FinetuneConfig, FinetuneResult, check_config
 from rpcompile.finetune.dist import Ranks
-from rpcompile.finetune.loop import Loop, StepFailed, StepOutOfMemory, StepPlan, evaluate_loss
+from rpcompile.finetune.loop import Loop, StepFailed, StepOutOfMemory, StepPlan
 from rpcompile.finetune.out import (CHECKPOINT, RUN_FILE, TOKEN_CACHE, OutLock, check_resume, claim_out, remove_previous,
                                    run_record)
-from rpcompile.finetune.hf import add_lora, check_model, export, load_model, load_tokenizer, trainable_module
+from rpcompile.finetune.hf import add_lora, check_model, decay_parameters, export, load_model, load_tokenizer, \
+    trainable_module
 from rpcompile.finetune.metrics import MetricsLog, check_report_to
+from rpcompile.finetune.neftune import add_neftune, remove_neftune
 from rpcompile.finetune.packed_attention import use_packed_attention
 from rpcompile.finetune.preflight import preflight
 from rpcompile.ir.optim import AdamW, DynamicLossScale
@@ -139,7 +145,7 @@ def _train(cfg: FinetuneConfig, ranks: Ranks, on_step: Callable[[int, float], No
     pre = preflight(config, example, gpus=gpus, microbatches=micro, microbatch_size=cfg.micro_batch_size,
                     staleness=cfg.staleness, dtype=dtype, optimizer=optimizer, budget=_budget(cfg, cuda), lora=lora,
                     packed=cfg.packing != "none", lm_head_shards=cfg.lm_head_shards,
-                    fp16_accumulation=cfg.fp16_accumulation)  # refuses what cannot fit
+                    fp16_accumulation=cfg.fp16_accumulation, seq_limit=cfg.dry_run)  # refuses what cannot fit
     if cfg.dry_run:
         print("\n".join(pre.lines()))
         print(f"dry run: {plan.total} steps of {size} sequences; nothing loaded or written")
@@ -153,6 +159,9 @@ def _train(cfg: FinetuneConfig, ranks: Ranks, on_step: Callable[[int, float], No
     module = trainable_module(model)
     if cfg.packing != "none":  # documents packed per row: attention per document, memory linear in --seq
         use_packed_attention(module)
+    if cfg.weight_decay and not cfg.decay_all:  # Trainer's groups: no biases, no norm weights
+        optimizer = dataclasses.replace(optimizer, decay=decay_parameters(model))
+    noise = add_neftune(model, cfg.neftune_alpha) if cfg.neftune_alpha else None  # training steps only
     if ranks.writes:
         os.makedirs(cfg.out, exist_ok=True)
     c = _start(cfg, module, run, example, ranks, plan, gpus=gpus, micro=micro, dtype=dtype, optimizer=optimizer,
@@ -170,12 +179,13 @@ def _train(cfg: FinetuneConfig, ranks: Ranks, on_step: Callable[[int, float], No
             for group in range(len(c.state.groups)):
                 c.state.copy(group)  # ... and into the compute copies: nothing will read the stale version now
             if held is not None:
-                evals.append((c.steps, evaluate_loss(c, held, size, ranks)))
-                print(f"step {c.steps}: eval loss {evals[-1][1]:.4f} (final model)")
+                print(loop.evaluate(evals) + " (final model)")
             loop.finish(evals)
     finally:
         if log is not None:
             log.close()
+    if noise is not None:
+        remove_neftune(model, noise)
     if ranks.writes:
         export(model, tokenizer, cfg.out, merge=cfg.merge, use_cache=use_cache)
         print(f"wrote {os.path.abspath(cfg.out)} ({'LoRA adapters' if cfg.lora and not cfg.merge else 'model'} "

@@ -18,6 +18,7 @@ from rpcompile import checkpoint  # noqa: E402
 from rpcompile.cli.main import main  # noqa: E402
 from rpcompile.finetune import FinetuneConfig, finetune  # noqa: E402
 from rpcompile.finetune.data import pack, read_documents  # noqa: E402
+from rpcompile.finetune.metrics import read_metrics  # noqa: E402
 from rpcompile.finetune.run import CHECKPOINT  # noqa: E402
 import hf_fixtures as fx  # noqa: E402
 
@@ -41,10 +42,15 @@ def config(files, out, **kw) -> FinetuneConfig:
 def hf_loss(model, data_file) -> float:
     """The handle's eval loss computed by transformers: each packed document alone (its own forward), the NLL
     summed over every trained target / their number (the token-weighted loss)."""
+    return hf_eval(model, data_file)[0]
+
+
+def hf_eval(model, data_file) -> tuple[float, float, int]:
+    """`hf_loss`, the token accuracy (trained targets that are the logits' argmax / their number), that number."""
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(files_model_of(model))
     p = pack(read_documents(data_file, tok), tok, SMALL["seq"])
-    total = 0.0
+    total, right = 0.0, 0
     for r in range(len(p)):
         starts = [i for i, x in enumerate(p.positions[r].tolist()) if x == 0] + [p.ids.shape[1]]
         for a, b in zip(starts, starts[1:]):  # a document (or the padding, which trains nothing)
@@ -54,7 +60,8 @@ def hf_loss(model, data_file) -> float:
                     logits = model(input_ids=p.ids[r:r + 1, a:b]).logits[0].float()
                 total += torch.nn.functional.cross_entropy(logits[:-1], labels[1:], ignore_index=-100,
                                                            reduction="sum").item()
-    return total / p.trained
+                right += int(((logits[:-1].argmax(-1) == labels[1:]) & (labels[1:] != -100)).sum())
+    return total / p.trained, right / p.trained, p.trained
 
 
 def files_model_of(model) -> str:
@@ -80,7 +87,11 @@ def test_thirty_steps_lower_the_loss_and_the_folder_loads_with_the_handles_loss(
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True)
     tok = AutoTokenizer.from_pretrained(tmp_path / "out", local_files_only=True)
     assert type(model).__name__ == "LlamaForCausalLM" and tok.eos_token == "<eos>" and model.config.use_cache
-    assert abs(hf_loss(model, files.eval) - r.evals[-1][1]) < 1e-5  # the handle's final evaluate
+    loss, accuracy, trained = hf_eval(model, files.eval)
+    assert abs(loss - r.evals[-1][1]) < 1e-5  # the handle's final evaluate
+    evals = [x for x in read_metrics(os.path.join(tmp_path / "out", "metrics.jsonl")) if "eval_loss" in x]
+    assert [x["step"] for x in evals] == [0, 10, 20, 30] and evals[-1]["eval_loss"] == r.evals[-1][1]
+    assert accuracy > 0.05 and abs(evals[-1]["eval_token_accuracy"] - accuracy) < 1.5 / trained  # a near tie at most
     start = tensors(files.model)
     assert all(not torch.equal(t, start[k]) for k, t in tensors(tmp_path / "out").items() if "norm" not in k)
 

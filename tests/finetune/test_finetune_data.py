@@ -84,17 +84,21 @@ def test_batches_are_a_function_of_the_step(tok):
     assert len(p.eval_batches(4)) == -(-n // 4) and all(b["labels"].shape == (4, 16) for b in p.eval_batches(4))
 
 
-def test_schedules():
-    total, warmup, lr = 12, 3, 0.3
-    got = {k: [lr_at(s, lr=lr, total=total, warmup=warmup, kind=k) for s in range(total)]
-           for k in ("cosine", "linear", "constant")}
-    for k in got:
-        assert got[k][:3] == pytest.approx([0.1, 0.2, 0.3])
-    assert got["constant"][3:] == [lr] * 9
-    assert got["linear"][3:] == pytest.approx([lr * (1 - i / 9) for i in range(9)])
-    assert got["cosine"][3:] == pytest.approx([lr * 0.5 * (1 + torch.cos(torch.tensor(i / 9 * torch.pi)).item())
-                                              for i in range(9)])
-    assert all(v > 0 for v in got["cosine"] + got["linear"])
+@pytest.mark.parametrize("kind, hf", [("cosine", "cosine"), ("linear", "linear"), ("constant", "constant_with_warmup")])
+@pytest.mark.parametrize("warmup", [0, 1, 7])
+def test_schedules_are_transformers_get_scheduler_step_for_step(kind, hf, warmup):
+    from transformers import get_scheduler
+    total, lr = 100, 3e-4
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    sched = get_scheduler(hf, opt, num_warmup_steps=warmup, num_training_steps=total)
+    want = []
+    for _ in range(total):  # optimizer step k uses the lr the scheduler holds before its k-th step()
+        want.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    got = [lr_at(s, lr=lr, total=total, warmup=warmup, kind=kind) for s in range(total)]
+    assert got == pytest.approx(want, rel=1e-12, abs=0)
+    assert (got[0] == 0) == (warmup > 0) and all(v > 0 for v in got[max(1, warmup):])
     with pytest.raises(ValueError, match="schedule must be one of"):
         lr_at(0, lr=1.0, total=3, kind="step")
 

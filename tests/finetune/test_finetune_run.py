@@ -71,7 +71,7 @@ def test_metrics_file_has_a_line_per_step_with_the_losses(six):
         assert r["trained_tokens"] > 0 and r["tokens_per_s"] > 0 and r["peak_host_bytes"] > 2**20
         assert r["grad_norm"] > 0 and r["bytes_to_device"] > 0 and "host_waits" in r
         assert any(k.startswith("w0/") for k in r["busy_share"])
-    assert lines[0]["lr"] == pytest.approx(1.5e-3) and lines[1]["lr"] == pytest.approx(3e-3)  # warmup 2
+    assert [r["lr"] for r in lines[:3]] == pytest.approx([0, 1.5e-3, 3e-3])  # warmup 2: the first update uses 0
 
 
 def test_tensorboard_reads_six_loss_points(six):
@@ -86,6 +86,31 @@ def test_tensorboard_reads_six_loss_points(six):
 def test_logging_steps_thins_the_lines(files, tmp_path):
     assert run(files, tmp_path / "o", "--logging-steps", "4") == 0
     assert [r["step"] for r in read_metrics(os.path.join(tmp_path / "o", "metrics.jsonl"))] == [4, 6]  # and the end
+
+
+def test_throughput_counts_real_and_trained_tokens_not_padding(files, tmp_path, monkeypatch):
+    batches = []
+    real = rpcompile.Compiled.step
+
+    def step(self, batch):
+        batches.append({k: v.clone() for k, v in batch.items()})
+        return real(self, batch)
+    monkeypatch.setattr(rpcompile.Compiled, "step", step)
+    short = fx.write_jsonl(tmp_path / "short.jsonl",
+                           [{"text": " ".join(r["text"].split()[:3])} for r in fx.text_rows(40)])
+    assert main(["finetune", "--model", files.model, "--data", short, "--out", str(tmp_path / "o"), *FLAGS,
+                 "--packing", "none", "--steps", "3"]) == 0
+    pad = fx.tokenizer().pad_token_id  # the fixture's <pad> is no real token: the padding is where it is
+    lines = read_metrics(os.path.join(tmp_path / "o", "metrics.jsonl"))
+    assert [r["step"] for r in lines] == [1, 2, 3] and len(batches) == 3
+    for r, b in zip(lines, batches):
+        ids, labels = b["input_ids"], b["labels"]
+        tokens, trained = int((ids != pad).sum()), int((labels[:, 1:] != -100).sum())
+        assert tokens < 0.8 * ids.numel()  # one short line per padded sequence: padding is a good part
+        assert (r["tokens"], r["trained_tokens"]) == (tokens, trained)
+        assert r["tokens_per_s"] == pytest.approx(tokens / r["step_s"], rel=1e-12)
+        assert r["trained_tokens_per_s"] == pytest.approx(trained / r["step_s"], rel=1e-12)
+        assert r["padded_tokens_per_s"] == pytest.approx(ids.numel() / r["step_s"], rel=1e-12)
 
 
 def _interrupt_in_step(n: int):

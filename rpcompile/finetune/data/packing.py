@@ -149,6 +149,10 @@ class Packed:
             >>> data.batch(step=3, size=8, seed=0)["position_ids"].shape   # doctest: +SKIP
             torch.Size([8, 512])
         """
+        return self.rows(self.batch_rows(step, size, seed))
+
+    def batch_rows(self, step: int, size: int, seed: int) -> list[int]:
+        """The sequences (indices) of training step `step`'s batch, in order (see `batch`)."""
         n = len(self)
         rows, orders = [], {}
         for k in range(step * size, step * size + size):
@@ -156,7 +160,16 @@ class Packed:
             if epoch not in orders:
                 orders[epoch] = self.order(epoch, seed)
             rows.append(int(orders[epoch][i]))
-        return self.rows(rows)
+        return rows
+
+    def real_tokens(self, rows: Sequence[int]) -> int:
+        """The real (non-padding) tokens of sequences `rows`, EOS included, from the layout alone.
+
+            >>> data.real_tokens(data.batch_rows(step=3, size=8, seed=0))   # doctest: +SKIP
+            3904
+        """
+        n = max(len(self), 1)
+        return sum(int(self.lengths[self.bounds[r % n]:self.bounds[r % n + 1]].sum()) for r in rows)
 
     def eval_batches(self, size: int, *, fill: str = "repeat") -> abc.Sequence[dict[str, torch.Tensor]]:
         """Every sequence in file order, in batches of `size`; the last batch is filled up from the start.
