@@ -3,7 +3,7 @@
 A layer that may draw random numbers (dropout) runs under `WorkerRandom`, a
 torch dispatch mode that routes its random ops to the worker's generator, so
 every aten op of that layer goes through Python (issue 22, 1h). Since issue 22
-only such layers run under it (`stage_exec.random_layers`); this measures the
+only such layers run under it (`stage.runner.random_layers`); this measures the
 price they pay. The two variants alternate step by step in one process; the
 ratio is what to read.
 
@@ -24,7 +24,7 @@ from tabulate import tabulate
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import machine_line, write_doc  # noqa: E402
 
-from rpcompile.runtime.rng import WorkerRandom  # noqa: E402
+from rpcompile.runtime.stage.rng import WorkerRandom  # noqa: E402
 
 
 def _layer(dim: int, dropout: float) -> torch.nn.Module:

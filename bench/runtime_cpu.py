@@ -47,7 +47,7 @@ from rpcompile import AdamW, StagePlan  # noqa: E402
 from rpcompile.passes import emit, trace  # noqa: E402
 from rpcompile.runtime.executor import Runtime  # noqa: E402
 from rpcompile.runtime.host.optimizer import HostState  # noqa: E402
-from rpcompile.runtime.stage_exec import split_batch  # noqa: E402
+from rpcompile.runtime.stage.batch import split_batch  # noqa: E402
 
 CFG = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
            num_key_value_heads=8, vocab_size=4096, max_position_embeddings=512)

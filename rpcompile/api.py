@@ -26,7 +26,7 @@ from rpcompile.runtime import simulate
 from rpcompile.runtime.distributed import data_parallel
 from rpcompile.runtime.executor import Runtime
 from rpcompile.runtime.host.optimizer import HostState
-from rpcompile.runtime.stage_exec import token_weights, trained_tokens
+from rpcompile.runtime.stage.batch import token_weights, trained_tokens
 from rpcompile.runtime.sim.simulator import Record
 from rpcompile.runtime.transfer import plan_deadline
 

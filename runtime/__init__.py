@@ -11,18 +11,18 @@ The executor's parts, here:
     board.py         which instruction instances were issued, and what they left for consumers
     iterations.py    the iterations in flight and what their callers collect
     host_lanes.py    the host's lanes: gradient accumulation, optimizer steps and copies
-    stage_exec.py    running a stage's layers: forward, recompute, backward, what crosses its cuts
     program_info.py  what the runtime derives once from a Program
     recovery.py      failure recovery: drain every thread, undo a failed iteration
     transfer.py      the runtime's threads, failures, test delays and extra dependencies
-    rng.py           per-worker randomness
     distributed.py   data parallelism across processes (per-layer gradient all-reduce on the host)
 
-and three folders:
+and four folders:
 
     streams/  the stream and device layer: host and CUDA streams, launching, workers, buffer pool, stats
     host/     the host state (weights, gradients, optimizer state) and the CPU optimizer
     sim/      the simulator, its event core, the bound-stage baselines and Gantt charts
+    stage/    running a stage's layers on a worker: cuts, microbatches, the layer runner, randomness,
+              MoE routing replay, evaluation's token hits
 """
 from rpcompile.runtime.sim.simulator import Timeline, simulate, steady_iterations
 from rpcompile.runtime.executor import Runtime, RuntimeFailure, run

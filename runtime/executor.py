@@ -56,8 +56,10 @@ from rpcompile.runtime.host.layout import slot_capacities, stage_layouts
 from rpcompile.runtime.streams.pool import BufferPool
 from rpcompile.runtime.program_info import EVAL_BASE, ProgramInfo, forward_only
 from rpcompile.runtime.recovery import Recovery
-from rpcompile.runtime.stage_exec import (LayerRunner, RoutingLog, chunk_elements, has_random_ops, split_batch,
-                                          stage_io, tracked_buffers)
+from rpcompile.runtime.stage.batch import split_batch
+from rpcompile.runtime.stage.cuts import chunk_elements, stage_io
+from rpcompile.runtime.stage.routing import RoutingLog
+from rpcompile.runtime.stage.runner import LayerRunner, has_random_ops, tracked_buffers
 from rpcompile.runtime.streams.host import DEADLINE_FLOOR_S, StreamContext
 from rpcompile.runtime.transfer import RuntimeFailure, make_delay, protocol_deps
 
@@ -152,7 +154,8 @@ class Runtime:
         self.handlers, self.issuers, self.lanes = self.issuer.handlers, self.issuer.threads, self.host.lanes
         self.recovery = Recovery(ctx=self.ctx, threads=(self.issuers, list(self.lanes.values())),
                                  workers=self.workers, host_pool=self.host_pool, board=self.board,
-                                 its=self.iterations, host=self.host, handlers=self.issue, state=state,
+                                 its=self.iterations, host=self.host, handlers=self.issue, routes=self.routes,
+                                 state=state,
                                  program=program, max_back=self.train_info.max_back)
         self._evals = 0
         self.closed = False
@@ -225,7 +228,7 @@ class Runtime:
         Args:
             batch: the iteration's batch.
             weights: optional, per microbatch, the factor its loss counts with (token weighting:
-                n_m / N, see `stage_exec.token_weights`); the loss returned is then the weighted
+                n_m / N, see `stage.batch.token_weights`); the loss returned is then the weighted
                 sum, and the gradient that of the weighted sum. A weight-0 microbatch is left out of
                 both (no backward, its loss counts as 0).
 

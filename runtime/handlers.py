@@ -18,7 +18,8 @@ import torch
 
 from rpcompile.ir.program import Op
 from rpcompile.runtime.streams.devices import saved_tensors_bytes, tensor_bytes
-from rpcompile.runtime.stage_exec import HITS, grads_of, up_keys
+from rpcompile.runtime.stage.cuts import grads_of, up_keys
+from rpcompile.runtime.stage.hits import HITS
 from rpcompile.runtime.streams.values import CallerSide, Cell, HostVal, ParamSlot, keep_for
 
 __all__ = ["IssueHandlers", "HANDLER_NAMES"]

@@ -13,7 +13,7 @@ from typing import Any
 
 from rpcompile.ir.plan import StageKind, StagePlan  # noqa: F401 - StagePlan for the doctest
 from rpcompile.ir.program import COMPUTE_OPS, Instr, Op, Program, Ref
-from rpcompile.runtime.stage_exec import count_readers
+from rpcompile.runtime.stage.cuts import count_readers
 
 __all__ = ["ProgramInfo", "forward_only", "dep_kind", "EVAL_BASE"]
 

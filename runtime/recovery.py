@@ -22,18 +22,18 @@ class Recovery:
     Owns no record of its own. It changes the failure record (`ctx.failure`: failing a caller-side
     wait, resetting it after the undo), the workers' and pools' accounting, and the other parts'
     state only through their own calls: `its.forget` / `its.rewind`, `board.forget`,
-    `host.forget` / `host.undo_from`, `handlers.forget_from`, `state.discard_grads`.
+    `host.forget` / `host.undo_from`, `handlers.forget_from`, `routes.forget_from`, `state.discard_grads`.
 
     Handed: ctx (StreamContext), threads (groups of LaneThreads in drain order: the issuers, then the
     host lanes), workers, host_pool, board (IssueBoard), its (Iterations), host
-    (HostLanes), handlers (IssueHandlers), state (HostState), program (the template, for the grid),
-    max_back (how far back, in iterations, the training program's refs reach).
+    (HostLanes), handlers (IssueHandlers), routes (RoutingLog: MoE routing kept for the recomputes), state
+    (HostState), program (the template, for the grid), max_back (how far back, in iterations, the training program's refs reach).
     """
 
     def __init__(self, *, ctx: Any, threads: tuple[list, ...], workers: list, host_pool: Any, board: Any, its: Any,
-                 host: Any, handlers: Any, state: Any, program: Any, max_back: int) -> None:
+                 host: Any, handlers: Any, routes: Any, state: Any, program: Any, max_back: int) -> None:
         self.ctx, self.threads, self.workers, self.host_pool, self.board = ctx, threads, workers, host_pool, board
-        self.its, self.host, self.handlers, self.state = its, host, handlers, state
+        self.its, self.host, self.handlers, self.routes, self.state = its, host, handlers, routes, state
         self.program, self.max_back = program, max_back
 
     def guard(self, fn, t: int) -> Any:
@@ -92,6 +92,7 @@ class Recovery:
         self.host.undo_from(u)  # compute copies restored, events and non-finite records dropped
         self.state.discard_grads()  # the abandoned iteration's partial gradients
         self.handlers.forget_from(u)
+        self.routes.forget_from(u)  # the abandoned forwards' routing: no recompute will take it
         for w in self.workers:
             w.store.bytes = 0
             w.pool.forget_keys()

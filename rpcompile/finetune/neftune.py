@@ -14,7 +14,7 @@ Note:
     `neftune` and called by a forward hook on the embedding: its state is no
     parameter and no saved buffer (the exported weights are unchanged). It has
     `draws_random = True`, so the runtime runs its layer under the worker's seeded
-    generator (`runtime/rng.py`): the noise of step t, microbatch m is a function of
+    generator (`runtime/stage/rng.py`): the noise of step t, microbatch m is a function of
     (seed, t, m), the backward stage's recompute draws the same noise, and a resumed
     run draws the same noise as an uninterrupted one. It holds an empty,
     non-persistent buffer, so tracing keeps it as one call even where the embedding
@@ -45,7 +45,7 @@ class NEFTune(torch.nn.Module):
         True
     """
 
-    draws_random = True  # the runtime seeds the layer that runs this (runtime.stage_exec.random_layers)
+    draws_random = True  # the runtime seeds the layer that runs this (runtime.stage.runner.random_layers)
 
     def __init__(self, alpha: float) -> None:
         super().__init__()

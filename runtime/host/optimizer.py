@@ -45,7 +45,7 @@ from torch import Tensor
 from rpcompile.ir.optim import SGD, AdamW, DynamicLossScale, decay_names, make_torch_optimizer
 from rpcompile.runtime.host.layout import host_blocks, view
 from rpcompile.runtime.host.pinned import pinning
-from rpcompile.runtime.stage_exec import tracked_buffers
+from rpcompile.runtime.stage.runner import tracked_buffers
 from rpcompile.runtime.host.state_io import StateIO
 
 __all__ = ["HostState", "make_torch_optimizer"]

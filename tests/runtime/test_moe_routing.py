@@ -111,3 +111,31 @@ def test_recompute_replays_the_forward_routing_and_gradients_equal_eager():
     with torch.no_grad():
         for name, p in ref.named_parameters():
             torch.testing.assert_close(new[name], p - p.grad, atol=1e-5, rtol=0, msg=name)
+
+
+def test_a_failed_iteration_leaves_no_routing_behind_and_the_next_step_trains():
+    """A recompute fails after the forwards recorded their routing: recovery drops the abandoned
+    iteration's records (no recompute will take them), and the retried step routes afresh."""
+    model = _tied_model()
+    batch = models.lm_batch(batch=4, seq=16)
+    graph = trace(model, batch)
+    state = HostState.from_graph(graph, optimizer=SGD(lr=0.1))
+    prog = emit(StagePlan.from_str(PLAN), gpus=2, microbatches=4, staleness=0)
+    armed = {"on": True}
+    with Runtime(graph, prog, state, backend="host", timeout=30) as rt:
+        for runner in rt.runners:
+            real = runner.forward
+
+            def failing(*args, _real=real, **kw):
+                if kw.get("routing") == "replay" and armed["on"]:
+                    raise RuntimeError("injected recompute fault")
+                return _real(*args, **kw)
+            runner.forward = failing
+        with pytest.raises(Exception, match="injected recompute fault"):
+            rt.step(batch)
+            rt.flush()
+        assert not rt.routes._log, sorted(rt.routes._log)  # nothing of the abandoned iteration is kept
+        armed["on"] = False
+        assert torch.isfinite(torch.tensor(rt.step(batch)))
+        rt.flush()
+        assert not rt.routes._log  # every record the retried step made was taken by its recompute

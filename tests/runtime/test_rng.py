@@ -1,5 +1,5 @@
-"""Per-worker randomness (runtime/rng.py): a worker's generator reaches only the random ops that can use it,
-and only layers that draw random numbers run under the dispatch mode (runtime/stage_exec.py)."""
+"""Per-worker randomness (runtime/stage/rng.py): a worker's generator reaches only the random ops that can use it,
+and only layers that draw random numbers run under the dispatch mode (runtime/stage/runner.py)."""
 from __future__ import annotations
 
 import torch
@@ -19,7 +19,7 @@ class _DeviceGenerator:
 
 
 def test_a_cpu_random_op_in_a_device_workers_layer_gets_a_cpu_generator_seeded_alike():
-    from rpcompile.runtime.rng import WorkerRandom
+    from rpcompile.runtime.stage.rng import WorkerRandom
     x = torch.ones(64)
 
     def drop(seed: int) -> torch.Tensor:
@@ -49,14 +49,14 @@ class _Dropped(nn.Module):
 
 def test_only_layers_that_draw_random_numbers_run_under_the_dispatch_mode(monkeypatch):
     from rpcompile.passes import trace
-    from rpcompile.runtime import rng, stage_exec
+    from rpcompile.runtime.stage import rng, runner as runner_mod
     graph = trace(_Dropped(), models.xy(0))
-    drawing = stage_exec.random_layers(graph)
+    drawing = runner_mod.random_layers(graph)
     assert drawing == {i for i, lay in enumerate(graph.layers) if lay.name == "blocks.0"}, [l.name for l in graph.layers]
     seen = []
     enter = rng.WorkerRandom.__enter__
     monkeypatch.setattr(rng.WorkerRandom, "__enter__", lambda self: (seen.append(self.seed), enter(self))[1])
-    runner = stage_exec.LayerRunner(graph, torch.device("cpu"), 0, torch.Generator())
+    runner = runner_mod.LayerRunner(graph, torch.device("cpu"), 0, torch.Generator())
     params = {n: p.detach() for n, p in _Dropped().named_parameters()}
     env = dict(zip(graph.inputs, models.xy(0)))
     for lay in graph.layers:

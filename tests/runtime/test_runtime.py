@@ -14,7 +14,8 @@ from rpcompile import AdamW, SGD, StagePlan
 from rpcompile.passes import emit, trace
 from rpcompile.runtime.executor import Runtime
 from rpcompile.runtime.host.optimizer import HostState
-from rpcompile.runtime.stage_exec import layer_seed, split_batch
+from rpcompile.runtime.stage.batch import split_batch
+from rpcompile.runtime.stage.rng import layer_seed
 
 # eager torch.optim.AdamW bits; eps 1e-4: some gradients are pure rounding noise (nanoGPT's key bias is
 # softmax-invariant, its true gradient is 0) and Adam with a tiny eps turns noise into lr-sized steps.

@@ -255,7 +255,7 @@ def test_an_output_that_is_its_input_is_downloaded_from_a_copy():
     the download must not read it (it did, and the gradients came out ~3% wrong on such plans)."""
     from oracle import reference_train
     from rpcompile.passes import shard_lm_head
-    from rpcompile.runtime.stage_exec import split_batch
+    from rpcompile.runtime.stage.batch import split_batch
     model = models.llama(0)
     batches = [_batch(s, 4) for s in range(3)]
     graph = shard_lm_head(trace(model, batches[0]), shards=8, chunk=64)
@@ -280,7 +280,7 @@ def test_an_output_that_is_its_input_is_downloaded_from_a_copy():
 def test_cuda_issuing_equals_the_oracle(backend, staleness):
     """The CUDA backend's issuing side over host streams (and its old, blocking one) trains as the oracle."""
     from oracle import reference_train
-    from rpcompile.runtime.stage_exec import split_batch
+    from rpcompile.runtime.stage.batch import split_batch
     model = models.llama(0)
     batches = [_batch(s, 6) for s in range(3)]
     graph = trace(model, batches[0])
