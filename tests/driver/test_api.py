@@ -186,9 +186,11 @@ class _RngMLP(nn.Module):
     def forward(self, x, y):
         return nn.functional.mse_loss(self.blocks(x), y)
 
+
 def _rng_compile():
     return rpcompile.compile(_RngMLP(), gpus=2, example=models.xy(0), microbatches=2, backend="host",
                              optimizer=rpcompile.SGD(lr=1e-2, impl="foreach"))
+
 
 def test_load_state_dict_restores_the_global_rng():
     with _rng_compile() as c:
@@ -203,6 +205,7 @@ def test_load_state_dict_restores_the_global_rng():
         c.load_state_dict(sd)
         assert torch.equal(torch.get_rng_state(), saved)
         assert torch.equal(torch.rand(5), expect)
+
 
 def test_rpcompile_load_restores_the_global_rng(tmp_path):
     path = str(tmp_path / "run.ckpt")
@@ -233,6 +236,7 @@ def test_bad_arguments_name_themselves(kw, name):
     with pytest.raises(ValueError, match=name):
         make(**kw)
 
+
 def test_torch_optimizers_and_meta_models_are_refused_with_what_to_do():
     model = TinyLlama(CFG)
     with pytest.raises(ValueError, match=r"rpcompile\.AdamW"):
@@ -243,6 +247,7 @@ def test_torch_optimizers_and_meta_models_are_refused_with_what_to_do():
         meta = TinyLlama(CFG)
     with pytest.raises(ValueError, match="meta device"):
         make(model=meta)
+
 
 def test_dtype_names_are_accepted():
     with make(dtype="bfloat16") as c:

@@ -213,6 +213,7 @@ def test_calls_on_a_closed_handle_raise_at_once():
         d.step(batch(0))
     assert isinstance(_within(10, lambda: d.step(batch(0))), RuntimeError)
 
+
 def test_a_failed_replan_leaves_the_handle_working():
     with make() as c:
         c.step(batch(0))
@@ -220,6 +221,7 @@ def test_a_failed_replan_leaves_the_handle_working():
         bad["labels"] = bad["labels"][:, :5]  # labels shorter than the inputs: planning the new shape fails
         assert _within(30, lambda: c.step(bad)) is not None
         assert _within(30, lambda: c.step(batch(2))) is None  # works as before
+
 
 def test_a_failed_load_state_dict_changes_nothing_and_the_handle_works():
     with make() as c, make(model=TinyLlama(LlamaConfig(vocab=64, dim=32, layers=3, heads=4, kv_heads=2,

@@ -55,9 +55,11 @@ HAND = {
     }),
 }
 
+
 def _table(n: int, only: str | None = None) -> CostTable:
     cols = {k: (v[:n] if only in (None, k) else [0] * n) for k, v in COLUMNS.items()}
     return CostTable.from_lists(fwd=[1.0] * n, bwd=[2.0] * n, **cols)
+
 
 @pytest.mark.parametrize("gpus", [None, 1, 2, 3, 5])
 @pytest.mark.parametrize("plan_str", list(HAND))
@@ -74,6 +76,7 @@ def test_stage_memory_term_by_term(plan_str, gpus):
         assert list(plan.stage_memory(_table(n, column), gpus=gpus)) == want, column
     total = [sum(col[i] for col in hand.values()) for i in range(5)]
     assert list(plan.stage_memory(_table(n), gpus=gpus)) == total
+
 
 def test_stage_memory_single_fused_stage_by_hand():
     c = CostTable.from_lists(fwd=[1.0] * 2, bwd=[1.0] * 2, param_bytes=[3, 5], grad_bytes=[7, 11],

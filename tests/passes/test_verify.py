@@ -179,6 +179,7 @@ def _drop(p, name: str, dep: str):
         out.append(i)
     return replace(p, instrs=tuple(out))
 
+
 @pytest.mark.parametrize("staleness", [0, 1])
 def test_verify_rejects_a_removed_previous_iteration_release(staleness):
     # 5 stages on 2 workers: slot 1's upload w1 P1.r0.c0 reuses the buffer of slot 1 - 2N = -3, i.e. the
@@ -189,6 +190,7 @@ def test_verify_rejects_a_removed_previous_iteration_release(staleness):
         with pytest.raises(ProgramError) as e:
             verify(_drop(p, name, dep))
         assert e.value.rule == "RELEASE" and e.value.instr == name and "iteration t)" in str(e.value)
+
 
 def test_verify_rejects_a_program_without_any_previous_iteration_release():
     p = emit(StagePlan.from_str("2,1|1|1,2"), gpus=2, microbatches=8, round_size=4, staleness=1)

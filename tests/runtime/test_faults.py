@@ -223,6 +223,7 @@ class _Gate(nn.Module):
         h, s = self.lin(x), x[:, :1]
         return torch.relu(h) + torch.sqrt(torch.abs(h * s)) * s
 
+
 class _NanGradMLP(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -232,6 +233,7 @@ class _NanGradMLP(nn.Module):
     def forward(self, x, y):
         return nn.functional.mse_loss(self.blocks(x), y)
 
+
 def _gate_xy(seed: int, nan_grad: bool = False):
     g = torch.Generator().manual_seed(seed)
     x, y = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
@@ -239,11 +241,13 @@ def _gate_xy(seed: int, nan_grad: bool = False):
         x[1, 0] = 0.0  # the loss stays finite, the gradient of blocks.0.lin is NaN
     return x, y
 
+
 def test_the_nan_grad_batch_has_a_finite_loss_and_a_nan_gradient():
     m = _NanGradMLP()
     loss = m(*_gate_xy(2, nan_grad=True))
     loss.backward()
     assert torch.isfinite(loss) and torch.isnan(m.blocks[0].lin.weight.grad).any()
+
 
 @pytest.mark.parametrize("staleness", [0, 1])
 def test_a_nan_gradient_under_a_finite_loss_raises_and_keeps_the_weights(staleness):
@@ -273,6 +277,7 @@ def _xy_row_nan(seed: int, nan: bool = False):
         x[1, 3] = float("nan")
     return x, y
 
+
 @pytest.mark.parametrize("staleness", [0, 1])
 def test_a_nan_input_raises_and_keeps_the_last_good_weights(staleness):
     with rpcompile.compile(models.LossMLP(), gpus=2, example=_xy_row_nan(0), microbatches=2, staleness=staleness, backend="host",
@@ -290,6 +295,7 @@ def test_a_nan_input_raises_and_keeps_the_last_good_weights(staleness):
         c.step(_xy_row_nan(2))  # the next good batch trains on
         assert all(torch.isfinite(p).all() for p in c.model().parameters())
 
+
 def test_on_nonfinite_skip_skips_and_counts():
     with rpcompile.compile(models.LossMLP(), gpus=2, example=_xy_row_nan(0), microbatches=2, staleness=1, backend="host",
                            on_nonfinite="skip", optimizer=rpcompile.AdamW(lr=1e-2, impl="foreach")) as c:
@@ -299,6 +305,7 @@ def test_on_nonfinite_skip_skips_and_counts():
         m = c.model()
         assert c.skipped_steps == [1] and c.steps == 3
         assert all(torch.isfinite(p).all() for p in m.parameters())
+
 
 def test_fp16_dynamic_loss_scaling_keeps_its_skip_and_lower():
     """With a DynamicLossScale the overflow is the scaler's to handle: it skips and halves, nothing raises."""

@@ -215,6 +215,7 @@ def _llama_runtime_parts():
                 costs=CostTable.from_lists(fwd=[1e-3] * n, bwd=[2e-3] * n))
     return graph, prog  # one round: the round's own gradient staging never waits for the gated accumulate
 
+
 def test_the_next_steps_loss_does_not_wait_for_this_steps_commit():
     import threading
 
@@ -280,6 +281,7 @@ def test_a_batch_changed_in_place_after_step_returns_trains_as_given():
     got, want = run(True), run(False)
     assert all(torch.equal(got[k], want[k]) for k in want)
 
+
 def test_cuda_workers_refuse_a_pageable_host_state():
     from rpcompile.passes import trace
     from rpcompile.runtime.executor import check_pinned
@@ -301,6 +303,7 @@ class _BNNet(nn.Module):
 
     def forward(self, x, y):
         return nn.functional.cross_entropy(self.blocks(x), y)
+
 
 @pytest.mark.parametrize("gpus", [1, 2])
 def test_batchnorm_running_statistics_match_eager(gpus):

@@ -410,11 +410,13 @@ def _flat(cfg):
     state = HostState(params, {f"p{i}": (i,) for i in range(3)}, 3, optimizer=cfg)
     return state, {k: nn.Parameter(v.detach().clone()) for k, v in params.items()}
 
+
 def _grads(scale: float) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(11)
     raw = {f"p{i}": torch.randn(4 + i, 3, generator=g) for i in range(3)}
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in raw.values()]))
     return {k: v * (scale / norm) for k, v in raw.items()}  # global norm ~= scale
+
 
 @pytest.mark.parametrize("norm,limit", [(0.5, 1.0), (0.999, 1.0), (1e-3, 10.0), (3.0, 1.0)])
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
