@@ -18,7 +18,7 @@ from rpcompile import checkpoint, passes
 from rpcompile.batch import check_batch, describe_change, signature
 from rpcompile.ir.graph import LayerGraph
 from rpcompile.ir.hardware import Hardware
-from rpcompile.ir.optim import SGD, AdamW, DynamicLossScale
+from rpcompile.ir.optim import SGD, AdamW, DynamicLossScale, decay_names
 from rpcompile.options import Options, check_model, default_microbatches, options
 from rpcompile.pipeline import Frozen, compile_passes, frozen_of, plan_pipeline
 from rpcompile.replan import Variant, Variants, plan_for
@@ -47,7 +47,8 @@ def compile(model: torch.nn.Module, gpus: int = 8, *, example: Any, microbatches
         example: one global batch (tensor, tuple or dict of tensors, batch along dim 0).
         microbatches: microbatches per iteration (default: smallest divisor of the batch >= gpus).
         staleness: 1 (default, RoundPipe) or 0 (synchronous).
-        optimizer: `rpcompile.AdamW(...)` (default lr 1e-4) or `rpcompile.SGD(...)`.
+        optimizer: `rpcompile.AdamW(...)` (default lr 1e-4) or `rpcompile.SGD(...)`; its `decay` (names or a
+            callable over `model.named_parameters()` names) picks the parameters weight decay applies to.
         dtype: training dtype of the compute copies (masters stay fp32).
         loss_fn: loss_fn(output, example) -> scalar, when the model's output is not the loss.
         layers: module-name patterns that override the layer detection, e.g. ["model.layers.*"].
@@ -87,6 +88,7 @@ def compile(model: torch.nn.Module, gpus: int = 8, *, example: Any, microbatches
                    memory_budget=memory_budget, backend=backend, seed=seed, on_nonfinite=on_nonfinite,
                    loss_scale=loss_scale, loss_mean=loss_mean)
     check_model(model)
+    decay_names(opts.optimizer, [n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad])
     return Compiled(model, opts, example, dist=dist, process_group=process_group)
 
 
@@ -124,6 +126,7 @@ class Compiled:
         self.state = HostState.from_graph(self.graph, optimizer=opts.optimizer, dtype=opts.dtype,
                                           loss_scale=opts.loss_scale,
                                           pin_memory=opts.backend != "host")  # pinned only where CUDA is
+        self.options = dataclasses.replace(opts, optimizer=self.state.config)  # decay resolved to names
         if resume is not None:  # a checkpoint of another model or plan is refused before any thread starts
             checkpoint.check(resume)
             self.state.check_state_dict(resume["host"])

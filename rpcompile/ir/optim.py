@@ -16,11 +16,13 @@ Note:
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, Union
 
-__all__ = ["AdamW", "SGD", "DynamicLossScale", "IMPLS", "make_torch_optimizer"]
+__all__ = ["AdamW", "SGD", "DynamicLossScale", "IMPLS", "Decay", "decay_names", "make_torch_optimizer"]
+
+Decay = Union[None, frozenset, Callable[[str], bool]]  # which parameters weight decay applies to (see the Note)
 
 IMPLS = ("fused", "foreach", "single")  # accepted values of `impl`
 
@@ -35,6 +37,32 @@ def _check(cfg: AdamW | SGD) -> None:
         raise ValueError(f"{type(cfg).__name__}: max_grad_norm must be > 0 or None, got {cfg.max_grad_norm}")
     if cfg.impl not in IMPLS:
         raise ValueError(f"{type(cfg).__name__}: impl must be one of {IMPLS}, got {cfg.impl!r}")
+    _check_decay(cfg)
+
+
+def _check_decay(cfg: AdamW | SGD) -> None:
+    """Validate `decay`; an iterable of names is stored as a frozenset (the config stays hashable)."""
+    d, what = cfg.decay, type(cfg).__name__
+    if d is None or callable(d):
+        return
+    if isinstance(d, (str, bytes)):
+        raise ValueError(f"{what}: decay must be None, a set of parameter names or a callable name -> bool, "
+                         f"got the string {d!r} (write decay={{{d!r}}} for one name)")
+    try:
+        names = frozenset(d)
+    except TypeError:
+        raise ValueError(f"{what}: decay must be None, a set of parameter names or a callable name -> bool, "
+                         f"got {type(d).__name__}") from None
+    bad = sorted(repr(n) for n in names if not isinstance(n, str))
+    if bad:
+        raise ValueError(f"{what}: decay names must be strings, got {', '.join(bad[:5])}")
+    object.__setattr__(cfg, "decay", names)
+
+
+def _setstate(cfg: AdamW | SGD, state: Sequence[Any]) -> None:
+    """Unpickle (a checkpoint's config): fields a config of an older version lacks keep their defaults."""
+    for i, f in enumerate(fields(cfg)):
+        object.__setattr__(cfg, f.name, state[i] if i < len(state) else f.default)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +71,7 @@ class AdamW:
 
     Example:
         >>> rpcompile.AdamW(lr=3e-4, max_grad_norm=1.0)
-        AdamW(lr=0.0003, betas=(0.9, 0.999), eps=1e-08, weight_decay=0.01, max_grad_norm=1.0, impl='fused')
+        AdamW(lr=0.0003, betas=(0.9, 0.999), eps=1e-08, weight_decay=0.01, max_grad_norm=1.0, impl='fused', decay=None)
     """
 
     lr: float = 1e-4  # learning rate, as torch.optim.AdamW
@@ -52,6 +80,9 @@ class AdamW:
     weight_decay: float = 0.01  # decoupled: theta -= lr * weight_decay * theta (torch's default)
     max_grad_norm: float | None = None  # clip by the global L2 norm over all trainable grads; None = off
     impl: str = "fused"  # torch CPU kernel: "fused" (fast, ~1 ulp from eager), "foreach"/"single" (eager bits)
+    decay: Decay = None  # parameters weight_decay applies to: None = all, names, or name -> bool (module Note)
+
+    __setstate__ = _setstate
 
     def __post_init__(self) -> None:
         _check(self)
@@ -67,7 +98,7 @@ class SGD:
 
     Example:
         >>> rpcompile.SGD(lr=0.1, momentum=0.9)
-        SGD(lr=0.1, momentum=0.9, weight_decay=0.0, nesterov=False, max_grad_norm=None, impl='fused')
+        SGD(lr=0.1, momentum=0.9, weight_decay=0.0, nesterov=False, max_grad_norm=None, impl='fused', decay=None)
     """
 
     lr: float  # learning rate, as torch.optim.SGD
@@ -76,6 +107,9 @@ class SGD:
     nesterov: bool = False  # Nesterov momentum (needs momentum > 0)
     max_grad_norm: float | None = None  # clip by the global L2 norm over all trainable grads; None = off
     impl: str = "fused"  # torch CPU kernel: "fused" (fast, ~1 ulp from eager on some CPUs), "foreach"/"single"
+    decay: Decay = None  # parameters weight_decay applies to: None = all, names, or name -> bool (module Note)
+
+    __setstate__ = _setstate
 
     def __post_init__(self) -> None:
         _check(self)
@@ -112,12 +146,45 @@ class DynamicLossScale:
             raise ValueError(f"DynamicLossScale: growth_interval must be >= 1, got {self.growth_interval}")
 
 
-def make_torch_optimizer(config: AdamW | SGD, params: Sequence[Any]) -> Any:
+def decay_names(config: AdamW | SGD, trainable: Iterable[str], aliases: Mapping[str, str] | None = None
+                ) -> frozenset[str]:
+    """The trainable parameters that `config.weight_decay` applies to, as `config.decay` selects them.
+
+    Args:
+        config: an `rpcompile.AdamW` or `rpcompile.SGD`.
+        trainable: the canonical names of the model's trainable parameters.
+        aliases: alias -> canonical name (tied parameters); an alias in `config.decay` selects its canonical.
+    Returns:
+        A subset of `trainable`.
+    Raises:
+        ValueError: a name in `config.decay` that is not a trainable parameter (named).
+
+    Example:
+        >>> sorted(decay_names(AdamW(decay=lambda n: n.endswith("weight")), ["fc.weight", "fc.bias"]))
+        ['fc.weight']
+    """
+    names, aliases = tuple(trainable), aliases or {}
+    if config.decay is None:
+        return frozenset(names)
+    if callable(config.decay):
+        return frozenset(n for n in names if config.decay(n))
+    unknown = sorted(n for n in config.decay if aliases.get(n, n) not in names)
+    if unknown:
+        raise ValueError(f"{type(config).__name__}(decay=...): {', '.join(map(repr, unknown[:5]))}"
+                         f"{f' and {len(unknown) - 5} more' if len(unknown) > 5 else ''} "
+                         f"{'is not a trainable parameter' if len(unknown) == 1 else 'are not trainable parameters'}"
+                         f" of the model (trainable: {', '.join(names[:5])}{', ...' if len(names) > 5 else ''})")
+    return frozenset(aliases.get(n, n) for n in config.decay)
+
+
+def make_torch_optimizer(config: AdamW | SGD, params: Sequence[Any], decayed: Sequence[bool] | None = None) -> Any:
     """The torch optimizer that `config` describes, over `params`.
 
     Args:
         config: an `rpcompile.AdamW` or `rpcompile.SGD`.
         params: leaf tensors (their `.grad` is read by `step()`).
+        decayed: per parameter, whether `config.weight_decay` applies to it (None = all); the others
+            go into a second param group with weight_decay 0.
     Returns:
         `torch.optim.AdamW` or `torch.optim.SGD` with the kernel `config.impl`.
 
@@ -128,10 +195,13 @@ def make_torch_optimizer(config: AdamW | SGD, params: Sequence[Any]) -> Any:
     import torch  # the configs themselves are plain data
 
     kernel = {"fused": {"fused": True}, "foreach": {"foreach": True}, "single": {"foreach": False}}[config.impl]
+    flags = [True] * len(params) if decayed is None else list(decayed)
+    groups = [g for g in ({"params": [p for p, d in zip(params, flags) if d]},
+                          {"params": [p for p, d in zip(params, flags) if not d], "weight_decay": 0.0}) if g["params"]]
     if isinstance(config, AdamW):
-        return torch.optim.AdamW(params, lr=config.lr, betas=config.betas, eps=config.eps,
+        return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps,
                                  weight_decay=config.weight_decay, **kernel)
     if isinstance(config, SGD):
-        return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, nesterov=config.nesterov,
+        return torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum, nesterov=config.nesterov,
                                weight_decay=config.weight_decay, **kernel)
     raise TypeError(f"optimizer must be rpcompile.AdamW or rpcompile.SGD, got {type(config).__name__}")

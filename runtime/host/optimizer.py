@@ -33,6 +33,7 @@ Note:
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rpcompile.ir.optim import SGD, AdamW, DynamicLossScale, make_torch_optimizer
+from rpcompile.ir.optim import SGD, AdamW, DynamicLossScale, decay_names, make_torch_optimizer
 from rpcompile.runtime.host.layout import host_blocks, view
 from rpcompile.runtime.stage_exec import tracked_buffers
 from rpcompile.runtime.host.state_io import StateIO
@@ -73,7 +74,8 @@ class HostState(StateIO):
         owners: canonical name -> indices of the layers that use it (several if tied).
             A parameter no layer uses is treated as frozen.
         num_layers: number of layers (groups).
-        optimizer: `rpcompile.AdamW` or `rpcompile.SGD`.
+        optimizer: `rpcompile.AdamW` or `rpcompile.SGD`; its `decay` names canonical parameters
+            (or tied aliases of them) and is resolved here: `self.config.decay` is the set of names.
         dtype: training dtype of the compute copies; None keeps each parameter's dtype.
         tied: alias -> canonical name; aliases are accepted by `read`/`accumulate_grad`.
         loss_scale: None, a constant float, or a `DynamicLossScale` (fp16).
@@ -136,8 +138,11 @@ class HostState(StateIO):
                                            for n, p in params.items()}
         self.groups: tuple[tuple[str, ...], ...] = tuple(tuple(g) for g in groups)  # layer -> names stepped there
         self.group_of = {n: l for l, g in enumerate(self.groups) for n in g}  # trainable canonical -> group
-        self._optims = [make_torch_optimizer(optimizer, [self.master[n] for n in g]) if g else None
-                        for g in self.groups]
+        self.decay = decay_names(optimizer, self.master, self.tied)  # trainable names weight decay applies to
+        if optimizer.decay is not None:  # a callable becomes the names it selects (a checkpoint saves no code)
+            self.config = dataclasses.replace(optimizer, decay=self.decay)
+        self._optims = [make_torch_optimizer(optimizer, [self.master[n] for n in g], [n in self.decay for n in g])
+                        if g else None for g in self.groups]
         self._locks = [threading.Lock() for _ in range(num_layers)]  # one per group
         self._cond = threading.Condition()  # guards _stats and the loss scale
         self._done = [0] * num_layers  # iterations whose grads are complete, per group
