@@ -180,10 +180,10 @@ class HostLanes:
         check = self.state.scaler is None  # fp16 dynamic loss scaling handles inf/nan itself
         for name, s in lay.grads.items():
             part = bufs[s.dtype][s.offset:s.offset + s.numel].view(s.shape)
-            if check and not bool(torch.isfinite(part).all()):
+            finite = self.state.accumulate_grad(name, part)  # the finite check is in the pass that adds it
+            if check and not finite:
                 grp = self.state.group_of[self.state.canonical(name)]
                 self._bad[t] = min(self._bad.get(t, grp), grp)
-            self.state.accumulate_grad(name, part)
         if self.poison:
             for b in bufs.values():
                 poison(b)

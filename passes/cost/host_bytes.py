@@ -13,7 +13,10 @@ Note: what counts. Every parameter has a compute copy in the training dtype
 (its own dtype when the run keeps the model's), frozen ones included and
 nothing else for them. A trainable parameter (requires_grad, used by some
 layer) adds an fp32 master, an fp32 gradient buffer and the optimizer state:
-AdamW two fp32 moments, SGD one fp32 momentum buffer when momentum > 0. The
+AdamW two fp32 moments, SGD one fp32 momentum buffer when momentum > 0. For a
+traced LayerGraph the count is the host layout's (`rpcompile.ir.host_layout`): the
+flat per-group buffers and compute blocks as HostState allocates them, alignment
+gaps included; for an nn.Module (no layer groups yet) the elements alone. The
 activations are the saved stage inputs the host keeps for the backward stages
 to recompute from (`round_saved_bytes`, the rule `max_seq_len`
 uses too): iterations run in rounds of R microbatches and a round's inputs live
@@ -31,6 +34,7 @@ from typing import Any
 
 import torch
 
+from rpcompile.ir.host_layout import host_layout
 from rpcompile.ir.optim import SGD
 from rpcompile.ir.plan import StagePlan
 from rpcompile.passes.partition.timing import default_round_size
@@ -95,6 +99,9 @@ def host_bytes(model: Any, costs: Any = None, plan: Any = None, *, microbatches:
         weights += numel * (dtype or own).itemsize
         trainable += numel if train else 0
     fp32 = torch.float32.itemsize
+    if hasattr(model, "param_owners"):  # the exact layout HostState allocates
+        exact = _layout(model, dtype).bytes(state)
+        weights, trainable = exact["weights"], exact["masters"] // fp32
     saved = in_flight = 0
     if plan is not None:
         if gpus is None:
@@ -133,6 +140,14 @@ def _parameters(model: Any):
     else:
         for p in model.parameters():
             yield p.numel(), p.dtype, p.requires_grad
+
+
+def _layout(graph: Any, dtype: Any):
+    """The HostLayout of a LayerGraph's parameters, as HostState builds it."""
+    owners = graph.param_owners()
+    return host_layout([(name, v.bytes // max(v.dtype.itemsize, 1), dtype or v.dtype, (owners.get(name) or (0,))[0],
+                         bool(v.requires_grad and owners.get(name))) for name, v in graph.params.items()],
+                       len(graph.layers))
 
 
 def _gib(n: int) -> str:

@@ -1,0 +1,229 @@
+"""The host optimizer's C++ kernels and HostState's memory-speed path, against eager torch."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import rpcompile
+from rpcompile.ir.optim import DynamicLossScale
+from rpcompile.runtime.host import kernels as kmod
+from rpcompile.runtime.host.optimizer import HostState
+
+K = kmod.load_kernels()
+pytestmark = pytest.mark.skipif(K is None, reason="no C++ compiler: the kernels cannot be built")
+SHAPES = {"a": (33, 7), "b": (7,), "c": (5, 9)}  # odd sizes: vector tails and alignment gaps
+
+
+def specials(n: int, seed: int = 0) -> torch.Tensor:
+    """Random floats over many magnitudes, with infinities, subnormals, signed zeros and bf16/fp16 ties."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-30, 30, (n,), generator=g).float())
+    x[:12] = torch.tensor([float("inf"), -float("inf"), 1e-40, -1e-45, 0.0, -0.0, 3.4e38, 65504.0, 65520.0,
+                           1.0 + 2**-8, 1.0 + 3 * 2**-8, 2.0**-24 * 1.5])
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cast_is_bitwise_to_dtype(dtype):
+    x = specials(100_003)
+    x[20] = float("nan")
+    out = torch.empty(x.numel(), dtype=dtype)
+    K.cast(x, out)
+    ref = x.to(dtype)
+    nan = ref.isnan()
+    assert torch.equal(out.isnan(), nan)
+    bits = torch.int16 if dtype != torch.float32 else torch.int32
+    assert torch.equal(out[~nan].view(bits), ref[~nan].view(bits))  # bitwise: signed zeros, ties, overflow
+
+
+@pytest.mark.parametrize("src_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_landing_writes_the_gradient_and_its_statistics_in_one_pass(src_dtype):
+    g = torch.Generator().manual_seed(1)
+    first, second = (torch.randn(200_003, generator=g).to(src_dtype) for _ in range(2))
+    buf = torch.full((200_003,), 7.0)  # logically zero: the first write overwrites
+    sq, bad = K.land(buf, first, add=False)
+    assert torch.equal(buf, first.float()) and not bad
+    sq, bad = K.land(buf, second, add=True)
+    ref = first.float() + second.float()
+    assert torch.equal(buf, ref) and not bad
+    assert sq == pytest.approx(float((ref.double() ** 2).sum()), rel=1e-12)
+    threads = torch.get_num_threads()
+    try:  # fixed blocks: the same sum with any thread count
+        torch.set_num_threads(1)
+        assert K.land(buf.clone(), buf, add=False)[0] == K.land(buf.clone(), buf, add=False)[0]
+        one = K.land(buf.clone(), buf, add=False)[0]
+    finally:
+        torch.set_num_threads(threads)
+    assert K.land(buf.clone(), buf, add=False)[0] == one
+    for special in (float("inf"), float("nan")):
+        part = second.clone()
+        part[123_456] = special
+        assert K.land(buf, part, add=True)[1]
+
+
+def test_kernels_refuse_what_they_cannot_take():
+    with pytest.raises(ValueError, match="contiguous CPU torch.float32 of 4 elements"):
+        K.land(torch.zeros(4), torch.zeros(8)[::2], add=False)
+    with pytest.raises(ValueError, match="torch.float64"):
+        K.cast(torch.zeros(4), torch.zeros(4, dtype=torch.float64))
+
+
+def state_and_eager(cfg, dtype=None, **kw):
+    """A kernel HostState over three parameters in three layers, and eager fp32 copies of them."""
+    g = torch.Generator().manual_seed(3)
+    params = {k: nn.Parameter(torch.randn(s, generator=g)) for k, s in SHAPES.items()}
+    state = HostState(params, {k: (i,) for i, k in enumerate(params)}, 3, optimizer=cfg, dtype=dtype, **kw)
+    assert (state.kernels is not None) == (cfg.impl == "fused")
+    return state, {k: nn.Parameter(v.detach().clone()) for k, v in params.items()}
+
+
+def grads_of(t: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """Iteration t's seeded gradients (times `scale`)."""
+    return {k: torch.randn(s, generator=torch.Generator().manual_seed(10 * t + i)) * scale
+            for i, (k, s) in enumerate(SHAPES.items())}
+
+
+def run(state, t, grads, copy_in_step=False):
+    """One iteration through the protocol: writes (bf16 as a device would send them), complete, step, copy."""
+    for k, v in grads.items():
+        state.accumulate_grad(k, v.to(state.read(k).dtype) if state.dtype else v)
+    for l in (2, 1, 0):
+        state.grads_complete(l)
+    for l in (2, 1, 0):
+        state.step(l, copy=copy_in_step)
+        state.copy(l)
+
+
+def close(a: torch.Tensor, b: torch.Tensor, rel: float = 2e-6) -> bool:
+    """|a - b| <= rel * |b| elementwise (plus a float32 ulp at zero)."""
+    return bool(((a - b).abs() <= rel * b.abs() + 1e-12).all())
+
+
+@pytest.mark.parametrize("copy_in_step", [False, True])
+def test_adamw_with_clipping_and_decay_equals_eager(copy_in_step):
+    cfg = rpcompile.AdamW(lr=0.05, weight_decay=0.1, max_grad_norm=1.0, decay={"a", "c"})
+    state, eager = state_and_eager(cfg, dtype=torch.bfloat16)
+    opt = torch.optim.AdamW([{"params": [eager["a"], eager["c"]]}, {"params": [eager["b"]], "weight_decay": 0.0}],
+                            lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=True)
+    for t in range(3):
+        grads = grads_of(t)
+        run(state, t, grads, copy_in_step)
+        for k, p in eager.items():
+            p.grad = grads[k].to(torch.bfloat16).float()  # what crossed PCIe
+        norm = torch.nn.utils.clip_grad_norm_(eager.values(), 1.0)
+        assert norm > 1.0 and float(state.norms[t]) == pytest.approx(float(norm), rel=1e-6)
+        opt.step()
+        for k, p in eager.items():
+            assert close(state.master[k], p.detach()), (t, k, (state.master[k] - p).abs().max())
+            assert torch.equal(state.read(k), state.master[k].to(torch.bfloat16)), (t, k)
+            assert close(state.flat.moment[k]["exp_avg_sq"], opt.state[p]["exp_avg_sq"])
+
+
+def test_dynamic_loss_scale_skip_leaves_everything_bitwise_and_scaled_steps_equal_eager():
+    cfg = rpcompile.SGD(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01, max_grad_norm=5.0)
+    state, eager = state_and_eager(cfg, dtype=torch.float16, loss_scale=DynamicLossScale(init_scale=1024.0))
+    opt = torch.optim.SGD(eager.values(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01, foreach=True)
+    for t in range(4):
+        scale = state.begin_iteration()
+        grads = grads_of(t)
+        if t == 2:  # an overflow: skipped, the scale halves
+            grads["b"][3] = float("inf")
+        before = {k: (state.master[k].clone(), state.flat.moment[k]["momentum_buffer"].clone()) for k in SHAPES}
+        copies = {k: state.read(k).clone() for k in SHAPES}
+        run(state, t, {k: v * scale for k, v in grads.items()})
+        if t == 2:
+            assert state.skipped == [2] and state.loss_scale == 512.0
+            for k, (m, buf) in before.items():
+                assert torch.equal(state.master[k], m) and torch.equal(state.flat.moment[k]["momentum_buffer"], buf)
+                assert torch.equal(state.read(k), copies[k])
+            continue
+        for k, p in eager.items():  # fp16 gradients as they arrive, unscaled exactly (power-of-two scale)
+            p.grad = (grads[k] * scale).to(torch.float16).float() / scale
+        torch.nn.utils.clip_grad_norm_(eager.values(), 5.0)
+        opt.step()
+        for k, p in eager.items():
+            assert close(state.master[k], p.detach()), (t, k)
+            assert torch.equal(state.read(k), state.master[k].to(torch.float16))
+
+
+def test_static_scale_and_a_missing_gradient_split_the_update():
+    """p "b" gets no gradient in iteration 1: its AdamW step count falls behind, as eager's with set_to_none."""
+    cfg = rpcompile.AdamW(lr=0.1)
+    state, eager = state_and_eager(cfg, loss_scale=4.0)
+    opt = torch.optim.AdamW(eager.values(), lr=0.1, foreach=True)
+    for t in range(3):
+        grads = {k: v for k, v in grads_of(t).items() if not (t == 1 and k == "b")}
+        state.begin_iteration()
+        run(state, t, {k: v * 4.0 for k, v in grads.items()})
+        for k, p in eager.items():
+            p.grad = grads.get(k)
+        opt.step()
+    assert state.counts == {"a": 3, "b": 2, "c": 3}
+    for k, p in eager.items():
+        assert close(state.master[k], p.detach()), k
+
+
+def test_a_data_parallel_hook_that_changes_the_gradients_is_seen_by_the_norm():
+    state, _ = state_and_eager(rpcompile.AdamW(lr=0.1, max_grad_norm=1.0))
+    state.on_complete = lambda layer: [state.grad[n].mul_(0.5) for n in state.groups[layer]]  # an average
+    grads = grads_of(0)
+    for k, v in grads.items():
+        state.accumulate_grad(k, v)
+    for l in (2, 1, 0):
+        state.grads_complete(l)
+    want = torch.linalg.vector_norm(torch.cat([v.flatten() * 0.5 for v in grads.values()]))
+    assert float(state.global_norm()) == pytest.approx(float(want), rel=1e-6)
+
+
+def test_mixed_compute_dtypes_in_one_group_and_the_layout():
+    """dtype=None keeps each parameter's dtype: a group with an fp32 and a bf16 parameter has two segments."""
+    params = {"w": nn.Parameter(torch.randn(5, 3).to(torch.bfloat16)), "b": nn.Parameter(torch.randn(3)),
+              "f": nn.Parameter(torch.randn(2), requires_grad=False)}
+    state = HostState(params, {"w": (0,), "b": (0,), "f": (0,)}, 1, optimizer=rpcompile.SGD(lr=0.5))
+    assert [s.dtype for s in state.layout.segments[0]] == [torch.bfloat16, torch.float32]
+    assert state.where == state.layout.where
+    state.accumulate_grad("w", torch.ones(5, 3, dtype=torch.bfloat16))
+    state.accumulate_grad("b", torch.ones(3))
+    state.step(0)
+    state.copy(0)
+    for k in ("w", "b"):
+        assert torch.equal(state.master[k], params[k].detach().float() - 0.5)
+        assert torch.equal(state.read(k), state.master[k].to(params[k].dtype))
+    assert torch.equal(state.read("f"), params["f"].detach())  # frozen: untouched behind the trainables
+
+
+def test_state_dict_moves_between_the_kernels_and_torch():
+    cfg = rpcompile.AdamW(lr=0.05, max_grad_norm=2.0)
+    fused, _ = state_and_eager(cfg)
+    for t in range(2):
+        run(fused, t, grads_of(t))
+    torch_path, _ = state_and_eager(rpcompile.AdamW(lr=0.05, max_grad_norm=2.0, impl="foreach"))
+    torch_path.load_state_dict(fused.state_dict())
+    opt = torch_path._optims[0]
+    assert opt.state[torch_path.master["a"]]["exp_avg"].data_ptr() == torch_path.flat.moment["a"]["exp_avg"].data_ptr()
+    for s in (fused, torch_path):
+        run(s, 2, grads_of(2))
+    for k in SHAPES:
+        assert close(torch_path.master[k], fused.master[k]), k
+    assert float(opt.state[torch_path.master["a"]]["step"]) == 3.0 and fused.counts["a"] == 3
+
+
+def test_without_a_compiler_it_falls_back_to_torch_with_one_warning(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+    monkeypatch.setenv("RPCOMPILE_CACHE", str(tmp_path))
+    monkeypatch.delitem(kmod.sys.modules, kmod.module_name(), raising=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = HostState({"w": nn.Parameter(torch.ones(3))}, {"w": (0,)}, 1, optimizer=rpcompile.AdamW(lr=0.1))
+    msgs = [str(w.message) for w in caught]
+    assert len(msgs) == 1 and "\n" not in msgs[0] and "no C++ compiler" in msgs[0] and "torch's optimizer" in msgs[0]
+    assert state.kernels is None and state._optims[0] is not None
+    state.accumulate_grad("w", torch.ones(3))
+    state.step(0)
+    ref = nn.Parameter(torch.ones(3))
+    ref.grad = torch.ones(3)
+    torch.optim.AdamW([ref], lr=0.1, fused=True).step()
+    assert torch.equal(state.master["w"], ref.detach())
