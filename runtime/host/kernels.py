@@ -20,8 +20,10 @@ import hashlib
 import os
 import platform
 import shutil
+import statistics
 import sys
 import sysconfig
+import time
 import warnings
 from types import ModuleType
 from typing import Any
@@ -29,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["Kernels", "load_kernels", "cache_dir", "KINDS"]
+__all__ = ["Kernels", "load_kernels", "cache_dir", "optimizer_rate", "KINDS"]
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno")  # C++ compile flags
@@ -173,6 +175,36 @@ def _build(name: str, verbose: bool) -> Any:
     os.makedirs(folder, exist_ok=True)
     return cpp_extension.load(name=name, sources=[SOURCE], extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"],
                               build_directory=folder, verbose=verbose)
+
+
+def optimizer_rate(budget_s: float = 0.5, *, elements: int = 2 ** 22) -> float:
+    """fp32 master bytes per second of the kernels' AdamW step (torch's foreach AdamW without the kernels).
+
+    For `Hardware.measure(optimizer_rate=optimizer_rate)`: the simulator's optimizer lane prices a
+    step at this rate. The median of repeated steps over `elements` parameters (16 MiB of masters by
+    default: past the caches, as a layer group is) within about `budget_s` seconds.
+
+    Example:
+        >>> optimizer_rate(0.2) > 1e8
+        True
+    """
+    k = load_kernels()
+    p, g, m, v = (torch.rand(elements) for _ in range(4))
+    if k is None:
+        q = p.requires_grad_()
+        q.grad = g
+        opt = torch.optim.AdamW([q], lr=1e-3, foreach=True)
+        run = opt.step
+    else:
+        def run() -> None:
+            k.adamw(p, g, m, v, None, factor=1.0, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, step=2)
+    run()
+    times, start = [], time.perf_counter()
+    while len(times) < 3 or (time.perf_counter() - start < budget_s and len(times) < 50):
+        t = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t)
+    return p.nbytes / statistics.median(times)
 
 
 if __name__ == "__main__":  # build ahead of time: python -m rpcompile.runtime.host.kernels

@@ -150,3 +150,17 @@ def test_load_checks_the_host_memory_of_the_checkpoints_run(tmp_path, monkeypatc
         rpcompile.load(tmp_path / "ckpt", TinyLlama(CFG))
     monkeypatch.setattr("rpcompile.ir.hardware._host_memory", lambda: 2**34)
     rpcompile.load(tmp_path / "ckpt", TinyLlama(CFG)).close()
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_bytes_count_the_alignment_gaps_of_odd_shapes(dtype):
+    cfg = LlamaConfig(vocab=37, dim=18, layers=1, heads=3, kv_heads=1, ffn=30, max_seq=32)  # 18: gaps
+    model = TinyLlama(cfg)
+    ids = torch.randint(0, 37, (2, 8), generator=torch.Generator().manual_seed(0))
+    graph = trace(model, {"input_ids": ids, "labels": ids})
+    need = host_bytes(graph, microbatches=2, optimizer=rpcompile.AdamW(lr=1e-3), dtype=dtype)
+    state = HostState.from_graph(graph, optimizer=rpcompile.AdamW(lr=1e-3), dtype=dtype)
+    views = sum(t.nbytes for t in state.master.values())
+    assert allocated(state)["masters"] == need.masters > views  # the gaps are real and counted
+    assert allocated(state) == dict(weights=need.weights, masters=need.masters, grads=need.grads,
+                                    optimizer=need.optimizer)

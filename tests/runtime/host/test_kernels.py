@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import rpcompile
+from rpcompile.ir.hardware import Hardware
 from rpcompile.ir.optim import DynamicLossScale
 from rpcompile.runtime.host import kernels as kmod
 from rpcompile.runtime.host.optimizer import HostState
@@ -71,11 +72,12 @@ def test_kernels_refuse_what_they_cannot_take():
         K.cast(torch.zeros(4), torch.zeros(4, dtype=torch.float64))
 
 
-def state_and_eager(cfg, dtype=None, **kw):
-    """A kernel HostState over three parameters in three layers, and eager fp32 copies of them."""
+def state_and_eager(cfg, dtype=None, one_group=False, **kw):
+    """A kernel HostState over three parameters in three layers (or all in one), and eager fp32 copies of them."""
     g = torch.Generator().manual_seed(3)
     params = {k: nn.Parameter(torch.randn(s, generator=g)) for k, s in SHAPES.items()}
-    state = HostState(params, {k: (i,) for i, k in enumerate(params)}, 3, optimizer=cfg, dtype=dtype, **kw)
+    owners = {k: (0 if one_group else i,) for i, k in enumerate(params)}
+    state = HostState(params, owners, 1 if one_group else 3, optimizer=cfg, dtype=dtype, **kw)
     assert (state.kernels is not None) == (cfg.impl == "fused")
     return state, {k: nn.Parameter(v.detach().clone()) for k, v in params.items()}
 
@@ -90,9 +92,9 @@ def run(state, t, grads, copy_in_step=False):
     """One iteration through the protocol: writes (bf16 as a device would send them), complete, step, copy."""
     for k, v in grads.items():
         state.accumulate_grad(k, v.to(state.read(k).dtype) if state.dtype else v)
-    for l in (2, 1, 0):
+    for l in reversed(range(len(state.groups))):
         state.grads_complete(l)
-    for l in (2, 1, 0):
+    for l in reversed(range(len(state.groups))):
         state.step(l, copy=copy_in_step)
         state.copy(l)
 
@@ -150,9 +152,10 @@ def test_dynamic_loss_scale_skip_leaves_everything_bitwise_and_scaled_steps_equa
 
 
 def test_static_scale_and_a_missing_gradient_split_the_update():
-    """p "b" gets no gradient in iteration 1: its AdamW step count falls behind, as eager's with set_to_none."""
+    """p "b" gets no gradient in iteration 1: its AdamW step count falls behind, as eager's with set_to_none;
+    in one group, the update then runs as three kernel calls (a, b and c differ in step count)."""
     cfg = rpcompile.AdamW(lr=0.1)
-    state, eager = state_and_eager(cfg, loss_scale=4.0)
+    state, eager = state_and_eager(cfg, one_group=True, loss_scale=4.0)
     opt = torch.optim.AdamW(eager.values(), lr=0.1, foreach=True)
     for t in range(3):
         grads = {k: v for k, v in grads_of(t).items() if not (t == 1 and k == "b")}
@@ -227,3 +230,10 @@ def test_without_a_compiler_it_falls_back_to_torch_with_one_warning(monkeypatch,
     ref.grad = torch.ones(3)
     torch.optim.AdamW([ref], lr=0.1, fused=True).step()
     assert torch.equal(state.master["w"], ref.detach())
+
+
+def test_hardware_measure_times_the_optimizer_it_is_given():
+    calls = []
+    hw = Hardware.measure("cpu", budget_s=0.3, optimizer_rate=lambda budget: calls.append(budget) or 1.25e9)
+    assert hw.optimizer_bytes_per_s == 1.25e9 and len(calls) == 1 and 0 < calls[0] <= 0.3
+    assert kmod.optimizer_rate(0.05, elements=2 ** 16) > 1e6  # the kernels' AdamW: fp32 master bytes/s
