@@ -6,8 +6,9 @@
 // eager CPU kernels, in their order (FMA where ATen's vectorised kernels use `vec::fmadd`: lerp,
 // addcmul and `add(alpha=)`); the build passes -ffp-contract=off so the compiler adds no other FMA.
 //
-//   land(dst, src, src_kind, n, add, threads) -> (sum of squares, non-finite)
-//       dst[i] = (add ? dst[i] : 0) + float(src[i]); statistics of the result, in the same pass.
+//   land(dst, src, src_kind, n, add, threads, divisor) -> (sum of squares, non-finite)
+//       dst[i] = ((add ? dst[i] : 0) + float(src[i])) / divisor (no division when divisor is 1);
+//       statistics of the result, in the same pass. dst == src: in place (data parallel: the average).
 //   adamw(p, g, m, v, out, out_kind, n, threads, factor, decay, w1, beta2, w2, eps, neg_step, bc2_sqrt)
 //       torch.optim.AdamW's single-tensor update of p, m, v with g * factor; out = cast(new p).
 //   sgd(p, g, buf, out, out_kind, n, threads, factor, wd, momentum, damp, nesterov, first, neg_lr)
@@ -60,8 +61,8 @@ void for_blocks(int64_t n, int threads, Body body) {  // body(block, lo, hi) for
 }
 
 // ---- land: write the gradient, with its statistics -------------------------------------------------
-template <typename S, bool ADD>
-void land_t(float* dst, const S* src, int64_t n, int threads, double* sumsq, int* bad) {
+template <typename S, bool ADD, bool DIV>
+void land_t(float* dst, const S* src, int64_t n, int threads, float divisor, double* sumsq, int* bad) {
     const int64_t nb = blocks(n);
     std::vector<double> part(nb);
     std::vector<int> nonfinite(nb);
@@ -70,7 +71,8 @@ void land_t(float* dst, const S* src, int64_t n, int threads, double* sumsq, int
         int f = 0;
 #pragma omp simd reduction(+ : s) reduction(| : f)
         for (int64_t i = lo; i < hi; ++i) {
-            const float x = ADD ? dst[i] + to_float(src[i]) : to_float(src[i]);
+            const float y = ADD ? dst[i] + to_float(src[i]) : to_float(src[i]);
+            const float x = DIV ? y / divisor : y;  // Tensor.div_
             dst[i] = x;
             s += static_cast<double>(x) * static_cast<double>(x);
             f |= (x - x) != 0.0f;  // inf - inf and nan - nan are nan
@@ -89,9 +91,15 @@ void land_t(float* dst, const S* src, int64_t n, int threads, double* sumsq, int
 }
 
 template <typename S>
-void land_s(float* dst, const void* src, int64_t n, bool add, int threads, double* s, int* f) {
+void land_s(float* dst, const void* src, int64_t n, bool add, int threads, float divisor, double* s, int* f) {
     auto in = static_cast<const S*>(src);
-    add ? land_t<S, true>(dst, in, n, threads, s, f) : land_t<S, false>(dst, in, n, threads, s, f);
+    if (divisor != 1.0f) {
+        add ? land_t<S, true, true>(dst, in, n, threads, divisor, s, f)
+            : land_t<S, false, true>(dst, in, n, threads, divisor, s, f);
+    } else {
+        add ? land_t<S, true, false>(dst, in, n, threads, divisor, s, f)
+            : land_t<S, false, false>(dst, in, n, threads, divisor, s, f);
+    }
 }
 
 // ---- adamw: torch.optim.AdamW (single tensor), one pass --------------------------------------------
@@ -200,16 +208,18 @@ PyObject* land(PyObject*, PyObject* args) {
     unsigned long long dst, src;
     int kind, add, threads;
     long long n;
-    if (!PyArg_ParseTuple(args, "KKiLpi", &dst, &src, &kind, &n, &add, &threads)) return nullptr;
+    double divisor;
+    if (!PyArg_ParseTuple(args, "KKiLpid", &dst, &src, &kind, &n, &add, &threads, &divisor)) return nullptr;
     double s = 0.0;
     int f = 0;
     auto d = reinterpret_cast<float*>(dst);
     auto in = reinterpret_cast<const void*>(src);
     if (kind < 1 || kind > 3) return bad_kind(kind);
     Py_BEGIN_ALLOW_THREADS
-    if (kind == 1) land_s<float>(d, in, n, add, threads, &s, &f);
-    else if (kind == 2) land_s<bf16>(d, in, n, add, threads, &s, &f);
-    else land_s<f16>(d, in, n, add, threads, &s, &f);
+    const float div = float(divisor);
+    if (kind == 1) land_s<float>(d, in, n, add, threads, div, &s, &f);
+    else if (kind == 2) land_s<bf16>(d, in, n, add, threads, div, &s, &f);
+    else land_s<f16>(d, in, n, add, threads, div, &s, &f);
     Py_END_ALLOW_THREADS
     return Py_BuildValue("(dO)", s, f ? Py_True : Py_False);
 }
@@ -252,7 +262,7 @@ PyObject* cast(PyObject*, PyObject* args) {
 }
 
 PyMethodDef methods[] = {
-    {"land", land, METH_VARARGS, "land(dst, src, kind, n, add, threads) -> (sum of squares, non-finite)"},
+    {"land", land, METH_VARARGS, "land(dst, src, kind, n, add, threads, divisor) -> (sum of squares, non-finite)"},
     {"adamw", adamw, METH_VARARGS, "adamw(p, g, m, v, out, kind, n, threads, factor, decay, w1, beta2, w2, eps, "
                                    "neg_step, bc2_sqrt)"},
     {"sgd", sgd, METH_VARARGS, "sgd(p, g, buf, out, kind, n, threads, factor, wd, momentum, damp, neg_lr, "

@@ -44,16 +44,20 @@ class Kernels:
     def __init__(self, module: ModuleType) -> None:
         self.module = module  # the loaded extension
 
-    def land(self, dst: Tensor, src: Tensor, *, add: bool) -> tuple[float, bool]:
-        """dst = (dst if add else 0) + src (fp32 dst, any float src); returns (sum of squares, non-finite) of dst.
+    def land(self, dst: Tensor, src: Tensor, *, add: bool, divisor: float = 1.0) -> tuple[float, bool]:
+        """dst = ((dst if add else 0) + src) / divisor (fp32 dst, any float src; src may be dst: in place);
+        returns (sum of squares, non-finite) of the new dst, taken in the same pass.
 
         Example:
             >>> k.land(torch.ones(2), torch.ones(2), add=True)
             (8.0, False)
+            >>> g = torch.full((2,), 6.0); k.land(g, g, add=False, divisor=2)   # an average over 2 processes
+            (18.0, False)
         """
         _check("land", dst, torch.float32, dst.numel())
         _check("land", src, src.dtype, dst.numel())
-        return self.module.land(dst.data_ptr(), src.data_ptr(), _kind(src), dst.numel(), add, _threads())
+        return self.module.land(dst.data_ptr(), src.data_ptr(), _kind(src), dst.numel(), add, _threads(),
+                                float(divisor))
 
     def adamw(self, p: Tensor, g: Tensor, m: Tensor, v: Tensor, out: Tensor | None, *, factor: float, lr: float,
               betas: tuple[float, float], eps: float, weight_decay: float, step: int) -> None:

@@ -49,7 +49,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -301,6 +301,26 @@ class HostState(StateIO):
         for l in reversed(range(len(self.groups))):
             self._complete(l, strict=False, only=u)
 
+    def average_grads(self, layer: int, world: int, all_reduce: Callable[[Tensor], None]) -> None:
+        """Average group `layer`'s gradient over `world` processes, in place (data parallel, runtime/distributed.py).
+
+        `all_reduce(flat)` sums the group's flat fp32 gradient buffer over the processes in place; one
+        pass then divides it by `world` and (with the kernels) takes the statistics of the average that
+        `grads_complete` uses: no copy in or out, no second statistics pass. Call it after the group's
+        last gradient write of the iteration and before `grads_complete(layer)` returns (its `on_complete`
+        hook waits for this call, holding the group's lock: nothing else touches the group meanwhile).
+
+        Example:
+            >>> s.average_grads(0, 2, lambda flat: dist.all_reduce(flat))   # doctest: +SKIP
+        """
+        all_reduce(self.flat.grads[layer])
+        if self.kernels is None:
+            self.flat.grads[layer].div_(world)
+            return
+        for n in self.groups[layer]:
+            g = self.grad[n].view(-1)
+            self._sq[n], self._bad[n] = self.kernels.land(g, g, add=False, divisor=world)
+
     def discard_grads(self) -> None:
         """Drop all gradients written since each group's last step (failure recovery, no step running).
 
@@ -331,12 +351,8 @@ class HostState(StateIO):
             names = [n for n in group if n in self._fresh[layer]]
             grads = [self.grad[n] for n in names]
             found = torch.zeros(1)
-            if self.kernels is not None:  # the landing pass took the statistics; the step unscales
-                self._unscale[layer] = scale
-                if self.on_complete is not _no_hook:  # data parallel averaged the gradients: take them again
-                    for n in names:
-                        self._sq[n], self._bad[n] = self.kernels.land(self.grad[n].view(-1), self.grad[n].view(-1),
-                                                                      add=False)
+            if self.kernels is not None:  # the landing pass (or `average_grads`) took the statistics; the step
+                self._unscale[layer] = scale  # unscales
                 sq = {n: self._sq[n] for n in names}
                 found += any(self._bad[n] for n in names)
             elif grads and scale is not None and self.scaler is not None:
@@ -414,8 +430,9 @@ class HostState(StateIO):
         Args:
             layer: the group.
             copy: also write the new masters into the compute copies, in the update's pass with the
-                kernels (staleness 0: `step(l, copy=True)` then `copy(l)`, which has nothing left to do).
-                The caller then guarantees R1 for this call as for `copy(layer)`.
+                kernels (staleness 0: `step(l, copy=True)` then `copy(l)`, which has nothing left to do
+                unless some parameter of the group had no gradient). The caller then guarantees R1 for
+                this call as for `copy(layer)`.
         """
         group = self.groups[layer]
         self._complete(layer, strict=False)
@@ -437,7 +454,7 @@ class HostState(StateIO):
                 out = {d: self.blocks[(layer, d)] for d in {s.dtype for s in self.layout.segments[layer]}}
                 self.flat.step(self.kernels, self.config, layer, [n for n in group if n in fresh], self.counts,
                                self.decay, factor=float(factor), lr=self.lr, out=out if copy else None)
-                self._copied[layer] = copy
+                self._copied[layer] = copy and len(fresh) == len(group)  # else `copy` casts the group's others
             elif apply:
                 for n in group:
                     self.master[n].grad = self.grad[n] if n in fresh else None

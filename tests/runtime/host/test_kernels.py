@@ -7,11 +7,16 @@ import pytest
 import torch
 from torch import nn
 
+import models
 import rpcompile
+from oracle import reference_train
 from rpcompile.ir.hardware import Hardware
 from rpcompile.ir.optim import DynamicLossScale
+from rpcompile.passes import emit, trace
+from rpcompile.runtime.executor import Runtime
 from rpcompile.runtime.host import kernels as kmod
 from rpcompile.runtime.host.optimizer import HostState
+from rpcompile.runtime.stage_exec import split_batch
 
 K = kmod.load_kernels()
 pytestmark = pytest.mark.skipif(K is None, reason="no C++ compiler: the kernels cannot be built")
@@ -124,6 +129,52 @@ def test_adamw_with_clipping_and_decay_equals_eager(copy_in_step):
             assert close(state.flat.moment[k]["exp_avg_sq"], opt.state[p]["exp_avg_sq"])
 
 
+def test_a_step_that_writes_the_copy_leaves_the_others_of_its_group_to_copy():
+    """step(copy=True) writes only the parameters it updates: `copy` then casts the rest of the group."""
+    state, _ = state_and_eager(rpcompile.SGD(lr=0.1), dtype=torch.bfloat16, one_group=True)
+    state.master["b"].add_(1.0)  # the masters changed behind the compute copy (a loaded state, say)
+    state.accumulate_grad("a", torch.ones(SHAPES["a"]))  # b and c get no gradient this iteration
+    state.step(0, copy=True)
+    state.copy(0)
+    for k in SHAPES:
+        assert torch.equal(state.read(k), state.master[k].to(torch.bfloat16)), k
+
+
+def _nanogpt_run(staleness: int, opt, dtype=None):
+    """nanoGPT, 4 steps of 4 microbatches on 2 host workers: (losses, fp32 weights, the state, casts by COPY)."""
+    model = models.nanogpt(0)
+    batches = [models.token_batch(batch=4, seq=8, seed=s) for s in range(4)]
+    graph = trace(model, batches[0], loss_fn=models.gpt_loss)
+    state = HostState.from_graph(graph, optimizer=opt, dtype=dtype)
+    casts, cast = [], state.kernels.cast
+    state.kernels.cast = lambda src, out: casts.append(src.numel()) or cast(src, out)  # a separate copy pass
+    prog = emit(rpcompile.StagePlan.from_str("3,2|1|2,3"), gpus=2, microbatches=4, staleness=staleness)
+    with Runtime(graph, prog, state, backend="host", timeout=30) as rt:
+        losses = [rt.step(b) for b in batches]
+        rt.flush()
+    return model, graph, batches, losses, state, casts
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_the_runtime_writes_the_copy_in_the_step_at_staleness_0(staleness):
+    """Staleness 0: each STEP writes its compute copies in the update's pass, no COPY casts (staleness 1:
+    the copy of the pre-update masters precedes the step, its own pass); both equal the oracle."""
+    opt = rpcompile.AdamW(lr=1e-2, eps=1e-4, weight_decay=0.1, max_grad_norm=0.05)
+    model, graph, batches, losses, state, casts = _nanogpt_run(staleness, opt)
+    assert state.kernels is not None and (casts == [] if staleness == 0 else len(casts) >= 4 * 5)
+
+    def loss_fn(mdl, batch):  # the runtime's loss: the mean over the microbatches
+        return sum(mdl(*(p[n] for n in graph.inputs))[1] for p in split_batch(graph, batch, 4)) / 4
+    ref, sd = reference_train(model, batches, optimizer=opt, staleness=staleness, loss_fn=loss_fn)
+    assert losses == pytest.approx(ref, rel=1e-5)
+    for n, v in state.parameters_fp32().items():
+        assert torch.allclose(v, sd[n], rtol=1e-5, atol=1e-5 * sd[n].abs().max().item()), n
+    _, _, _, _, half, casts = _nanogpt_run(staleness, opt, dtype=torch.bfloat16)
+    assert casts == [] if staleness == 0 else casts
+    for n, m in half.master.items():  # the step's copies are bitwise master.to(dtype) (staleness 1: one behind)
+        assert torch.equal(half.read(n), m.to(torch.bfloat16)) == (staleness == 0), n
+
+
 def test_dynamic_loss_scale_skip_leaves_everything_bitwise_and_scaled_steps_equal_eager():
     cfg = rpcompile.SGD(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01, max_grad_norm=5.0)
     state, eager = state_and_eager(cfg, dtype=torch.float16, loss_scale=DynamicLossScale(init_scale=1024.0))
@@ -169,15 +220,27 @@ def test_static_scale_and_a_missing_gradient_split_the_update():
         assert close(state.master[k], p.detach()), k
 
 
-def test_a_data_parallel_hook_that_changes_the_gradients_is_seen_by_the_norm():
-    state, _ = state_and_eager(rpcompile.AdamW(lr=0.1, max_grad_norm=1.0))
-    state.on_complete = lambda layer: [state.grad[n].mul_(0.5) for n in state.groups[layer]]  # an average
+@pytest.mark.parametrize("impl", ["fused", "foreach"])
+def test_data_parallel_averages_in_place_and_the_norm_sees_the_average(impl):
+    """average_grads: the all-reduce gets the group's flat buffer itself; the average is Tensor.div_'s, and
+    the clipping norm and the non-finite check are those of the average (taken in the dividing pass)."""
+    state, _ = state_and_eager(rpcompile.AdamW(lr=0.1, max_grad_norm=1.0, impl=impl))
+    reduced = []
+
+    def all_reduce(flat):  # three processes holding the same gradient plus one bump: the sum
+        reduced.append(flat.data_ptr())
+        flat.mul_(3.0).add_(0.25)
+    state.on_complete = lambda layer: state.average_grads(layer, 3, all_reduce)
     grads = grads_of(0)
     for k, v in grads.items():
         state.accumulate_grad(k, v)
     for l in (2, 1, 0):
         state.grads_complete(l)
-    want = torch.linalg.vector_norm(torch.cat([v.flatten() * 0.5 for v in grads.values()]))
+    assert reduced == [state.flat.grads[l].data_ptr() for l in (2, 1, 0)]  # in place: no copy in or out
+    avg = {k: (v * 3.0 + 0.25).div_(3) for k, v in grads.items()}
+    for k in SHAPES:
+        assert torch.equal(state.grad[k], avg[k]), k
+    want = torch.linalg.vector_norm(torch.cat([v.flatten() for v in avg.values()]))
     assert float(state.global_norm()) == pytest.approx(float(want), rel=1e-6)
 
 
