@@ -189,8 +189,8 @@ class Hardware:
             budget_s: rough time budget for all measurements.
             optimizer_rate: times the host optimizer in about the seconds given and returns its fp32 master
                 bytes per second: `rpcompile.runtime.host.kernels.optimizer_rate` times the C++ kernels
-                the runtime steps with (the IR cannot import the runtime, so the caller passes it);
-                default: torch's foreach AdamW.
+                the runtime steps with (the IR cannot import the runtime, so the caller passes it:
+                `rpcompile.measure_hardware()` does); default: torch's foreach AdamW.
         Returns:
             A Hardware named "measured-<device>" with efficiency 0.9 (peak_flops are already achieved rates);
             on CUDA `blas_workspace` is torch's for the device's compute capability (`blas_workspace_bytes`).
