@@ -70,6 +70,18 @@ def test_landing_writes_the_gradient_and_its_statistics_in_one_pass(src_dtype):
         assert K.land(buf, part, add=True)[1]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_landing_converts_every_16_bit_pattern_as_torch_does(dtype):
+    """All 65536 bit patterns (subnormals, infinities, NaNs, signed zeros) land as Tensor.float() gives them."""
+    src = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(dtype)
+    buf = torch.empty(src.numel())
+    _, bad = K.land(buf, src, add=False)
+    ref = src.float()
+    nan = ref.isnan()
+    assert bad and torch.equal(buf.isnan(), nan)
+    assert torch.equal(buf[~nan].view(torch.int32), ref[~nan].view(torch.int32))
+
+
 def test_kernels_refuse_what_they_cannot_take():
     with pytest.raises(ValueError, match="contiguous CPU torch.float32 of 4 elements"):
         K.land(torch.zeros(4), torch.zeros(8)[::2], add=False)
