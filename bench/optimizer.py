@@ -18,6 +18,8 @@ AdamW (weight decay 0.01) and a bf16 compute copy. Rows:
   its CPU op builds).
 - torch.compile (inductor's C++/OpenMP code) of the same two fused passes over the flat buffers.
 - memcpy of 18 bytes per parameter (36 bytes moved: the fused design's traffic, the bandwidth floor).
+- an in-place stream of 18 bytes per parameter (`add_`: 18 read, 18 written, no write-allocate read of
+  a fresh destination, as the update's read-modify-write buffers): a second floor.
 
 The median of `--reps` timed calls after one warm-up per row; rows run round-robin so machine load
 hits them alike. One table per torch thread count in `--threads` (every row uses that many threads).
@@ -133,6 +135,12 @@ def memcpy(total: int) -> Case:
     return timed(lambda: dst.copy_(src))
 
 
+def stream(total: int) -> Case:
+    """An in-place pass over 18 bytes per parameter: 18 read and 18 written (no fresh destination)."""
+    buf = torch.ones(total * 18 // 4)
+    return timed(lambda: buf.add_(1.0))
+
+
 def compiled(total: int, groups: int) -> Case:
     """torch.compile of the two fused passes (land with statistics; clip-scaled AdamW writing the bf16 copy)."""
     n = total // groups
@@ -181,7 +189,8 @@ def main(argv: list[str] | None = None) -> str:
          ours(total, groups, 0, "foreach")),
         ("torch equivalent", "grad copy, clip_grad_norm_, fused AdamW, bf16 copy", torch_equivalent(total, groups)),
         ("torch fused AdamW alone", "step", torch_fused_alone(total, groups)),
-        ("memcpy, 18 B/param", "copy_ (36 B of traffic per param)", memcpy(total))]
+        ("memcpy, 18 B/param", "copy_ (36 B of traffic per param)", memcpy(total)),
+        ("stream in place, 18 B/param", "add_ (36 B of traffic per param)", stream(total))]
     if not isinstance(ds, str):
         cases.insert(5, ("DeepSpeed CPUAdam alone", "step (adamw_mode)", ds))
     if not args.no_compile:
@@ -214,6 +223,9 @@ def main(argv: list[str] | None = None) -> str:
             "as fast as a copy of 36 bytes per parameter (the fused design's traffic: a 2-byte read and 4-byte\n"
             "write while the gradient lands, 16 bytes read and 14 written in the update). Staleness 1 moves 40\n"
             "(its copy is its own pass: 4 read, 2 written). Compare ratios within one table, not across runs.\n"
+            "torch's copy_ into a fresh destination also reads it first (write-allocate), so the memcpy row\n"
+            "moves more than 36 bytes per parameter; the in-place stream row (read and written, as the update's\n"
+            "buffers) is the tighter floor: compare its ms with ours.\n"
             "With more threads than free cores (a load average above the core count), every parallel region\n"
             "waits at its barrier for a descheduled thread: rows that make one region per group and pass\n"
             "(ours: 2 per group, torch's fused AdamW: 1 per tensor) lose more than the single memcpy.\n")
