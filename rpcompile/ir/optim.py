@@ -108,7 +108,7 @@ class SGD:
     weight_decay: float = 0.0  # L2 penalty added to the gradient (coupled, as torch.optim.SGD)
     nesterov: bool = False  # Nesterov momentum (needs momentum > 0)
     max_grad_norm: float | None = None  # clip by the global L2 norm over all trainable grads; None = off
-    impl: str = "fused"  # torch CPU kernel: "fused" (fast, ~1 ulp from eager on some CPUs), "foreach"/"single"
+    impl: str = "fused"  # CPU kernel: "fused" (rpcompile's, within float32 ulps of eager), "foreach"/"single" (torch's)
     decay: Decay = None  # parameters weight_decay applies to: None = all, names, or name -> bool (module Note)
 
     __setstate__ = _setstate
