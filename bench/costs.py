@@ -1,6 +1,7 @@
 """Predicted vs measured per-layer costs of a 134M Llama on this machine.
 
-Measures the machine (`Hardware.measure()`), then runs `estimate_costs` in
+Measures the machine (`rpcompile.measure_hardware()`: `Hardware.measure()` with the host optimizer's
+kernels timed), then runs `estimate_costs` in
 "measure" and "predict" mode on the same traced model and prints both side by
 side with the ratio, per layer and summed.
 
@@ -22,6 +23,7 @@ from _common import cpu_model  # noqa: E402
 from tabulate import tabulate
 
 from rpcompile.ir.hardware import Hardware
+from rpcompile.machine import measure_hardware
 from rpcompile.passes.cost import estimate_costs
 from rpcompile.passes.trace import trace
 
@@ -38,12 +40,12 @@ def llama_134m(ffn: int = 2048) -> torch.nn.Module:
 
 
 def _measure_hw(when: str) -> Hardware:
-    """Hardware.measure() on the CPU, printed."""
+    """measure_hardware() on the CPU, printed."""
     t0 = time.perf_counter()
-    hw = Hardware.measure("cpu")
-    print(f"Hardware.measure() {when} measuring: {hw.peak_flops['float32'] / 1e9:.0f} GFLOP/s fp32, "
-          f"{hw.mem_bandwidth / 1e9:.1f} GB/s elementwise, {hw.op_latency * 1e6:.2f} us/op "
-          f"({time.perf_counter() - t0:.1f} s)")
+    hw = measure_hardware("cpu")
+    print(f"measure_hardware() {when} measuring: {hw.peak_flops['float32'] / 1e9:.0f} GFLOP/s fp32, "
+          f"{hw.mem_bandwidth / 1e9:.1f} GB/s elementwise, {hw.op_latency * 1e6:.2f} us/op, "
+          f"optimizer {hw.optimizer_bytes_per_s / 1e9:.1f} GB/s of fp32 master ({time.perf_counter() - t0:.1f} s)")
     return hw
 
 
@@ -51,7 +53,8 @@ def _mean_hw(a: Hardware, b: Hardware) -> Hardware:
     """The mean of two measurements of the same machine (rates and latencies)."""
     return a.replace(peak_flops={k: (v + b.peak_flops.get(k, v)) / 2 for k, v in a.peak_flops.items()},
                      mem_bandwidth=(a.mem_bandwidth + b.mem_bandwidth) / 2,
-                     op_latency=(a.op_latency + b.op_latency) / 2)
+                     op_latency=(a.op_latency + b.op_latency) / 2,
+                     optimizer_bytes_per_s=(a.optimizer_bytes_per_s + b.optimizer_bytes_per_s) / 2)
 
 
 def main() -> None:

@@ -1,20 +1,33 @@
-"""CPU AdamW throughput: rpcompile's per-layer HostState path vs one torch optimizer.
+"""The host optimizer at memory speed: rpcompile's whole host side vs torch's, vs a memcpy.
 
 Usage:
-    python bench/optimizer.py [--params 50e6] [--layers 24] [--reps 3] [--out docs/bench/optimizer.md]
+    python bench/optimizer.py [--params 48e6] [--groups 24] [--reps 5] [--threads 1,2] [--no-compile]
+                              [--out optimizer.md]
 
-Every row updates the same parameter count (split evenly over `--layers`
-tensors) once per timed call; the median of `--reps` calls after one warm-up
-call is reported. Our rows call `HostState.step(l)` for every layer in
-descending order (gradient writes untimed); "+copy" adds `copy(l)` to a bf16
-compute copy. Rows are timed round-robin, so machine load hits them alike.
+Every row handles the same parameters (split evenly over `--groups` layer groups of one tensor
+each), with bf16 gradients arriving (as a bf16 device sends them), clipping at max_grad_norm 1.0,
+AdamW (weight decay 0.01) and a bf16 compute copy. Rows:
+
+- rpcompile kernels, staleness 0: `accumulate_grad` (writes the fp32 gradient and takes its
+  statistics), `grads_complete`, `step(l, copy=True)` (the update writes the bf16 copy), `copy(l)`.
+- rpcompile kernels, staleness 1: the same with `copy(l)` (a cast pass) before `step(l)`: the copy
+  must happen before the step there (DESIGN.md idea 7), so it cannot share the update's pass.
+- rpcompile, torch kernels (`impl="foreach"`: eager bits) on the same flat buffers.
+- torch equivalent: grad copy into `.grad`, `clip_grad_norm_`, fused AdamW, bf16 copy.
+- torch fused AdamW step alone; DeepSpeed's CPUAdam step alone (if `deepspeed` is installed and
+  its CPU op builds).
+- torch.compile (inductor's C++/OpenMP code) of the same two fused passes over the flat buffers.
+- memcpy of 18 bytes per parameter (36 bytes moved: the fused design's traffic, the bandwidth floor).
+- an in-place stream of 18 bytes per parameter (`add_`: 18 read, 18 written, no write-allocate read of
+  a fresh destination, as the update's read-modify-write buffers): a second floor.
+
+The median of `--reps` timed calls after one warm-up per row; rows run round-robin so machine load
+hits them alike. One table per torch thread count in `--threads` (every row uses that many threads).
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import statistics
 import sys
 import time
@@ -23,102 +36,202 @@ from collections.abc import Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import cpu_model  # noqa: E402
-from tabulate import tabulate
+from _common import machine_line, write_doc  # noqa: E402
+from tabulate import tabulate  # noqa: E402
 
-import rpcompile
-from rpcompile.runtime.host.optimizer import HostState
+import rpcompile  # noqa: E402
+from rpcompile.runtime.host.optimizer import HostState  # noqa: E402
+
+Case = Callable[[], float]
+CLIP = 1.0
+BYTES_FUSED = 36  # per parameter: land (2 read + 4 write) + update (16 read + 12 write + 2 copy)
 
 
-def tensors(total: int, layers: int) -> list[torch.Tensor]:
-    """`layers` fp32 leaf tensors with ~total/layers elements each and a random gradient."""
+def timed(fn: Callable[[], None]) -> Case:
+    """`fn` as a case: returns its seconds."""
+    def run() -> float:
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+    return run
+
+
+def bf16_grads(total: int, groups: int) -> list[torch.Tensor]:
+    """One seeded bf16 gradient per group."""
     g = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(layers):
-        p = torch.randn(total // layers, generator=g).requires_grad_()
-        p.grad = torch.randn(p.shape, generator=g)
-        out.append(p)
+    return [torch.randn(total // groups, generator=g).to(torch.bfloat16) for _ in range(groups)]
+
+
+def ours(total: int, groups: int, staleness: int, impl: str = "fused") -> Case:
+    """One iteration of HostState's host side over every group."""
+    params = {f"layer{l}.weight": torch.nn.Parameter(torch.randn(total // groups)) for l in range(groups)}
+    state = HostState(params, {n: (l,) for l, n in enumerate(params)}, groups, dtype=torch.bfloat16,
+                      optimizer=rpcompile.AdamW(lr=1e-4, max_grad_norm=CLIP, impl=impl))
+    assert (state.kernels is not None) == (impl == "fused"), "the kernels did not build"
+    grads = dict(zip(params, bf16_grads(total, groups)))
+    del params
+
+    def run() -> None:
+        for n, g in grads.items():
+            state.accumulate_grad(n, g)
+        for l in reversed(range(groups)):
+            state.grads_complete(l)
+        for l in reversed(range(groups)):
+            if staleness == 0:
+                state.step(l, copy=True)
+                state.copy(l)
+            else:
+                state.copy(l)
+                state.step(l)
+    return timed(run)
+
+
+def torch_params(total: int, groups: int) -> list[torch.nn.Parameter]:
+    """One fp32 parameter per group, with a gradient."""
+    out = [torch.nn.Parameter(torch.randn(total // groups)) for _ in range(groups)]
+    for p in out:
+        p.grad = torch.zeros_like(p)
     return out
 
 
-def torch_case(total: int, layers: int, impl: str) -> Callable[[], float]:
-    """One timed step of a single torch.optim.AdamW over all tensors; returns seconds."""
-    kernel = {"fused": {"fused": True}, "foreach": {"foreach": True}, "single": {"foreach": False}}[impl]
-    params = tensors(total, layers)
-    opt = torch.optim.AdamW(params, lr=1e-4, **kernel)
-    grads = [p.grad.clone() for p in params]
+def torch_equivalent(total: int, groups: int) -> Case:
+    """grad copy, clip_grad_norm_, fused AdamW, bf16 copy: what an eager loop does per iteration."""
+    params, grads = torch_params(total, groups), bf16_grads(total, groups)
+    copies = [torch.empty(p.shape, dtype=torch.bfloat16) for p in params]
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
 
-    def run() -> float:
-        for p, g in zip(params, grads):  # the iteration's gradient writes (untimed), as in ours_case
+    def run() -> None:
+        for p, g in zip(params, grads):
             p.grad.copy_(g)
-        t = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(params, CLIP)
         opt.step()
-        return time.perf_counter() - t
-    return run
+        torch._foreach_copy_(copies, [p.detach() for p in params])
+    return timed(run)
 
 
-def ours_case(total: int, layers: int, impl: str, copy: bool) -> Callable[[], float]:
-    """One timed iteration of HostState.step (and copy) over all layer groups; returns seconds."""
-    params = {f"layer{l}.weight": p for l, p in enumerate(tensors(total, layers))}
-    state = HostState(params, {n: (l,) for l, n in enumerate(params)}, layers,
-                      optimizer=rpcompile.AdamW(lr=1e-4, impl=impl), dtype=torch.bfloat16 if copy else None)
-    grads = {n: p.grad for n, p in params.items()}
-    del params
+def torch_fused_alone(total: int, groups: int) -> Case:
+    """torch's fused AdamW step alone (gradients already in .grad)."""
+    params = torch_params(total, groups)
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    return timed(opt.step)
 
-    def run() -> float:
-        for n, g in grads.items():  # the iteration's gradient writes (untimed)
-            state.accumulate_grad(n, g)
-        t = time.perf_counter()
-        for l in reversed(range(layers)):
-            state.step(l)
-            if copy:
-                state.copy(l)
-        return time.perf_counter() - t
-    return run
+
+def deepspeed_alone(total: int, groups: int) -> Case | str:
+    """DeepSpeed's CPUAdam (AdamW mode) step alone, or why it is not available."""
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        params = torch_params(total, groups)
+        opt = DeepSpeedCPUAdam(params, lr=1e-4, adamw_mode=True)
+        opt.step()
+    except Exception as exc:  # noqa: BLE001 - not installed, or its CPU op does not build here
+        return f"{type(exc).__name__}: {' '.join(str(exc).split())[:120]}"
+    return timed(opt.step)
+
+
+def memcpy(total: int) -> Case:
+    """A copy of 18 bytes per parameter: 36 bytes of memory traffic, the fused design's floor."""
+    src = torch.ones(total * 18 // 4)
+    dst = torch.empty_like(src)
+    return timed(lambda: dst.copy_(src))
+
+
+def stream(total: int) -> Case:
+    """An in-place pass over 18 bytes per parameter: 18 read and 18 written (no fresh destination)."""
+    buf = torch.ones(total * 18 // 4)
+    return timed(lambda: buf.add_(1.0))
+
+
+def compiled(total: int, groups: int) -> Case:
+    """torch.compile of the two fused passes (land with statistics; clip-scaled AdamW writing the bf16 copy)."""
+    n = total // groups
+
+    def land(buf, g):
+        buf.copy_(g.float())
+        return buf.double().square().sum(), ~torch.isfinite(buf).all()
+
+    def update(p, g, m, v, out, factor, decay, w1, b2, w2, eps, neg_step, bc2):
+        gi = g * factor
+        p.mul_(decay)
+        m.lerp_(gi, w1)
+        v.mul_(b2).add_(gi * gi * w2)
+        p.add_(neg_step * m / (v.sqrt() / bc2 + eps))
+        out.copy_(p)
+
+    land_c, update_c = torch.compile(land, dynamic=False), torch.compile(update, dynamic=False)
+    bufs = [[torch.randn(n) for _ in range(4)] + [torch.empty(n, dtype=torch.bfloat16)] for _ in range(groups)]
+    grads = bf16_grads(total, groups)
+    scalars = [torch.tensor(x) for x in (0.5, 1 - 1e-6, 0.1, 0.999, 0.001, 1e-8, -1e-4, 0.9)]
+
+    def run() -> None:
+        sq = [land_c(b[1], g)[0] for b, g in zip(bufs, grads)]
+        coef = torch.clamp(CLIP / (torch.stack(sq).sum().sqrt() + 1e-6), max=1.0)
+        for b in bufs:
+            update_c(*b, coef, *scalars[1:])
+    return timed(run)
 
 
 def main(argv: list[str] | None = None) -> str:
-    """Run the benchmark, print the table and write it to --out; returns the markdown."""
+    """Run the benchmark, print the table and write docs/bench/<--out>; returns the markdown."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--params", type=float, default=50e6, help="total parameters")
-    ap.add_argument("--layers", type=int, default=24, help="layers (tensors / HostState groups)")
-    ap.add_argument("--reps", type=int, default=3, help="timed repetitions (median)")
-    ap.add_argument("--out", default="docs/bench/optimizer.md", help="markdown output ('' = none)")
+    ap.add_argument("--params", type=float, default=48e6, help="total parameters")
+    ap.add_argument("--groups", type=int, default=24, help="layer groups (one tensor each)")
+    ap.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
+    ap.add_argument("--threads", default="1,2", help="torch thread counts, one table each")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile row (its first compile is slow)")
+    ap.add_argument("--out", default="optimizer.md", help="file name under docs/bench ('' = none)")
     args = ap.parse_args(argv)
-    total, layers, reps = int(args.params), args.layers, args.reps
-    cases = [("torch AdamW fused", "one optimizer", torch_case(total, layers, "fused")),
-             ("torch AdamW foreach", "one optimizer", torch_case(total, layers, "foreach")),
-             ("torch AdamW single (eager CPU default)", "one optimizer", torch_case(total, layers, "single")),
-             ("rpcompile HostState, impl=fused", f"{layers} x step(l)", ours_case(total, layers, "fused", False)),
-             ("rpcompile HostState, impl=fused, +copy bf16", f"{layers} x step(l), copy(l)",
-              ours_case(total, layers, "fused", True)),
-             ("rpcompile HostState, impl=foreach", f"{layers} x step(l)", ours_case(total, layers, "foreach", False))]
-    for _, _, run in cases:  # warm-up: optimizer state allocation, first touch
-        run()
-    times = [[run() for _, _, run in cases] for _ in range(reps)]  # round-robin
-    rows = [(name, how, statistics.median(t[i] for t in times)) for i, (name, how, _) in enumerate(cases)]
-    base = rows[0][2]
-    table = tabulate([(name, how, f"{t * 1e3:.1f}", f"{total / t / 1e6:.1f}", f"{base / t:.2f}")
-                      for name, how, t in rows],
-                     headers=["path", "calls", "ms / step", "Mparam/s", "vs torch fused"], tablefmt="github")
-    cmd = "python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:]))
-    text = (f"# CPU AdamW throughput\n\n"
-            f"- command: `{cmd}`\n"
-            f"- date: {datetime.date.today().isoformat()}\n"
-            f"- CPU: {cpu_model()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}, "
-            f"load average at the end {os.getloadavg()[0]:.1f} (shared machine)\n"
-            f"- torch {torch.__version__}, Python {platform.python_version()}\n"
-            f"- {total / 1e6:.0f}M fp32 parameters in {layers} tensors; median of {reps} after one warm-up, rows interleaved\n\n"
-            f"{table}\n\n"
-            "Our rows time `step(l)` for every layer (the gradient writes before it are untimed);\n"
-            "`+copy` also casts the masters into the bf16 compute copies. `impl=fused` is within\n"
-            "~1 ulp of eager; `impl=foreach` gives eager's bits. On a loaded machine (load average\n"
-            "above the core count) the numbers move by 2x between runs; compare ratios within a run.\n")
+    total, groups = int(args.params) // args.groups * args.groups, args.groups
+    ds = deepspeed_alone(total, groups)
+    cases: list[tuple[str, str, Case]] = [
+        ("rpcompile kernels, staleness 0", "accumulate, complete, step(copy=True), copy", ours(total, groups, 0)),
+        ("rpcompile kernels, staleness 1", "accumulate, complete, copy, step", ours(total, groups, 1)),
+        ("rpcompile, torch kernels (impl=foreach)", "accumulate, complete, step, copy",
+         ours(total, groups, 0, "foreach")),
+        ("torch equivalent", "grad copy, clip_grad_norm_, fused AdamW, bf16 copy", torch_equivalent(total, groups)),
+        ("torch fused AdamW alone", "step", torch_fused_alone(total, groups)),
+        ("memcpy, 18 B/param", "copy_ (36 B of traffic per param)", memcpy(total)),
+        ("stream in place, 18 B/param", "add_ (36 B of traffic per param)", stream(total))]
+    if not isinstance(ds, str):
+        cases.insert(5, ("DeepSpeed CPUAdam alone", "step (adamw_mode)", ds))
+    if not args.no_compile:
+        t = time.perf_counter()
+        case = compiled(total, groups)
+        case()  # the first call compiles
+        cases.insert(3, ("torch.compile of the fused passes", f"land, clip, AdamW+copy (compiled in "
+                                                              f"{time.perf_counter() - t:.0f} s)", case))
+    tables = []
+    for threads in [int(x) for x in args.threads.split(",")]:
+        torch.set_num_threads(threads)
+        for _, _, run in cases:  # warm-up: first touch, lazy state, thread pools
+            run()
+        times = [[run() for _, _, run in cases] for _ in range(args.reps)]  # round-robin
+        med = {name: statistics.median(t[i] for t in times) for i, (name, _, _) in enumerate(cases)}
+        eq, mc = med["torch equivalent"], med["memcpy, 18 B/param"]
+        rows = [(name, how, f"{med[name] * 1e3:.1f}", f"{total / med[name] / 1e6:.0f}", f"{eq / med[name]:.2f}",
+                 f"{mc / med[name]:.2f}") for name, how, _ in cases]
+        tables.append(f"### {threads} thread{'s' if threads > 1 else ''} (load average {os.getloadavg()[0]:.1f})\n\n"
+                      + tabulate(rows, headers=["path", "what is timed", "ms / iteration", "Mparam/s",
+                                                "vs torch equivalent", "of memcpy rate (36 B/param)"],
+                                 tablefmt="github"))
+    text = (f"# The host optimizer at memory speed\n\n{machine_line()}  \n"
+            f"{os.cpu_count()} cores shared with other users; the load average is given per table  \n"
+            f"{total / 1e6:.0f}M fp32 parameters in {groups} groups, bf16 gradients in, AdamW, clipping at "
+            f"{CLIP}, bf16 compute copy; median of {args.reps} after one warm-up, rows interleaved\n\n"
+            + "\n\n".join(tables) + "\n\n"
+            f"DeepSpeed CPUAdam: {'timed above' if not isinstance(ds, str) else 'not available: ' + ds}.\n\n"
+            "`of memcpy rate` is the memcpy row's time over the row's: 1.0 means the row moves its parameters\n"
+            "as fast as a copy of 36 bytes per parameter (the fused design's traffic: a 2-byte read and 4-byte\n"
+            "write while the gradient lands, 16 bytes read and 14 written in the update). Staleness 1 moves 40\n"
+            "(its copy is its own pass: 4 read, 2 written). Compare ratios within one table, not across runs.\n"
+            "torch's copy_ into a fresh destination also reads it first (write-allocate), so the memcpy row\n"
+            "moves more than 36 bytes per parameter; the in-place stream row (read and written, as the update's\n"
+            "buffers) is the tighter floor: compare its ms with ours.\n"
+            "With more threads than free cores (a load average above the core count), every parallel region\n"
+            "waits at its barrier for a descheduled thread: rows that make one region per group and pass\n"
+            "(ours: 2 per group, torch's fused AdamW: 1 per tensor) lose more than the single memcpy.\n")
     print(text)
     if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(text)
+        print("wrote", write_doc(args.out, text))
     return text
 
 

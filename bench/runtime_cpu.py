@@ -23,7 +23,7 @@ Bubble (the compute lanes' idle share), measured and simulated the same way: 1 -
 (N x end of the iteration's last worker instruction), from the step's start; the CPU optimizer tail
 of staleness 1 is excluded on both sides. Simulated: `rpcompile.runtime.simulate` of the same Program
 (one iteration) with per-layer costs measured on this machine (`estimate_costs(mode="measure")`) and
-`Hardware.measure("cpu")`.
+`rpcompile.measure_hardware("cpu")` (the optimizer lane at the kernels' rate).
 """
 from __future__ import annotations
 
@@ -144,14 +144,14 @@ def main() -> None:
     example = _batches(1)[0]
     graph = trace(model, example)
 
-    from rpcompile.ir.hardware import Hardware
+    from rpcompile.machine import measure_hardware
     from rpcompile.passes.cost import estimate_costs
 
     def measure_costs():
         return estimate_costs(graph, example, mode="measure", device="cpu", microbatches=MBS, warmup=2,
                               repeats=5, progress=False)
     costs = measure_costs()
-    hw = Hardware.measure("cpu", gpus=1)
+    hw = measure_hardware("cpu", gpus=1)
 
     progs = {v: emit(StagePlan.from_str(plan), gpus=g, microbatches=MBS, staleness=1, round_size=r)
              for v, (g, plan, r) in VARIANTS.items()}
@@ -222,9 +222,9 @@ def main() -> None:
     how = "one measurement before the timed steps" if args.quick else \
         "per-layer min of one measurement before and two after the timed steps"
     cost_line = (f"measured per-microbatch costs ({how}): fwd {1e3 * sum(costs.fwd):.1f} ms, bwd {1e3 * sum(costs.bwd):.1f} "
-                 f"ms over {len(costs.fwd)} layers (sum); Hardware.measure: fp32 "
+                 f"ms over {len(costs.fwd)} layers (sum); measure_hardware: fp32 "
                  f"{hw.flops('float32') / 1e9:.0f} GFLOP/s, memcpy {hw.h2d_bandwidth / 1e9:.1f} GB/s, "
-                 f"op latency {hw.op_latency * 1e6:.1f} us")
+                 f"op latency {hw.op_latency * 1e6:.1f} us, optimizer {hw.optimizer_bytes_per_s / 1e9:.1f} GB/s")
     pred = MBS * sum(2 * f + b for f, b in zip(costs.fwd, costs.bwd))
     cost_line += (f"  \ncost sanity: these costs predict {pred:.3f} s of compute per 1-worker step "
                   f"(M x sum(2 fwd + bwd)); eager measured {statistics.median(times['eager']):.3f} s "

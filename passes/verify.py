@@ -219,11 +219,15 @@ def _layer_instrs(c: _Ctx, op: Op) -> dict[int, list[str]]:
 
 
 def _r1(c: _Ctx) -> None:
-    """R1: COPY.l of iteration t (overwriting the version t reads) after every upload of l in t."""
+    """R1: COPY.l of iteration t (overwriting the version t reads) after every upload of l in t; with
+    staleness 0 also STEP.l, which the runtime lets write the compute copy in the update's pass."""
     for l, ps in _layer_instrs(c, Op.PARAM_UP).items():
         for t in (0, 1):
             for pu in ps:
                 c.need("R1", (t, pu), (t, f"h C.l{l}"), "a copy must wait for the uploads reading the old version")
+                if c.p.staleness == 0:
+                    c.need("R1", (t, pu), (t, f"h O.l{l}"), "a step that writes the copy (staleness 0) must wait "
+                                                            "for the uploads reading the old version")
 
 
 def _r2(c: _Ctx) -> None:

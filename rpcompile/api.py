@@ -19,6 +19,7 @@ from rpcompile.batch import check_batch, describe_change, signature
 from rpcompile.ir.graph import LayerGraph
 from rpcompile.ir.hardware import Hardware
 from rpcompile.ir.optim import SGD, AdamW, DynamicLossScale, decay_names
+from rpcompile.machine import hardware_of
 from rpcompile.options import Options, check_model, default_microbatches, options
 from rpcompile.pipeline import Frozen, compile_passes, frozen_of, plan_pipeline
 from rpcompile.replan import Variant, Variants, plan_for
@@ -55,7 +56,8 @@ def compile(model: torch.nn.Module, gpus: int = 8, *, example: Any, microbatches
         loss_fn: loss_fn(output, example) -> scalar, when the model's output is not the loss.
         layers: module-name patterns that override the layer detection, e.g. ["model.layers.*"].
         lm_head_shards: vocabulary shards of the LM head, or "auto".
-        hardware: a `Hardware` or preset name used for predicted costs and the default memory budget.
+        hardware: a `Hardware` or preset name used for predicted costs and the default memory budget;
+            "measured": this machine (`rpcompile.measure_hardware`, which times the host optimizer that runs).
         memory_budget: device bytes per worker (default: 90% of the hardware's device memory).
         backend: "auto" (CUDA if available, else host workers), "host" or "cuda".
         seed: base seed for dropout and other randomness.
@@ -365,13 +367,14 @@ class Compiled:
         """Simulate this program on `hardware`, with layer costs predicted for that hardware.
 
         Args:
-            hardware: a Hardware or preset name ("rtx4090", ...).
+            hardware: a Hardware, a preset name ("rtx4090", ...) or "measured" (this machine, measured now,
+                its optimizer lane priced at the rate of the optimizer this handle runs: `measure_hardware`).
             iterations: back-to-back iterations (staleness 1: the steady state needs several).
             example: the batch to cost (default: the one the program was compiled for).
         Returns:
             A Timeline (iteration time, bubble, exposed communication, peak memory per worker).
         """
-        hw = Hardware.preset(hardware) if isinstance(hardware, str) else hardware
+        hw = hardware_of(hardware, self.options.optimizer)
         costs = passes.estimate_costs(self.graph, self._example if example is None else example, mode="predict",
                                       hardware=hw, microbatches=self.microbatches, progress=False,
                                       fp16_accumulation=self.options.fp16_accumulation)

@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from rpcompile.ir.hardware import Hardware
+from rpcompile.machine import hardware_of
 from rpcompile.ir.optim import SGD, AdamW, DynamicLossScale
 
 __all__ = ["Options", "options", "default_microbatches", "parse_dtype", "check_model", "check_timeout"]
@@ -144,11 +145,12 @@ def options(*, gpus: Any, microbatches: Any = None, staleness: Any = 1, optimize
                          f"dtype={dtype!r}")
     if loss_fn is not None and not callable(loss_fn):
         raise ValueError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-    if isinstance(hardware, str):
-        hardware = Hardware.preset(hardware)
+    optimizer = _optimizer(optimizer)
+    if isinstance(hardware, str):  # a preset, or "measured": this machine with the optimizer that runs here
+        hardware = hardware_of(hardware, optimizer)
     elif hardware is not None and not isinstance(hardware, Hardware):
         raise ValueError(f"hardware must be a Hardware or a preset name, got {type(hardware).__name__}")
-    return Options(gpus=gpus, microbatches=microbatches, staleness=staleness, optimizer=_optimizer(optimizer),
+    return Options(gpus=gpus, microbatches=microbatches, staleness=staleness, optimizer=optimizer,
                    dtype=parse_dtype(dtype), loss_fn=loss_fn, layers=layers, lm_head_shards=lm_head_shards,
                    hardware=hardware, memory_budget=memory_budget, backend=backend, seed=seed,
                    on_nonfinite=on_nonfinite, loss_scale=loss_scale, loss_mean=loss_mean,

@@ -2,8 +2,8 @@
 
 Each process runs the whole RoundPipe schedule on its own workers over its
 shard of the global batch. Gradients land in the host's fp32 buffers, so each
-layer group's gradient is averaged over the processes (gloo, host tensors) as
-soon as its last gradient download is in: a `GradReducer` thread (the host's
+layer group's gradient is averaged over the processes (gloo, host tensors, in
+place on the group's flat buffer) as soon as its last gradient download is in: a `GradReducer` thread (the host's
 "network lane") all-reduces the groups in a fixed order (descending layers,
 iteration by iteration, the order the backward completes them) while the
 workers still run the backward of lower layers. `HostState` calls two hooks:
@@ -227,15 +227,9 @@ class GradReducer:
             self.iteration += 1
 
     def _reduce(self, layer: int) -> None:
-        """All-reduce (sum) group `layer`'s fp32 gradient buffers as one flat tensor, then divide by the world."""
-        grads = [self.state.grad[n] for n in self.state.groups[layer]]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.grad_group)
-        flat.div_(self.world)
-        i = 0
-        for g in grads:
-            g.copy_(flat[i:i + g.numel()].view_as(g))
-            i += g.numel()
+        """All-reduce (sum) group `layer`'s flat fp32 gradient buffer in place, then divide by the world (one
+        pass, which also takes the gradient statistics of the average: `HostState.average_grads`)."""
+        self.state.average_grads(layer, self.world, lambda flat: dist.all_reduce(flat, group=self.grad_group))
 
     # -- caller-thread collectives ------------------------------------------------------------------
     def average(self, value: float, what: str = "loss") -> float:

@@ -7,7 +7,9 @@ program's order (which makes the fp32 gradient sums bit-reproducible):
   wait per round), add each slot's pinned staging buffer into the fp32
   gradients, once per parameter, and free it for the stage's next slot;
 - optimizer: STEP.l after every gradient of group l is accumulated (R3, the
-  first step of an iteration after all of them: its commit point);
+  first step of an iteration after all of them: its commit point); with
+  staleness 0 it also writes the compute copies in the update's pass, so it
+  waits for COPY.l's dependencies too (R1) and COPY.l only marks the copy done;
 - copy: COPY.l after the uploads that read the old version (R1, one host wait)
   and the step that made the new one; with staleness 1 the overwritten copy
   is backed up until the iteration commits, so a failure can be undone.
@@ -180,10 +182,10 @@ class HostLanes:
         check = self.state.scaler is None  # fp16 dynamic loss scaling handles inf/nan itself
         for name, s in lay.grads.items():
             part = bufs[s.dtype][s.offset:s.offset + s.numel].view(s.shape)
-            if check and not bool(torch.isfinite(part).all()):
+            finite = self.state.accumulate_grad(name, part)  # the finite check is in the pass that adds it
+            if check and not finite:
                 grp = self.state.group_of[self.state.canonical(name)]
                 self._bad[t] = min(self._bad.get(t, grp), grp)
-            self.state.accumulate_grad(name, part)
         if self.poison:
             for b in bufs.values():
                 poison(b)
@@ -199,8 +201,11 @@ class HostLanes:
                 self._step_one(t, o, info)
 
     def _step_one(self, t: int, o, info: Any) -> None:
-        """One STEP of the optimizer lane."""
+        """One STEP of the optimizer lane (staleness 0: with the compute copy, `HostState.step(copy=True)`)."""
         self._host_deps(t, o, info)
+        fuse = info.program.staleness == 0  # the copy follows the step at once: write it in the update's pass
+        if fuse:  # R1 for the copy: also after COPY.l's uploads (implied by the gradients; `verify` checks it)
+            self._host_deps(t, info.by_name[f"h C.l{o.layer}"], info, skip=(t, o.name))
         if self.committed <= t:  # the first step: every gradient of t is in, t can no longer fail
             self._check_finite(t)
             with self._lock:  # atomic with `fail_caller`: t commits, or it is abandoned, never both
@@ -210,7 +215,11 @@ class HostLanes:
                 self._backups.pop(t, None)
             if self.state.needs_global:  # clipping / dynamic loss scale: the global statistics need every
                 self.state.grads_complete_all()  # group; only here, where they are all in (a later call
-        self.state.step(o.layer)                 # would complete iteration t+1 while it still accumulates)
+                # would complete iteration t+1 while it still accumulates)
+        if fuse:
+            self.state.step(o.layer, copy=True)
+        else:
+            self.state.step(o.layer)
         self.events[(t, o.name)]._set()
 
     def _check_finite(self, t: int) -> None:
@@ -263,10 +272,13 @@ class HostLanes:
         free[0].copy_(block)
         return free[0]
 
-    def _host_deps(self, t: int, ins, info: Any) -> None:
-        """Wait for a host instruction's dependencies: host events, accumulations, device events (one wait)."""
+    def _host_deps(self, t: int, ins, info: Any, skip: tuple | None = None) -> None:
+        """Wait for a host instruction's dependencies (but `skip`): host events, accumulations, device events
+        (one wait)."""
         device = []
         for key in self.its.keys(t, ins, info):
+            if key == skip:
+                continue
             prod = info.by_name[key[1]]
             if prod.is_host or prod.op is Op.GRAD_DOWN:
                 self.events[key].wait()

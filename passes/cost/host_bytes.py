@@ -15,7 +15,10 @@ nothing else for them; for a traced graph the copies count as the blocks
 that hold them are allocated (`compute_blocks`: 16-byte aligned views, pinned
 at exactly that size with CUDA, `runtime.host.pinned`). A trainable parameter (requires_grad, used by some
 layer) adds an fp32 master, an fp32 gradient buffer and the optimizer state:
-AdamW two fp32 moments, SGD one fp32 momentum buffer when momentum > 0. The
+AdamW two fp32 moments, SGD one fp32 momentum buffer when momentum > 0. For a
+traced LayerGraph the count is the host layout's (`rpcompile.ir.host_layout`): the
+flat per-group buffers and compute blocks as HostState allocates them, alignment
+gaps included; for an nn.Module (no layer groups yet) the elements alone. The
 activations are the saved stage inputs the host keeps for the backward stages
 to recompute from (`round_saved_bytes`, the rule `max_seq_len`
 uses too): iterations run in rounds of R microbatches and a round's inputs live
@@ -33,6 +36,7 @@ from typing import Any
 
 import torch
 
+from rpcompile.ir.host_layout import host_layout
 from rpcompile.ir.optim import SGD
 from rpcompile.ir.plan import StagePlan
 from rpcompile.passes.partition.timing import default_round_size
@@ -40,7 +44,6 @@ from rpcompile.passes.partition.timing import default_round_size
 __all__ = ["HostBytes", "host_bytes", "round_saved_bytes", "compute_blocks"]
 
 _ADAM_MOMENTS = 2  # fp32 moments per trainable element (exp_avg, exp_avg_sq)
-_BLOCK_ALIGN = 16  # bytes: every compute copy starts on this boundary in its block (runtime.host.layout.ALIGN)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,9 +100,10 @@ def host_bytes(model: Any, costs: Any = None, plan: Any = None, *, microbatches:
     for numel, own, train in _parameters(model):
         weights += numel * (dtype or own).itemsize
         trainable += numel if train else 0
-    if hasattr(model, "param_owners"):  # a traced graph: the compute-copy blocks exactly as they are allocated
-        weights = sum(compute_blocks(model, dtype).values())
     fp32 = torch.float32.itemsize
+    if hasattr(model, "param_owners"):  # the exact layout HostState allocates
+        exact = _layout(model, dtype).bytes(state)
+        weights, trainable = exact["weights"], exact["masters"] // fp32
     saved = in_flight = 0
     if plan is not None:
         if gpus is None:
@@ -132,16 +136,11 @@ def round_saved_bytes(saved: list[int], plan: StagePlan, gpus: int, microbatches
 def compute_blocks(graph: Any, dtype: Any = None) -> dict[tuple, int]:
     """Bytes of each compute-copy block of a traced graph, as `HostState` allocates (and pins) them.
 
-    One block per (lowest owner layer, training dtype), the parameters in graph order, each starting
-    on a 16-byte boundary (`runtime.host.layout.host_blocks`); a parameter no layer uses goes to layer 0.
+    One block per (lowest owner layer, training dtype): the group's trainable parameters first, at
+    their offsets in its flat buffers, then the frozen ones, each view on a 16-byte boundary
+    (`rpcompile.ir.host_layout`); a parameter no layer uses goes to layer 0.
     """
-    owners, ends = graph.param_owners(), {}
-    for name, v in graph.params.items():
-        dt = dtype or v.dtype
-        key, size = (min(owners.get(name) or (0,)), dt), max(dt.itemsize, 1)
-        step = max(1, _BLOCK_ALIGN // size)
-        ends[key] = -(-ends.get(key, 0) // step) * step + v.bytes // max(v.dtype.itemsize, 1)
-    return {k: n * k[1].itemsize for k, n in ends.items()}
+    return {key: n * key[1].itemsize for key, n in _layout(graph, dtype).blocks.items()}
 
 
 def _parameters(model: Any):
@@ -153,6 +152,14 @@ def _parameters(model: Any):
     else:
         for p in model.parameters():
             yield p.numel(), p.dtype, p.requires_grad
+
+
+def _layout(graph: Any, dtype: Any):
+    """The HostLayout of a LayerGraph's parameters, as HostState builds it."""
+    owners = graph.param_owners()
+    return host_layout([(name, v.bytes // max(v.dtype.itemsize, 1), dtype or v.dtype, (owners.get(name) or (0,))[0],
+                         bool(v.requires_grad and owners.get(name))) for name, v in graph.params.items()],
+                       len(graph.layers))
 
 
 def _gib(n: int) -> str:

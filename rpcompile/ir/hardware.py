@@ -24,7 +24,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 import torch
 
@@ -236,13 +236,17 @@ class Hardware:
 
     @classmethod
     def measure(cls, device: str | torch.device | None = None, *, gpus: int | None = None,
-                budget_s: float = 2.0) -> "Hardware":
+                budget_s: float = 2.0, optimizer_rate: Callable[[float], float] | None = None) -> "Hardware":
         """Measure this machine: matmul FLOP/s per dtype, memory and copy bandwidth, optimizer speed.
 
         Args:
             device: "cuda", "cuda:1" or "cpu"; default CUDA if available, else the CPU.
             gpus: device count (default: CUDA device count, or 1 host worker on the CPU).
             budget_s: rough time budget for all measurements.
+            optimizer_rate: times the host optimizer in about the seconds given and returns its fp32 master
+                bytes per second: `rpcompile.runtime.host.kernels.optimizer_rate` times the C++ kernels
+                the runtime steps with (the IR cannot import the runtime, so the caller passes it:
+                `rpcompile.measure_hardware()` does); default: torch's foreach AdamW.
         Returns:
             A Hardware named "measured-<device>" with efficiency 0.9 (peak_flops are already achieved rates);
             on CUDA `blas_workspace` is torch's for the device's compute capability (`blas_workspace_bytes`).
@@ -270,7 +274,7 @@ class Hardware:
             op_lat = _op_latency(dev, per / 2)
             dev_mem = blas = 0
         host = _host_memory()
-        opt = _adam_rate(per * 2)
+        opt = (optimizer_rate or _adam_rate)(per * 2)
         return cls(name=f"measured-{dev.type}", peak_flops=peak, efficiency=0.9,
                    device_memory=dev_mem or max(host // max(count, 1) // 2, 1), mem_bandwidth=mem_bw,
                    h2d_bandwidth=h2d, d2h_bandwidth=d2h, host_memory=host, gpus=count,

@@ -5,9 +5,11 @@ the runtime's CPU optimizer (`rpcompile.runtime.host.optimizer.HostState`) turns
 into one torch optimizer per layer group over the fp32 master weights.
 
 Note:
-    `impl` picks torch's CPU kernel. "fused" (default) is ~5x faster than the
-    others on the CPU and agrees with eager `torch.optim.AdamW` to about one
-    float32 ulp of the weight per step (|diff| <~ 1e-6 * |theta| + 1e-7);
+    `impl` picks the CPU kernel. "fused" (default) is rpcompile's C++/OpenMP
+    kernels (runtime/host/kernels.cpp: gradient statistics while the gradient
+    lands, one update pass per layer group), or torch's fused kernel with one
+    warning where they cannot be built; it agrees with eager `torch.optim.AdamW`
+    to about one float32 ulp of the weight per step (|diff| <~ 1e-6 * |theta| + 1e-7);
     "foreach" and "single" are bit-identical to eager `torch.optim.AdamW(
     model.parameters(), ...)` on the CPU (whose default is the single-tensor
     loop; the foreach kernel gives the same bits). For SGD "foreach" and
@@ -79,7 +81,7 @@ class AdamW:
     eps: float = 1e-8  # added to the denominator sqrt(v) + eps
     weight_decay: float = 0.01  # decoupled: theta -= lr * weight_decay * theta (torch's default)
     max_grad_norm: float | None = None  # clip by the global L2 norm over all trainable grads; None = off
-    impl: str = "fused"  # torch CPU kernel: "fused" (fast, ~1 ulp from eager), "foreach"/"single" (eager bits)
+    impl: str = "fused"  # CPU kernel: "fused" (rpcompile's, ~1 ulp from eager), "foreach"/"single" (torch: eager bits)
     decay: Decay = None  # parameters weight_decay applies to: None = all, names, or name -> bool (module Note)
 
     __setstate__ = _setstate
@@ -106,7 +108,7 @@ class SGD:
     weight_decay: float = 0.0  # L2 penalty added to the gradient (coupled, as torch.optim.SGD)
     nesterov: bool = False  # Nesterov momentum (needs momentum > 0)
     max_grad_norm: float | None = None  # clip by the global L2 norm over all trainable grads; None = off
-    impl: str = "fused"  # torch CPU kernel: "fused" (fast, ~1 ulp from eager on some CPUs), "foreach"/"single"
+    impl: str = "fused"  # CPU kernel: "fused" (rpcompile's, within float32 ulps of eager), "foreach"/"single" (torch's)
     decay: Decay = None  # parameters weight_decay applies to: None = all, names, or name -> bool (module Note)
 
     __setstate__ = _setstate

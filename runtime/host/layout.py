@@ -24,20 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from rpcompile.runtime.host.pinned import pinned_zeros
+from rpcompile.ir.host_layout import ALIGN, aligned, block_offsets
 
 __all__ = ["Slot", "StageLayout", "host_blocks", "stage_layouts", "slot_capacities", "ALIGN", "aligned"]
-
-ALIGN = 16  # bytes: every view's offset in its flat buffer is a multiple of this
-
-
-def aligned(offset: int, dtype: torch.dtype) -> int:
-    """`offset` (elements of `dtype`) rounded up so that it lies on an ALIGN-byte boundary.
-
-    >>> aligned(3, torch.float32), aligned(3, torch.bfloat16), aligned(0, torch.float64)
-    (4, 8, 0)
-    """
-    step = max(1, ALIGN // torch.empty((), dtype=dtype).element_size())
-    return -(-offset // step) * step
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,18 +67,14 @@ def host_blocks(tensors: Mapping[str, torch.Tensor], layer_of: Mapping[str, int]
     """One flat block per (layer, dtype) holding copies of `tensors`.
 
     Args:
-        tensors: name -> tensor (copied in; the blocks do not alias them).
+        tensors: name -> tensor (copied in; the blocks do not alias them), packed in this order
+            (`rpcompile.ir.host_layout.block_offsets`).
         layer_of: name -> the layer group whose block holds it.
         pin: allocate pinned memory: True, or the `pinned.PinnedAllocator` to register it with (exact size).
     Returns:
         (blocks, where): (layer, dtype) -> flat block; name -> ((layer, dtype), element offset).
     """
-    sizes: dict[tuple, int] = {}
-    where: dict[str, tuple[tuple, int]] = {}
-    for n, t in tensors.items():
-        key = (layer_of[n], t.dtype)
-        where[n] = (key, aligned(sizes.get(key, 0), t.dtype))
-        sizes[key] = where[n][1] + t.numel()
+    where, sizes = block_offsets((n, (layer_of[n], t.dtype), t.numel()) for n, t in tensors.items())
     blocks = {k: pinned_zeros(n, k[1], pin) for k, n in sizes.items()}  # gaps: zeros; pinned at exact size
     for n, t in tensors.items():
         key, off = where[n]

@@ -31,8 +31,8 @@ class StateIO:
         both are saved, so a resumed run continues bit for bit.
         """
         clone = _clone
-        optim = {n: {k: clone(v) for k, v in self._optims[l].state[self.master[n]].items()}
-                 for l, g in enumerate(self.groups) for n in g if self.master[n] in self._optims[l].state}
+        optim = {n: {**self._step_entry(n), **{k: clone(v) for k, v in self.flat.moment[n].items()}}
+                 for n in self.master if self.counts[n] and (self.flat.moment[n] or self._step_entry(n))}
         return {"compute": {n: clone(t) for n, t in self.compute.items()},
                 "master": {n: clone(t) for n, t in self.master.items()},
                 "buffers": {n: clone(t) for n, t in self.buffers.items()},
@@ -61,6 +61,10 @@ class StateIO:
         unknown = set(sd["optim"]) - set(self.master)
         if unknown:
             raise ValueError(f"load_state_dict: optimizer state for unknown parameters {sorted(unknown)[:5]}")
+        for n, saved in sd["optim"].items():
+            for k, t in self.flat.moment[n].items():
+                if k in saved and (not isinstance(saved[k], torch.Tensor) or saved[k].shape != t.shape):
+                    raise ValueError(f"load_state_dict: optim[{n!r}][{k!r}] is not a tensor of shape {tuple(t.shape)}")
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
         """Restore a `state_dict()` in place (same names, shapes and groups), between iterations.
@@ -73,13 +77,14 @@ class StateIO:
                 ours[n].copy_(t)
         for n, t in sd.get("buffers", {}).items():
             self.buffers[n].copy_(t)
-        for l, g in enumerate(self.groups):
-            if g:
-                opt = self._optims[l]
-                opt.state.clear()
-                for n in g:
-                    if n in sd["optim"]:
-                        opt.state[self.master[n]] = {k: _clone(v) for k, v in sd["optim"][n].items()}
+        for n, moments in self.flat.moment.items():  # torch's state names; a parameter not in it never stepped
+            saved = sd["optim"].get(n, {})
+            for k, t in moments.items():
+                t.copy_(saved[k]) if k in saved else t.zero_()
+            self.counts[n] = int(saved["step"]) if "step" in saved else 1 if saved else 0
+            opt = self._optims[self.group_of[n]]
+            if opt is not None and moments:  # torch's optimizer: the same views, its step count
+                opt.state[self.master[n]] = {**self._step_entry(n), **moments}
         with self._cond:
             self._stepped, self._done = list(sd["steps"]), list(sd["steps"])
             self._stats.clear()

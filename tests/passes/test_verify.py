@@ -102,6 +102,17 @@ def test_r1_copy_waits_for_old_version_uploads():
     assert e.rule == "R1" and e.instr == "h C.l3"
 
 
+def test_r1_a_step_that_writes_the_copy_waits_for_old_version_uploads():
+    """Staleness 0: the runtime writes the compute copy in STEP's pass, so STEP.l must follow every upload of l
+    of its iteration (emit's programs order it through the gradients; here the step waits for nothing of t)."""
+    p = prog(staleness=0)
+    o = next(i for i in p.instrs if i.name == "h O.l3")
+    bad = edit(p, "h O.l3", deps=[d for d in o.deps if not d.name.startswith("w")])
+    e = rule_of(bad, rules=("R1",))  # COPY.l3 itself still waits for the uploads
+    assert e.rule == "R1" and e.instr == "h O.l3" and "writes the copy" in str(e)
+    assert verify(edit(prog(staleness=1), "h O.l3", deps=o.deps[-1:]), rules=("R1",))  # no fused copy there
+
+
 def test_r2_upload_waits_for_the_copy():
     for s in (0, 1):
         e = rule_of(edit(prog(s), "w0 P0.r0.c0", drop=("h C.l0",)))

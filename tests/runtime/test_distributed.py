@@ -27,10 +27,13 @@ def batch(seed: int, b: int = B) -> dict:
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-def make(staleness: int, example: dict, microbatches: int, **kw) -> rpcompile.Compiled:
+def make(staleness: int, example: dict, microbatches: int, optimizer=None, **kw) -> rpcompile.Compiled:
     return rpcompile.compile(TinyLlama(CFG), gpus=2, example=example, microbatches=microbatches,
-                             staleness=staleness, optimizer=rpcompile.AdamW(lr=1e-2, impl="foreach"),
+                             staleness=staleness, optimizer=optimizer or rpcompile.AdamW(lr=1e-2, impl="foreach"),
                              memory_budget=2**20, backend="host", **kw)
+
+
+KERNELS = rpcompile.AdamW(lr=1e-2, max_grad_norm=0.5)  # the C++ kernels, with clipping by the global norm
 
 
 def params(c: rpcompile.Compiled) -> dict:
@@ -50,6 +53,10 @@ def worker(mode: str, out: str) -> None:
                 res[st] = params(c)
                 c.save(f"{out}.ckpt{st}.rank{rank}")  # a no-op on rank 1
         torch.save(res, f"{out}.{rank}")
+        return
+    if mode == "kernels":  # the averaged gradient is taken in place; its norm clips
+        with make(0, local(0), M // WORLD, optimizer=KERNELS, dist=DistConfig(timeout_s=30)) as c:
+            torch.save({"loss": [c.step(local(i)) for i in range(STEPS)], "params": params(c)}, f"{out}.{rank}")
         return
     c = make(0, local(0), M // WORLD, dist=DistConfig(timeout_s=20))
     c.step(local(0))
@@ -100,6 +107,20 @@ def test_two_processes_equal_one_process_on_the_global_batch(tmp_path):
             want = params(single)
         _close(got[0][st], want)
         assert got[0][f"loss{st}"] == pytest.approx(losses, rel=1e-5)  # reported loss: mean over processes
+
+
+def test_two_processes_with_the_kernels_and_clipping_equal_one_process(tmp_path):
+    out = str(tmp_path / "k")
+    for r in _launch("kernels", out, timeout=120):
+        assert r.returncode == 0, r.stderr[-3000:]
+    got = [torch.load(f"{out}.{rank}") for rank in range(WORLD)]
+    for n in got[0]["params"]:
+        assert torch.equal(got[0]["params"][n], got[1]["params"][n]), n
+    with make(0, batch(0), M, optimizer=KERNELS) as single:
+        losses = [single.step(batch(i)) for i in range(STEPS)]
+        assert single.state.kernels is not None and single.state.norms  # the kernels ran, the norm was taken
+        _close(got[0]["params"], params(single))
+    assert got[0]["loss"] == pytest.approx(losses, rel=1e-5)
 
 
 def test_a_dead_process_makes_the_other_fail_not_hang(tmp_path):

@@ -1,0 +1,126 @@
+"""Where a run's parameters live in host memory: element offsets in flat buffers (plain numbers).
+
+The host state (`rpcompile.runtime.host.optimizer.HostState`) allocates what this layout says and the
+host-memory pass (`passes/cost/host_bytes.py`) counts it, so the admission check counts exactly
+what is allocated.
+
+- Per layer group, the trainable parameters' fp32 masters, gradients and optimizer moments are each
+  one flat buffer of `HostLayout.flat[group]` elements, parameters at the same offsets in all of
+  them, so one kernel call covers a group.
+- A group's parameters are ordered by compute dtype (the model's order within one): each run of
+  one dtype is a `Segment`, starting at a multiple of `SEGMENT` elements.
+- Compute copies (every parameter, in the training dtype) are one block per (lowest owner layer,
+  dtype). A group's trainable parameters come first in their block, at the same offsets as in the
+  segment, so the update can write the compute copy from the same index; frozen ones follow.
+- Every offset is a multiple of `ALIGN` bytes for its dtype (vectorised kernels and copies want
+  aligned operands); the gaps are never read as parameters and hold zeros.
+
+    >>> import torch
+    >>> lay = host_layout([("w", 6, torch.bfloat16, 0, True), ("b", 3, torch.bfloat16, 0, True),
+    ...                    ("f", 2, torch.bfloat16, 0, False)], groups=1)
+    >>> lay.master, lay.flat, lay.blocks
+    ({'w': 0, 'b': 8}, (11,), {(0, torch.bfloat16): 18})
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["ALIGN", "SEGMENT", "aligned", "block_offsets", "Segment", "HostLayout", "host_layout"]
+
+ALIGN = 16  # bytes: every view's offset in its flat buffer is a multiple of this
+SEGMENT = 16  # elements: a segment of a group's fp32 buffers starts at a multiple of this (64 bytes)
+
+
+def aligned(offset: int, dtype: torch.dtype) -> int:
+    """`offset` (elements of `dtype`) rounded up so that it lies on an ALIGN-byte boundary.
+
+    >>> aligned(3, torch.float32), aligned(3, torch.bfloat16), aligned(0, torch.float64)
+    (4, 8, 0)
+    """
+    step = max(1, ALIGN // dtype.itemsize)
+    return -(-offset // step) * step
+
+
+def block_offsets(entries: Iterable[tuple[str, tuple, int]]) -> tuple[dict[str, tuple[tuple, int]], dict[tuple, int]]:
+    """Pack (name, (layer, dtype), elements) in order, one block per key, each aligned for its dtype.
+
+    Returns:
+        (where, sizes): name -> (key, element offset); key -> elements of the block.
+
+    >>> block_offsets([("a", (0, torch.float32), 3), ("b", (0, torch.float32), 4)])
+    ({'a': ((0, torch.float32), 0), 'b': ((0, torch.float32), 4)}, {(0, torch.float32): 8})
+    """
+    where: dict[str, tuple[tuple, int]] = {}
+    sizes: dict[tuple, int] = {}
+    for name, key, numel in entries:
+        where[name] = (key, aligned(sizes.get(key, 0), key[1]))
+        sizes[key] = where[name][1] + numel
+    return where, sizes
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """A run of one group's trainable parameters that share a compute dtype."""
+
+    dtype: torch.dtype  # their compute dtype; their copies sit at [0, stop - start) of block (group, dtype)
+    start: int  # element range in the group's flat fp32 buffers
+    stop: int
+
+
+@dataclass(frozen=True)
+class HostLayout:
+    """The host layout of a run's parameters (see the module docstring)."""
+
+    master: dict[str, int]  # trainable name -> element offset in its group's flat fp32 buffers
+    members: tuple[tuple[str, ...], ...]  # group -> its trainable names, in offset order
+    flat: tuple[int, ...]  # group -> elements of each of its flat fp32 buffers (0: no trainable parameter)
+    segments: tuple[tuple[Segment, ...], ...]  # group -> its runs of one compute dtype, in offset order
+    where: dict[str, tuple[tuple, int]]  # every name -> ((layer, dtype), element offset) of its compute copy
+    blocks: dict[tuple, int]  # (layer, dtype) -> elements of that compute block
+
+    def bytes(self, moments: int) -> dict[str, int]:
+        """Bytes of the buffers: compute blocks, fp32 masters, fp32 gradients, `moments` fp32 moment buffers."""
+        fp32 = 4 * sum(self.flat)
+        return {"weights": sum(n * key[1].itemsize for key, n in self.blocks.items()), "masters": fp32,
+                "grads": fp32, "optimizer": moments * fp32}
+
+
+def host_layout(params: Sequence[tuple[str, int, torch.dtype, int, bool]], groups: int) -> HostLayout:
+    """The host layout of `params`.
+
+    Args:
+        params: (name, elements, compute dtype, layer group, trainable) per parameter, in the model's
+            order; the group of a trainable parameter is its lowest owner layer, and a frozen one's
+            compute copy goes into the block of its group too.
+        groups: number of layer groups.
+    Returns:
+        A HostLayout.
+    """
+    members: list[list[tuple[str, int, torch.dtype]]] = [[] for _ in range(groups)]
+    for name, numel, dtype, group, trainable in params:
+        if trainable:
+            members[group].append((name, numel, dtype))
+    master: dict[str, int] = {}
+    flat, segments, order, names = [], [], [], []
+    for group in members:
+        dtypes = list(dict.fromkeys(d for _, _, d in group))  # first appearance
+        off, segs = 0, []
+        for d in dtypes:
+            start = -(-off // SEGMENT) * SEGMENT
+            off = start
+            for name, numel, dt in group:
+                if dt == d:
+                    master[name] = off = start + aligned(off - start, d)
+                    off += numel
+                    order.append(name)
+            segs.append(Segment(d, start, off))
+        flat.append(off)
+        segments.append(tuple(segs))
+        names.append(tuple(order[len(order) - len(group):]))
+    info = {name: (numel, dtype, group) for name, numel, dtype, group, _ in params}
+    order += [name for name, *_ in params if name not in master]  # trainable first: at their segment offsets
+    where, blocks = block_offsets((n, (info[n][2], info[n][1]), info[n][0]) for n in order)
+    return HostLayout(master, tuple(names), tuple(flat), tuple(segments), where, blocks)

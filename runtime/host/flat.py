@@ -1,0 +1,110 @@
+"""Flat per-group optimizer buffers: masters, gradients and moments, one buffer each per layer group.
+
+Each trainable parameter's fp32 master, gradient and moments are views into its group's flat
+buffers, at the offsets `rpcompile.ir.host_layout.host_layout` gives, so one kernel call steps a whole
+group and one more writes its compute copies (`FlatGroups.step`, `FlatGroups.cast`). The torch
+optimizers of `impl="foreach"/"single"` (and the fallback without a C++ compiler) step the same views.
+
+    >>> lay = host_layout([("w", 3, torch.float32, 0, True)], groups=1)
+    >>> fg = FlatGroups(lay, {"w": torch.ones(3)}, ("exp_avg", "exp_avg_sq"))
+    >>> fg.master["w"].data_ptr() == fg.masters[0].data_ptr(), sorted(fg.moment["w"])
+    (True, ['exp_avg', 'exp_avg_sq'])
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from rpcompile.ir.host_layout import HostLayout
+from rpcompile.ir.optim import SGD, AdamW
+from rpcompile.runtime.host.kernels import Kernels
+
+__all__ = ["FlatGroups", "moment_names"]
+
+
+def moment_names(config: AdamW | SGD) -> tuple[str, ...]:
+    """The optimizer state buffers of `config`, named as torch's optimizer state names them."""
+    if isinstance(config, AdamW):
+        return ("exp_avg", "exp_avg_sq")
+    return ("momentum_buffer",) if config.momentum > 0 else ()
+
+
+class FlatGroups:
+    """The flat fp32 buffers of every layer group, and views of them per parameter.
+
+    Args:
+        layout: the run's HostLayout (offsets and sizes).
+        params: trainable name -> its initial value (any shape; copied in as fp32).
+        moments: the optimizer state buffer names (`moment_names`).
+    """
+
+    def __init__(self, layout: HostLayout, params: Mapping[str, Tensor], moments: Sequence[str]) -> None:
+        self.layout = layout
+        self.masters = [torch.zeros(n) for n in layout.flat]  # group -> flat fp32 masters (gaps: zeros)
+        self.grads = [torch.zeros(n) for n in layout.flat]  # group -> flat fp32 gradients
+        self.moments = [{k: torch.zeros(n) for k in moments} for n in layout.flat]  # group -> name -> flat buffer
+        self.order = [[(layout.master[n], n, next(i for i, s in enumerate(segs) if s.start <= layout.master[n] < s.stop))
+                       for n in names] for names, segs in zip(layout.members, layout.segments)]  # group -> (offset,
+        # name, segment index) in offset order
+        self.group = {n: g for g, names in enumerate(layout.members) for n in names}  # trainable name -> group
+        self.master = {n: self._view(self.masters, n, p.shape) for n, p in params.items()}  # name -> fp32 view
+        self.grad = {n: self._view(self.grads, n, p.shape) for n, p in params.items()}
+        self.moment = {n: {k: self._view([m[k] for m in self.moments], n, p.shape) for k in moments}
+                       for n, p in params.items()}
+        for n, p in params.items():
+            self.master[n].copy_(p.detach())
+
+    def _view(self, flats: list[Tensor], name: str, shape: torch.Size) -> Tensor:
+        """The view of `name` in its group's buffer of `flats`."""
+        off = self.layout.master[name]
+        return flats[self.group[name]][off:off + shape.numel()].view(shape)
+
+    def runs(self, group: int, names: Sequence[str], key: Mapping[str, tuple]) -> list[tuple[int, int, int, tuple]]:
+        """Maximal element ranges of `names` that are contiguous in the group's order and share a segment and
+        `key[name]` (step count, decayed).
+
+        Returns:
+            [(start, stop, segment index, key)], covering every name of `names` and no other parameter.
+        """
+        chosen, out, prev = set(names), [], None
+        for off, n, seg in self.order[group]:
+            if n not in chosen:
+                prev = None
+                continue
+            stop = off + self.grad[n].numel()
+            if prev == (seg, key[n]):
+                out[-1] = (out[-1][0], stop, seg, key[n])
+            else:
+                out.append((off, stop, seg, key[n]))
+            prev = (seg, key[n])
+        return out
+
+    def step(self, kernels: Kernels, config: AdamW | SGD, group: int, names: Sequence[str], counts: dict[str, int],
+             decayed: frozenset[str], *, factor: float, lr: float, out: Mapping[torch.dtype, Tensor] | None) -> None:
+        """One kernel call per run of `names`: the update with gradient * factor; counts += 1 for each name.
+
+        Args:
+            decayed: the names weight decay applies to (`config.decay` resolved).
+            out: compute dtype -> the group's compute block to write the new masters into (None: no copy).
+        """
+        p, g, mom = self.masters[group], self.grads[group], self.moments[group]
+        for lo, hi, seg, (done, decay) in self.runs(group, names, {n: (counts[n], n in decayed) for n in names}):
+            s = self.layout.segments[group][seg]
+            o = None if out is None else out[s.dtype][lo - s.start:hi - s.start]
+            wd = config.weight_decay if decay else 0.0
+            if isinstance(config, AdamW):
+                kernels.adamw(p[lo:hi], g[lo:hi], mom["exp_avg"][lo:hi], mom["exp_avg_sq"][lo:hi], o, factor=factor,
+                              lr=lr, betas=config.betas, eps=config.eps, weight_decay=wd, step=done + 1)
+            else:
+                buf = mom["momentum_buffer"][lo:hi] if "momentum_buffer" in mom else None
+                kernels.sgd(p[lo:hi], g[lo:hi], buf, o, factor=factor, lr=lr, momentum=config.momentum,
+                            weight_decay=wd, nesterov=config.nesterov, first=done == 0)
+        for n in names:
+            counts[n] += 1
+
+    def cast(self, kernels: Kernels, group: int, out: Mapping[torch.dtype, Tensor]) -> None:
+        """Write every master of `group` into its compute copy (`out`: dtype -> the group's block), one call a segment."""
+        for s in self.layout.segments[group]:
+            kernels.cast(self.masters[group][s.start:s.stop], out[s.dtype][:s.stop - s.start])

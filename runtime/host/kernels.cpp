@@ -1,0 +1,317 @@
+// The host optimizer's memory-speed kernels (runtime/host/kernels.py builds and loads this file).
+//
+// A plain CPython module (no torch headers: it builds in seconds) whose functions take raw
+// pointers of contiguous CPU tensors that the Python side has checked, release the GIL and run
+// OpenMP loops over fixed blocks. Every value is computed with the float operations of torch's
+// eager CPU kernels, in their order (FMA where ATen's vectorised kernels use `vec::fmadd`: lerp,
+// addcmul and `add(alpha=)`); the build passes -ffp-contract=off so the compiler adds no other FMA.
+//
+//   land(dst, src, src_kind, n, add, threads, divisor) -> (sum of squares, non-finite)
+//       dst[i] = ((add ? dst[i] : 0) + float(src[i])) / divisor (no division when divisor is 1);
+//       statistics of the result, in the same pass. dst == src: in place (data parallel: the average).
+//   adamw(p, g, m, v, out, out_kind, n, threads, factor, decay, w1, beta2, w2, eps, neg_step, bc2_sqrt)
+//       torch.optim.AdamW's single-tensor update of p, m, v with g * factor; out = cast(new p).
+//   sgd(p, g, buf, out, out_kind, n, threads, factor, wd, momentum, damp, nesterov, first, neg_lr)
+//       torch.optim.SGD's update (buf = 0 for no momentum); out = cast(new p).
+//   cast(src, out, out_kind, n, threads)
+//       out = cast(src): fp32 -> fp32, bf16 or fp16, round to nearest even (as Tensor.to).
+//
+// Kinds: 0 none (no output), 1 float32, 2 bfloat16, 3 float16.
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t BLOCK = 1 << 16;  // elements per OpenMP work item (handed out dynamically: a loaded
+                                    // machine stalls no thread at a barrier) and per partial sum (fixed: the
+                                    // statistics do not depend on the thread count)
+
+using bf16 = uint16_t;
+struct f16 {  // IEEE half bits; converted with c10's branch-free bit arithmetic, which vectorizes (GCC
+    uint16_t bits;  // converts a _Float16 one value at a time, through libgcc, when the CPU lacks AVX512-FP16)
+};
+
+inline float bits_to_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline uint32_t float_to_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+
+template <typename T> inline float to_float(T x) { return static_cast<float>(x); }
+template <> inline float to_float<bf16>(bf16 x) { return bits_to_float(static_cast<uint32_t>(x) << 16); }
+
+template <> inline float to_float<f16>(f16 x) {  // c10::detail::fp16_ieee_to_fp32_value
+    const uint32_t w = static_cast<uint32_t>(x.bits) << 16;
+    const uint32_t sign = w & 0x80000000u;
+    const uint32_t two_w = w + w;
+    const float normalized = bits_to_float((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+    const float denormalized = bits_to_float((two_w >> 17) | (126u << 23)) - 0.5f;
+    return bits_to_float(sign | (two_w < (1u << 27) ? float_to_bits(denormalized) : float_to_bits(normalized)));
+}
+
+template <typename T> inline T from_float(float x) { return static_cast<T>(x); }
+template <> inline f16 from_float<f16>(float x) {  // c10::detail::fp16_ieee_from_fp32_value (round to nearest even)
+    float base = (std::fabs(x) * 0x1.0p+112f) * 0x1.0p-110f;
+    const uint32_t w = float_to_bits(x);
+    const uint32_t shl1_w = w + w;
+    const uint32_t sign = w & 0x80000000u;
+    const uint32_t bias = (shl1_w & 0xFF000000u) < 0x71000000u ? 0x71000000u : (shl1_w & 0xFF000000u);
+    base = bits_to_float((bias >> 1) + 0x07800000u) + base;
+    const uint32_t bits = float_to_bits(base);
+    const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
+    return f16{static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign))};
+}
+template <> inline bf16 from_float<bf16>(float x) {  // c10::BFloat16's round_to_nearest_even
+    uint32_t u = float_to_bits(x);
+    uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    return (u & 0x7FFFFFFFu) > 0x7F800000u ? bf16(0x7FC0) : static_cast<bf16>(rounded);
+}
+
+struct NoOut {};  // out_kind 0: the update writes no compute copy
+template <typename O> inline void store(O* out, int64_t i, float x) { out[i] = from_float<O>(x); }
+template <> inline void store<NoOut>(NoOut*, int64_t, float) {}
+
+inline int64_t blocks(int64_t n) { return (n + BLOCK - 1) / BLOCK; }
+
+// A body's loop must read its pointers and scalars from locals (or a by-value capture), not through a
+// reference capture: GCC does not hoist a load from the closure past the loop's stores, so it would
+// not vectorize the loop (-fopt-info-vec-missed: "no vectype for stmt: ... __closure->...").
+template <typename Body>
+void for_blocks(int64_t n, int threads, Body body) {  // body(block, lo, hi) for each BLOCK, in parallel
+    const int64_t nb = blocks(n);
+#pragma omp parallel for schedule(dynamic) num_threads(threads) if (nb > 1)
+    for (int64_t b = 0; b < nb; ++b) body(b, b * BLOCK, b * BLOCK + BLOCK < n ? b * BLOCK + BLOCK : n);
+}
+
+// ---- land: write the gradient, with its statistics -------------------------------------------------
+template <typename S, bool ADD, bool DIV>
+void land_t(float* dst, const S* src, int64_t n, int threads, float divisor, double* sumsq, int* bad) {
+    const int64_t nb = blocks(n);
+    std::vector<double> part(nb);
+    std::vector<int> nonfinite(nb);
+    for_blocks(n, threads, [&](int64_t b, int64_t lo, int64_t hi) {
+        float* const d = dst;  // locals, not the closure's references: the loop vectorizes (see for_blocks)
+        const S* const in = src;
+        const float div = divisor;
+        double s = 0.0;
+        int f = 0;
+#pragma omp simd reduction(+ : s) reduction(| : f)
+        for (int64_t i = lo; i < hi; ++i) {
+            const float y = ADD ? d[i] + to_float(in[i]) : to_float(in[i]);
+            const float x = DIV ? y / div : y;  // Tensor.div_
+            d[i] = x;
+            s += static_cast<double>(x) * static_cast<double>(x);
+            f |= (x - x) != 0.0f;  // inf - inf and nan - nan are nan
+        }
+        part[b] = s;
+        nonfinite[b] = f;
+    });
+    double s = 0.0;
+    int f = 0;
+    for (int64_t b = 0; b < nb; ++b) {
+        s += part[b];
+        f |= nonfinite[b];
+    }
+    *sumsq = s;
+    *bad = f;
+}
+
+template <typename S>
+void land_s(float* dst, const void* src, int64_t n, bool add, int threads, float divisor, double* s, int* f) {
+    auto in = static_cast<const S*>(src);
+    if (divisor != 1.0f) {
+        add ? land_t<S, true, true>(dst, in, n, threads, divisor, s, f)
+            : land_t<S, false, true>(dst, in, n, threads, divisor, s, f);
+    } else {
+        add ? land_t<S, true, false>(dst, in, n, threads, divisor, s, f)
+            : land_t<S, false, false>(dst, in, n, threads, divisor, s, f);
+    }
+}
+
+// ---- adamw: torch.optim.AdamW (single tensor), one pass --------------------------------------------
+struct AdamArgs {
+    float factor, decay, w1, beta2, w2, eps, neg_step, bc2_sqrt;
+};
+
+template <typename O, bool SCALE>
+void adamw_t(float* p, const float* g, float* m, float* v, O* out, int64_t n, int threads, AdamArgs args) {
+    for_blocks(n, threads, [=](int64_t, int64_t lo, int64_t hi) {
+        const AdamArgs a = args;  // a local copy: the loop vectorizes (see for_blocks)
+#pragma omp simd
+        for (int64_t i = lo; i < hi; ++i) {
+            const float gi = SCALE ? g[i] * a.factor : g[i];        // unscale and clip (one factor)
+            float pi = p[i] * a.decay;                               // param.mul_(1 - lr * wd)
+            const float mi = std::fma(a.w1, gi - m[i], m[i]);        // exp_avg.lerp_(grad, 1 - beta1)
+            const float vi = std::fma(a.w2 * gi, gi, v[i] * a.beta2);  // exp_avg_sq.mul_(b2).addcmul_(g, g, 1 - b2)
+            const float denom = std::sqrt(vi) / a.bc2_sqrt + a.eps;  // (v.sqrt() / bc2_sqrt).add_(eps)
+            pi = pi + a.neg_step * mi / denom;                       // param.addcdiv_(m, denom, -step_size)
+            m[i] = mi;
+            v[i] = vi;
+            p[i] = pi;
+            store(out, i, pi);
+        }
+    });
+}
+
+// ---- sgd: torch.optim.SGD (single tensor), one pass ------------------------------------------------
+struct SgdArgs {
+    float factor, wd, momentum, damp, neg_lr;
+    bool nesterov, first, has_momentum;
+};
+
+template <typename O>
+void sgd_t(float* p, const float* g, float* buf, O* out, int64_t n, int threads, SgdArgs args) {
+    for_blocks(n, threads, [=](int64_t, int64_t lo, int64_t hi) {
+        const SgdArgs a = args;  // a local copy: the loop vectorizes (see for_blocks)
+#pragma omp simd
+        for (int64_t i = lo; i < hi; ++i) {
+            float gi = a.factor != 1.0f ? g[i] * a.factor : g[i];
+            float pi = p[i];
+            if (a.wd != 0.0f) gi = std::fma(pi, a.wd, gi);             // grad.add(param, alpha=wd)
+            if (a.has_momentum) {
+                const float bi = a.first ? gi : std::fma(gi, a.damp, buf[i] * a.momentum);  // buf.mul_(mom).add_(g)
+                buf[i] = bi;
+                gi = a.nesterov ? std::fma(bi, a.momentum, gi) : bi;    // grad.add(buf, alpha=momentum)
+            }
+            pi = std::fma(gi, a.neg_lr, pi);                            // param.add_(grad, alpha=-lr)
+            p[i] = pi;
+            store(out, i, pi);
+        }
+    });
+}
+
+// ---- cast: the compute copy ------------------------------------------------------------------------
+template <typename O>
+void cast_t(const float* src, O* out, int64_t n, int threads) {
+    for_blocks(n, threads, [=](int64_t, int64_t lo, int64_t hi) {
+#pragma omp simd
+        for (int64_t i = lo; i < hi; ++i) out[i] = from_float<O>(src[i]);
+    });
+}
+
+template <template <typename> class F, typename... Args>
+bool by_kind(int kind, void* out, Args... args) {  // dispatch on the output kind; false if unknown
+    switch (kind) {
+        case 0: F<NoOut>::run(static_cast<NoOut*>(out), args...); return true;
+        case 1: F<float>::run(static_cast<float*>(out), args...); return true;
+        case 2: F<bf16>::run(static_cast<bf16*>(out), args...); return true;
+        case 3: F<f16>::run(static_cast<f16*>(out), args...); return true;
+        default: return false;
+    }
+}
+
+template <typename O> struct AdamF {
+    static void run(O* out, float* p, const float* g, float* m, float* v, int64_t n, int t, AdamArgs a) {
+        a.factor != 1.0f ? adamw_t<O, true>(p, g, m, v, out, n, t, a) : adamw_t<O, false>(p, g, m, v, out, n, t, a);
+    }
+};
+template <typename O> struct SgdF {
+    static void run(O* out, float* p, const float* g, float* buf, int64_t n, int t, SgdArgs a) {
+        sgd_t<O>(p, g, buf, out, n, t, a);
+    }
+};
+template <typename O> struct CastF {
+    static void run(O* out, const float* src, int64_t n, int t) { cast_t<O>(src, out, n, t); }
+};
+template <> struct CastF<NoOut> {
+    static void run(NoOut*, const float*, int64_t, int) {}
+};
+
+PyObject* bad_kind(int kind) {
+    PyErr_Format(PyExc_ValueError, "unknown dtype kind %d", kind);
+    return nullptr;
+}
+
+template <template <typename> class F, typename... Args>
+PyObject* released(int kind, unsigned long long out, Args... args) {  // by_kind without the GIL; None or an error
+    bool ok;
+    Py_BEGIN_ALLOW_THREADS
+    ok = by_kind<F>(kind, reinterpret_cast<void*>(out), args...);
+    Py_END_ALLOW_THREADS
+    if (!ok) return bad_kind(kind);
+    Py_RETURN_NONE;
+}
+
+PyObject* land(PyObject*, PyObject* args) {
+    unsigned long long dst, src;
+    int kind, add, threads;
+    long long n;
+    double divisor;
+    if (!PyArg_ParseTuple(args, "KKiLpid", &dst, &src, &kind, &n, &add, &threads, &divisor)) return nullptr;
+    double s = 0.0;
+    int f = 0;
+    auto d = reinterpret_cast<float*>(dst);
+    auto in = reinterpret_cast<const void*>(src);
+    if (kind < 1 || kind > 3) return bad_kind(kind);
+    Py_BEGIN_ALLOW_THREADS
+    const float div = float(divisor);
+    if (kind == 1) land_s<float>(d, in, n, add, threads, div, &s, &f);
+    else if (kind == 2) land_s<bf16>(d, in, n, add, threads, div, &s, &f);
+    else land_s<f16>(d, in, n, add, threads, div, &s, &f);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(dO)", s, f ? Py_True : Py_False);
+}
+
+PyObject* adamw(PyObject*, PyObject* args) {
+    unsigned long long p, g, m, v, out;
+    int kind, threads;
+    long long n;
+    double factor, decay, w1, beta2, w2, eps, neg_step, bc2_sqrt;
+    if (!PyArg_ParseTuple(args, "KKKKKiLidddddddd", &p, &g, &m, &v, &out, &kind, &n, &threads, &factor, &decay,
+                          &w1, &beta2, &w2, &eps, &neg_step, &bc2_sqrt))
+        return nullptr;
+    // each double becomes a float, as torch turns a Python scalar into the tensor's dtype
+    AdamArgs a{float(factor), float(decay), float(w1), float(beta2), float(w2), float(eps), float(neg_step),
+               float(bc2_sqrt)};
+    return released<AdamF>(kind, out, reinterpret_cast<float*>(p), reinterpret_cast<const float*>(g),
+                           reinterpret_cast<float*>(m), reinterpret_cast<float*>(v), int64_t(n), threads, a);
+}
+
+PyObject* sgd(PyObject*, PyObject* args) {
+    unsigned long long p, g, buf, out;
+    int kind, threads, nesterov, first, has_momentum;
+    long long n;
+    double factor, wd, momentum, damp, neg_lr;
+    if (!PyArg_ParseTuple(args, "KKKKiLidddddppp", &p, &g, &buf, &out, &kind, &n, &threads, &factor, &wd,
+                          &momentum, &damp, &neg_lr, &nesterov, &first, &has_momentum))
+        return nullptr;
+    SgdArgs a{float(factor), float(wd), float(momentum), float(damp), float(neg_lr), bool(nesterov), bool(first),
+              bool(has_momentum)};
+    return released<SgdF>(kind, out, reinterpret_cast<float*>(p), reinterpret_cast<const float*>(g),
+                          reinterpret_cast<float*>(buf), int64_t(n), threads, a);
+}
+
+PyObject* cast(PyObject*, PyObject* args) {
+    unsigned long long src, out;
+    int kind, threads;
+    long long n;
+    if (!PyArg_ParseTuple(args, "KKiLi", &src, &out, &kind, &n, &threads)) return nullptr;
+    return released<CastF>(kind, out, reinterpret_cast<const float*>(src), int64_t(n), threads);
+}
+
+PyMethodDef methods[] = {
+    {"land", land, METH_VARARGS, "land(dst, src, kind, n, add, threads, divisor) -> (sum of squares, non-finite)"},
+    {"adamw", adamw, METH_VARARGS, "adamw(p, g, m, v, out, kind, n, threads, factor, decay, w1, beta2, w2, eps, "
+                                   "neg_step, bc2_sqrt)"},
+    {"sgd", sgd, METH_VARARGS, "sgd(p, g, buf, out, kind, n, threads, factor, wd, momentum, damp, neg_lr, "
+                               "nesterov, first, has_momentum)"},
+    {"cast", cast, METH_VARARGS, "cast(src, out, kind, n, threads)"},
+    {nullptr, nullptr, 0, nullptr}};
+
+}  // namespace
+
+#ifndef TORCH_EXTENSION_NAME  // torch.utils.cpp_extension defines it: the module's name
+#define TORCH_EXTENSION_NAME rpcompile_host_kernels
+#endif
+#define RP_MODULE TORCH_EXTENSION_NAME
+#define RP_CAT(a, b) a##b
+#define RP_INIT(name) RP_CAT(PyInit_, name)
+#define RP_STR2(x) #x
+#define RP_STR(x) RP_STR2(x)
+
+static PyModuleDef module_def = {PyModuleDef_HEAD_INIT, RP_STR(RP_MODULE), "rpcompile host optimizer kernels", -1,
+                                 methods};
+
+PyMODINIT_FUNC RP_INIT(RP_MODULE)(void) { return PyModule_Create(&module_def); }

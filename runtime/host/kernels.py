@@ -1,0 +1,216 @@
+"""The host optimizer's kernels: kernels.cpp built once per machine, and checked calls into it.
+
+`load_kernels()` builds `kernels.cpp` with `torch.utils.cpp_extension` (OpenMP, -O3 -march=native,
+-ffp-contract=off) into a cache folder keyed by the source, the flags, the CPU's feature flags and
+the Python and torch versions, so each machine builds once (`python -m rpcompile.runtime.host.kernels`
+builds ahead of time); later processes only load the library. `compile()` loads it when it makes the
+host state, so no build lands inside a timed step. Without a C++ compiler (or when the build
+fails) it returns None after one warning line, and the optimizer runs torch's kernels instead.
+
+Each call checks its tensors (CPU, contiguous, dtype, length) before handing the raw pointers over;
+the C++ side releases the GIL for the whole loop.
+
+    >>> k = load_kernels()
+    >>> buf = torch.zeros(3); k.land(buf, torch.tensor([1.0, 2.0, 2.0], dtype=torch.bfloat16), add=False)
+    (9.0, False)
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import statistics
+import sys
+import sysconfig
+import time
+import warnings
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["Kernels", "load_kernels", "cache_dir", "optimizer_rate", "KINDS"]
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.cpp")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno")  # C++ compile flags
+KINDS = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}  # dtype -> the kernels' kind number
+
+
+class Kernels:
+    """Checked calls into the built module (one per process, shared by every HostState)."""
+
+    def __init__(self, module: ModuleType) -> None:
+        self.module = module  # the loaded extension
+
+    def land(self, dst: Tensor, src: Tensor, *, add: bool, divisor: float = 1.0) -> tuple[float, bool]:
+        """dst = ((dst if add else 0) + src) / divisor (fp32 dst, any float src; src may be dst: in place);
+        returns (sum of squares, non-finite) of the new dst, taken in the same pass.
+
+        Example:
+            >>> k.land(torch.ones(2), torch.ones(2), add=True)
+            (8.0, False)
+            >>> g = torch.full((2,), 6.0); k.land(g, g, add=False, divisor=2)   # an average over 2 processes
+            (18.0, False)
+        """
+        _check("land", dst, torch.float32, dst.numel())
+        _check("land", src, src.dtype, dst.numel())
+        return self.module.land(dst.data_ptr(), src.data_ptr(), _kind(src), dst.numel(), add, _threads(),
+                                float(divisor))
+
+    def adamw(self, p: Tensor, g: Tensor, m: Tensor, v: Tensor, out: Tensor | None, *, factor: float, lr: float,
+              betas: tuple[float, float], eps: float, weight_decay: float, step: int) -> None:
+        """AdamW step `step` (1-based) of p, m, v with the gradient g * factor; out (if given) = cast(new p).
+
+        The scalars are formed as torch.optim.AdamW forms them (Python floats, then float32).
+        """
+        for t in (p, g, m, v):
+            _check("adamw", t, torch.float32, p.numel())
+        if out is not None:
+            _check("adamw", out, out.dtype, p.numel())
+        b1, b2 = betas
+        bc1, bc2 = 1 - b1 ** step, 1 - b2 ** step
+        self.module.adamw(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), _ptr(out), _kind(out),
+                          p.numel(), _threads(), factor, 1 - lr * weight_decay, 1 - b1, b2, 1 - b2, eps,
+                          -(lr / bc1), bc2 ** 0.5)
+
+    def sgd(self, p: Tensor, g: Tensor, buf: Tensor | None, out: Tensor | None, *, factor: float, lr: float,
+            momentum: float, weight_decay: float, nesterov: bool, first: bool) -> None:
+        """SGD step of p (and the momentum buffer `buf`, None without momentum) with g * factor; out = cast(new p).
+
+        `first`: the buffer's first step (it becomes the gradient, as torch's clone).
+        """
+        for t in (p, g) + ((buf,) if buf is not None else ()):
+            _check("sgd", t, torch.float32, p.numel())
+        if out is not None:
+            _check("sgd", out, out.dtype, p.numel())
+        self.module.sgd(p.data_ptr(), g.data_ptr(), _ptr(buf), _ptr(out), _kind(out), p.numel(), _threads(),
+                        factor, weight_decay, momentum, 1.0, -lr, nesterov, first, buf is not None)
+
+    def cast(self, src: Tensor, out: Tensor) -> None:
+        """out = src.to(out.dtype) (fp32 src; fp32, bf16 or fp16 out; round to nearest even), in one pass."""
+        _check("cast", src, torch.float32, src.numel())
+        _check("cast", out, out.dtype, src.numel())
+        self.module.cast(src.data_ptr(), out.data_ptr(), _kind(out), src.numel(), _threads())
+
+
+def _check(op: str, t: Tensor, dtype: torch.dtype, n: int) -> None:
+    """Refuse a tensor the raw-pointer kernel cannot take (one line naming what is wrong)."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.dtype != dtype or t.numel() != n or t.dtype not in KINDS:
+        raise ValueError(f"host kernel {op}: needs contiguous CPU {dtype} of {n} elements (fp32/bf16/fp16), got "
+                         f"{t.dtype} {tuple(t.shape)} on {t.device}{'' if t.is_contiguous() else ', not contiguous'}")
+
+
+def _kind(t: Tensor | None) -> int:
+    """The kernels' number for t's dtype (0: no tensor)."""
+    return 0 if t is None else KINDS[t.dtype]
+
+
+def _ptr(t: Tensor | None) -> int:
+    """t's data pointer (0: no tensor)."""
+    return 0 if t is None else t.data_ptr()
+
+
+def _threads() -> int:
+    """OpenMP threads for one call: torch's intra-op thread count."""
+    return torch.get_num_threads()
+
+
+def cache_dir() -> str:
+    """Where built kernels are kept: $RPCOMPILE_CACHE, else $XDG_CACHE_HOME/rpcompile, else ~/.cache/rpcompile."""
+    base = os.environ.get("RPCOMPILE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "rpcompile")
+    return os.path.join(base, "kernels")
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (what -march=native compiles for), or the machine name without /proc."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), platform.machine())
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def module_name() -> str:
+    """The extension's name: a digest of the source, flags, CPU flags, compiler and versions."""
+    with open(SOURCE, "rb") as f:
+        key = [f.read(), repr(FLAGS).encode(), _cpu_flags().encode(), torch.__version__.encode(),
+               sys.version.encode(), (os.environ.get("CXX") or "c++").encode(), sysconfig.get_platform().encode()]
+    return "rpcompile_host_kernels_" + hashlib.sha256(b"\0".join(key)).hexdigest()[:16]
+
+
+def load_kernels(*, verbose: bool = False) -> Kernels | None:
+    """The built kernels (building them on this machine's first call), or None after one warning line.
+
+    Args:
+        verbose: show the compiler's output.
+    Returns:
+        A `Kernels`, or None when no C++ compiler or ninja is found or the build fails (the warning
+        says which, and that torch's optimizer kernels run instead).
+
+    Example:
+        >>> load_kernels() is not None   # with a C++ compiler
+        True
+    """
+    name = module_name()
+    if name in sys.modules:  # loaded by an earlier call in this process
+        return Kernels(sys.modules[name])
+    try:
+        module = _build(name, verbose)
+    except Exception as exc:  # noqa: BLE001 - any build failure falls back to torch's kernels
+        why = " ".join(str(exc).split())[:300]
+        warnings.warn(f"rpcompile: the host optimizer kernels are not available ({type(exc).__name__}: {why}); "
+                      f"using torch's optimizer kernels (slower)", RuntimeWarning, stacklevel=2)
+        return None
+    sys.modules[name] = module
+    return Kernels(module)
+
+
+def _build(name: str, verbose: bool) -> Any:
+    """Build (or, when cached, just load) the extension `name`."""
+    cxx = os.environ.get("CXX") or "c++"
+    if shutil.which(cxx) is None:
+        raise RuntimeError(f"no C++ compiler: {cxx!r} is not on PATH (set CXX or install g++)")
+    from torch.utils import cpp_extension  # imports setuptools: only when building or loading
+
+    folder = os.path.join(cache_dir(), name)
+    os.makedirs(folder, exist_ok=True)
+    return cpp_extension.load(name=name, sources=[SOURCE], extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"],
+                              build_directory=folder, verbose=verbose)
+
+
+def optimizer_rate(budget_s: float = 0.5, *, elements: int = 2 ** 22) -> float:
+    """fp32 master bytes per second of the kernels' AdamW step (torch's foreach AdamW without the kernels).
+
+    For `Hardware.measure(optimizer_rate=optimizer_rate)`: the simulator's optimizer lane prices a
+    step at this rate. The median of repeated steps over `elements` parameters (16 MiB of masters by
+    default: past the caches, as a layer group is) within about `budget_s` seconds.
+
+    Example:
+        >>> optimizer_rate(0.2) > 1e8
+        True
+    """
+    k = load_kernels()
+    p, g, m, v = (torch.rand(elements) for _ in range(4))
+    if k is None:
+        q = p.requires_grad_()
+        q.grad = g
+        opt = torch.optim.AdamW([q], lr=1e-3, foreach=True)
+        run = opt.step
+    else:
+        def run() -> None:
+            k.adamw(p, g, m, v, None, factor=1.0, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, step=2)
+    run()
+    times, start = [], time.perf_counter()
+    while len(times) < 3 or (time.perf_counter() - start < budget_s and len(times) < 50):
+        t = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t)
+    return p.nbytes / statistics.median(times)
+
+
+if __name__ == "__main__":  # build ahead of time: python -m rpcompile.runtime.host.kernels
+    k = load_kernels(verbose=True)
+    print(f"{'built' if k else 'NOT built'}: {os.path.join(cache_dir(), module_name())}")
