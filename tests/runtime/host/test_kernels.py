@@ -16,7 +16,7 @@ from rpcompile.passes import emit, trace
 from rpcompile.runtime.executor import Runtime
 from rpcompile.runtime.host import kernels as kmod
 from rpcompile.runtime.host.optimizer import HostState
-from rpcompile.runtime.stage_exec import split_batch
+from rpcompile.runtime.stage.batch import split_batch
 
 K = kmod.load_kernels()
 pytestmark = pytest.mark.skipif(K is None, reason="no C++ compiler: the kernels cannot be built")
