@@ -159,6 +159,17 @@ class Hardware:
             raise ValueError(f"Hardware.nodes must be >= 1 and net_bandwidth > 0, got {self.nodes}, "
                              f"{self.net_bandwidth!r}")
 
+    def __setstate__(self, state: list) -> None:
+        """Unpickle (a checkpoint's options): fields an older version lacks take their defaults.
+
+        `kind` came with issue 33: a Hardware pickled before it ran on host workers when it is the
+        cpu preset or a CPU measurement ("cpu", "measured-cpu"), on GPUs otherwise.
+        """
+        values = dict(zip((f.name for f in dataclasses.fields(self)), state))
+        values.setdefault("kind", "cpu" if values.get("name") in ("cpu", "measured-cpu") else "cuda")
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, values.get(f.name, f.default))
+
     def flops(self, dtype: torch.dtype | str, accumulate: torch.dtype | str | None = None) -> float:
         """Peak dense FLOP/s for `dtype` inputs accumulating in `accumulate` (None: the default, fp32).
 
