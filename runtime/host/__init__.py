@@ -6,5 +6,6 @@ downloads gradients into it and steps it; the driver saves and loads it.
     optimizer.py  `HostState`: compute copies, fp32 masters, gradients, moments; the optimizer worker
     state_io.py   its snapshots: fp32 weights, and a state_dict that resumes a run bit for bit
     layout.py     flat memory layouts: host blocks per layer group, device slots per stage, chunk copies
-    pinned.py     pinned host memory at its exact size (cudaHostRegister), for the compute-copy blocks
+    pinned.py     pinned host memory at its exact size (cudaHostRegister): compute copies, transfer buffers
+    buffers.py    the runtime's transfer buffers (gradient staging, host pool) counted before a run
 """
