@@ -86,7 +86,7 @@ def _rebuild(model: torch.nn.Module, example: Any, opts: Options, frozen: Frozen
     program = passes.emit(plan, gpus=opts.gpus, microbatches=frozen.microbatches, round_size=frozen.round_size,
                           staleness=opts.staleness, costs=costs, readers=_shared_readers(graph))
     passes.verify(program, costs=costs, memory_budget=_budget(opts))
-    _check_host(graph, costs, plan, opts, frozen.microbatches, frozen.round_size)
+    _check_host(graph, costs, plan, opts, frozen.microbatches, frozen.round_size, program)
     return graph, costs, plan, program, frozen.microbatches, frozen.layers
 
 
@@ -158,7 +158,7 @@ def _passes(model: torch.nn.Module, example: Any, opts: Options, m: int, mode: s
     plan, program = _plan_and_emit(graph, costs, opts, m, budget, tie=MEASURED_TIE if mode == "measure" else 0.0)
     # 6. check it: dependencies, coverage, the per-layer rules R1-R5, device memory; then host memory
     passes.verify(program, costs=costs, memory_budget=budget)
-    _check_host(graph, costs, plan, opts, m, program.round_size)
+    _check_host(graph, costs, plan, opts, m, program.round_size, program)
     return graph, costs, plan, program, m, units
 
 
@@ -219,7 +219,7 @@ def _plan_and_emit(graph: LayerGraph, costs: CostTable, opts: Options, m: int, b
     if opts.hardware is None:
         if opts.gpus == 1 and m != default:
             plan, program = emitted(m)
-            if _fits_host(graph, costs, plan, opts, m, m):
+            if _fits_host(graph, costs, plan, opts, m, m, program):
                 return plan, program
         return emitted(default)
     best = None
@@ -232,16 +232,20 @@ def _plan_and_emit(graph: LayerGraph, costs: CostTable, opts: Options, m: int, b
     return best[1], best[2]
 
 
-def _check_host(graph: LayerGraph, costs: CostTable, plan, opts: Options, m: int, round_size: int) -> None:
-    """`check_host_memory` of the run at `round_size` (raises ValueError naming the bytes when it does not fit)."""
+def _check_host(graph: LayerGraph, costs: CostTable, plan, opts: Options, m: int, round_size: int,
+                program: Any = None) -> None:
+    """`check_host_memory` of the run at `round_size`, its transfer buffers counted from `program` (raises
+    ValueError naming the bytes when it does not fit)."""
     check_host_memory(graph, costs, plan, microbatches=m, staleness=opts.staleness, optimizer=opts.optimizer,
-                      dtype=opts.dtype, hardware=opts.hardware, gpus=opts.gpus, round_size=round_size)
+                      dtype=opts.dtype, hardware=opts.hardware, gpus=opts.gpus, round_size=round_size,
+                      program=program)
 
 
-def _fits_host(graph: LayerGraph, costs: CostTable, plan, opts: Options, m: int, round_size: int) -> bool:
+def _fits_host(graph: LayerGraph, costs: CostTable, plan, opts: Options, m: int, round_size: int,
+               program: Any = None) -> bool:
     """Whether the run fits the host memory at `round_size`."""
     try:
-        _check_host(graph, costs, plan, opts, m, round_size)
+        _check_host(graph, costs, plan, opts, m, round_size, program)
     except ValueError:
         return False
     return True

@@ -53,6 +53,7 @@ from rpcompile.runtime.host_lanes import HostLanes
 from rpcompile.runtime.issuer import Issuer
 from rpcompile.runtime.iterations import Iterations
 from rpcompile.runtime.host.layout import slot_capacities, stage_layouts
+from rpcompile.runtime.host.pinned import PinnedAllocator
 from rpcompile.runtime.streams.pool import BufferPool
 from rpcompile.runtime.program_info import EVAL_BASE, ProgramInfo, forward_only
 from rpcompile.runtime.recovery import Recovery
@@ -96,6 +97,11 @@ class Runtime:
         fp16_accumulation: CUDA workers run their compute launches with fp16 GEMM accumulation
             (`torch.backends.cuda.matmul.allow_fp16_accumulation`, restored after each; see
             `streams.cuda.Fp16Accumulation`). No effect on host workers.
+        pinned: what pins the runtime's host buffers (gradient staging, the host pool's downloads, step
+            inputs and losses) at their exact size: None, a new `runtime.host.pinned.PinnedAllocator`
+            with CUDA workers and no pinning with host workers; or a PinnedAllocator to use (a test's,
+            with a registrar that records the bytes), on either backend. `close` unregisters them all;
+            `runtime.host.buffers.transfer_bytes` counts them before the run.
 
     Note: what it owns. The pieces derived once from the program and the graph (workers, host
     pool, stage layouts, runners, ...) are built here and handed to the parts, which own the
@@ -106,7 +112,8 @@ class Runtime:
 
     def __init__(self, graph, program, state, *, backend: str = "auto", devices=None, seed: int = 0,
                  lane_delay=None, timeout: float | None = None, start_iteration: int = 0, poison: bool = False,
-                 drop: tuple[str, ...] = (), on_nonfinite: str = "raise", fp16_accumulation: bool = False) -> None:
+                 drop: tuple[str, ...] = (), on_nonfinite: str = "raise", fp16_accumulation: bool = False,
+                 pinned: PinnedAllocator | None = None) -> None:
         bad = set(drop) - set(DEP_KINDS)
         if bad:
             raise ValueError(f"drop: unknown dependency kinds {sorted(bad)}; choose from {DEP_KINDS}")
@@ -121,7 +128,8 @@ class Runtime:
             raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
         self.ctx = StreamContext(timeout=float(timeout), delay=make_delay(lane_delay))
         self.workers = make_workers(program.gpus, self.ctx, backend, devices, poison, fp16_accumulation)
-        self.pin = self.workers[0].kind == "cuda"
+        cuda = self.workers[0].kind == "cuda"
+        self.pin = pinned if pinned is not None else PinnedAllocator() if cuda else False  # exact-size host pins
         check_pinned(state, self.workers[0].kind)
         self.host_pool = BufferPool("host", self.ctx, pin=self.pin, poison="release" if poison else None,
                                     counter="host_allocations")
@@ -366,6 +374,8 @@ class Runtime:
                 th.join(timeout=self.ctx.timeout)
             for w in self.workers:
                 w.close()
+            if self.pin:  # the streams are done with them: unregistered (the memory stays valid, pageable)
+                self.pin.close()
 
     def __enter__(self) -> "Runtime":  # noqa: D105
         return self

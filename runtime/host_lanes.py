@@ -27,6 +27,7 @@ from typing import Any, Iterator
 import torch
 
 from rpcompile.ir.program import Op
+from rpcompile.runtime.host.pinned import pinned_zeros
 from rpcompile.runtime.streams.pool import poison
 from rpcompile.runtime.program_info import EVAL_BASE
 from rpcompile.runtime.streams.host import Abort, HostEvent, wait_all
@@ -58,7 +59,8 @@ class HostLanes:
         lanes: "accumulate", "optimizer", "copy" -> its LaneThread (the caller may queue work on one,
             e.g. a learning-rate change between optimizer steps).
         events: (t, name) -> HostEvent of each STEP, COPY, G accumulation and staging slot's release.
-        staging: stage -> the pinned gradient staging buffers (per dtype) its G chunks fill.
+        staging: stage -> the gradient staging buffers (per dtype) its G chunks fill, pinned at their exact
+            size by `pin` (a PinnedAllocator) where the workers are CUDA (`runtime.host.buffers` counts them).
         committed: iterations < this have passed their commit point (their first STEP): no undo.
         skipped: iterations skipped for a non-finite loss or gradient (on_nonfinite="skip").
         backups: iteration -> compute-copy blocks its COPYs overwrote before it committed (staleness 1),
@@ -67,11 +69,12 @@ class HostLanes:
     Handed: ctx (StreamContext), state (HostState: its gradients, steps and copies are this object's to
     run), graph (layer names for messages), layouts (stage_layouts), its (Iterations: lookups, and the
     loss downloads the commit check takes), board (IssueBoard: the device events of G), host_pool
-    (the loss buffers it frees), drop (test switch), poison, pin, on_nonfinite ("raise" | "skip").
+    (the loss buffers it frees), drop (test switch), poison, pin (False or the runtime's PinnedAllocator),
+    on_nonfinite ("raise" | "skip").
     """
 
     def __init__(self, *, ctx: Any, state: Any, graph: Any, layouts: Any, its: Any, board: Any, host_pool: Any,
-                 drop: frozenset, poison: bool, pin: bool, on_nonfinite: str) -> None:
+                 drop: frozenset, poison: bool, pin: Any, on_nonfinite: str) -> None:
         self.ctx, self.state, self.graph, self.layouts, self.its, self.board = ctx, state, graph, layouts, its, board
         self.host_pool, self.drop, self.poison, self.pin = host_pool, drop, poison, pin
         self.on_nonfinite = on_nonfinite
@@ -136,7 +139,7 @@ class HostLanes:
         bufs = self.staging.get(ins.stage)
         if bufs is None:
             lay = self.layouts[ins.stage]
-            bufs = {d: torch.empty(n, dtype=d, pin_memory=self.pin) for d, n in lay.grad_sizes.items()}
+            bufs = {d: pinned_zeros(n, d, self.pin) for d, n in lay.grad_sizes.items()}  # exact size
             if self.poison:
                 for b in bufs.values():
                     poison(b)

@@ -27,7 +27,8 @@ input; the rotation has no drain (the next round, with staleness 1 also the
 next iteration's first, starts on a worker as soon as it is free), so the last
 N - 1 backward stages of the previous round still hold theirs and count once
 more. An estimate for admission, not an
-allocator trace: pinned staging buffers and Python overheads are left out.
+allocator trace: Python overheads are left out, and the runtime's transfer buffers
+(gradient staging, the host pool) are added by `rpcompile.hostmem` when it has the program.
 """
 from __future__ import annotations
 
@@ -56,11 +57,12 @@ class HostBytes:
     optimizer: int     # optimizer state of the trainable parameters
     activations: int   # saved inputs of the backward stages for the microbatches in flight (0 before a plan)
     in_flight: int     # microbatches per round R whose saved inputs are on the host (0 before a plan)
+    buffers: int = 0   # the runtime's transfer buffers: gradient staging, host pool (`rpcompile.hostmem`, with a program)
 
     @property
     def total(self) -> int:
         """All of it, in bytes."""
-        return self.weights + self.masters + self.grads + self.optimizer + self.activations
+        return self.weights + self.masters + self.grads + self.optimizer + self.activations + self.buffers
 
     def __str__(self) -> str:
         parts = [f"weights {_gib(self.weights)}", f"fp32 masters {_gib(self.masters)}",
@@ -68,6 +70,8 @@ class HostBytes:
         if self.in_flight:
             parts.append(f"saved activations {_gib(self.activations)} for {self.in_flight} microbatches per round "
                          f"(+ the previous round's last stages)")
+        if self.buffers:
+            parts.append(f"transfer buffers {_gib(self.buffers)}")
         return f"{_gib(self.total)} ({self.total} bytes: {', '.join(parts)})"
 
 

@@ -14,10 +14,10 @@ longest sequence that fits (`rpcompile.passes.max_seq_len`; for `--dry-run` only
 fit is refused here, in seconds, with the bytes named (ValueError); `finetune`
 runs it before it loads the weights, and `--dry-run` prints what it found.
 
-The RAM a run needs is more than the host state (`rpcompile.hostmem`): the model as loaded keeps
-its own parameters, the runtime keeps each stage's gradients in the training dtype while they land
-(gradient staging) and, with staleness 1, a copy of the compute copies it may have to restore (undo
-copies); and on host workers (no CUDA) a worker's "device" memory is RAM too, so every worker's
+The RAM a run needs is more than the host state (`rpcompile.hostmem`, which counts the runtime's
+transfer buffers too: gradient staging and the host pool, `runtime.host.buffers`): the model as
+loaded keeps its own parameters and, with staleness 1, the runtime keeps a copy of the compute copies
+it may have to restore (undo copies); and on host workers (no CUDA) a worker's "device" memory is RAM too, so every worker's
 simulated peak counts. `INTERPRETER_BYTES` is added for Python, torch, transformers and the runtime's
 threads. The check and `--dry-run` count all of it and say so; with CUDA workers their peaks are device
 memory and do not count.
@@ -60,7 +60,7 @@ class Preflight:
     host: HostBytes  # host bytes of the run, by category
     host_limit: int  # this machine's RAM
     workers_ram: int  # host workers: the sum of their device peaks, which are RAM too (0 with CUDA workers)
-    buffers: int  # the model as loaded, gradient staging and undo copies (see the module docstring)
+    buffers: int  # the model as loaded and undo copies (see the module docstring)
     seq_limit: Any  # rpcompile.SeqLenLimit: the longest sequence that fits and what binds it (None: see why)
     seq_limit_why: str | None  # why the longest sequence could not be found
     iteration: float | None = None  # simulated seconds of one iteration on `hardware` (predicted costs)
@@ -75,8 +75,8 @@ class Preflight:
         """What `ram` adds up, in words."""
         workers = (f" + {len(self.peaks)} host workers' device peaks {_size(self.workers_ram)} (RAM here)"
                    if self.workers_ram else "")
-        return (f"{_size(self.ram)} of {_size(self.host_limit)} RAM: host state {self.host} + the loaded model, "
-                f"gradient staging and undo copies {_size(self.buffers)}{workers} + Python and torch "
+        return (f"{_size(self.ram)} of {_size(self.host_limit)} RAM: host state {self.host} + the loaded model "
+                f"and undo copies {_size(self.buffers)}{workers} + Python and torch "
                 f"{_size(INTERPRETER_BYTES)}")
 
     def lines(self) -> list[str]:
@@ -159,13 +159,13 @@ def preflight(config: Any, example: Any, *, gpus: int, microbatches: int, microb
                    loss_fn=None, layers=None, lm_head_shards=lm_head_shards, hardware=hw, memory_budget=budget,
                    backend="host", seed=0, fp16_accumulation=fp16_accumulation)
     graph, costs, plan, program, m = plan_pipeline(module, example, opts, mode="predict")
-    host = check_host_memory(graph, costs, plan, microbatches=m, gpus=gpus, round_size=program.round_size, **state)
+    host = check_host_memory(graph, costs, plan, microbatches=m, gpus=gpus, round_size=program.round_size,
+                             program=program, **state)  # with the runtime's transfer buffers (gradient staging)
     timeline = simulate(program, costs, hw)
     peaks = tuple(int(p) for p in timeline.peak_memory)
     rate = rate_key(dtype, torch.float16 if fp16_accumulation else None)
     workers = 0 if torch.cuda.is_available() else sum(peaks)  # host workers' device memory is RAM
-    staging = host.grads // torch.float32.itemsize * dtype.itemsize  # every stage's gradients, training dtype
-    buffers = host.weights + staging + (host.weights if staleness == 1 else 0)  # loaded model, staging, undo
+    buffers = host.weights + (host.weights if staleness == 1 else 0)  # the loaded model, undo copies
     found = Preflight(hw, plan, program, peaks, budget, host, hw.host_memory, workers, buffers, None, None)
     if found.ram > hw.host_memory:
         raise ValueError(f"host memory: the run needs {found.ram_line().replace(' of ', ' but has ', 1)}; lower "

@@ -159,6 +159,17 @@ class Hardware:
             raise ValueError(f"Hardware.nodes must be >= 1 and net_bandwidth > 0, got {self.nodes}, "
                              f"{self.net_bandwidth!r}")
 
+    def __setstate__(self, state: list) -> None:
+        """Unpickle (a checkpoint's options): fields an older version lacks take their defaults.
+
+        `kind` came with issue 33: a Hardware pickled before it ran on host workers when it is the
+        cpu preset or a CPU measurement ("cpu", "measured-cpu"), on GPUs otherwise.
+        """
+        values = dict(zip((f.name for f in dataclasses.fields(self)), state))
+        values.setdefault("kind", "cpu" if values.get("name") in ("cpu", "measured-cpu") else "cuda")
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, values.get(f.name, f.default))
+
     def flops(self, dtype: torch.dtype | str, accumulate: torch.dtype | str | None = None) -> float:
         """Peak dense FLOP/s for `dtype` inputs accumulating in `accumulate` (None: the default, fp32).
 
@@ -389,6 +400,9 @@ _PRESETS = MappingProxyType({
         #   "Peak BF16 Tensor TFLOPS with FP32 Accumulate   165.2 / 330.4"
         #   "Peak TF32 Tensor TFLOPS                         82.6 / 165.2"
         #   "Peak FP32 TFLOPS (non-Tensor)                   82.6"
+        # Cross-checked against a third-party spec page (not NVIDIA's text, which we could not retrieve):
+        # hmc-tech.com/gpus/nvidia-geforce-rtx-4090-vs-nvidia-rtx-pro-5000-blackwell lists for the 4090, dense,
+        # "Tensor FP16-16 330.3", "Tensor FP16-32 165.2", "Tensor BF16 165.2", "Tensor TF32 82.58" TFLOPS.
         peak_flops={"bfloat16": 165.2e12, "float16": 165.2e12, "float16/float16": 330.3e12, "tf32": 82.6e12,
                     "float32": 82.6e12},
         h2d_bandwidth=32 * _GB, d2h_bandwidth=32 * _GB,  # PCIe 4.0 x16, per direction
@@ -403,6 +417,12 @@ _PRESETS = MappingProxyType({
         #   "Peak BF16 Tensor TFLOPS with FP32 Accumulate   209.5 / 419"
         #   "Peak TF32 Tensor TFLOPS                        104.8 / 209.5"
         #   "Peak FP32 TFLOPS (non-Tensor)                  104.8"
+        # These rows were quoted from memory of the whitepaper, whose text we could not retrieve. Cross-checked:
+        # fp16 with fp16 accumulation, "FP16 Tensor Performance (sparse) 838.4 TFLOPS" (spheron.network/blog/
+        # nvidia-rtx-5090-specs), i.e. 419.2 dense; fp16 with fp32 accumulation, "FP16 dense 209.5 TFLOPS"
+        # (codesota.com/hardware/rtx-5090). The bf16 and tf32 rows are not confirmed by any source we could read;
+        # the 2:1 fp16-/fp32-accumulate ratio of GeForce Blackwell (sm_120) is measured on an RTX 5060 Ti by
+        # github.com/QuantumDrizzy/BLACKWALL (cuBLAS: bf16/fp16 fp32-accumulate 47.0, fp16 fp16-accumulate 87.9).
         peak_flops={"bfloat16": 209.5e12, "float16": 209.5e12, "float16/float16": 419e12, "tf32": 104.8e12,
                     "float32": 104.8e12},
         h2d_bandwidth=64 * _GB, d2h_bandwidth=64 * _GB,  # PCIe 5.0 x16, per direction

@@ -99,7 +99,8 @@ def plan_model(model: str, *, gpus: int = 8, hardware: str | Hardware = "rtx4090
                    lm_head_shards=lm_head_shards, hardware=hw, memory_budget=None, backend="host", seed=0,
                    fp16_accumulation=fp16_accumulation, fused_head=fused_head)
     graph, costs, plan, program, m = plan_pipeline(net, example, opts, mode="predict")
-    host = check_host_memory(graph, costs, plan, microbatches=m, gpus=gpus, round_size=program.round_size, **state)
+    host = check_host_memory(graph, costs, plan, microbatches=m, gpus=gpus, round_size=program.round_size,
+                             program=program, **state)
     tokens = microbatches * microbatch_size * seq
     rows = []
     ours_sync = simulate(passes.emit(plan, gpus=gpus, microbatches=m, round_size=program.round_size,

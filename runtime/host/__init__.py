@@ -6,7 +6,8 @@ downloads gradients into it and steps it; the driver saves and loads it.
     optimizer.py  `HostState`: compute copies, fp32 masters, gradients, moments; the optimizer worker
     state_io.py   its snapshots: fp32 weights, and a state_dict that resumes a run bit for bit
     layout.py     flat memory layouts: host blocks per layer group, device slots per stage, chunk copies
-    pinned.py     pinned host memory at its exact size (cudaHostRegister), for the compute-copy blocks
+    pinned.py     pinned host memory at its exact size (cudaHostRegister): compute copies, transfer buffers
+    buffers.py    the runtime's transfer buffers (gradient staging, host pool) counted before a run
     flat.py       each layer group's masters, gradients and moments as flat fp32 buffers, parameters as views
     kernels.py    the memory-speed optimizer passes (kernels.cpp, built once per machine with
                   torch.utils.cpp_extension): statistics while a gradient lands, one update pass per group

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from rpcompile.runtime.host.pinned import pinned_zeros
 from rpcompile.runtime.streams.host import Abort, DeadlineExceeded, StreamContext, wait_all
 
 __all__ = ["Handle", "BufferPool", "poison"]
@@ -77,7 +78,8 @@ class BufferPool:
         name: for the store's accounting and messages ("w0", "host").
         ctx: the runtime's StreamContext (stats, failure).
         device: where buffers live ("cpu" for host workers and the host side).
-        pin: allocate pinned host memory (CUDA present).
+        pin: False, or pin the host buffers at their exact size: a `runtime.host.pinned.PinnedAllocator`
+            (True: a new one per buffer); each is unregistered when freed or when the allocator closes.
         store: a `Store` that accounts the bytes in use (bound, and not yet free after its last users).
         poison: None, "take" (fill when handed out) or "release" (fill when the last user is done).
         counter: the Stats counter a new buffer increments ("device_allocations" or "host_allocations").
@@ -88,7 +90,7 @@ class BufferPool:
         counted twice. `reserved` is everything the pool owns, like `memory_reserved`.
     """
 
-    def __init__(self, name: str, ctx: StreamContext, *, device: Any = "cpu", pin: bool = False,
+    def __init__(self, name: str, ctx: StreamContext, *, device: Any = "cpu", pin: Any = False,
                  store: Any = None, poison: str | None = None, counter: str = "device_allocations") -> None:
         self.name, self.ctx, self.device, self.pin = name, ctx, torch.device(device), pin
         self.store, self.poison, self.counter = store, poison, counter
@@ -233,7 +235,10 @@ class BufferPool:
 
     def _new(self, shape: tuple, dtype: torch.dtype, it: int | None, plain: tuple | None) -> torch.Tensor:
         """A new buffer, counted as an allocation of iteration `it` (and in `made` under `plain` if given)."""
-        buf = torch.empty(shape, dtype=dtype, device=self.device, pin_memory=self.pin)
+        if self.pin:  # exact size, registered (runtime/host/pinned.py): what host-memory admission counts
+            buf = pinned_zeros(_numel(shape), dtype, self.pin).view(shape)
+        else:
+            buf = torch.empty(shape, dtype=dtype, device=self.device)
         self.ctx.stats.add(it, self.counter)
         with self._lock:
             self.reserved += _nbytes(buf)

@@ -1,4 +1,6 @@
 """The public API: compile, step, evaluate, model, checkpoints, re-planning, bad input."""
+import dataclasses
+import math
 import os
 import subprocess
 import sys
@@ -223,6 +225,20 @@ def test_rpcompile_load_restores_the_global_rng(tmp_path):
         assert torch.equal(torch.rand(5), expect)
         assert d.steps == 1
 
+
+def test_a_checkpoint_whose_hardware_was_pickled_before_kind_existed_loads(tmp_path, monkeypatch):
+    # Checkpoints hold the compile options; one written before issue 33 holds a Hardware without `kind`.
+    hw = rpcompile.Hardware.preset("cpu")
+    path = str(tmp_path / "old.ckpt")
+    with make(hardware=hw) as c:
+        c.step(batch(1))
+        with monkeypatch.context() as m:  # pickle the Hardware as the version before `kind` did
+            m.setattr(rpcompile.Hardware, "__getstate__",
+                      lambda self: [getattr(self, f.name) for f in dataclasses.fields(self)][:-1])
+            c.save(path)
+    with rpcompile.load(path, TinyLlama(CFG)) as d:
+        assert d.options.hardware == hw and d.options.hardware.kind == "cpu"
+        assert d.steps == 1 and math.isfinite(d.step(batch(2)))
 
 # -- bad arguments are ValueErrors that name them, before tracing ----------------------------------------------
 @pytest.mark.parametrize("kw,name", [

@@ -1,5 +1,6 @@
 """Hardware: presets from spec sheets, lookups, the roofline and a fast measurement of this machine."""
 import dataclasses
+import pickle
 import time
 
 import pytest
@@ -120,3 +121,23 @@ def test_data_center_cards_gain_nothing_from_fp16_accumulation():
     for name in ("a800", "h100"):
         h = Hardware.preset(name)
         assert h.flops("fp16", "fp16") == h.flops("fp16") == h.flops("bf16")
+
+
+
+def pickled_as_before(hw: Hardware, newest: int, monkeypatch) -> bytes:
+    """`hw` pickled as a version without its `newest` last fields wrote it (what an old checkpoint holds):
+    a frozen slots dataclass pickles the list of its field values and unpickles through `__setstate__`."""
+    with monkeypatch.context() as m:
+        m.setattr(Hardware, "__getstate__", lambda self: [getattr(self, f.name) for f in dataclasses.fields(self)][
+            :-newest])
+        return pickle.dumps(hw)
+
+
+@pytest.mark.parametrize("name,kind", [("rtx4090", "cuda"), ("h100", "cuda"), ("cpu", "cpu")])
+def test_a_hardware_pickled_before_kind_existed_loads(name, kind, monkeypatch):
+    hw = Hardware.preset(name)
+    old = pickle.loads(pickled_as_before(hw, 1, monkeypatch))  # before issue 33's `kind`
+    assert old == hw and old.kind == kind  # the cpu preset described host workers, every other one GPUs
+    older = pickle.loads(pickled_as_before(hw, 2, monkeypatch))  # before `blas_workspace` too: its default, 0
+    assert older == hw.replace(blas_workspace=0) and older.kind == kind
+    assert pickle.loads(pickle.dumps(hw)) == hw

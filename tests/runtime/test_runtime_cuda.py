@@ -333,3 +333,44 @@ def test_cuda_compute_copies_are_registered_at_exact_size():
     torch.cuda.synchronize()
     assert torch.equal(dev.cpu(), state.read(name))
     del state, dev
+
+
+def test_cuda_transfer_buffers_are_registered_at_exact_size_and_unregistered_at_close():
+    """With CUDA workers the gradient staging and the host pool's buffers are page-locked by cudaHostRegister
+    at their exact bytes (staging: what admission counts; none from torch's caching host allocator), the run
+    matches the host backend, and close unregisters every one of them."""
+    from rpcompile.runtime.host.buffers import transfer_bytes
+    from rpcompile.runtime.host.pinned import CudaRegistrar, PinnedAllocator
+
+    class Counting(CudaRegistrar):
+        def __init__(self):
+            self.live = {}
+
+        def register(self, ptr, nbytes):
+            super().register(ptr, nbytes)
+            self.live[ptr] = nbytes
+
+        def unregister(self, ptr):
+            super().unregister(ptr)
+            del self.live[ptr]
+
+    def host_allocated():  # torch's caching host allocator (pin_memory=True), where this torch reports it
+        stats = getattr(torch.cuda, "host_memory_stats", lambda: {})()
+        return next((v for k, v in stats.items() if "allocated_bytes" in k and k.endswith("current")), None)
+    graph = trace(models.llama(attn="sdpa"), models.lm_batch(batch=4, seq=8))
+    program = _program(graph, 2, 4, 1)
+    batches = [models.lm_batch(batch=4, seq=8, seed=s) for s in range(3)]
+    reg = Counting()
+    state = HostState.from_graph(graph, optimizer=OPT, pin_memory=True)
+    before = host_allocated()
+    with Runtime(graph, program, state, backend="cuda", timeout=60, pinned=PinnedAllocator(reg)) as rt:
+        losses = [rt.step(b) for b in batches]
+        rt.flush()
+        staging = [b for bufs in rt.host.staging.values() for b in bufs.values()]
+        assert staging and all(b.is_pinned() and reg.live[b.data_ptr()] == b.nbytes for b in staging)
+        assert sum(b.nbytes for b in staging) == transfer_bytes(graph, program).staging
+        assert sum(reg.live.values()) - transfer_bytes(graph, program).staging == rt.host_pool.reserved > 0
+        assert host_allocated() == before  # nothing from the caching host allocator
+    assert reg.live == {}  # all unregistered at close
+    lh, _, _ = _train(graph, "host", 2, 4, 1, batches)
+    assert losses == pytest.approx(lh, rel=1e-4)

@@ -8,9 +8,13 @@ import torch
 
 import models as M
 import rpcompile
+from rpcompile import StagePlan
 from rpcompile.hostmem import host_bytes
-from rpcompile.passes import trace
+from rpcompile.ir.hardware import Hardware
+from rpcompile.passes import emit, estimate_costs, trace
 from rpcompile.passes.cost.host_bytes import compute_blocks
+from rpcompile.runtime.executor import Runtime
+from rpcompile.runtime.host.buffers import transfer_bytes
 from rpcompile.runtime.host.optimizer import HostState
 from rpcompile.runtime.host.pinned import PAGE, PinnedAllocator
 
@@ -73,3 +77,37 @@ def test_close_unregisters_and_a_refusal_leaves_nothing_registered():
     del small
     gc.collect()
     assert reg.live == {}  # no second unregister
+
+
+def _run(graph, program, batches, pinned=None):
+    """Losses of `batches` on 2 host workers (their host buffers pinned by `pinned`), and the closed runtime."""
+    state = HostState.from_graph(graph, optimizer=rpcompile.AdamW(lr=1e-2, impl="foreach"))
+    with Runtime(graph, program, state, backend="host", timeout=60, pinned=pinned) as rt:
+        losses = [rt.step(b) for b in batches]
+        rt.flush()
+        staging = [b for bufs in rt.host.staging.values() for b in bufs.values()]
+        registered = dict(pinned.registrar.live) if pinned else {}
+    return losses, rt, staging, registered
+
+
+def test_the_runtimes_transfer_buffers_are_registered_at_exactly_their_size_and_admission_counts_them():
+    """Gradient staging and the host pool (downloads, step inputs, losses) go through the registrar at their
+    exact bytes; staging is what admission counts, the pool at least its keyed buffers; close unregisters all."""
+    graph = trace(M.llama(), M.lm_batch(batch=4, seq=8))
+    costs = estimate_costs(graph, M.lm_batch(batch=4, seq=8), mode="predict", hardware=Hardware.preset("cpu"),
+                           microbatches=4, progress=False)
+    plan = StagePlan.from_str("2,2|1|1,3")
+    program = emit(plan, gpus=2, microbatches=4, staleness=1, costs=costs)
+    batches = [M.lm_batch(batch=4, seq=8, seed=s) for s in range(3)]
+    reg = Recording()
+    losses, rt, staging, live = _run(graph, program, batches, PinnedAllocator(reg))
+    need = transfer_bytes(graph, program)
+    assert staging and all(live[b.data_ptr()] == b.nbytes for b in staging)  # each at its exact size
+    assert sum(b.nbytes for b in staging) == need.staging
+    pool = sum(live.values()) - need.staging
+    assert pool == rt.host_pool.reserved >= need.pool > 0  # nothing rounded; every keyed buffer is there
+    host = host_bytes(graph, costs, plan, program=program, microbatches=4, gpus=2, round_size=program.round_size,
+                      optimizer=rpcompile.AdamW())
+    assert host.buffers == need.total and "transfer buffers" in str(host)
+    assert reg.live == {} and rt.host.staging  # unregistered at close, the buffers still referenced
+    assert losses == _run(graph, program, batches)[0]  # pinning changes no number

@@ -1,0 +1,87 @@
+"""The runtime's host transfer buffers, counted before it runs: gradient staging and the host pool's buffers.
+
+Besides the HostState (`passes.cost.host_bytes`), a training run holds host buffers for the
+transfers, pinned at their exact size with CUDA workers (`runtime.host.pinned`):
+
+- gradient staging (`HostLanes.staging_for`): per stage that downloads gradients, one flat
+  buffer per training dtype holding its trainable parameters' gradients, 16-byte aligned as in
+  the stage's device layout (`layout.stage_layouts`);
+- the host pool (`IssueHandlers`): one persistent buffer per downloaded value and microbatch (an F
+  stage's outputs that later stages read, a backward stage's input gradients, the loss) and two
+  per batch input and microbatch that an upload reads (by iteration parity).
+
+`transfer_bytes` counts them from the graph and the program, per microbatch at the traced
+dtypes (the activations' when the model is in the training dtype, as `finetune` builds it; a
+model kept in fp32 for a bf16 run counts its activations at fp32, twice what runs). An
+evaluation's downloads and a warm-up buffer the pool could not key yet are not counted.
+
+    >>> need = transfer_bytes(graph, program)                        # doctest: +SKIP
+    >>> need.staging, need.pool                                      # doctest: +SKIP
+    (107136, 23824)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rpcompile.runtime.host.layout import aligned
+from rpcompile.runtime.stage_exec import count_readers, stage_io
+
+__all__ = ["TransferBytes", "transfer_bytes"]
+
+
+@dataclass(frozen=True, slots=True)
+class TransferBytes:
+    """Host bytes of the runtime's transfer buffers (see the module docstring)."""
+
+    staging: int  # gradient staging of every stage that downloads gradients
+    pool: int  # the host pool's downloads, batch inputs and losses
+
+    @property
+    def total(self) -> int:
+        """Both, in bytes."""
+        return self.staging + self.pool
+
+
+def transfer_bytes(graph: Any, program: Any, dtype: torch.dtype | None = None) -> TransferBytes:
+    """Host bytes of a training run's transfer buffers, as the runtime allocates them.
+
+    Args:
+        graph: the traced LayerGraph the program's plan covers.
+        program: the Program (`rpcompile.passes.emit`).
+        dtype: training dtype of the compute copies (None: each parameter's own).
+    Returns:
+        A TransferBytes.
+    """
+    io, m = stage_io(graph, program.plan), program.microbatches
+    readers, owners = count_readers(program, io), graph.param_owners()
+    staging = 0
+    for stage in sorted({i.stage for i in program.instrs if i.op.value == "G"}):
+        ends: dict[torch.dtype, int] = {}
+        for n in io[stage].params:  # the stage's trainable parameters, in its layout's order
+            v = graph.params[graph.tied.get(n, n)]
+            if v.requires_grad and owners.get(graph.tied.get(n, n)):
+                d = dtype or v.dtype
+                ends[d] = aligned(ends.get(d, 0), d) + v.bytes // v.dtype.itemsize
+        staging += sum(k * d.itemsize for d, k in ends.items())
+    keys: dict[tuple, int] = {}
+    for i in program.instrs:
+        if i.op.value != "D":
+            continue
+        st = io[i.stage]
+        if st.kind.value == "F":
+            down = {("a", i.mb, n): n for n in st.down}
+        else:
+            down = {("g", i.mb, st.layers.start - 1, n): n for n in st.grad_out}
+        keys.update({k: _per_mb(graph.values[n], m) for k, n in down.items() if readers.get(k, 0)})
+        if st.kind.value == "FB":
+            keys[("loss", i.mb)] = _per_mb(graph.values[graph.loss], m)
+    inputs = sum(_per_mb(graph.values[n], m) for j in range(m) for n in graph.inputs if readers.get(("a", j, n), 0))
+    return TransferBytes(staging, sum(keys.values()) + 2 * inputs)
+
+
+def _per_mb(v: Any, microbatches: int) -> int:
+    """Bytes of value `v` in one microbatch (its batch dimension split M ways, as `split_batch` cuts it)."""
+    return v.bytes if v.batch_dim is None or not v.shape else v.bytes // microbatches
