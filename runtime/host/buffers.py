@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from rpcompile.runtime.host.layout import aligned
-from rpcompile.runtime.stage_exec import count_readers, stage_io
+from rpcompile.runtime.stage.cuts import count_readers, stage_io
 
 __all__ = ["TransferBytes", "transfer_bytes"]
 
