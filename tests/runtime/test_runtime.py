@@ -232,7 +232,7 @@ def test_the_next_steps_loss_does_not_wait_for_this_steps_commit():
         def held(name, part):  # once armed, the gradients reach the host only after the test lets them
             if armed.is_set():
                 assert gate.wait(30)
-            add(name, part)
+            return add(name, part)  # whether the gradient is finite (the host lanes' check reads it)
 
         state.accumulate_grad = held
         batch = lambda s: models.lm_batch(batch=4, seq=8, seed=s)  # noqa: E731
