@@ -273,11 +273,12 @@ class _Search:
         w, chain = held * (self.m // self.rr) / self.n_gpu, (self.chain + self._rr1 * t_max) / self._st1
         return (w if w > chain else chain) + self.fill(t_max)
 
-    def consider(self, fs: tuple, f: int, bs: tuple, *, rigorous: bool = False) -> str:
+    def consider(self, fs: tuple, f: int, bs: tuple, *, rigorous: bool = False, fast: float | None = None) -> str:
         """Time one plan unless seen, over the memory budget, or no better than the best by a bound.
 
         `rigorous`: prune only by the guaranteed families' `floor`; otherwise by the cap walk's `bound`,
         and a plan pruned so is not marked seen, so that a guaranteed family still times it.
+        `fast`: the plan's `steady.steady_time`, computed beforehand (`Evaluator.time`).
         Returns what happened: "skipped", "too big" or "timed".
         """
         plan = (fs, f, bs)
@@ -295,9 +296,9 @@ class _Search:
         self.seen.add(plan)
         if not self.ev.fits(stages):
             return "too big"
-        if self.ev.isolated_floor(stages, lim) > lim:  # exact bound: the plan cannot tie the best
+        if fast is None and self.ev.isolated_floor(stages, lim) > lim:  # exact bound: the plan cannot tie the best
             return "timed"
-        t = self.ev.time(stages, cutoff=lim)
+        t = self.ev.time(stages, cutoff=lim, fast=fast)
         if t <= lim:
             self.near[plan] = t
             even = self.tie > 0 and t < self.even_best and ties.is_even(self.nl, plan)

@@ -15,9 +15,12 @@ down), 1 <= a, b <= n.
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Iterator
 
+from rpcompile.passes.partition.batch import steady_times
 from rpcompile.passes.partition.cap_walk import aggregate
+from rpcompile.passes.partition.evaluator import SCREEN
 
 COMPLETE_LAYERS = 40  # models up to this many layers get the even family swept completely
 _MAX_FUSED = 3        # the family's largest fused size
@@ -64,13 +67,16 @@ def exhaustive(search) -> None:
 def sweep(search, budget: int) -> bool:
     """Offer the even family to `search`, best estimate first; True if it was swept completely.
 
-    Up to `COMPLETE_LAYERS` layers every one is offered; beyond, only the stage counts 1..2N+1, those
-    within `_WINDOW` of the balanced count (stages near max(fused stage, slowest layer)) and, under a
-    memory budget, the fewest that fit and up to 2 x `_WINDOW` more, until `budget` recurrence steps
-    are spent.
+    Up to `COMPLETE_LAYERS` layers every one is offered (`_complete`: all timed at once); beyond, only
+    the stage counts 1..2N+1, those within `_WINDOW` of the balanced count (stages near max(fused
+    stage, slowest layer)) and, under a memory budget, the fewest that fit and up to 2 x `_WINDOW`
+    more, until `budget` recurrence steps are spent.
     """
     ev, nl, fused = search.ev, search.nl, fused_sizes(search.nl)
     complete = nl <= COMPLETE_LAYERS
+    if complete:
+        _complete(search)
+        return True
     order = []
     for f in fused:
         n = nl - f
@@ -97,6 +103,33 @@ def sweep(search, budget: int) -> bool:
         n = nl - f
         search.consider(even_sizes(n, a) if n else (), f, even_sizes(n, b) if n else (), rigorous=True)
     return complete
+
+
+def _complete(search) -> None:
+    """Offer every even plan to `search`: all timed at once (`batch.steady_times`) against the time up to which
+    a plan may tie when the sweep starts; those that may tie are then offered in the sweep's order (best
+    estimate first), exactly as one by one: the time a plan may tie up to only falls, so a plan above it
+    now is above it later too, and the rest are marked seen, as the bound would have left them."""
+    ev, nl = search.ev, search.nl
+    plans = []
+    for f in fused_sizes(nl):
+        n = nl - f
+        if search.work_bound(f) > search.reach * (1 + search.margin):
+            continue   # no plan with this fused size can win (the family's pruning, see partition's Note)
+        layouts = [even_sizes(n, k) for k in range(1, n + 1)] if n else [()]
+        plans += [(fs, f, bs) for fs in layouts for bs in layouts]
+    todo = [p for p in plans if p not in search.seen]
+    lim = search.reach * (1 + search.margin)
+    times = steady_times(ev, todo, cutoff=None if math.isinf(lim) else lim * (1 + SCREEN))
+    search.seen.update(p for p, t in zip(todo, times) if math.isinf(t))
+    order = []
+    for (fs, f, bs), t in zip(todo, times):
+        if not math.isinf(t):
+            tfb = search.pb[nl] - search.pb[nl - f]
+            fwd, bwd = _side(ev.forward(fs), False), _side(ev.backward(bs), True)
+            order.append((search.estimate(f, tfb, fwd, bwd, len(bs)), f, len(fs), len(bs), t, (fs, f, bs)))
+    for *_, t, plan in sorted(order, key=lambda o: o[:4]):
+        search.consider(*plan, rigorous=True, fast=t)
 
 
 def _counts(n: int, search, total: float, target: float, complete: bool, fitting: int | None = None) -> list[int]:
