@@ -44,7 +44,8 @@ def steady_times(ev, plans: list[tuple], cutoff: float | None = None) -> list[fl
     Args:
         ev: an `evaluator.Evaluator` (costs, workers, microbatches, round size, staleness).
         plans: (forward sizes, fused size, backward sizes in execution order) per plan.
-        cutoff: a plan proven slower than this gets math.inf (None: every plan is timed).
+        cutoff: a plan proven slower than this gets math.inf (None: every plan is timed); one within
+            about 1e-12 of it may go either way, so callers leave a margin (`evaluator.SCREEN`).
     Returns:
         Seconds per plan, in order (math.inf: above `cutoff`).
     """

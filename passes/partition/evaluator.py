@@ -131,8 +131,9 @@ class Evaluator:
         gradient and ends[t+2] >= ends[t] + T0, T0 being the iteration alone on free workers (the
         recurrence is max-plus, hence monotone: later inputs never give earlier times). The window of p
         iterations that `iteration_time` averages therefore spans at least p/2 such pairs when p is even:
-        the time is at least T0 / 2. One iteration costs 1/(3P) of the window's run, and it stops once T0
-        exceeds 2 * cutoff (the bound is then above the cutoff and its exact value does not matter).
+        the time is at least T0 / 2. T0 is taken from `steady.steady_time` (one slot per step), and from
+        the recurrence itself when that lands within 1e-10 of the cutoff, so it is on the same side of the
+        cutoff as the exact bound.
         """
         if self.st != 1 or steady_state_window(self.n_gpu, len(stages), self.m // self.rr)[1] % 2:
             return 0.0

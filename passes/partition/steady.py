@@ -54,7 +54,8 @@ def steady_time(sh: Shape, *, gpus: int, microbatches: int, round_size: int, sta
     Args:
         sh: the plan's shape (`timing.shape`).
         gpus, microbatches, round_size, staleness: as `iteration_time` (round_size resolved).
-        cutoff: once the time is proven above this, return math.inf (None: never).
+        cutoff: once the time is proven above this, return math.inf (None: never); a time within
+            about 1e-12 of it may go either way, so callers leave a margin (`evaluator.SCREEN`).
     Returns:
         Seconds, or math.inf (above `cutoff`).
     """
