@@ -131,7 +131,7 @@ def row(name: str, costs: CostTable, runs: int, before: Before | None, **kw) -> 
     out = [name, costs.num_layers, kw["round_size"], f"{ours_s * 1e3:.1f}", f"{ref_s * 1e3:.2f}"]
     if before is not None:
         before_s, _, old_it = before(costs, runs, **kw)
-        out += [f"{before_s * 1e3:,.1f}", f"{before_s / ours_s:,.0f}x", f"{it / old_it:.6f}"]
+        out += [f"{before_s * 1e3:,.1f}", f"{before_s / ours_s:,.1f}x", f"{it / old_it:.6f}"]
     model = name.split(" R=")[0]
     paper = PAPER.get(model)
     target = TARGETS.get(name, TARGETS.get(model, TARGET))

@@ -19,7 +19,7 @@ import math
 from typing import Iterator
 
 from rpcompile.passes.partition.batch import steady_times
-from rpcompile.passes.partition.cap_walk import aggregate
+from rpcompile.passes.partition.cap_walk import _NONE, aggregate
 from rpcompile.passes.partition.evaluator import SCREEN
 
 COMPLETE_LAYERS = 40  # models up to this many layers get the even family swept completely
@@ -106,28 +106,40 @@ def sweep(search, budget: int) -> bool:
 
 
 def _complete(search) -> None:
-    """Offer every even plan to `search`: all timed at once (`batch.steady_times`) against the time up to which
-    a plan may tie when the sweep starts; those that may tie are then offered in the sweep's order (best
-    estimate first), exactly as one by one: the time a plan may tie up to only falls, so a plan above it
-    now is above it later too, and the rest are marked seen, as the bound would have left them."""
+    """Offer every even plan to `search`: those the family's bound leaves are timed at once
+    (`batch.steady_times`) against the time up to which a plan may tie when the sweep starts; those that
+    may tie are then offered in the sweep's order (best estimate first), exactly as one by one: the time a
+    plan may tie up to only falls, so a plan above it now is above it later too; the rest are marked seen,
+    as the bound or the timing would have left them."""
     ev, nl = search.ev, search.nl
-    plans = []
+    lim = search.reach * (1 + search.margin)
+    todo, info = [], {}
     for f in fused_sizes(nl):
         n = nl - f
-        if search.work_bound(f) > search.reach * (1 + search.margin):
+        if search.work_bound(f) > lim:
             continue   # no plan with this fused size can win (the family's pruning, see partition's Note)
-        layouts = [even_sizes(n, k) for k in range(1, n + 1)] if n else [()]
-        plans += [(fs, f, bs) for fs in layouts for bs in layouts]
-    todo = [p for p in plans if p not in search.seen]
-    lim = search.reach * (1 + search.margin)
+        tfb = search.pb[nl] - search.pb[n]
+        fwd = {fs: _side(ev.forward(fs), False) for fs in (even_sizes(n, k) for k in range(1, n + 1))} if n else {(): _NONE}
+        bwd = {bs: _side(ev.backward(bs), True) for bs in (even_sizes(n, k) for k in range(1, n + 1))} if n else {(): _NONE}
+        for fs, fa in fwd.items():
+            for bs, ba in bwd.items():
+                plan = (fs, f, bs)
+                if plan in search.seen:
+                    continue
+                if search.floor(f, max(fa[1], tfb, ba[1]), len(fs) + 1 + len(bs)) > lim:
+                    search.seen.add(plan)  # as `consider` marks a plan its bound rules out
+                    continue
+                todo.append(plan)
+                info[plan] = (tfb, fa, ba)
     times = steady_times(ev, todo, cutoff=None if math.isinf(lim) else lim * (1 + SCREEN))
-    search.seen.update(p for p, t in zip(todo, times) if math.isinf(t))
     order = []
-    for (fs, f, bs), t in zip(todo, times):
-        if not math.isinf(t):
-            tfb = search.pb[nl] - search.pb[nl - f]
-            fwd, bwd = _side(ev.forward(fs), False), _side(ev.backward(bs), True)
-            order.append((search.estimate(f, tfb, fwd, bwd, len(bs)), f, len(fs), len(bs), t, (fs, f, bs)))
+    for plan, t in zip(todo, times):
+        if math.isinf(t):
+            search.seen.add(plan)
+            continue
+        fs, f, bs = plan
+        tfb, fa, ba = info[plan]
+        order.append((search.estimate(f, tfb, fa, ba, len(bs)), f, len(fs), len(bs), t, plan))
     for *_, t, plan in sorted(order, key=lambda o: o[:4]):
         search.consider(*plan, rigorous=True, fast=t)
 
