@@ -25,6 +25,7 @@ from rpcompile.passes.partition.evaluator import SCREEN
 COMPLETE_LAYERS = 40  # models up to this many layers get the even family swept completely
 _MAX_FUSED = 3        # the family's largest fused size
 _WINDOW = 3          # partial sweep: stage counts within this of the balanced count
+_BATCH = 64          # complete sweep: plans left by the bound from which they are timed at once (`batch.py`)
 
 
 def even_sizes(n: int, k: int) -> tuple[int, ...]:
@@ -131,6 +132,11 @@ def _complete(search) -> None:
                     continue
                 todo.append(plan)
                 info[plan] = (tfb, fa, ba)
+    if len(todo) < _BATCH:  # too few to share the tensors' overhead: one by one, as the sweep's order
+        for plan in sorted(todo, key=lambda p: (search.estimate(p[1], info[p][0], info[p][1], info[p][2],
+                                                               len(p[2])), p[1], len(p[0]), len(p[2]))):
+            search.consider(*plan, rigorous=True)
+        return
     times = steady_times(ev, todo, cutoff=None if math.isinf(lim) else lim * (1 + SCREEN))
     order = []
     for plan, t in zip(todo, times):
