@@ -59,7 +59,7 @@ for line in sys.stdin:
         t = time.perf_counter()
         plan = partition(costs, **kw)
         times.append(time.perf_counter() - t)
-    kw.pop("memory_budget", None)
+    kw.pop("memory_budget", None), kw.pop("tie", None)
     print(json.dumps([statistics.median(times), plan.to_str(), iteration_time(plan, costs, **kw)]), flush=True)
 """
 

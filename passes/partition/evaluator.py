@@ -26,6 +26,7 @@ from rpcompile.passes.partition.steady import steady_time
 from rpcompile.passes.partition.timing import layer_sums, shape, shape_time, steady_state_window
 
 SCREEN = 1e-10  # relative: a fast time (`steady.py`, within about 1e-12) this far above a cutoff is above it
+_SCREEN_WORK = 24  # window iterations x microbatches per round below which a plan is timed exactly at once
 
 
 class Evaluator:
@@ -118,6 +119,8 @@ class Evaluator:
         kw = dict(gpus=self.n_gpu, microbatches=self.m, round_size=self.rr, staleness=self.st)
         if cutoff is None or math.isinf(cutoff):
             return shape_time(sh, **kw)
+        if fast is None and iters * self.rr < _SCREEN_WORK:
+            return shape_time(sh, cutoff=cutoff, **kw)  # a short window: the screen would not pay for itself
         if fast is None:
             fast = steady_time(sh, cutoff=cutoff * (1 + SCREEN), **kw)
         if fast > cutoff * (1 + SCREEN):
@@ -139,6 +142,8 @@ class Evaluator:
             return 0.0
         self.timed += len(stages) * self.m
         kw = dict(gpus=self.n_gpu, microbatches=self.m, round_size=self.rr, staleness=0)
+        if self.rr * 3 < _SCREEN_WORK:  # few microbatches per slot: the recurrence is as quick
+            return shape_time(shape(stages), cutoff=None if math.isinf(cutoff) else 2 * cutoff, **kw) / 2
         t0 = steady_time(shape(stages), **kw) / 2  # within about 1e-12 of the recurrence's, one slot per step
         if math.isinf(cutoff) or abs(t0 - cutoff) > cutoff * SCREEN:
             return t0  # the same side of the cutoff as the exact value
