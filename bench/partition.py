@@ -25,13 +25,12 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 from tabulate import tabulate
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import machine_line, write_doc  # noqa: E402
+from _common import machine_line, tree_at, write_doc  # noqa: E402
 
 from rpcompile import CostTable, StagePlan  # noqa: E402
 from rpcompile.passes import partition  # noqa: E402
@@ -68,12 +67,7 @@ class Before:
     """`partition` as of git revision `rev`, in a child process on a copy of that tree (see the module doc)."""
 
     def __init__(self, rev: str):
-        self.dir = tempfile.mkdtemp(prefix="rpcompile-before-")
-        tar = subprocess.run(["git", "archive", rev, "rpcompile", "passes", "runtime"], cwd=ROOT,
-                             capture_output=True, check=True).stdout
-        subprocess.run(["tar", "-x", "-C", self.dir], input=tar, check=True)
-        for part in ("passes", "runtime"):
-            os.rename(os.path.join(self.dir, part), os.path.join(self.dir, "rpcompile", part))
+        self.dir = tree_at(rev)
         env = {**os.environ, "PYTHONPATH": self.dir}
         self.proc = subprocess.Popen([sys.executable, "-c", CHILD, self.dir], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env, cwd=self.dir)

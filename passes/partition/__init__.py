@@ -57,9 +57,10 @@ plan and the guarantees above are exact; with tie > 0 the result is within
 With at most 7 layers the result is therefore the least plan by that order
 over all plans within the tie. The search is deterministic: the same
 CostTable and options always give the same plan. `compile` ranks measured
-costs with tie = 0.05 (`rpcompile.pipeline.MEASURED_TIE`: measured times move
-by a few percent between processes, and a plan with fewer stages hands fewer
-activations between workers, which this compute-only objective does not price).
+costs with tie = 0.05 on a GPU and 0.2 on the CPU (`rpcompile.pipeline.measured_tie`:
+measured times move between processes, on a loaded CPU by far more, and a plan
+with fewer stages hands fewer activations between workers, which this
+compute-only objective does not price).
 
 What is heuristic: everything else, a best-first walk over stage-time caps
 (`cap_walk.py`) run before the even family so that the family's pruning
