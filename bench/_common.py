@@ -37,3 +37,22 @@ def write_doc(name: str, text: str) -> str:
     with open(path, "w") as f:
         f.write(text if text.endswith("\n") else text + "\n")
     return path
+
+
+def tree_at(rev: str) -> str:
+    """A temporary copy of the package at git revision `rev`, laid out as installed (put it on PYTHONPATH).
+
+    `git archive rev rpcompile passes runtime`, with passes/ and runtime/ moved into rpcompile/ (what
+    pyproject's package-dir does for the installed package), so a child process with PYTHONPATH=<the copy>
+    imports only the old modules. The caller removes the folder (shutil.rmtree) when done.
+    """
+    import subprocess
+    import tempfile
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tempfile.mkdtemp(prefix="rpcompile-before-")
+    tar = subprocess.run(["git", "archive", rev, "rpcompile", "passes", "runtime"], cwd=root,
+                         capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", out], input=tar, check=True)
+    for part in ("passes", "runtime"):
+        os.rename(os.path.join(out, part), os.path.join(out, "rpcompile", part))
+    return out

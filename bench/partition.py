@@ -1,41 +1,91 @@
-"""Planning time and plan quality of `partition`, against the RoundPipe reference heuristic and an earlier search
-(its planner modules loaded from git), on synthetic models and on the five paper models' predicted costs.
+"""Planning time and plan quality of `partition`, against the RoundPipe reference heuristic, the planner before
+issue 31 (loaded from git) and the RoundPipe paper's planning times, on synthetic models and the five paper models.
 
-    python bench/partition.py [--before REV] [--no-paper] [--skip-before MODEL ...]
-    python bench/partition.py --only qwen3-235b-a22b --skip-before     # the old search too
+    python bench/partition.py [--before REV] [--runs 3] [--no-paper] [--no-before]
 
-Targets (issue 15): the 95-layer model planned in at most 10 ms (median), 1001 layers in at most 0.5 s; the
-reference heuristic's planning time in the same run is reported beside ours, so a loaded machine shows in
-the ratio. Writes docs/bench/partition.md (the lead assembles docs/BENCHMARKS.md).
+The paper models' costs are those `python -m rpcompile plan` predicts on 8x rtx4090 (seq 2048, 16
+microbatches); they are read from tests/passes/partition/paper_costs.json (built with
+`--rebuild-costs`, which needs transformers), so that a cost-model change does not move the planner's
+benchmark. Targets (issue 31): each paper model at each round size in at most 50 ms (qwen3-235b-a22b: 1.5 s),
+median of 3; synthetic 95 layers in at most 5 ms, 1001 layers in at most 100 ms; every plan's iteration time
+at most the planner's before.
+
+The "before" planner runs in a child process on a copy of the tree at REV (`git archive REV rpcompile passes
+runtime`, laid out as the installed package: passes/ and runtime/ become rpcompile.passes and rpcompile.runtime),
+so its modules never mix with the current ones; each plan is timed there the same way (median of `--runs`)
+and its plan comes back as a string. Writes docs/bench/partition.md (the lead assembles docs/BENCHMARKS.md).
 """
 from __future__ import annotations
 
 import argparse
-import importlib
-import math
+import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
 import time
-import types
 
 from tabulate import tabulate
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import machine_line, write_doc  # noqa: E402
+from _common import machine_line, tree_at, write_doc  # noqa: E402
 
 from rpcompile import CostTable, StagePlan  # noqa: E402
 from rpcompile.passes import partition  # noqa: E402
-from rpcompile.passes._plan_eval import Evaluator  # noqa: E402
-from rpcompile.passes.timing import default_round_size, iteration_time  # noqa: E402
+from rpcompile.passes.partition.timing import iteration_time  # noqa: E402
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COSTS = os.path.join(ROOT, "tests", "passes", "partition", "paper_costs.json")
 GPUS, MICROBATCHES, STALENESS = 8, 16, 1
-BEFORE = "ebbcab1"  # the last commit before issue 26's planner (fused sizes 1-3, the canonical tie rule)
-PLANNER = ("_plan_eval", "_cap_walk", "_even_plans", "_ties", "partition")  # the search's modules, in import order
-TARGETS = {95: 10e-3, 1001: 0.5}  # seconds, median
-PAPER = ("qwen3-1.7b", "llama3.1-8b", "gpt-oss-20b", "qwen3-32b", "qwen3-235b-a22b")
+BEFORE = "217a999"  # the planner before issue 31 (identical planner code to 9682b18, issue 26)
+PAPER = {"qwen3-1.7b": 2.9, "llama3.1-8b": 2.9, "gpt-oss-20b": 2.6, "qwen3-32b": 5.0, "qwen3-235b-a22b": 1470.0}
+TARGETS = {"synthetic 95": 5e-3, "synthetic 1001": 0.1, "qwen3-235b-a22b": 1.5}  # seconds; others 50 ms
+TARGET = 50e-3
+
+CHILD = """
+import json, statistics, sys, time
+from rpcompile import CostTable
+from rpcompile.passes import partition
+from rpcompile.passes.partition.timing import iteration_time
+assert __import__("rpcompile").__file__.startswith(sys.argv[1]), "the old tree was not imported"
+for line in sys.stdin:
+    job = json.loads(line)
+    costs, kw = CostTable.from_lists(**job["costs"]), job["kw"]
+    times = []
+    for _ in range(job["runs"]):
+        t = time.perf_counter()
+        plan = partition(costs, **kw)
+        times.append(time.perf_counter() - t)
+    kw.pop("memory_budget", None), kw.pop("tie", None)
+    print(json.dumps([statistics.median(times), plan.to_str(), iteration_time(plan, costs, **kw)]), flush=True)
+"""
+
+
+class Before:
+    """`partition` as of git revision `rev`, in a child process on a copy of that tree (see the module doc)."""
+
+    def __init__(self, rev: str):
+        self.dir = tree_at(rev)
+        env = {**os.environ, "PYTHONPATH": self.dir}
+        self.proc = subprocess.Popen([sys.executable, "-c", CHILD, self.dir], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env, cwd=self.dir)
+
+    def __call__(self, costs: CostTable, runs: int, **kw) -> tuple[float, StagePlan, float]:
+        """(median seconds, plan, iteration time) of the old `partition`."""
+        self.proc.stdin.write(json.dumps({"costs": costs.to_lists(), "kw": kw, "runs": runs}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the old planner's process ended (see its stderr above)")
+        seconds, plan, it = json.loads(line)
+        return seconds, StagePlan.from_str(plan), it
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def realistic(layers: int, seed: int = 0) -> CostTable:
@@ -48,137 +98,119 @@ def realistic(layers: int, seed: int = 0) -> CostTable:
 
 def reference(costs: CostTable, **kw) -> StagePlan | None:
     """The RoundPipe reference heuristic's plan (family (a) of partition's guarantees); None if none fits."""
-    rr = kw.get("round_size") or default_round_size(kw["gpus"], kw["microbatches"])
-    ev = Evaluator(costs, gpus=kw["gpus"], microbatches=kw["microbatches"], round_size=rr,
-                   staleness=kw["staleness"], memory=kw.get("memory_budget"))
-    wb = [a + b for a, b in zip(costs.fwd, costs.bwd)]
-    sizes = importlib.import_module("rpcompile.passes.partition").reference_plan(costs, wb, kw["gpus"], ev)
+    mod = sys.modules["rpcompile.passes.partition"]
+    ev = mod.Evaluator(costs, gpus=kw["gpus"], microbatches=kw["microbatches"], round_size=kw["round_size"],
+                       staleness=kw["staleness"], memory=kw.get("memory_budget"))
+    sizes = mod.reference_plan(costs, [a + b for a, b in zip(costs.fwd, costs.bwd)], kw["gpus"], ev)
     return None if sizes is None else StagePlan.from_sizes(*sizes)
 
 
-def load_before(rev: str):
-    """`partition` as of git revision `rev` (its planner modules, `PLANNER`, from git; the rest as now), or None
-    if git cannot show it. The revision must have this layout of the package (issue 15 on)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sources = {}
-    for name in PLANNER:
-        try:
-            sources[name] = subprocess.run(["git", "show", f"{rev}:passes/{name}.py"], capture_output=True,
-                                           text=True, check=True, cwd=root).stdout
-        except (OSError, subprocess.CalledProcessError):
-            if name == "partition":
-                return None
-    package = sys.modules["rpcompile.passes"]
-    saved = {n: (sys.modules.get(f"rpcompile.passes.{n}"), getattr(package, n, None)) for n in sources}
-    try:  # the old modules import each other by these names while they load
-        for name, src in sources.items():
-            mod = types.ModuleType(f"rpcompile.passes.{name}")
-            mod.__file__ = f"{rev}:passes/{name}.py"
-            sys.modules[mod.__name__] = mod
-            setattr(package, name, mod)
-            exec(compile(src, mod.__file__, "exec"), mod.__dict__)
-        return sys.modules["rpcompile.passes.partition"].partition
-    finally:
-        for name, (mod, attr) in saved.items():
-            if mod is None:
-                sys.modules.pop(f"rpcompile.passes.{name}", None)
-            else:
-                sys.modules[f"rpcompile.passes.{name}"] = mod
-            if attr is not None:
-                setattr(package, name, attr)
-
-
-def timed(fns, costs: CostTable, runs: int, **kw) -> list[tuple[float, StagePlan]]:
-    """(median seconds, plan) of `runs` calls of each of `fns`, called in turn (so a load hits them alike)."""
-    times, plans = [[] for _ in fns], [None] * len(fns)
+def timed(fn, costs: CostTable, runs: int, **kw) -> tuple[float, StagePlan]:
+    """(median seconds, plan) of `runs` calls."""
+    times = []
     for _ in range(runs):
-        for i, fn in enumerate(fns):
-            t = time.perf_counter()
-            plans[i] = fn(costs, **kw)
-            times[i].append(time.perf_counter() - t)
-    return [(statistics.median(t), p) for t, p in zip(times, plans)]
+        t = time.perf_counter()
+        plan = fn(costs, **kw)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), plan
 
 
-def row(name: str, costs: CostTable, runs: int, before, slow_before: bool = False, **kw) -> list:
-    """One table row: layers, times (ours, reference, before) and iteration times."""
-    fns = [partition, reference] + ([before] if before is not None and not slow_before else [])
-    (ours_s, ours), (ref_s, ref), *old = timed(fns, costs, runs, **kw)
-    it = {k: math.nan if p is None else iteration_time(p, costs, **{a: b for a, b in kw.items()
-                                                                    if a != "memory_budget"})
-          for k, p in (("ours", ours), ("ref", ref))}
-    out = [name, costs.num_layers, f"{ours_s * 1e3:.1f}", f"{ref_s * 1e3:.2f}", f"{ours_s / ref_s:.0f}x"]
-    if before is not None and slow_before:
-        out += ["not run (slow)", "-", "-"]
-    elif before is not None:
-        before_s, old_plan = old[0]
-        old_t = iteration_time(old_plan, costs, **{a: b for a, b in kw.items() if a != "memory_budget"})
-        out += [f"{before_s * 1e3:.1f}", f"{ours_s / before_s:.2f}", f"{it['ours'] / old_t:.4f}"]
-    target = TARGETS.get(costs.num_layers) if name.startswith("synthetic") else None
-    met = "" if target is None else ("yes" if ours_s <= target else "NO") + f" (<= {target * 1e3:g} ms)"
-    ratio = "none fits" if ref is None else f"{it['ours'] / it['ref']:.4f}"
-    return out + [ours.num_stages, f"{it['ours'] * 1e3:.2f}", ratio, met]
+def row(name: str, costs: CostTable, runs: int, before: Before | None, **kw) -> list:
+    """One table row: times (ours, reference, before, paper), target, iteration times and their ratios."""
+    kw.setdefault("round_size", MICROBATCHES // 2)
+    plain = {a: b for a, b in kw.items() if a != "memory_budget"}
+    ours_s, ours = timed(partition, costs, runs, **kw)
+    ref_s, ref = timed(reference, costs, runs, **kw)
+    it = iteration_time(ours, costs, **plain)
+    out = [name, costs.num_layers, kw["round_size"], f"{ours_s * 1e3:.1f}", f"{ref_s * 1e3:.2f}"]
+    if before is not None:
+        before_s, _, old_it = before(costs, runs, **kw)
+        out += [f"{before_s * 1e3:,.1f}", f"{before_s / ours_s:,.1f}x", f"{it / old_it:.6f}"]
+    model = name.split(" R=")[0]
+    paper = PAPER.get(model)
+    target = TARGETS.get(name, TARGETS.get(model, TARGET))
+    met = ("yes" if ours_s <= target else "NO") + f" (<= {target * 1e3:g} ms)"
+    ratio = "none fits" if ref is None else f"{it / iteration_time(ref, costs, **plain):.4f}"
+    return out + ["-" if paper is None else f"{paper:g}", met, ours.num_stages, f"{it * 1e3:.2f}", ratio]
 
 
-def paper_costs(model: str) -> tuple[CostTable, dict]:
-    """The predicted CostTable `plan` partitions for `model` (8x rtx4090, seq 2048, 16 microbatches)."""
+def paper_tables() -> dict:
+    """{model: (CostTable, memory budget)} from tests/passes/partition/paper_costs.json."""
+    with open(COSTS) as f:
+        data = json.load(f)
+    return {m: (CostTable.from_lists(**d["costs"]), d["memory_budget"]) for m, d in data.items()}
+
+
+def rebuild_costs() -> None:
+    """Write tests/passes/partition/paper_costs.json: the costs `plan` predicts (needs transformers)."""
     import torch
-    from rpcompile.api import Options, plan_pipeline
     from rpcompile.ir.hardware import Hardware
     from rpcompile.models.presets import build_meta, example_batch
+    from rpcompile.options import Options
+    from rpcompile.pipeline import plan_pipeline
     hw = Hardware.preset("rtx4090").replace(host_memory=2**42)  # the costs only: host memory is plan's check
-    net = build_meta(model)
-    opts = Options(gpus=GPUS, microbatches=MICROBATCHES, staleness=STALENESS, optimizer=None, dtype=torch.bfloat16,
-                   loss_fn=None, layers=None, lm_head_shards="auto", hardware=hw, memory_budget=None,
-                   backend="host", seed=0)
-    _, costs, _, _, _ = plan_pipeline(net, example_batch(net.config.vocab_size, MICROBATCHES, 2048), opts,
-                                      mode="predict")
-    return costs, dict(memory_budget=int(0.9 * hw.device_memory))
+    out = {}
+    for model in PAPER:
+        net = build_meta(model)
+        opts = Options(gpus=GPUS, microbatches=MICROBATCHES, staleness=STALENESS, optimizer=None,
+                       dtype=torch.bfloat16, loss_fn=None, layers=None, lm_head_shards="auto", hardware=hw,
+                       memory_budget=None, backend="host", seed=0)
+        _, costs, _, _, _ = plan_pipeline(net, example_batch(net.config.vocab_size, MICROBATCHES, 2048), opts,
+                                          mode="predict")
+        out[model] = {"costs": costs.to_lists(), "memory_budget": int(0.9 * hw.device_memory)}
+    with open(COSTS, "w") as f:
+        json.dump(out, f)
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--before", default=BEFORE, help="git revision of the search to compare with")
-    p.add_argument("--no-paper", action="store_true", help="skip the paper models (they need transformers)")
-    p.add_argument("--only", nargs="*", metavar="MODEL", help="only these paper models, no synthetic ones; the "
-                   "report goes to docs/bench/partition_MODEL.md")
-    p.add_argument("--skip-before", nargs="*", default=[], metavar="MODEL",
-                   help="paper models not planned with the old search")
+    p.add_argument("--before", default=BEFORE, help="git revision of the planner to compare with")
+    p.add_argument("--no-before", action="store_true", help="no before column")
+    p.add_argument("--runs", type=int, default=3, help="calls per plan (median)")
+    p.add_argument("--no-paper", action="store_true", help="skip the paper models")
+    p.add_argument("--rebuild-costs", action="store_true", help="rebuild the paper models' costs first")
     args = p.parse_args(argv)
-    before = load_before(args.before)
+    if args.rebuild_costs:
+        rebuild_costs()
+    before = None if args.no_before else Before(args.before)
     kw = dict(gpus=GPUS, microbatches=MICROBATCHES, staleness=STALENESS)
     rows = []
-    for layers in () if args.only else (29, 40, 64, 95, 1001):
-        rows.append(row("synthetic", realistic(layers), 3 if layers > 500 else 9, before, **kw))
-        print(rows[-1], flush=True)
-    for model in () if args.no_paper else args.only or PAPER:
-        costs, extra = paper_costs(model)
-        for rr in (8, 16):  # `plan` tries both round sizes on a hardware target
-            rows.append(row(f"{model} R={rr}", costs, 3, before, model in args.skip_before, round_size=rr,
-                            **extra, **kw))
+    try:
+        for layers in (29, 40, 64, 95, 1001):
+            rows.append(row(f"synthetic {layers}", realistic(layers), max(args.runs, 9 if layers < 500 else 3),
+                            before, **kw))
             print(rows[-1], flush=True)
-    head = ["model", "layers", "ours ms", "ref ms", "ours / ref time"]
+        for model, (costs, budget) in ({} if args.no_paper else paper_tables()).items():
+            for rr in (8, 16):  # `plan` tries both round sizes on a hardware target
+                rows.append(row(f"{model} R={rr}", costs, args.runs, before, round_size=rr, memory_budget=budget,
+                                **kw))
+                print(rows[-1], flush=True)
+    finally:
+        if before is not None:
+            before.close()
+    head = ["model", "layers", "R", "ours ms", "ref ms"]
     if before is not None:
-        head += [f"before ({args.before}) ms", "ours / before time", "ours / before iteration"]
-    head += ["stages", "iteration ms", "ours / ref iteration", "target met"]
+        head += [f"before ({args.before}) ms", "before / ours time", "ours / before iteration"]
+    head += ["paper ms", "target met", "stages", "iteration ms", "ours / ref iteration"]
     table = tabulate(rows, headers=head, tablefmt="github", disable_numparse=True)
     print(table)
-    of = f" of {', '.join(args.only)}" if args.only else ""
-    write_doc(f"partition_{'_'.join(args.only)}.md" if args.only else "partition.md",
-              f"## partition: planning time and plan quality{of}\n\n" + machine_line() + "\n\n"
+    load = os.getloadavg()
+    write_doc("partition.md",
+              "## partition: planning time and plan quality\n\n" + machine_line() + f"  \nload average at the end: "
+              f"{load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f} (2 cores, shared)\n\n"
               f"{GPUS} GPUs, {MICROBATCHES} microbatches, staleness {STALENESS}. Synthetic: embedding, decoder "
-              f"layers (1 ms fwd, 2 ms bwd, +-10%) and an LM head 3x a layer, no memory budget. Paper models: "
-              f"the costs `python -m rpcompile plan` predicts on 8x rtx4090 (seq 2048), memory budget 90% of "
-              f"24 GB, both round sizes. Times are medians of 9 runs (3 for 1001 layers and the paper models); "
-              f"ref = the RoundPipe reference heuristic (partition's family (a)), timed in the same run; before "
-              f"= `partition` at {args.before} (its planner modules loaded from git, timed in turn with ours; not run "
-              f"for {', '.join(args.skip_before) or 'none'}); iteration times by `iteration_time` (lower is "
-              f"better).\n\n"
-              + table + "\n\nWith up to 40 layers `partition` times every even plan of its guarantee (b) that "
-              "its bounds cannot rule out; under staleness 1 with a memory budget (the paper models) few are "
-              "ruled out, which is where its time goes. Since issue 26 the family has fused stages of 1, 2 and 3 "
-              "layers whatever the reference heuristic fuses (before: up to its largest fused size, 1 with a "
-              "heavy LM head), so up to three times the plans there: the paper models' planning time against "
-              "the search before it is the price of that guarantee.\n")
+              f"layers (1 ms fwd, 2 ms bwd, +-10%) and an LM head 3x a layer, no memory budget, R = 8. Paper "
+              f"models: the costs `python -m rpcompile plan` predicts on 8x rtx4090 (seq 2048; "
+              f"tests/passes/partition/paper_costs.json), memory budget 90% of 24 GB, both round sizes. Times "
+              f"are medians of {args.runs} calls (9 for the small synthetic models); ref = the RoundPipe reference "
+              f"heuristic (partition's family (a)); before = `partition` at {args.before} in a child process on "
+              f"that tree (`git archive`), timed the same way in the same run; paper = the RoundPipe paper's "
+              f"planning times; iteration times by `iteration_time` (lower is better; ours / before <= 1 is the "
+              f"acceptance).\n\n" + table + "\n\nSince issue 31 a plan is timed by the first and last "
+              "microbatch of each slot and only until the schedule repeats (`passes/partition/steady.py`, "
+              "within 1e-12 of `iteration_time`), the complete even family of a model of up to 40 layers all at "
+              "once as float64 tensor rows (`batch.py`), and every plan that may tie is re-timed exactly: the "
+              "plans are those of the planner before.\n")
 
 
 if __name__ == "__main__":

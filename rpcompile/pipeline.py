@@ -28,7 +28,8 @@ from rpcompile.passes.partition.timing import default_round_size
 from rpcompile.passes.trace import sublayer_units
 from rpcompile.runtime import simulate, steady_iterations
 
-__all__ = ["plan_pipeline", "compile_passes", "Frozen", "frozen_of", "MEASURED_TIE"]
+__all__ = ["plan_pipeline", "compile_passes", "Frozen", "frozen_of", "MEASURED_TIE", "HOST_MEASURED_TIE",
+           "measured_tie"]
 
 # With measured costs, plans whose predicted iteration time is within this share of the fastest (even plan)
 # are ties (`partition`'s tie rule: the fewest stages, then the most fused layers, then the nearest to an even
@@ -39,6 +40,24 @@ __all__ = ["plan_pipeline", "compile_passes", "Frozen", "frozen_of", "MEASURED_T
 # hands fewer activations between workers, which the compute-only objective does not price. Predicted costs
 # are deterministic and are ranked by time alone (only equal times tie).
 MEASURED_TIE = 0.05
+# Costs measured on the CPU (host workers) are ranked with a wider tie (issue 31). The CPU that times the layers
+# is shared with everything else on the machine, and under load the layers' ratios move by far more than on a
+# GPU: a small Qwen3 in 29 sub-blocks on a 2-core machine with busy loops measured its attention at 6 to 15
+# times a norm and its MLP at 3.5 to 8 times from one process to the next, and the 5% tie gave 2-4 distinct
+# plans in 5 processes. With 20% every process got one plan, and so did the demo and the 62-unit Llama
+# (`bench/plan_stability.py`, docs/bench/plan_stability.md). The price: the plan may be up to 20% slower by
+# the compute-only objective than the fastest measured plan (10-16% on that Qwen3: 3 forward stages instead
+# of 7, which hand fewer activations between workers); the bench shows it per run.
+HOST_MEASURED_TIE = 0.2
+
+
+def measured_tie(device: str | torch.device) -> float:
+    """The tie `compile` ranks costs measured on `device` with: `HOST_MEASURED_TIE` on the CPU, else `MEASURED_TIE`.
+
+    >>> measured_tie("cpu"), measured_tie("cuda:0")
+    (0.2, 0.05)
+    """
+    return HOST_MEASURED_TIE if torch.device(device).type == "cpu" else MEASURED_TIE
 
 
 @dataclass(frozen=True)
@@ -155,7 +174,9 @@ def _passes(model: torch.nn.Module, example: Any, opts: Options, m: int, mode: s
         raise ValueError(f"the model does not fit a worker at this batch shape: {why}; use shorter sequences "
                          f"or fewer per microbatch (rpcompile.max_seq_len says how long fits), or a larger budget")
     # 4-5. choose the stage grouping (and, for a hardware target, the round size) and emit the program
-    plan, program = _plan_and_emit(graph, costs, opts, m, budget, tie=MEASURED_TIE if mode == "measure" else 0.0)
+    # (measured costs: on the device `estimate_costs` measured them on, CUDA if there is one, else the CPU)
+    tie = measured_tie("cuda" if torch.cuda.is_available() else "cpu") if mode == "measure" else 0.0
+    plan, program = _plan_and_emit(graph, costs, opts, m, budget, tie=tie)
     # 6. check it: dependencies, coverage, the per-layer rules R1-R5, device memory; then host memory
     passes.verify(program, costs=costs, memory_budget=budget)
     _check_host(graph, costs, plan, opts, m, program.round_size, program)

@@ -108,15 +108,25 @@ class _Model:
 
     def __init__(self, sc: SymbolicCosts, b: int, gpus: int, microbatches: int) -> None:
         self.sc, self.gpus, self.microbatches, n = sc, gpus, microbatches, len(sc.names)
-        self.cols = {f: [sympy.lambdify(S, sympy.sympify(e).subs(B, b), "math") for e in getattr(sc, f)]
-                     for _, f in _COLUMNS}
+        fns: dict[Any, Any] = {}  # one function per distinct expression (repeated blocks share theirs)
+        for _, f in _COLUMNS:
+            for e in getattr(sc, f):
+                if e not in fns:
+                    fns[e] = sympy.lambdify(S, sympy.sympify(e).subs(B, b), "math")
+        self.cols = {f: [fns[e] for e in getattr(sc, f)] for _, f in _COLUMNS}
         self.plan = StagePlan.from_sizes([1] * (n - 1), 1, [1] * (n - 1))
         self.host_state = dict(sc.host_state)
 
     def table(self, s: int, only: str | None = None) -> CostTable:
         """The memory columns at length s (all, or only one, the others zero)."""
-        n = len(self.sc.names)
-        cols = {f: [int(fn(s)) if only in (None, f) else 0 for fn in fns] for f, fns in self.cols.items()}
+        n, at = len(self.sc.names), {}
+
+        def value(fn) -> int:  # each distinct function evaluated once at s
+            if fn not in at:
+                at[fn] = int(fn(s))
+            return at[fn]
+
+        cols = {f: [value(fn) if only in (None, f) else 0 for fn in fns] for f, fns in self.cols.items()}
         return CostTable.from_lists(fwd=[0.0] * n, bwd=[0.0] * n, names=self.sc.names, **cols)
 
     def device(self, s: int) -> tuple[int, int]:

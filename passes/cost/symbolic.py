@@ -121,12 +121,15 @@ def _points(s0: int | None, unit: int | None = None) -> tuple[list[tuple[int, in
 
     Note: B = 1 and S = 1 are avoided; there some copies (`contiguous` of a size-1 dim) vanish.
     With a chunked LM head (`unit` = its chunk), S is a multiple of the chunk, so every
-    chunk is full and a chunk loop's sums are exact polynomials: S in {2, 3, 4} x unit, check 5 x unit.
+    chunk is full and a chunk loop's sums are exact polynomials: S in {1, 2, 3} x unit, check
+    4 x unit (a unit of 1 token: {2, 3, 4}, check 5). The head runs B x S / unit chunks at each
+    shape, which is most of the counting, so the multiples are the smallest that fit exactly.
     """
     if s0 is None:
         return [(2, 1), (3, 1)], (4, 1)
     if unit:
-        return [(b, k * unit) for b in (2, 3) for k in (2, 3, 4)], (4, 5 * unit)
+        ks = (1, 2, 3) if unit > 1 else (2, 3, 4)
+        return [(b, k * unit) for b in (2, 3) for k in ks], (4, (ks[-1] + 1) * unit)
     pts = sorted({max(2, math.ceil(s0 / 2)), max(2, math.ceil(3 * s0 / 4)), s0})
     check = max(2, round(5 * s0 / 8))
     if len(pts) < 3 or check in pts:
@@ -183,6 +186,7 @@ class _Fitter:
         self.inv = _inverse(design)
         self.monos = [sympy.Integer(1), S, S ** 2, B, B * S, B * S ** 2] if with_s else [sympy.Integer(1), B]
         self.cache: dict[tuple, tuple[Fraction, ...] | None] = {}
+        self.exprs: dict[tuple[Fraction, ...], sympy.Expr] = {}
 
     def coefficients(self, samples: Sequence[int], check_value: int) -> tuple[Fraction, ...] | None:
         """The exact coefficients (on `self.monos`) through `samples`, or None if they miss `check_value`."""
@@ -196,8 +200,11 @@ class _Fitter:
         return self.cache[key]
 
     def expr(self, coef: Sequence[Fraction]) -> sympy.Expr:
-        """The polynomial with these coefficients."""
-        return sum(sympy.Rational(c.numerator, c.denominator) * m for c, m in zip(coef, self.monos))
+        """The polynomial with these coefficients (built once per distinct coefficients)."""
+        key = tuple(coef)
+        if key not in self.exprs:
+            self.exprs[key] = sum(sympy.Rational(c.numerator, c.denominator) * m for c, m in zip(coef, self.monos))
+        return self.exprs[key]
 
     def fit(self, samples: Sequence[int], check_value: int) -> sympy.Expr | None:
         """The polynomial through `samples`, or None if it misses `check_value`."""
@@ -272,12 +279,22 @@ def symbolic_costs(graph: LayerGraph, inputs: dict[str, torch.Tensor], hardware:
     make = make_inputs or (lambda b, s: resize_inputs(graph, inputs, b, s if s0 is not None else None))
     runs: list[list[LayerCount]] = [count_layers(graph, make(b, s), progress=progress) for b, s in [*pts, check]]
     cols: dict[str, list] = {k: [] for k in ("fwd", "bwd", "fwd_flops", "bwd_flops", *_MEMORY)}
+    # layers counted once (`count_layers`: identical up to module indices) share their op and live tuples:
+    # their expressions are built once, keyed by those tuples' identities (all alive in `runs`)
+    built: dict[tuple, sympy.Expr] = {}
+
+    def once(key: tuple, make: Callable[[], sympy.Expr]) -> sympy.Expr:
+        if key not in built:
+            built[key] = make()
+        return built[key]
+
     for i, layer in enumerate(graph.layers):
         where = f"layer {i} ({layer.name})"
         per = [run[i] for run in runs]
         for k in _MEMORY:
             if k == "peak_bytes":
-                cols[k].append(_peak_expr(fitter, [c.live for c in per], where))
+                lives = [c.live for c in per]
+                cols[k].append(once(("peak", *map(id, lives)), lambda: _peak_expr(fitter, lives, where)))
                 continue
             e = fitter.fit([getattr(c, k) for c in per[:-1]], getattr(per[-1], k))
             if e is None:
@@ -285,7 +302,8 @@ def symbolic_costs(graph: LayerGraph, inputs: dict[str, torch.Tensor], hardware:
             cols[k].append(e)
         for ph in ("fwd", "bwd"):
             ops = [getattr(c, f"{ph}_ops") for c in per]
-            cols[ph].append(_time_expr(fitter, ops, hardware, f"{where} {ph}", fp16_accumulation))
+            cols[ph].append(once((ph, *map(id, ops)),
+                                 lambda: _time_expr(fitter, ops, hardware, f"{where} {ph}", fp16_accumulation)))
             tot = [sum(o.flops for o in o_ if o.form != "fused") for o_ in ops]
             cols[f"{ph}_flops"].append(fitter.fit(tot[:-1], tot[-1]))
     state = host_bytes(graph, microbatches=1)

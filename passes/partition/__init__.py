@@ -6,6 +6,8 @@ This folder holds it and what it is built from:
     timing.py      `iteration_time`: exact compute-only timing of the schedule for a plan (also used by
                    emit, the host-memory count and the simulator)
     evaluator.py   plans as stage sizes: stage tuples, device memory and exact time without a StagePlan
+    steady.py      `iteration_time` fast (to 1e-12): first and last microbatch per slot, until the state repeats
+    batch.py       the same for many plans at once, as float64 tensor rows (the complete even family)
     cap_walk.py    the heuristic part: a best-first walk over stage-time caps
     even_plans.py  the plans a person would write (even plans, every plan of tiny models)
     ties.py        the tie rule: one canonical plan among those within the tie of the fastest
@@ -55,9 +57,10 @@ plan and the guarantees above are exact; with tie > 0 the result is within
 With at most 7 layers the result is therefore the least plan by that order
 over all plans within the tie. The search is deterministic: the same
 CostTable and options always give the same plan. `compile` ranks measured
-costs with tie = 0.05 (`rpcompile.pipeline.MEASURED_TIE`: measured times move
-by a few percent between processes, and a plan with fewer stages hands fewer
-activations between workers, which this compute-only objective does not price).
+costs with tie = 0.05 on a GPU and 0.2 on the CPU (`rpcompile.pipeline.measured_tie`:
+measured times move between processes, on a loaded CPU by far more, and a plan
+with fewer stages hands fewer activations between workers, which this
+compute-only objective does not price).
 
 What is heuristic: everything else, a best-first walk over stage-time caps
 (`cap_walk.py`) run before the even family so that the family's pruning
@@ -81,6 +84,15 @@ with staleness 1 a plan that passes those bounds is also dropped when half of
 its isolated (staleness-0) iteration exceeds that time, an exact bound
 (`Evaluator.isolated_floor`) that costs one iteration instead of the window's
 3P; `iteration_time`'s cutoff is that time plus that slack.
+
+Note: speed (issue 31). A plan is first timed by `steady.py` (each slot by
+its first and last microbatch, and only until the schedule repeats: usually
+3-4 iterations instead of 3P), and the complete even family of a model of up
+to 40 layers all at once (`batch.py`); both agree with `iteration_time` to
+about 1e-12, and a plan they put within 1e-10 of the cutoff is timed again by
+`iteration_time` itself. So every time the search compares, stores or reports
+is `iteration_time`'s float, and the plans are those of the one-by-one exact
+search: on the paper models 2-20x faster, with the same plans.
 """
 from __future__ import annotations
 
@@ -273,11 +285,12 @@ class _Search:
         w, chain = held * (self.m // self.rr) / self.n_gpu, (self.chain + self._rr1 * t_max) / self._st1
         return (w if w > chain else chain) + self.fill(t_max)
 
-    def consider(self, fs: tuple, f: int, bs: tuple, *, rigorous: bool = False) -> str:
+    def consider(self, fs: tuple, f: int, bs: tuple, *, rigorous: bool = False, fast: float | None = None) -> str:
         """Time one plan unless seen, over the memory budget, or no better than the best by a bound.
 
         `rigorous`: prune only by the guaranteed families' `floor`; otherwise by the cap walk's `bound`,
         and a plan pruned so is not marked seen, so that a guaranteed family still times it.
+        `fast`: the plan's `steady.steady_time`, computed beforehand (`Evaluator.time`).
         Returns what happened: "skipped", "too big" or "timed".
         """
         plan = (fs, f, bs)
@@ -295,9 +308,9 @@ class _Search:
         self.seen.add(plan)
         if not self.ev.fits(stages):
             return "too big"
-        if self.ev.isolated_floor(stages, lim) > lim:  # exact bound: the plan cannot tie the best
+        if fast is None and self.ev.isolated_floor(stages, lim) > lim:  # exact bound: the plan cannot tie the best
             return "timed"
-        t = self.ev.time(stages, cutoff=lim)
+        t = self.ev.time(stages, cutoff=lim, fast=fast)
         if t <= lim:
             self.near[plan] = t
             even = self.tie > 0 and t < self.even_best and ties.is_even(self.nl, plan)

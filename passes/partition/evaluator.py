@@ -3,9 +3,11 @@
 A search evaluates thousands of plans; building each as a `StagePlan` costs
 more than timing it. `Evaluator` keeps per-layout stage tuples (first layer,
 end layer, fwd sum, bwd sum), checks memory with integer prefix sums (the same
-bytes as `StagePlan.stage_memory`) and times plans with the recurrence of
-`timing.py` (the same floats as `iteration_time`: stage sums are taken in layer
-order, exactly as `iteration_time` takes them).
+bytes as `StagePlan.stage_memory`) and times plans: with a cutoff, first with
+`steady.py` (to about 1e-12, a few iterations instead of 3P), and a plan that
+may come within the cutoff again with the recurrence of `timing.py`, so every
+time it returns is the float `iteration_time` gives (stage sums are taken in
+layer order, exactly as `iteration_time` takes them).
 
     >>> from rpcompile.ir.costs import CostTable
     >>> ev = Evaluator(CostTable.from_lists([1.0] * 4, [2.0] * 4), gpus=1, microbatches=2, round_size=2,
@@ -20,7 +22,11 @@ import itertools
 import math
 
 from rpcompile.ir.costs import CostTable
+from rpcompile.passes.partition.steady import steady_time
 from rpcompile.passes.partition.timing import layer_sums, shape, shape_time, steady_state_window
+
+SCREEN = 1e-10  # relative: a fast time (`steady.py`, within about 1e-12) this far above a cutoff is above it
+_SCREEN_WORK = 24  # window iterations x microbatches per round below which a plan is timed exactly at once
 
 
 class Evaluator:
@@ -99,13 +105,27 @@ class Evaluator:
             out.append(mem)
         return out
 
-    def time(self, stages: list, cutoff: float | None = None) -> float:
-        """`iteration_time` of the plan (math.inf once known to exceed cutoff); charges its steps."""
+    def time(self, stages: list, cutoff: float | None = None, fast: float | None = None) -> float:
+        """`iteration_time` of the plan (math.inf once known to exceed cutoff); charges its steps.
+
+        With a cutoff the plan is first timed by `steady.steady_time` (or `fast`, that time computed
+        beforehand, e.g. by `batch.steady_times`); only a plan within the cutoff by that time is timed
+        again exactly, so the result is `iteration_time`'s float or math.inf, as without the screen.
+        """
         ns = len(stages)
         iters = 1 if self.st == 0 else steady_state_window(self.n_gpu, ns, self.m // self.rr)[0]
         self.timed += ns * self.m * iters
-        return shape_time(shape(stages), gpus=self.n_gpu, microbatches=self.m, round_size=self.rr,
-                          staleness=self.st, cutoff=None if cutoff is None or math.isinf(cutoff) else cutoff)
+        sh = shape(stages)
+        kw = dict(gpus=self.n_gpu, microbatches=self.m, round_size=self.rr, staleness=self.st)
+        if cutoff is None or math.isinf(cutoff):
+            return shape_time(sh, **kw)
+        if fast is None and iters * self.rr < _SCREEN_WORK:
+            return shape_time(sh, cutoff=cutoff, **kw)  # a short window: the screen would not pay for itself
+        if fast is None:
+            fast = steady_time(sh, cutoff=cutoff * (1 + SCREEN), **kw)
+        if fast > cutoff * (1 + SCREEN):
+            return math.inf
+        return shape_time(sh, cutoff=cutoff, **kw)
 
     def isolated_floor(self, stages: list, cutoff: float) -> float:
         """A lower bound on the staleness-1 `iteration_time` from one isolated iteration (0 if none applies).
@@ -114,12 +134,17 @@ class Evaluator:
         gradient and ends[t+2] >= ends[t] + T0, T0 being the iteration alone on free workers (the
         recurrence is max-plus, hence monotone: later inputs never give earlier times). The window of p
         iterations that `iteration_time` averages therefore spans at least p/2 such pairs when p is even:
-        the time is at least T0 / 2. One iteration costs 1/(3P) of the window's run, and it stops once T0
-        exceeds 2 * cutoff (the bound is then above the cutoff and its exact value does not matter).
+        the time is at least T0 / 2. T0 is taken from `steady.steady_time` (one slot per step), and from
+        the recurrence itself when that lands within 1e-10 of the cutoff, so it is on the same side of the
+        cutoff as the exact bound.
         """
         if self.st != 1 or steady_state_window(self.n_gpu, len(stages), self.m // self.rr)[1] % 2:
             return 0.0
         self.timed += len(stages) * self.m
-        t0 = shape_time(shape(stages), gpus=self.n_gpu, microbatches=self.m, round_size=self.rr, staleness=0,
-                        cutoff=None if math.isinf(cutoff) else 2 * cutoff)
-        return t0 / 2
+        kw = dict(gpus=self.n_gpu, microbatches=self.m, round_size=self.rr, staleness=0)
+        if self.rr * 3 < _SCREEN_WORK:  # few microbatches per slot: the recurrence is as quick
+            return shape_time(shape(stages), cutoff=None if math.isinf(cutoff) else 2 * cutoff, **kw) / 2
+        t0 = steady_time(shape(stages), **kw) / 2  # within about 1e-12 of the recurrence's, one slot per step
+        if math.isinf(cutoff) or abs(t0 - cutoff) > cutoff * SCREEN:
+            return t0  # the same side of the cutoff as the exact value
+        return shape_time(shape(stages), cutoff=2 * cutoff, **kw) / 2

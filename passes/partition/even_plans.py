@@ -15,13 +15,17 @@ down), 1 <= a, b <= n.
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Iterator
 
-from rpcompile.passes.partition.cap_walk import aggregate
+from rpcompile.passes.partition.batch import steady_times
+from rpcompile.passes.partition.cap_walk import _NONE, aggregate
+from rpcompile.passes.partition.evaluator import SCREEN
 
 COMPLETE_LAYERS = 40  # models up to this many layers get the even family swept completely
 _MAX_FUSED = 3        # the family's largest fused size
 _WINDOW = 3          # partial sweep: stage counts within this of the balanced count
+_BATCH = 64          # complete sweep: plans left by the bound from which they are timed at once (`batch.py`)
 
 
 def even_sizes(n: int, k: int) -> tuple[int, ...]:
@@ -64,13 +68,16 @@ def exhaustive(search) -> None:
 def sweep(search, budget: int) -> bool:
     """Offer the even family to `search`, best estimate first; True if it was swept completely.
 
-    Up to `COMPLETE_LAYERS` layers every one is offered; beyond, only the stage counts 1..2N+1, those
-    within `_WINDOW` of the balanced count (stages near max(fused stage, slowest layer)) and, under a
-    memory budget, the fewest that fit and up to 2 x `_WINDOW` more, until `budget` recurrence steps
-    are spent.
+    Up to `COMPLETE_LAYERS` layers every one is offered (`_complete`: all timed at once); beyond, only
+    the stage counts 1..2N+1, those within `_WINDOW` of the balanced count (stages near max(fused
+    stage, slowest layer)) and, under a memory budget, the fewest that fit and up to 2 x `_WINDOW`
+    more, until `budget` recurrence steps are spent.
     """
     ev, nl, fused = search.ev, search.nl, fused_sizes(search.nl)
     complete = nl <= COMPLETE_LAYERS
+    if complete:
+        _complete(search)
+        return True
     order = []
     for f in fused:
         n = nl - f
@@ -97,6 +104,50 @@ def sweep(search, budget: int) -> bool:
         n = nl - f
         search.consider(even_sizes(n, a) if n else (), f, even_sizes(n, b) if n else (), rigorous=True)
     return complete
+
+
+def _complete(search) -> None:
+    """Offer every even plan to `search`: those the family's bound leaves are timed at once
+    (`batch.steady_times`) against the time up to which a plan may tie when the sweep starts; those that
+    may tie are then offered in the sweep's order (best estimate first), exactly as one by one: the time a
+    plan may tie up to only falls, so a plan above it now is above it later too; the rest are marked seen,
+    as the bound or the timing would have left them."""
+    ev, nl = search.ev, search.nl
+    lim = search.reach * (1 + search.margin)
+    todo, info = [], {}
+    for f in fused_sizes(nl):
+        n = nl - f
+        if search.work_bound(f) > lim:
+            continue   # no plan with this fused size can win (the family's pruning, see partition's Note)
+        tfb = search.pb[nl] - search.pb[n]
+        fwd = {fs: _side(ev.forward(fs), False) for fs in (even_sizes(n, k) for k in range(1, n + 1))} if n else {(): _NONE}
+        bwd = {bs: _side(ev.backward(bs), True) for bs in (even_sizes(n, k) for k in range(1, n + 1))} if n else {(): _NONE}
+        for fs, fa in fwd.items():
+            for bs, ba in bwd.items():
+                plan = (fs, f, bs)
+                if plan in search.seen:
+                    continue
+                if search.floor(f, max(fa[1], tfb, ba[1]), len(fs) + 1 + len(bs)) > lim:
+                    search.seen.add(plan)  # as `consider` marks a plan its bound rules out
+                    continue
+                todo.append(plan)
+                info[plan] = (tfb, fa, ba)
+    if len(todo) < _BATCH:  # too few to share the tensors' overhead: one by one, as the sweep's order
+        for plan in sorted(todo, key=lambda p: (search.estimate(p[1], info[p][0], info[p][1], info[p][2],
+                                                               len(p[2])), p[1], len(p[0]), len(p[2]))):
+            search.consider(*plan, rigorous=True)
+        return
+    times = steady_times(ev, todo, cutoff=None if math.isinf(lim) else lim * (1 + SCREEN))
+    order = []
+    for plan, t in zip(todo, times):
+        if math.isinf(t):
+            search.seen.add(plan)
+            continue
+        fs, f, bs = plan
+        tfb, fa, ba = info[plan]
+        order.append((search.estimate(f, tfb, fa, ba, len(bs)), f, len(fs), len(bs), t, plan))
+    for *_, t, plan in sorted(order, key=lambda o: o[:4]):
+        search.consider(*plan, rigorous=True, fast=t)
 
 
 def _counts(n: int, search, total: float, target: float, complete: bool, fitting: int | None = None) -> list[int]:

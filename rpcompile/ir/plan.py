@@ -168,11 +168,12 @@ class StagePlan:
         stages = self.stages
         own = [sum(costs.param_bytes[i] for i in s.layers) for s in stages]
         cuts = {r.start for r in self.bwd if r.start > 0}
+        top = sorted(range(len(own)), key=own.__getitem__)[-2:]  # the two largest: the largest other is one
         out = []
         for s in stages:
             lo, hi = s.layers.start, s.layers.stop - 1
             if gpus is None:
-                nxt = max((own[j] for j in range(len(stages)) if j != s.index), default=0)
+                nxt = max((own[j] for j in top if j != s.index), default=0)
             else:
                 nxt = own[(s.index + gpus) % len(stages)]
             inp = costs.saved_bytes[lo] if s.kind is StageKind.B or lo == 0 else costs.act_bytes[lo - 1]

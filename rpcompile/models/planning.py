@@ -110,8 +110,11 @@ def plan_model(model: str, *, gpus: int = 8, hardware: str | Hardware = "rtx4090
                  ours_sync.bubble_ratio, ours.steady_bubble, max(ours.peak_memory) / 2**30,
                  _fits(ours, hw)))
     rows += _baseline_rows(costs, gpus, m, tokens, hw)
+    # the same model traced into sub-blocks (with a frozen base `long_sequence_graph` builds its own: the
+    # experts then run one after the other)
     longest, why = _seq_limit(model, hw, gpus=gpus, microbatch_size=microbatch_size, microbatches=m,
-                              frozen_base=frozen_base) if seq_limit else (None, "not asked for")
+                              frozen_base=frozen_base, built=None if frozen_base else net) \
+        if seq_limit else (None, "not asked for")
     n_params = sum(v.shape.numel() if hasattr(v.shape, "numel") else _numel(v.shape)
                    for v in graph.params.values())
     return PlanResult(model, n_params, plan, program, costs, tuple(rows), longest, why, tokens, host, hw.host_memory,
@@ -134,10 +137,10 @@ def _baseline_rows(costs, gpus: int, microbatches: int, tokens: int, hw: Hardwar
     return rows
 
 
-def _seq_limit(model: str, hw: Hardware, **kwargs):
-    """(`presets.seq_len_limit(model, hw, **kwargs)`, None), or (None, why it could not be computed)."""
+def _seq_limit(model: str, hw: Hardware, built=None, **kwargs):
+    """(`presets.seq_len_limit(model, hw, model=built, **kwargs)`, None), or (None, why it could not be computed)."""
     try:
-        return seq_len_limit(model, hw, host_memory=hw.host_memory, **kwargs), None
+        return seq_len_limit(model, hw, host_memory=hw.host_memory, model=built, **kwargs), None
     except Exception as exc:  # noqa: BLE001 - reported in the output: the plan itself still stands
         return None, f"{type(exc).__name__}: {exc}"
 

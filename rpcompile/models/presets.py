@@ -124,7 +124,7 @@ def example_batch(vocab: int, batch: int, seq: int, device: str = "cpu") -> dict
 
 
 def long_sequence_graph(name_or_path: str, *, frozen_base: bool = False,
-                        experts_implementation: str | None = None):
+                        experts_implementation: str | None = None, model: torch.nn.Module | None = None):
     """A preset (or config.json) built on meta and traced for long sequences, with `sublayer_units`.
 
     Args:
@@ -135,6 +135,8 @@ def long_sequence_graph(name_or_path: str, *, frozen_base: bool = False,
             the other) with a frozen base, since frozen experts have no weight gradients and the
             loop then holds one expert's intermediates at a time; else transformers' default
             (grouped matmuls: a trainable expert loop would build a full-size weight gradient per expert).
+        model: that model already built by `build_meta` with these settings (and frozen as asked),
+            traced instead of building it again (`plan_model` does this); it is not modified.
     Returns:
         The LayerGraph (memory-efficient attention, bf16, traced at one sequence of 2048 tokens).
 
@@ -142,8 +144,8 @@ def long_sequence_graph(name_or_path: str, *, frozen_base: bool = False,
     ['model.layers.0.input_layernorm', 'model.layers.0.self_attn']
     """
     impl = experts_implementation or ("eager" if frozen_base else None)
-    net = build_meta(name_or_path, experts_implementation=impl)
-    if frozen_base:
+    net = model if model is not None else build_meta(name_or_path, experts_implementation=impl)
+    if frozen_base and model is None:
         for p in net.parameters():
             p.requires_grad_(p.dim() == 1)
     return trace(net, example_batch(net.config.vocab_size, 1, 2048), layers=sublayer_units(net))
@@ -151,7 +153,8 @@ def long_sequence_graph(name_or_path: str, *, frozen_base: bool = False,
 
 def seq_len_limit(name_or_path: str, hardware: Any = "rtx4090", *, gpus: int | None = None,
                   microbatch_size: int = 1, microbatches: int | None = None, host_memory: int | None = None,
-                  frozen_base: bool = False, experts_implementation: str | None = None):
+                  frozen_base: bool = False, experts_implementation: str | None = None,
+                  model: torch.nn.Module | None = None):
     """The longest trainable sequence of a preset (or config.json) on `hardware`, and what binds it.
 
     `rpcompile.max_seq_len` of `long_sequence_graph(name_or_path, ...)`.
@@ -161,13 +164,14 @@ def seq_len_limit(name_or_path: str, hardware: Any = "rtx4090", *, gpus: int | N
         hardware: a `Hardware` or preset name.
         gpus, microbatch_size, microbatches, host_memory: as `max_seq_len`
             (`microbatch_size`: sequences per microbatch; `host_memory`: bytes).
-        frozen_base, experts_implementation: as `long_sequence_graph`.
+        frozen_base, experts_implementation, model: as `long_sequence_graph`.
     Returns:
         A `rpcompile.SeqLenLimit` (`.length`, `.binding`, `.bytes`, `.terms`; `str()` reads well).
 
     >>> print(seq_len_limit("qwen3-1.7b", host_memory=2048 * 2**30))   # doctest: +SKIP
     """
     hw = Hardware.preset(hardware) if isinstance(hardware, str) else hardware
-    graph = long_sequence_graph(name_or_path, frozen_base=frozen_base, experts_implementation=experts_implementation)
+    graph = long_sequence_graph(name_or_path, frozen_base=frozen_base, experts_implementation=experts_implementation,
+                                model=model)
     return max_seq_len(graph, hw, gpus=gpus, microbatch_size=microbatch_size, microbatches=microbatches,
                        host_memory=host_memory)

@@ -214,16 +214,26 @@ def simulate(program: Program, costs: CostTable, hardware, *, iterations: int = 
                 raise ValueError(f"simulate: {i.name} depends on {ref.name!r}, which is not in the program")
         deps_of.append([(ref.back, ref.since, pos[ref.name]) for ref in i.deps])
     short = [i.short for i in tmpl]
+    # per template instruction, what does not depend on the iteration (the loop below runs K x n times)
+    host = [i.is_host for i in tmpl]
+    lanes = [i.lane for i in tmpl]
+    chans = [_CHANNEL.get(lane, lane.value) for lane in lanes]
+    prio = [0 if lane in _HIGH else 1 for lane in lanes]
+    full = [max((max(back, since) for back, since, _ in dl), default=0) for dl in deps_of]  # all deps from here
+    offs = [tuple(d - back * n for back, _, d in dl) for dl in deps_of]
     jobs: list[Job] = []
     phys: list[tuple[int, Instr]] = []  # (physical worker, template instr): program.shifted(t)'s worker
     for t in range(iterations):
-        shift = t * program.shift
+        shift, base = t * program.shift, t * n
         for k, i in enumerate(tmpl):
-            deps = tuple((t - back) * n + d for back, since, d in deps_of[k] if t - back >= 0 and t >= since)
-            w = i.worker if i.is_host else (i.worker + shift) % program.gpus
-            lane = lane_ids.setdefault((w, i.lane), len(lane_ids))
-            ch = channel_ids.setdefault((w, _CHANNEL.get(i.lane, i.lane.value)), len(channel_ids))
-            jobs.append(Job(lane, ch, 0 if i.lane in _HIGH else 1, durations[k], deps))
+            if t >= full[k]:
+                deps = tuple(base + o for o in offs[k])
+            else:
+                deps = tuple((t - back) * n + d for back, since, d in deps_of[k] if t - back >= 0 and t >= since)
+            w = i.worker if host[k] else (i.worker + shift) % program.gpus
+            lane = lane_ids.setdefault((w, lanes[k]), len(lane_ids))
+            ch = channel_ids.setdefault((w, chans[k]), len(channel_ids))
+            jobs.append(Job(lane, ch, prio[k], durations[k], deps))
             phys.append((w, i))
     try:
         starts, ends = run_jobs(jobs)
@@ -232,7 +242,7 @@ def simulate(program: Program, costs: CostTable, hardware, *, iterations: int = 
         raise RuntimeError(f"simulate: {len(e.stuck)} instructions never ran, first {tmpl[j % n].name} of "
                            f"iteration {j // n} (template numbering):\n"
                            f"{program.grid(mark=tmpl[j % n].name, context=4)}") from None
-    ops = [tmpl[j % n].op for j in range(len(jobs))]
+    ops = [i.op for i in tmpl] * iterations
     wk = [w for w, _ in phys]
     compute = [op in COMPUTE_OPS for op in ops]
     busy = [0.0] * program.gpus
@@ -249,8 +259,10 @@ def simulate(program: Program, costs: CostTable, hardware, *, iterations: int = 
     for j in range(len(jobs)):
         if compute[j]:
             exposed[wk[j]] += waits[j]
-    records = tuple(Record(f"w{w} {short[j % n]}" if w >= 0 and not i.is_host else i.name, i.name, j // n, w,
-                           i.lane.value, i.op.value, starts[j], ends[j]) for j, (w, i) in enumerate(phys))
+    names = [i.name for i in tmpl]
+    lane_v, op_v = [lane.value for lane in lanes], [i.op.value for i in tmpl]
+    records = tuple(Record(f"w{w} {short[j % n]}" if w >= 0 and not host[j % n] else names[j % n], names[j % n],
+                           j // n, w, lane_v[j % n], op_v[j % n], starts[j], ends[j]) for j, (w, i) in enumerate(phys))
     nw = program.gpus
     return Timeline(
         gpus=nw, iterations=iterations, makespan=makespan, iteration_ends=tuple(ends_t),
@@ -360,9 +372,10 @@ def _peaks(program: Program, costs: CostTable, wk: list[int], jobs: list[Job], s
     base = [sum(costs.param_bytes[l] * (1 + STATE_PER_PARAM_BYTE) + costs.grad_bytes[l] for l in ls)
             for ls in resident]
     free_at = list(ends)  # a buffer lives until its last same-worker consumer ends
+    ops = [i.op for i in program.instrs]
     for j, job in enumerate(jobs):
         for d in job.deps:
-            if wk[d] == wk[j] and program.instrs[j % n].op in _CONSUMERS.get(program.instrs[d % n].op, ()):
+            if wk[d] == wk[j] and ops[j % n] in _CONSUMERS.get(ops[d % n], ()):
                 free_at[d] = max(free_at[d], ends[j])
     sizes = [_buffer_size(i, program, costs) for i in program.instrs]
     intervals: list[list[tuple[float, float, int]]] = [[] for _ in range(nw)]

@@ -83,3 +83,25 @@ def test_stage_memory_single_fused_stage_by_hand():
                              act_bytes=[13, 17], saved_bytes=[19, 23], peak_bytes=[29, 31])
     # FB[0,1]: params 3+5, prefetched itself (one stage) 3+5, batch 2*19, output 17, grads 7+11, peaks 29+31
     assert StagePlan.from_str("|2|").stage_memory(c, gpus=1) == (8 + 8 + 2 * 19 + 17 + 18 + 60,)
+def test_stage_memory_without_gpus_prefetches_the_largest_other_stage():
+    # gpus=None bounds the prefetched stage by the largest other stage's parameters; with gpus=g it is
+    # stage (i + g) mod S: the two differ in that term only, so each is checked against the other
+    import random
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(3, 12)
+        fwd = [rng.randint(1, n - 1)]
+        while sum(fwd) < n - 1:
+            fwd.append(rng.randint(1, n - 1 - sum(fwd)))
+        bwd = [1] * (n - 1)
+        plan = StagePlan.from_sizes(fwd, 1, bwd)
+        pb = [rng.choice([0, 5, 10**6, rng.randint(1, 10**9)]) for _ in range(n)]
+        c = CostTable.from_lists([1.0] * n, [2.0] * n, param_bytes=pb, grad_bytes=pb,
+                                 act_bytes=[rng.randint(0, 99) for _ in range(n)],
+                                 saved_bytes=[rng.randint(0, 99) for _ in range(n)])
+        own = [sum(pb[i] for i in s.layers) for s in plan.stages]
+        g = rng.randint(1, 2 * len(own))
+        bound, at = plan.stage_memory(c), plan.stage_memory(c, gpus=g)
+        for i in range(len(own)):
+            other = max(own[j] for j in range(len(own)) if j != i)
+            assert bound[i] == at[i] - own[(i + g) % len(own)] + other, (plan.to_str(), pb, i)

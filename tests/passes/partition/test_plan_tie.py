@@ -10,7 +10,7 @@ import pytest
 
 from rpcompile import CostTable, StagePlan
 from rpcompile.passes import partition
-from rpcompile.pipeline import MEASURED_TIE
+from rpcompile.pipeline import HOST_MEASURED_TIE, MEASURED_TIE, measured_tie
 from tests.passes.partition.test_partition_guarantees import tie_brute_force, tiny_case
 
 # The demo model's costs (`bench/plan_stability.py`: 4-layer Llama, gpus=2, 4 microbatches, 8 MiB budget)
@@ -97,3 +97,24 @@ def test_a_tie_keeps_the_guarantees_within_its_factor():
 def test_a_bad_tie_is_refused(bad):
     with pytest.raises(ValueError, match="tie"):
         partition(demo_costs([1.0] * 9, [2.0] * 9), tie=bad, **DEMO_KW)
+
+
+def qwen3_tables():
+    """The small Qwen3 in 29 sub-blocks as 6 loaded fresh processes measured it (qwen3_sub_block_costs.json)."""
+    import json
+    import os
+    with open(os.path.join(os.path.dirname(__file__), "qwen3_sub_block_costs.json")) as f:
+        data = json.load(f)
+    return [CostTable.from_lists(fwd=fwd, bwd=bwd, **data["bytes"]) for fwd, bwd in data["times"]], data["kw"]
+
+
+def test_measured_sub_block_costs_give_one_plan_with_the_host_tie_and_several_with_five_percent():
+    # issue 31: under load the CPU times attention at 6-15x a norm from one process to the next
+    tables, kw = qwen3_tables()
+    host = {partition(c, tie=HOST_MEASURED_TIE, **kw).to_str() for c in tables}
+    five = {partition(c, tie=MEASURED_TIE, **kw).to_str() for c in tables}
+    assert len(host) == 1 and len(five) > 1, (host, five)
+
+
+def test_costs_measured_on_the_cpu_tie_wider_than_on_a_gpu():
+    assert measured_tie("cpu") == HOST_MEASURED_TIE > measured_tie("cuda") == measured_tie("cuda:1") == MEASURED_TIE

@@ -1,0 +1,154 @@
+"""`iteration_time` fast: each slot by its first and last microbatch, and the steady state once it repeats.
+
+`timing.run` follows every microbatch of every slot for 3P iterations (P up
+to N). This module computes the same quantity from two observations, to about
+1e-12 (relative; float sums taken in another order), which is what a search
+needs to rank plans; `partition` re-times with `iteration_time` every plan that
+may tie, so every time it reports or compares for a tie is exact.
+
+Note: two microbatches per slot suffice. A slot runs its R microbatches in
+order, each when the worker and its input are ready: end_m = max(end_{m-1},
+g_m) + q with end_{-1} = c (the worker's clock after the upload), q the
+microbatch's compute and g_m when its input is ready (F, FB: the previous
+slot's end of m; B: max(saved input of m, previous slot's end of m - recompute),
+since the recompute needs only the saved input). So end_{R-1} = max(c + R q,
+max_j g_j + (R - j) q), and end_0 = max(c, g_0) + q. Every g is a maximum of
+sequences convex in m (the first slot's c + (m+1) q is linear; a maximum of
+convex sequences and the running maximum above keep convexity), so g_j - j q
+is convex and its maximum is at j = 0 or j = R-1: end_{R-1} = max(c + R q,
+g_{R-1} + q, g_0 + R q). The first and last ends of every slot therefore
+follow from the first and last ends of its inputs: O(1) per slot instead of O(R).
+
+Note: the steady state. One iteration maps the state (each worker's clock and
+its slot's first start, the latest upload per stage, the optimizer's clock, the
+copies the next iteration reads and the last steps) to the next; the same map
+every iteration once the rotation is accounted for (worker w of this iteration
+is worker w + S * rounds of the next), from the third iteration on (the first
+to read a copy) when every slot index is >= N. The map is max-plus: monotone,
+and adding a constant to the state adds it to the result. So if the state
+after iteration t is the state after t - 1 (rotated) plus increments in [lo,
+hi], every later iteration's increments are in [lo, hi] too, and so is the
+window `iteration_time` averages. The run stops when hi - lo <= 1e-12 of the
+clocks (the steady state: usually by the third or fourth iteration, instead of
+3P up to 24) and returns the last increment; and (`cutoff`) as soon as lo
+exceeds the cutoff, returning math.inf: the plan is slower.
+
+    >>> from rpcompile.passes.partition.timing import shape
+    >>> sh = shape([(0, 0, 3, 3.0, 6.0), (1, 3, 4, 1.0, 2.0), (2, 0, 3, 3.0, 6.0)])
+    >>> steady_time(sh, gpus=1, microbatches=2, round_size=2, staleness=0)
+    30.0
+"""
+from __future__ import annotations
+
+import math
+
+from rpcompile.passes.partition.timing import Shape, _copies, steady_state_window
+
+TOLERANCE = 1e-12  # relative spread of the increments taken as the steady state (float sums round)
+
+
+def steady_time(sh: Shape, *, gpus: int, microbatches: int, round_size: int, staleness: int,
+                cutoff: float | None = None) -> float:
+    """`iteration_time` of a plan given as a `timing.Shape`, to about 1e-12 relative (see the module Note).
+
+    Args:
+        sh: the plan's shape (`timing.shape`).
+        gpus, microbatches, round_size, staleness: as `iteration_time` (round_size resolved).
+        cutoff: once the time is proven above this, return math.inf (None: never); a time within
+            about 1e-12 of it may go either way, so callers leave a margin (`evaluator.SCREEN`).
+    Returns:
+        Seconds, or math.inf (above `cutoff`).
+    """
+    n, rr = gpus, round_size
+    info, layers, holders, grad_stage = sh.info, sh.layers, sh.holders, sh.grad_stage
+    ns, rounds, nseg = len(info), microbatches // rr, len(grad_stage)
+    iters, window = (1, 1) if staleness == 0 else steady_state_window(n, ns, rounds)
+    per = ns * rounds
+    free, first_start, uploaded = [0.0] * n, [0.0] * n, [0.0] * ns
+    copies: list[list[float]] = []
+    steps: list[list[float]] = []
+    last_step, ends, before = 0.0, [], None
+    for t in range(iters):
+        k = t * per
+        src = t - 1 - staleness
+        if src >= 0:
+            cp = copies[src]
+            ready = [max(cp[g] for g in lay) for lay in layers]
+        else:
+            ready = [0.0] * ns
+        gend = [0.0] * ns
+        t_end = 0.0
+        for _ in range(rounds):
+            d0 = dr = -math.inf  # first and last end of the previous slot (none before the round's first)
+            f0: list[float] = []
+            fr: list[float] = []
+            for i, kind, pre, post, prod in info:  # the upload rule as timing.run's, inlined (the hot loop)
+                w = k % n
+                up = ready[i]
+                if k >= n and first_start[w] > up:
+                    up = first_start[w]
+                if up > uploaded[i]:
+                    uploaded[i] = up
+                c = free[w] if free[w] >= up else up
+                if kind == 2:
+                    q = pre + post
+                    g0, gr = d0 - pre, dr - pre
+                    if prod is not None:
+                        s0 = c if c >= f0[prod] else f0[prod]
+                        g0 = g0 if g0 >= f0[prod] else f0[prod]
+                        gr = gr if gr >= fr[prod] else fr[prod]
+                    else:
+                        s0 = c
+                else:
+                    q, g0, gr = post, d0, dr
+                    s0 = c if c >= d0 else d0
+                a = (c if c >= g0 else g0) + q
+                z = c + rr * q
+                x = gr + q
+                if x > z:
+                    z = x
+                x = g0 + rr * q
+                if x > z:
+                    z = x
+                free[w], first_start[w] = z, s0
+                if kind == 0:
+                    f0.append(a)
+                    fr.append(z)
+                else:
+                    gend[i] = z
+                d0, dr = a, z
+                if z > t_end:
+                    t_end = z
+                k += 1
+        ends.append(t_end)
+        if staleness == 1 and t >= 1:
+            copies.append(_copies(steps[t - 1], holders, uploaded))
+        step = [0.0] * nseg
+        prev = copies[t - 1] if t >= 1 else None
+        for g in range(nseg - 1, -1, -1):  # as timing.run: one step at a time, layers descending
+            x = gend[grad_stage[g]]
+            if prev is not None and prev[g] > x:
+                x = prev[g]
+            if x > last_step:
+                last_step = x
+            step[g] = last_step
+        steps.append(step)
+        if staleness == 0:
+            copies.append(_copies(step, holders, uploaded))
+            continue
+        if t >= 1:
+            shift = ((t + 1) * per) % n
+            state = [*free[shift:], *free[:shift], *first_start[shift:], *first_start[:shift], *uploaded,
+                     last_step, *copies[t - 1], *step]
+            if before is not None and t >= 2 and t * per >= n:
+                inc = [a - b for a, b in zip(state, before)]
+                lo, hi = min(inc), max(inc)
+                if cutoff is not None and lo > cutoff:
+                    return math.inf
+                if hi - lo <= TOLERANCE * max(t_end, 1e-300):
+                    return ends[-1] - ends[-2]
+            before = state
+    if staleness == 0:
+        return ends[0] if cutoff is None or ends[0] <= cutoff else math.inf
+    out = (ends[-1] - ends[-1 - window]) / window
+    return out if cutoff is None or out <= cutoff else math.inf

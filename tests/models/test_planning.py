@@ -1,0 +1,31 @@
+"""plan_model: the longest sequence it reports is `seq_len_limit`'s for the same model, built once for both."""
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from rpcompile.ir.hardware import Hardware  # noqa: E402
+from rpcompile.models.planning import plan_model  # noqa: E402
+from rpcompile.models.presets import seq_len_limit  # noqa: E402
+
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            intermediate_size=128, vocab_size=512, tie_word_embeddings=False)
+
+
+def config(tmp_path, name: str, **fields) -> str:
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps({**TINY, **fields}))
+    return str(path)
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_plan_model_reports_the_limit_of_the_model_it_planned(tmp_path, frozen) -> None:
+    # a mixture of experts: with a frozen base the limit runs its experts one after the other (eager),
+    # so plan_model must not hand its own (grouped) model to seq_len_limit then
+    path = config(tmp_path, "moe", model_type="qwen3_moe", moe_intermediate_size=256, num_experts=8,
+                  num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[])
+    hw = Hardware.preset("rtx4090").replace(device_memory=64 * 2**20)
+    r = plan_model(path, gpus=2, hardware=hw, seq=64, microbatches=2, frozen_base=frozen)
+    alone = seq_len_limit(path, hw, gpus=2, microbatches=2, host_memory=hw.host_memory, frozen_base=frozen)
+    assert r.max_seq_why is None and r.max_seq == alone and r.max_seq.length > 0, (r.max_seq, alone)
