@@ -18,6 +18,7 @@ def test_compile_on_the_cpu_ranks_measured_costs_with_the_host_tie(monkeypatch):
 
     monkeypatch.setattr(pipeline.passes, "partition", recording)
     x, y = models.regression_batch(batch=4)
-    c = rpcompile.compile(models.sequential(), gpus=2, example=(x, y), microbatches=2, loss_fn=models.mse_loss)
+    c = rpcompile.compile(models.sequential(), gpus=2, example=(x, y), microbatches=2, loss_fn=models.mse_loss,
+                          backend="host")
     c.close()
     assert ties and set(ties) == {pipeline.HOST_MEASURED_TIE}, ties
