@@ -10,23 +10,28 @@ from __future__ import annotations
 
 import os
 
-ORDER = ("trace", "costs", "long_seq", "partition", "partition_qwen3-235b-a22b", "plan_stability", "schedules_sim",
-         "schedules", "plan_cli", "runtime_cpu", "optimizer", "dispatch_mode", "checkpoint_memory", "data_memory",
-         "distributed", "gpu")
+ORDER = ("trace", "costs", "long_seq", "partition", "partition_qwen3-235b-a22b", "plan_stability", "compile_zoo",
+         "schedules_sim", "schedules", "plan_cli", "runtime_cpu", "runtime_cpu_compare", "optimizer", "dispatch_mode", "checkpoint_memory",
+         "data_memory", "token_cache_checks", "finetune_startup", "distributed", "gpu")
 TITLES = {
     "trace": "Trace time (issue 2)", "costs": "Cost model: predicted vs measured (issue 3)",
-    "partition": "Partition: planning time and plan quality (issues 4, 15)",
+    "partition": "Partition: planning time and plan quality (issues 4, 15, 31)",
     "partition_qwen3-235b-a22b": "Partition: qwen3-235b-a22b against the old search (issue 15)",
     "long_seq": "Long sequences: max_seq_len of the paper models, eager vs SDPA pricing (issue 13)",
-    "plan_stability": "Plan stability: fresh-process compiles on a loaded machine (issue 14)",
+    "plan_stability": "Plan stability: fresh-process compiles on a loaded machine (issues 14, 26, 31)",
+    "compile_zoo": "compile() of the tests' transformers models, now and before (issue 31)",
     "schedules_sim": "Simulated bubble vs bound-stage baselines (issue 5)",
-    "schedules": "The five paper models on 8x RTX 4090, simulated (issue 8)",
+    "schedules": "The five paper models on 8x RTX 4090, simulated; both recipes against the paper (issues 8, 33)",
     "runtime_cpu": "Runtime on this CPU: compiled vs eager, host waits, allocations (issues 6, 12)",
-    "optimizer": "CPU optimizer throughput (issue 6)",
+    "runtime_cpu_compare": "Runtime on this CPU: compiled / eager now and before the host optimizer's kernels (issue 32)",
+    "optimizer": "The host optimizer at memory speed (issues 6, 32)",
     "dispatch_mode": "The RNG dispatch mode's cost on a layer with dropout (issue 22)",
     "checkpoint_memory": "Checkpoint memory: peak extra RSS of save and load (issue 23)", "distributed": "Data parallelism across processes (issue 9)",
     "data_memory": "Fine-tuning data: peak RSS of tokenizing and packing (issue 25)",
-    "gpu": "GPU run (bench/gpu.sh, issue 12)", "plan_cli": "The plan command on the paper models (issue 7)",
+    "token_cache_checks": "Token cache checks: the digest at open, the size check per batch (issue 34)",
+    "finetune_startup": "Fine-tuning start-up: where a tiny finetune run's time goes, now and before (issue 35)",
+    "gpu": "GPU run (bench/gpu.sh, issue 12)",
+    "plan_cli": "The plan command on the paper models (issues 7, 31)",
 }
 
 
