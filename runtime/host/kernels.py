@@ -34,7 +34,11 @@ from torch import Tensor
 __all__ = ["Kernels", "load_kernels", "cache_dir", "optimizer_rate", "KINDS"]
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.cpp")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno")  # C++ compile flags
+# C++ compile flags. -mprefer-vector-width=512: GCC defaults to 256-bit vectors even where AVX-512 exists; the
+# wider ones made the whole host side 5% faster on this machine's Xeon (98.8 -> 93 ms, bench/optimizer.py,
+# 1 thread) and change nothing on a CPU without AVX-512. -ffp-contract=off: eager's float operations, no FMA
+# where ATen has none.
+FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffp-contract=off", "-fno-math-errno")
 KINDS = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}  # dtype -> the kernels' kind number
 
 
