@@ -277,3 +277,25 @@ def test_the_fine_tuning_library_importing_the_command_line_is_named():
     problems = _new_problems(upward, "rpcompile.finetune.run", "\nfrom rpcompile.cli import main\n")
     assert len(problems) == 1 and "finetune/run.py:" in problems[0], problems
     assert "rpcompile.finetune.run (libraries) imports rpcompile.cli.main (cli), a layer above it" in problems[0]
+
+
+def packages_missing_from(pyproject: str) -> list[str]:
+    """Project packages (folders with an `__init__.py`) that `pyproject`'s package list leaves out:
+    a wheel built from it would lack them, although an editable install still finds them."""
+    import tomllib
+    with open(pyproject, "rb") as f:
+        listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
+    packages = {name for name, path in project_modules().items() if path.endswith("__init__.py")}
+    return sorted(packages - listed)
+
+
+def test_pyproject_lists_every_package():
+    assert packages_missing_from(os.path.join(ROOT, "pyproject.toml")) == []
+
+
+def test_a_package_left_out_of_pyproject_is_named(tmp_path):
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
+        text = f.read()
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text(text.replace('"rpcompile.runtime.sim",', ""))
+    assert packages_missing_from(str(pyproject)) == ["rpcompile.runtime.sim"]
