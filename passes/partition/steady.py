@@ -33,6 +33,14 @@ clocks (the steady state: usually by the third or fourth iteration, instead of
 3P up to 24) and returns the last increment; and (`cutoff`) as soon as lo
 exceeds the cutoff, returning math.inf: the plan is slower.
 
+Note: periodic steady states. Some plans never repeat from one iteration to
+the next but do every q (increments 731.6, 754.1, 731.6, ... ms: q = 2; near
+the best plans of Qwen3-1.7B at R = 16 these are the plans that ran all 3P
+iterations). The same argument holds for the map applied q times, so the run
+also compares the state with the one q iterations back, for every q it has
+(the iterations in between all steady), and once one repeats shifted by a
+constant it extends the ends q at a time up to the window (`periodic_window`).
+
     >>> from rpcompile.passes.partition.timing import shape
     >>> sh = shape([(0, 0, 3, 3.0, 6.0), (1, 3, 4, 1.0, 2.0), (2, 0, 3, 3.0, 6.0)])
     >>> steady_time(sh, gpus=1, microbatches=2, round_size=2, staleness=0)
@@ -67,7 +75,8 @@ def steady_time(sh: Shape, *, gpus: int, microbatches: int, round_size: int, sta
     free, first_start, uploaded = [0.0] * n, [0.0] * n, [0.0] * ns
     copies: list[list[float]] = []
     steps: list[list[float]] = []
-    last_step, ends, before = 0.0, [], None
+    last_step, ends = 0.0, []
+    states: list[list[float]] = []  # the normalized state after each iteration from the second on
     for t in range(iters):
         k = t * per
         src = t - 1 - staleness
@@ -140,15 +149,53 @@ def steady_time(sh: Shape, *, gpus: int, microbatches: int, round_size: int, sta
             shift = ((t + 1) * per) % n
             state = [*free[shift:], *free[:shift], *first_start[shift:], *first_start[:shift], *uploaded,
                      last_step, *copies[t - 1], *step]
-            if before is not None and t >= 2 and t * per >= n:
-                inc = [a - b for a, b in zip(state, before)]
+            states.append(state)
+            # state(t) = Map^q(state(t - q)) when iterations t-q+1..t are all the steady map (the third on,
+            # every slot index >= N); the first q whose increments agree gives the period
+            for q in range(1, t):
+                if t - q + 1 < 2 or (t - q + 1) * per < n:
+                    break
+                inc = [a - b for a, b in zip(state, states[-1 - q])]
                 lo, hi = min(inc), max(inc)
-                if cutoff is not None and lo > cutoff:
+                lo1 = lo if q == 1 else lo1
+                if cutoff is not None and window_floor(ends, q, lo, lo1, iters, window) > cutoff:
                     return math.inf
                 if hi - lo <= TOLERANCE * max(t_end, 1e-300):
-                    return ends[-1] - ends[-2]
-            before = state
+                    out = periodic_window(ends, q, (lo + hi) / 2, iters, window)
+                    return out if cutoff is None or out <= cutoff else math.inf
     if staleness == 0:
         return ends[0] if cutoff is None or ends[0] <= cutoff else math.inf
     out = (ends[-1] - ends[-1 - window]) / window
     return out if cutoff is None or out <= cutoff else math.inf
+
+
+def window_floor(ends: list[float], q: int, lo_q: float, lo_1: float, iters: int, window: int) -> float:
+    """A lower bound on `iteration_time`'s window average from what iterations 0..t (`ends`) proved.
+
+    Every end q iterations after iteration t is at least `lo_q` above the end q before it, and every end at
+    least `lo_1` above the one before (the state grew by at least that much, and the map is monotone): the
+    window's ends already known count as they are, the rest in blocks of q, then single steps.
+
+        >>> window_floor([0.0, 1.0, 3.0], 2, 4.0, 1.0, 6, 2)  # ends 3 and 5 unknown: at least 4 apart
+        2.0
+    """
+    t, first = len(ends) - 1, iters - 1 - window
+    known = ends[t] - ends[first] if t > first else 0.0
+    m = iters - 1 - max(first, t)
+    return (known + (m // q) * lo_q + (m % q) * lo_1) / window
+
+
+def periodic_window(ends: list[float], q: int, inc: float, iters: int, window: int) -> float:
+    """`iteration_time`'s window average once the state repeats every q iterations, `inc` later.
+
+    `ends` holds iterations 0..t; every later end is the end q iterations before plus `inc` (the map is
+    max-plus, so the state q iterations on is this one shifted by `inc`, and so on), which gives ends up
+    to iteration `iters` - 1 and the average of the last `window` increments there.
+
+        >>> periodic_window([0.0, 3.0, 5.0, 8.0], 2, 5.0, 6, 2)  # increments 3, 2, 3, 2, ...
+        2.5
+    """
+    ends = list(ends)
+    while len(ends) < iters:
+        ends.append(ends[-q] + inc)
+    return (ends[iters - 1] - ends[iters - 1 - window]) / window

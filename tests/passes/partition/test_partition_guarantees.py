@@ -11,11 +11,13 @@ import os
 import random
 import subprocess
 import sys
+import torch
 
 from hypothesis import example, given, settings, strategies as st
 
 from rpcompile import CostTable, StagePlan
 from rpcompile.passes import partition
+from rpcompile.passes.partition.batch import busiest_worker
 from rpcompile.passes.partition.timing import default_round_size, iteration_time
 from tests.strategies import plans
 
@@ -250,6 +252,9 @@ def test_pruning_bounds_hold_on_random_plans(case, n, m, data):
         assert search.ev.time(stages) == t  # the same plan
         isolated = search.ev.isolated_floor(stages, math.inf)  # half the isolated iteration (staleness 1)
         assert isolated <= t * (1 + SLACK), (plan.to_str(), n, m, rr, staleness, isolated, t)
+        times = torch.tensor([[a + b if code else a for code, _, _, a, b in stages]], dtype=torch.float64)
+        busiest = float(busiest_worker(times, torch.tensor([len(stages)]), n, m // rr, rr, staleness)[0])
+        assert busiest <= t * (1 + SLACK), (plan.to_str(), n, m, rr, staleness, busiest, t)
 
 
 def test_the_same_costs_and_options_give_the_same_plan():

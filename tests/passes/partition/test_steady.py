@@ -7,6 +7,7 @@ import json
 import math
 import os
 import random
+import sys
 
 import pytest
 
@@ -114,3 +115,22 @@ def test_paper_models_plan_no_slower_than_before(model, rr, data):
     assert max(plan.stage_memory(costs, gpus=8)) <= data["memory_budget"]
     assert plan.report.iteration_time == iteration_time(plan, costs, **kw)
     assert plan.report.iteration_time <= data["before"][str(rr)]["iteration_time"], plan.to_str()
+
+
+@pytest.mark.parametrize("plan,period", [(((35,), 1, (35,)), 2), (((35,), 1, (7, 7, 7, 7, 7)), 3), (((18, 17), 1, (9, 9, 9, 8)), 4)])
+def test_a_state_repeating_every_few_iterations_is_extended_by_its_period(monkeypatch, plan, period):
+    # Qwen3-1.7B at R = 16: the increments alternate (two or three values) and never repeat from one iteration
+    # to the next; the run stops at the period and extends the ends, giving the window's average
+    with open(PAPER) as f:
+        costs = CostTable.from_lists(**json.load(f)["qwen3-1.7b"]["costs"])
+    kw = dict(gpus=8, microbatches=16, round_size=16)
+    p = StagePlan.from_sizes(*plan)
+    steady = sys.modules["rpcompile.passes.partition.steady"]
+    seen = []
+    real = steady.periodic_window
+    monkeypatch.setattr(steady, "periodic_window", lambda ends, q, *a: seen.append(q) or real(ends, q, *a))
+    exact = iteration_time(p, costs, staleness=1, **kw)
+    assert close(steady_time(plan_shape(p, costs), staleness=1, **kw), exact)
+    assert seen == [period]
+    ev = Evaluator(costs, staleness=1, memory=None, **kw)
+    assert close(steady_times(ev, [plan, ((1,) * 35, 1, (1,) * 35)])[0], exact)
