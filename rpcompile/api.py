@@ -137,7 +137,7 @@ class Compiled:
         self._lock = threading.RLock()  # one caller at a time (see `_one_caller`)
         self._model, self.options, self._example = model, opts, example
         (self.graph, self.costs, self.plan, self.program, self.microbatches,
-         self._units) = compile_passes(model, example, opts, frozen=frozen)  # units: sub-blocks, if it cut them
+         self._units, _) = compile_passes(model, example, opts, frozen=frozen)  # units: sub-blocks, if it cut them
         if opts.loss_mean == "tokens":
             trained_tokens(self.graph, example, self.microbatches)  # no `labels`: refused before any thread starts
         self._signature, self._variants = signature(example), Variants()  # one program per batch signature

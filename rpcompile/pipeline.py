@@ -106,7 +106,7 @@ def _rebuild(model: torch.nn.Module, example: Any, opts: Options, frozen: Frozen
                           staleness=opts.staleness, costs=costs, readers=_shared_readers(graph))
     passes.verify(program, costs=costs, memory_budget=_budget(opts))
     _check_host(graph, costs, plan, opts, frozen.microbatches, frozen.round_size, program)
-    return graph, costs, plan, program, frozen.microbatches, frozen.layers
+    return graph, costs, plan, program, frozen.microbatches, frozen.layers, None
 
 
 def _budget(opts: Options) -> int | None:
@@ -135,7 +135,8 @@ def plan_pipeline(model: torch.nn.Module, example: Any, opts: Options, *, mode: 
 
 def compile_passes(model: torch.nn.Module, example: Any, opts: Options, *, mode: str = "measure",
                    frozen: Frozen | None = None):
-    """`plan_pipeline`, also returning the layer units it traced with (None: the default detection)."""
+    """`plan_pipeline`, also returning the layer units it traced with (None: the default detection) and the
+    simulated Timeline that chose the round size (None without a hardware target or when rebuilt)."""
     m = frozen.microbatches if frozen else opts.microbatches or default_microbatches(batch_size(example), opts.gpus)
     check_batch(example, m)
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}  # measuring runs the layers: keep
@@ -176,11 +177,11 @@ def _passes(model: torch.nn.Module, example: Any, opts: Options, m: int, mode: s
     # 4-5. choose the stage grouping (and, for a hardware target, the round size) and emit the program
     # (measured costs: on the device `estimate_costs` measured them on, CUDA if there is one, else the CPU)
     tie = measured_tie("cuda" if torch.cuda.is_available() else "cpu") if mode == "measure" else 0.0
-    plan, program = _plan_and_emit(graph, costs, opts, m, budget, tie=tie)
+    plan, program, timeline = _plan_and_emit(graph, costs, opts, m, budget, tie=tie)
     # 6. check it: dependencies, coverage, the per-layer rules R1-R5, device memory; then host memory
     passes.verify(program, costs=costs, memory_budget=budget)
     _check_host(graph, costs, plan, opts, m, program.round_size, program)
-    return graph, costs, plan, program, m, units
+    return graph, costs, plan, program, m, units, timeline
 
 
 def _layers_and_costs(model, example, opts: Options, m: int, mode: str, layers, budget: int | None):
@@ -218,7 +219,8 @@ def _refusal(costs: CostTable, budget: int | None) -> str | None:
 
 def _plan_and_emit(graph: LayerGraph, costs: CostTable, opts: Options, m: int, budget: int | None,
                    tie: float = 0.0):
-    """partition (with `tie`) + emit, at the round size chosen as the Note says.
+    """partition (with `tie`) + emit, at the round size chosen as the Note says: (plan, program, the
+    chosen program's simulated Timeline or None without a hardware target).
 
     Note: round size. The partitioner's objective is the compute-only schedule time, and one round
     of all M microbatches uploads every stage's parameters once per iteration instead of M / R
@@ -241,16 +243,16 @@ def _plan_and_emit(graph: LayerGraph, costs: CostTable, opts: Options, m: int, b
         if opts.gpus == 1 and m != default:
             plan, program = emitted(m)
             if _fits_host(graph, costs, plan, opts, m, m, program):
-                return plan, program
-        return emitted(default)
+                return plan, program, None
+        return (*emitted(default), None)
     best = None
     for r in dict.fromkeys((default, m)):
         plan, program = emitted(r)
         k = steady_iterations(program) if opts.staleness else 1
-        t = simulate(program, costs, opts.hardware, iterations=k).steady_iteration_time
-        if best is None or t < best[0]:
-            best = (t, plan, program)
-    return best[1], best[2]
+        timeline = simulate(program, costs, opts.hardware, iterations=k)
+        if best is None or timeline.steady_iteration_time < best[0]:
+            best = (timeline.steady_iteration_time, plan, program, timeline)
+    return best[1:]
 
 
 def _check_host(graph: LayerGraph, costs: CostTable, plan, opts: Options, m: int, round_size: int,

@@ -11,7 +11,8 @@ import torch
 from tabulate import tabulate
 
 from rpcompile import passes
-from rpcompile.api import Options, plan_pipeline
+from rpcompile.api import Options
+from rpcompile.pipeline import compile_passes
 from rpcompile.models.presets import build_meta, example_batch, seq_len_limit
 from rpcompile.hostmem import HostBytes, check_host_memory
 from rpcompile.ir.hardware import Hardware
@@ -98,14 +99,15 @@ def plan_model(model: str, *, gpus: int = 8, hardware: str | Hardware = "rtx4090
                    optimizer=None, dtype=dtype, loss_fn=None, layers=None,
                    lm_head_shards=lm_head_shards, hardware=hw, memory_budget=None, backend="host", seed=0,
                    fp16_accumulation=fp16_accumulation, fused_head=fused_head)
-    graph, costs, plan, program, m = plan_pipeline(net, example, opts, mode="predict")
+    graph, costs, plan, program, m, _, chosen = compile_passes(net, example, opts, mode="predict")
     host = check_host_memory(graph, costs, plan, microbatches=m, gpus=gpus, round_size=program.round_size,
                              program=program, **state)
     tokens = microbatches * microbatch_size * seq
     rows = []
     ours_sync = simulate(passes.emit(plan, gpus=gpus, microbatches=m, round_size=program.round_size,
                                       staleness=0, costs=costs), costs, hw)
-    ours = simulate(program, costs, hw, iterations=steady_iterations(program))
+    k = steady_iterations(program)  # the round size was chosen by this simulation when its window is this one
+    ours = chosen if chosen is not None and chosen.iterations == k else simulate(program, costs, hw, iterations=k)
     rows.append(("rpcompile (RoundPipe)", ours.steady_iteration_time, tokens / ours.steady_iteration_time,
                  ours_sync.bubble_ratio, ours.steady_bubble, max(ours.peak_memory) / 2**30,
                  _fits(ours, hw)))

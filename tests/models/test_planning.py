@@ -29,3 +29,27 @@ def test_plan_model_reports_the_limit_of_the_model_it_planned(tmp_path, frozen) 
     r = plan_model(path, gpus=2, hardware=hw, seq=64, microbatches=2, frozen_base=frozen)
     alone = seq_len_limit(path, hw, gpus=2, microbatches=2, host_memory=hw.host_memory, frozen_base=frozen)
     assert r.max_seq_why is None and r.max_seq == alone and r.max_seq.length > 0, (r.max_seq, alone)
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_plan_model_simulates_its_program_once(tmp_path, monkeypatch, staleness) -> None:
+    # the round size is chosen by simulating each candidate program; the row for the chosen one reuses that
+    # timeline (the same program, costs, hardware and window) instead of simulating it again
+    import rpcompile.models.planning as planning
+    import rpcompile.pipeline as pipeline
+    runs = []
+
+    def counted(real):
+        def simulate(program, *a, **kw):
+            runs.append((program, kw.get("iterations", 1)))  # held, so no two programs share an id
+            return real(program, *a, **kw)
+        return simulate
+    monkeypatch.setattr(pipeline, "simulate", counted(pipeline.simulate))
+    monkeypatch.setattr(planning, "simulate", counted(planning.simulate))
+    path = config(tmp_path, "llama", model_type="llama")
+    r = plan_model(path, gpus=2, hardware="rtx4090", seq=64, microbatches=4, staleness=staleness, seq_limit=False)
+    keys = [(id(p), k) for p, k in runs]
+    assert len(keys) == len(set(keys)), keys
+    fresh = planning.simulate(r.program, r.costs, Hardware.preset("rtx4090"),
+                              iterations=planning.steady_iterations(r.program))
+    assert r.rows[0][1] == fresh.steady_iteration_time
