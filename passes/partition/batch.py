@@ -282,11 +282,9 @@ class _Batch:
             rot = (torch.arange(n)[:, None] + per) % n
             free = list(torch.stack(free).gather(0, rot).unbind(0))
             first = list(torch.stack(first).gather(0, rot).unbind(0))
-            done = torch.zeros(rows, dtype=torch.bool)
-            if t >= 1:
-                states[t] = torch.cat([torch.stack(free, 1), torch.stack(first, 1), uploaded.T, last_step,
-                                       copies[t - 1], step], 1)
-                done = self._settled(t, states, ends, cutoff, live, out)
+            read = copies[t - 1] if t >= 1 else torch.zeros_like(step)  # iteration 1 reads no copy: zeros
+            states[t] = torch.cat([torch.stack(free, 1), torch.stack(first, 1), uploaded.T, last_step, read, step], 1)
+            done = self._settled(t, states, ends, cutoff, live, out)
             full = (t + 1 >= self.iters) & ~done
             for r in torch.nonzero(full).flatten().tolist():
                 wdw = int(self.window[r])
@@ -317,8 +315,8 @@ class _Batch:
         known = torch.where(t > first, ends[t] - torch.stack(ends, 1).gather(1, first.clamp(max=t)[:, None])[:, 0],
                             0.0)
         m = self.iters - 1 - first.clamp(min=t)
-        for q in range(1, t):
-            valid = ((t - q + 1) * per >= self.n) & ~done  # iterations t-q+1..t all the steady map
+        for q in range(1, t + 1):
+            valid = ((t - q + 1) * per >= self.n) & ~done  # iterations t-q+1..t all the same map
             if not bool(valid.any()):
                 break
             inc = state - states[t - q]

@@ -23,13 +23,15 @@ Note: the steady state. One iteration maps the state (each worker's clock and
 its slot's first start, the latest upload per stage, the optimizer's clock, the
 copies the next iteration reads and the last steps) to the next; the same map
 every iteration once the rotation is accounted for (worker w of this iteration
-is worker w + S * rounds of the next), from the third iteration on (the first
-to read a copy) when every slot index is >= N. The map is max-plus: monotone,
+is worker w + S * rounds of the next), from the second iteration on when every
+slot index is >= N: the second reads no copy (the initial weights), which is
+the third's rule reading copies that are all 0, so the state after the first
+iteration carries zeros as the copies the second reads. The map is max-plus: monotone,
 and adding a constant to the state adds it to the result. So if the state
 after iteration t is the state after t - 1 (rotated) plus increments in [lo,
 hi], every later iteration's increments are in [lo, hi] too, and so is the
 window `iteration_time` averages. The run stops when hi - lo <= 1e-12 of the
-clocks (the steady state: usually by the third or fourth iteration, instead of
+clocks (the steady state: usually by the second or third iteration, instead of
 3P up to 24) and returns the last increment; and (`cutoff`) as soon as lo
 exceeds the cutoff, returning math.inf: the plan is slower.
 
@@ -76,7 +78,8 @@ def steady_time(sh: Shape, *, gpus: int, microbatches: int, round_size: int, sta
     copies: list[list[float]] = []
     steps: list[list[float]] = []
     last_step, ends = 0.0, []
-    states: list[list[float]] = []  # the normalized state after each iteration from the second on
+    states: list[list[float]] = []  # the normalized state after each iteration
+    zero_copies = [0.0] * nseg      # the copies iteration 1 reads: none, so its uploads wait for nothing
     for t in range(iters):
         k = t * per
         src = t - 1 - staleness
@@ -145,24 +148,23 @@ def steady_time(sh: Shape, *, gpus: int, microbatches: int, round_size: int, sta
         if staleness == 0:
             copies.append(_copies(step, holders, uploaded))
             continue
-        if t >= 1:
-            shift = ((t + 1) * per) % n
-            state = [*free[shift:], *free[:shift], *first_start[shift:], *first_start[:shift], *uploaded,
-                     last_step, *copies[t - 1], *step]
-            states.append(state)
-            # state(t) = Map^q(state(t - q)) when iterations t-q+1..t are all the steady map (the third on,
-            # every slot index >= N); the first q whose increments agree gives the period
-            for q in range(1, t):
-                if t - q + 1 < 2 or (t - q + 1) * per < n:
-                    break
-                inc = [a - b for a, b in zip(state, states[-1 - q])]
-                lo, hi = min(inc), max(inc)
-                lo1 = lo if q == 1 else lo1
-                if cutoff is not None and window_floor(ends, q, lo, lo1, iters, window) > cutoff:
-                    return math.inf
-                if hi - lo <= TOLERANCE * max(t_end, 1e-300):
-                    out = periodic_window(ends, q, (lo + hi) / 2, iters, window)
-                    return out if cutoff is None or out <= cutoff else math.inf
+        shift = ((t + 1) * per) % n
+        state = [*free[shift:], *free[:shift], *first_start[shift:], *first_start[:shift], *uploaded,
+                 last_step, *(copies[t - 1] if t >= 1 else zero_copies), *step]
+        states.append(state)
+        # state(t) = Map^q(state(t - q)) when iterations t-q+1..t are all the same map (the second on,
+        # every slot index >= N); the first q whose increments agree gives the period
+        for q in range(1, t + 1):
+            if (t - q + 1) * per < n:
+                break
+            inc = [a - b for a, b in zip(state, states[-1 - q])]
+            lo, hi = min(inc), max(inc)
+            lo1 = lo if q == 1 else lo1
+            if cutoff is not None and window_floor(ends, q, lo, lo1, iters, window) > cutoff:
+                return math.inf
+            if hi - lo <= TOLERANCE * max(t_end, 1e-300):
+                out = periodic_window(ends, q, (lo + hi) / 2, iters, window)
+                return out if cutoff is None or out <= cutoff else math.inf
     if staleness == 0:
         return ends[0] if cutoff is None or ends[0] <= cutoff else math.inf
     out = (ends[-1] - ends[-1 - window]) / window
