@@ -86,13 +86,17 @@ its isolated (staleness-0) iteration exceeds that time, an exact bound
 3P; `iteration_time`'s cutoff is that time plus that slack.
 
 Note: speed (issue 31). A plan is first timed by `steady.py` (each slot by
-its first and last microbatch, and only until the schedule repeats: usually
-3-4 iterations instead of 3P), and the complete even family of a model of up
-to 40 layers all at once (`batch.py`); both agree with `iteration_time` to
-about 1e-12, and a plan they put within 1e-10 of the cutoff is timed again by
-`iteration_time` itself. So every time the search compares, stores or reports
-is `iteration_time`'s float, and the plans are those of the one-by-one exact
-search: on the paper models 2-20x faster, with the same plans.
+its first and last microbatch, and only until the state repeats, shifted, from
+one iteration or every few to the next: usually 2-3 iterations instead of 3P),
+and the complete even family of a model of up to 40 layers all at once
+(`batch.py`: step-major float64 tables, after dropping every plan whose
+busiest worker alone is slower than the cutoff, `batch.busiest_worker`, about
+a third of the family on the paper models); both agree with `iteration_time`
+to about 1e-12, and a plan they put within 1e-10 of the cutoff is timed again
+by `iteration_time` itself. So every time the search compares, stores or
+reports is `iteration_time`'s float, and the plans are those of the one-by-one
+exact search: on the paper models up to 40x faster than before, with the same
+plans.
 """
 from __future__ import annotations
 
