@@ -9,5 +9,6 @@ project's but each other, and nothing here runs a pass or touches a device.
     program.py     Op, Instr, Chunk, Program: the static round-robin schedule (`2F0`-style text form)
     program_io.py  a Program as a grid, CSV and Chrome trace
     hardware.py    Hardware: device, link and host numbers (presets and a measured CPU)
+    hardware_presets.py  the presets' spec-sheet numbers, each with its source; torch's BLAS workspace
     optim.py       AdamW, SGD: optimizer configs (the update itself is runtime/host/optimizer.py)
 """

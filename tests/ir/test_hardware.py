@@ -108,8 +108,8 @@ def test_geforce_prices_bf16_at_fp32_accumulate_and_fp16_accumulation_at_twice_t
 
 def test_each_rate_quotes_its_source():
     import inspect
-    import rpcompile.ir.hardware as hw_mod
-    text = inspect.getsource(hw_mod)
+    import rpcompile.ir.hardware_presets as presets_mod
+    text = inspect.getsource(presets_mod)
     for quote in ("Ada GPU Architecture whitepaper", "Peak BF16 Tensor TFLOPS with FP32 Accumulate   165.2",
                   "Peak FP16 Tensor TFLOPS with FP16 Accumulate   330.3", "RTX Blackwell GPU Architecture whitepaper",
                   "Peak BF16 Tensor TFLOPS with FP32 Accumulate   209.5", "A100 Tensor Core GPU datasheet",
