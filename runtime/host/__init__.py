@@ -4,6 +4,7 @@ The home of every weight, gradient and optimizer state: the executor (runtime/) 
 downloads gradients into it and steps it; the driver saves and loads it.
 
     optimizer.py  `HostState`: compute copies, fp32 masters, gradients, moments; the optimizer worker
+    grad_stats.py its gradient statistics: gradients landing, norms and clipping, loss scale, the barrier
     state_io.py   its snapshots: fp32 weights, and a state_dict that resumes a run bit for bit
     layout.py     flat memory layouts: host blocks per layer group, device slots per stage, chunk copies
     pinned.py     pinned host memory at its exact size (cudaHostRegister): compute copies, transfer buffers

@@ -33,24 +33,18 @@ Note:
     the same views and give eager's bits.
 
 Note:
-    Global statistics. Clipping by global norm (`max_grad_norm`) and dynamic
-    loss scaling need every layer's gradient of the iteration, so with either
-    on, `step(l)` of iteration u waits until every trainable group has called
-    `grads_complete` for u (each call reduces its group: unscale, inf check,
-    per-parameter norms; with the kernels nothing, the landing pass took them), so
-    the barrier itself is cheap. With staleness 1 this
-    wait is hidden behind the next iteration's compute (iteration u+1 reads
-    weights that do not depend on step u); with staleness 0 it is a barrier
-    between the last backward and the first optimizer step. Without them no
-    step waits for another layer.
+    Global statistics. Clipping by global norm and dynamic loss scaling make
+    `step(l)` wait until every trainable group has called `grads_complete` for
+    the iteration; that side (gradients landing, the per-iteration reductions,
+    the barrier, the loss scale) is the `GradStats` mixin of runtime/host/grad_stats.py,
+    and the snapshots are the `StateIO` mixin of runtime/host/state_io.py. This
+    module holds the update: the state's construction, `step`, `copy`, `set_lr`.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -59,7 +53,8 @@ from torch import Tensor
 from rpcompile.ir.host_layout import host_layout
 from rpcompile.ir.optim import SGD, AdamW, DynamicLossScale, decay_names, make_torch_optimizer
 from rpcompile.runtime.host.flat import FlatGroups, moment_names
-from rpcompile.runtime.host.kernels import KINDS, load_kernels
+from rpcompile.runtime.host.grad_stats import GradStats, _IterStats
+from rpcompile.runtime.host.kernels import load_kernels
 from rpcompile.runtime.host.layout import host_blocks, view
 from rpcompile.runtime.host.pinned import pinning
 from rpcompile.runtime.stage.runner import tracked_buffers
@@ -68,28 +63,11 @@ from rpcompile.runtime.host.state_io import StateIO
 __all__ = ["HostState", "make_torch_optimizer"]
 
 
-@dataclass(slots=True)
-class _IterStats:
-    """Reductions of one iteration's gradients, filled group by group."""
-
-    pending: int  # trainable groups that have not called grads_complete yet
-    norms: dict[str, Tensor] = field(default_factory=dict)  # per-parameter L2 norm of the unscaled grad (torch)
-    sq: dict[str, float] = field(default_factory=dict)  # per-parameter sum of squares of the scaled grad (kernels)
-    scale: float | None = None  # the loss scale of the iteration's gradients
-    found_inf: bool = False  # an inf/nan gradient anywhere (dynamic loss scaling only)
-    coef: Tensor | None = None  # clip coefficient min(1, max_norm / (norm + 1e-6)); None = no clipping
-    norm: Tensor | None = None  # global L2 norm, set once pending == 0
-    stepped: int = 0  # groups that have stepped this iteration
-
-
-NORMS_KEPT = 16  # HostState.norms holds the global gradient norms of this many recent iterations
-
-
 def _no_hook(layer: int) -> None:
     """The default data-parallel hook: nothing to do."""
 
 
-class HostState(StateIO):
+class HostState(GradStats, StateIO):
     """Compute copies, fp32 masters, optimizer state and gradient buffers on the host.
 
     Args:
@@ -182,7 +160,7 @@ class HostState(StateIO):
         self._stepped = [0] * num_layers  # steps taken (incl. skipped), per group
         self._stats: dict[int, _IterStats] = {}  # iteration -> its global reductions
         self.norms: dict[int, float] = {}  # iteration -> its unscaled global gradient norm (max_grad_norm set;
-        # the last NORMS_KEPT iterations), read by metrics after the step without waiting for it
+        # the last grad_stats.NORMS_KEPT iterations), read by metrics after the step without waiting for it
         self._n_trainable = sum(1 for g in self.groups if g)
         self.scaler = loss_scale if isinstance(loss_scale, DynamicLossScale) else None
         self.loss_scale: float | None = (self.scaler.init_scale if self.scaler else  # current loss scale
@@ -222,11 +200,6 @@ class HostState(StateIO):
         kwargs.setdefault("buffers", {n: b for _, bufs in tracked_buffers(graph).items() for n, b in bufs.items()})
         return cls(graph.parameters(), graph.param_owners(), len(graph.layers), tied=graph.tied, **kwargs)
 
-    @property
-    def needs_global(self) -> bool:
-        """True if `step` waits for every group's gradient (clipping or dynamic loss scaling)."""
-        return self.config.max_grad_norm is not None or self.scaler is not None
-
     def canonical(self, name: str) -> str:
         """The canonical name of `name` (itself unless it is a tied alias)."""
         return self.tied.get(name, name)
@@ -239,186 +212,6 @@ class HostState(StateIO):
     def read(self, name: str) -> Tensor:
         """The compute copy of `name` (what a parameter upload reads; not a copy, do not modify)."""
         return self.compute[self.canonical(name)]
-
-    def grad_of(self, name: str) -> Tensor | None:
-        """The gradient accumulated for `name` this iteration (the buffer itself), None if none yet."""
-        l = self.group_of.get(name := self.canonical(name))
-        return self.grad[name] if l is not None and name in self._fresh[l] else None
-
-    def begin_iteration(self) -> float:
-        """Record the start of the next iteration; returns the factor its loss must be multiplied by."""
-        with self._cond:
-            if self.scaler is not None:  # iteration u + 1 may start before u's scale update
-                self._scale_of[self._begun] = self.loss_scale
-            self._begun += 1
-            return 1.0 if self.loss_scale is None else self.loss_scale
-
-    def accumulate_grad(self, name: str, grad: Tensor) -> bool:
-        """Add `grad` (one device's accumulated gradient of one round, any dtype) into the fp32 buffer.
-
-        Returns:
-            False if the gradient accumulated for `name` so far has an inf or NaN (the kernels take
-            that, and the sum of squares, in the pass that writes the buffer).
-        """
-        name = self.canonical(name)
-        l = self.group_of.get(name)
-        if l is None:
-            raise KeyError(f"accumulate_grad({name!r}): not a trainable parameter")
-        with self._locks[l]:
-            if self._done[l] != self._stepped[l]:
-                raise RuntimeError(f"R4 violated: gradient write to {name!r} (group {l}) after "
-                                   f"grads_complete({l}) and before step({l})")
-            buf, first = self.grad[name], name not in self._fresh[l]
-            if self.kernels is not None:
-                src = grad.to("cpu").contiguous()
-                src = src if src.dtype in KINDS else src.float()
-                self._sq[name], bad = self.kernels.land(buf, src.view(-1), add=not first)
-                self._bad[name] = bad
-            else:
-                if first:  # the first write of the iteration overwrites: the buffer is logically zero
-                    buf.copy_(grad.to(buf.device))
-                else:
-                    buf.add_(grad.to(buf.device))
-                bad = not bool(torch.isfinite(buf).all())
-            self._fresh[l].add(name)
-            self.on_grad(l)  # hook: count the write (data parallel: the last one starts l's all-reduce)
-            return not bad
-
-    def grads_complete(self, layer: int) -> None:
-        """Declare group `layer`'s gradient of this iteration complete (R3) and reduce it.
-
-        Unscales it (loss scaling), checks inf/nan (dynamic scaling) and takes its
-        per-parameter norms (clipping); the last group completes the iteration's
-        global statistics. `step(layer)` calls it itself if the executor has not.
-        """
-        self._complete(layer, strict=True)
-
-    def grads_complete_all(self) -> None:
-        """`grads_complete` of the oldest iteration not fully stepped, for each group that has not stepped it.
-
-        For an executor whose first STEP of an iteration waits for all its gradient
-        downloads: calling it before every STEP is safe (groups already stepped are left alone).
-        """
-        u = min((s for s, g in zip(self._stepped, self.groups) if g), default=0)
-        for l in reversed(range(len(self.groups))):
-            self._complete(l, strict=False, only=u)
-
-    def average_grads(self, layer: int, world: int, all_reduce: Callable[[Tensor], None]) -> None:
-        """Average group `layer`'s gradient over `world` processes, in place (data parallel, runtime/distributed.py).
-
-        `all_reduce(flat)` sums the group's flat fp32 gradient buffer over the processes in place; one
-        pass then divides it by `world` and (with the kernels) takes the statistics of the average that
-        `grads_complete` uses: no copy in or out, no second statistics pass. Call it after the group's
-        last gradient write of the iteration and before `grads_complete(layer)` returns (its `on_complete`
-        hook waits for this call, holding the group's lock: nothing else touches the group meanwhile).
-
-        Example:
-            >>> s.average_grads(0, 2, lambda flat: dist.all_reduce(flat))   # doctest: +SKIP
-        """
-        all_reduce(self.flat.grads[layer])
-        if self.kernels is None:
-            self.flat.grads[layer].div_(world)
-            return
-        for n in self.groups[layer]:
-            g = self.grad[n].view(-1)
-            self._sq[n], self._bad[n] = self.kernels.land(g, g, add=False, divisor=world)
-
-    def discard_grads(self) -> None:
-        """Drop all gradients written since each group's last step (failure recovery, no step running).
-
-        A re-run of the iteration keeps the scale `begin_iteration` recorded (do not call it again).
-        """
-        for l, lock in enumerate(self._locks):
-            with lock:
-                self._fresh[l].clear()
-                self._done[l] = self._stepped[l]
-        with self._cond:
-            self._stats.clear()
-
-    def _complete(self, layer: int, strict: bool, only: int | None = None) -> None:
-        """grads_complete(layer); if not strict, a no-op when already called (or the group is not at `only`)."""
-        group = self.groups[layer]
-        with self._locks[layer]:
-            if only is not None and self._stepped[layer] != only:
-                return
-            if self._done[layer] != self._stepped[layer]:
-                if strict:
-                    raise RuntimeError(f"grads_complete({layer}) called twice before step({layer})")
-                return
-            u, self._done[layer] = self._done[layer], self._done[layer] + 1
-            if not group:
-                return
-            self.on_complete(layer)  # hook: data parallel waits for l's gradient averaged over processes
-            scale = self._scale_of.get(u, self.loss_scale)  # set by begin_iteration before u's backward
-            names = [n for n in group if n in self._fresh[layer]]
-            grads = [self.grad[n] for n in names]
-            found = torch.zeros(1)
-            if self.kernels is not None:  # the landing pass (or `average_grads`) took the statistics; the step
-                self._unscale[layer] = scale  # unscales
-                sq = {n: self._sq[n] for n in names}
-                found += any(self._bad[n] for n in names)
-            elif grads and scale is not None and self.scaler is not None:
-                inv = torch.tensor([scale], dtype=torch.float64).reciprocal().float()
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
-            elif grads and scale is not None and scale != 1.0:
-                torch._foreach_mul_(grads, 1.0 / scale)
-            norms = (torch._foreach_norm(grads, 2.0) if grads and self.config.max_grad_norm is not None
-                     and self.kernels is None else [])
-        if not self.needs_global:
-            return
-        with self._cond:
-            st = self._stats.setdefault(u, _IterStats(pending=self._n_trainable))
-            st.norms.update(zip(names, norms))
-            st.sq.update(sq if self.kernels is not None else {})
-            st.scale = scale
-            st.found_inf |= bool(found.item())
-            st.pending -= 1
-            if st.pending == 0:
-                self._finish(u, st)
-                self._cond.notify_all()
-
-    def _finish(self, u: int, st: _IterStats) -> None:
-        """Global norm, clip coefficient and loss-scale update of iteration u (holding _cond)."""
-        if self.config.max_grad_norm is not None:
-            order = [st.norms[n] for n in self.master if n in st.norms]  # the order of `params`, as eager
-            st.norm = torch.linalg.vector_norm(torch.stack(order), 2.0) if order else torch.tensor(0.0)
-            if self.kernels is not None:  # fp64 sum of the scaled squares (in a fixed order), then unscaled
-                total = math.fsum(st.sq[n] for n in self.master if n in st.sq)
-                st.norm = torch.tensor(math.sqrt(total) / (st.scale or 1.0), dtype=torch.float32)
-            st.coef = torch.clamp(self.config.max_grad_norm / (st.norm + 1e-6), max=1.0)
-            self.norms[u] = float(st.norm)
-            for old in [k for k in self.norms if k <= u - NORMS_KEPT]:
-                del self.norms[old]
-        if self.scaler is not None:
-            used = self._scale_of.get(u, self.loss_scale)
-            if st.found_inf:  # several in-flight iterations at one scale back off only once
-                self.loss_scale = min(self.loss_scale, used * self.scaler.backoff_factor)
-                self._good, self.skipped = 0, [*self.skipped, u]
-            else:
-                self._good += 1
-                if self._good >= self.scaler.growth_interval:
-                    self.loss_scale, self._good = self.loss_scale * self.scaler.growth_factor, 0
-
-    def global_norm(self, iteration: int | None = None, timeout_s: float | None = None) -> Tensor:
-        """The unscaled global L2 gradient norm of `iteration` (default: the oldest not stepped).
-
-        Blocks until every trainable group called `grads_complete` for it (needs `max_grad_norm`).
-        """
-        if self.config.max_grad_norm is None:
-            raise RuntimeError("global_norm() needs the optimizer's max_grad_norm")
-        u = min(self._stepped[l] for l, g in enumerate(self.groups) if g) if iteration is None else iteration
-        return self._wait(u, timeout_s).norm
-
-    def _wait(self, u: int, timeout_s: float | None = None) -> _IterStats:
-        """Wait for the global statistics of iteration u."""
-        with self._cond:
-            ok = self._cond.wait_for(lambda: u in self._stats and self._stats[u].pending == 0,
-                                     timeout=self.timeout_s if timeout_s is None else timeout_s)
-            if not ok:
-                missing = [l for l, g in enumerate(self.groups) if g and self._done[l] <= u]
-                raise RuntimeError(f"waited {self.timeout_s}s for the global gradient statistics of "
-                                   f"iteration {u}: groups {missing} have not called grads_complete()")
-            return self._stats[u]
 
     def step(self, layer: int, copy: bool = False) -> None:
         """Apply this iteration's gradient of group `layer` to its masters, then zero the buffers.

@@ -1,7 +1,9 @@
-"""HostState: groups, the per-layer protocol vs the staleness oracle, clipping, loss scaling, state."""
+"""HostState: groups, the per-layer protocol vs the staleness oracle, the update, state.
+
+Clipping, loss scaling and the global barrier (runtime/host/grad_stats.py) are test_grad_stats.py.
+"""
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from types import SimpleNamespace
 
@@ -13,7 +15,6 @@ from torch import nn
 from torch.func import functional_call
 
 import rpcompile
-from rpcompile.ir.optim import DynamicLossScale
 from rpcompile.runtime.host.optimizer import HostState
 
 V, D, R = 11, 8, 2
@@ -202,110 +203,6 @@ def test_state_dict_round_trip():
         b.load_state_dict({**sd, "master": {**sd["master"], "lora_a": torch.zeros(3)}})
 
 
-def fixed_grads(shapes: Mapping[str, torch.Size], n: int) -> list[dict[str, torch.Tensor]]:
-    """n iterations of seeded random gradients."""
-    return [{k: torch.randn(s, generator=torch.Generator().manual_seed(5 + 7 * t + i))
-             for i, (k, s) in enumerate(shapes.items())} for t in range(n)]
-
-
-def flat_state(cfg, **kw) -> tuple[HostState, dict[str, nn.Parameter]]:
-    """Three params in three layers, plus eager copies of them."""
-    torch.manual_seed(3)
-    params = {f"p{i}": nn.Parameter(torch.randn(4 + i, 3)) for i in range(3)}
-    state = HostState(params, {f"p{i}": (i,) for i in range(3)}, 3, optimizer=cfg, **kw)
-    return state, {k: nn.Parameter(v.detach().clone()) for k, v in params.items()}
-
-
-def test_clipping_matches_clip_grad_norm():
-    cfg = rpcompile.AdamW(lr=0.1, max_grad_norm=1.0, impl="foreach")
-    state, eager = flat_state(cfg)
-    opt = eager_optimizer(cfg, eager.values())
-    for grads in fixed_grads({k: v.shape for k, v in eager.items()}, 3):
-        for k, p in eager.items():
-            p.grad = grads[k].clone()
-            state.accumulate_grad(k, grads[k])
-        for l in (2, 1, 0):
-            state.grads_complete(l)
-        norm = state.global_norm()
-        ref = torch.nn.utils.clip_grad_norm_(eager.values(), 1.0)
-        assert torch.equal(norm, ref) and norm > 1.0
-        opt.step()
-        for l in (2, 1, 0):
-            state.step(l)
-        assert all(torch.equal(state.master[k], p) for k, p in eager.items())
-        assert all(state.grad_of(k) is None for k in state.grad)
-
-
-def step_all(state: HostState) -> None:
-    """Sequential caller with global statistics: every group completes before the first step."""
-    for l in (2, 1, 0):
-        state.grads_complete(l)
-    for l in (2, 1, 0):
-        state.step(l)
-
-
-def test_dynamic_loss_scale_skips_and_grows():
-    cfg = rpcompile.SGD(lr=0.1, impl="single")
-    state, eager = flat_state(cfg, loss_scale=DynamicLossScale(init_scale=1024.0, growth_interval=2))
-    before = {k: v.clone() for k, v in state.master.items()}
-    scale = state.begin_iteration()
-    assert scale == 1024.0
-    for k, p in eager.items():
-        state.accumulate_grad(k, torch.full(p.shape, float("inf") if k == "p1" else 1.0))
-    step_all(state)
-    assert all(torch.equal(state.master[k], before[k]) for k in before)
-    assert state.loss_scale == 512.0 and state.skipped == [0]
-    assert all(state.grad_of(k) is None for k in state.grad)
-    opt = eager_optimizer(cfg, eager.values())
-    for grads in fixed_grads({k: v.shape for k, v in eager.items()}, 2):
-        scale = state.begin_iteration()
-        for k, p in eager.items():
-            state.accumulate_grad(k, grads[k] * scale)  # power-of-two scale: exact unscale
-            p.grad = grads[k]
-        opt.step()
-        step_all(state)
-    assert all(torch.equal(state.master[k], p) for k, p in eager.items())
-    assert state.loss_scale == 1024.0  # grew after 2 good iterations
-
-
-def test_threads_and_barrier():
-    """Workers write grads from threads; the optimizer thread's step waits for the global norm."""
-    cfg = rpcompile.AdamW(lr=0.1, max_grad_norm=0.5)
-    state, _ = flat_state(cfg)
-    grads = fixed_grads({k: state.master[k].shape for k in state.master}, 1)[0]
-    order: list[str] = []
-    r3 = [threading.Event() for _ in range(3)]  # the executor's R3 events
-
-    def optimizer_thread() -> None:
-        for l in (2, 1, 0):
-            r3[l].wait()
-            state.step(l)  # step(2) blocks until groups 1 and 0 complete
-            order.append(f"O{l}")
-
-    (opt := threading.Thread(target=optimizer_thread)).start()
-
-    def worker(l: int) -> None:
-        state.accumulate_grad(f"p{l}", grads[f"p{l}"])
-        order.append(f"G{l}")
-        state.grads_complete(l)
-        r3[l].set()
-
-    for l in (2, 1, 0):
-        (w := threading.Thread(target=worker, args=(l,))).start(), w.join()
-    opt.join(timeout=10)
-    assert order == ["G2", "G1", "G0", "O2", "O1", "O0"]
-    with pytest.raises(RuntimeError, match="R4"):
-        state.grads_complete(0)
-        state.accumulate_grad("p0", grads["p0"])
-
-
-def test_barrier_timeout_names_missing_groups():
-    state, _ = flat_state(rpcompile.SGD(lr=0.1, max_grad_norm=1.0), timeout_s=0.2)
-    state.grads_complete(2)
-    with pytest.raises(RuntimeError, match=r"groups \[0, 1\]"):
-        state.step(2)
-
-
 def test_from_graph_and_config_errors():
     m = make()
     graph = SimpleNamespace(layers=LAYER_PARAMS, tied=TIED, parameters=lambda: dict(m.named_parameters()),
@@ -320,48 +217,6 @@ def test_from_graph_and_config_errors():
         rpcompile.SGD(lr=0.1, nesterov=True)
     with pytest.raises(ValueError, match="owner layers"):
         HostState({"w": nn.Parameter(torch.zeros(2))}, {"w": (5,)}, 2, optimizer=rpcompile.SGD(lr=0.1))
-
-
-def test_missing_grad_is_skipped_like_set_to_none_and_static_scale():
-    cfg = rpcompile.AdamW(lr=0.1, max_grad_norm=2.0, impl="single")
-    state, eager = flat_state(cfg, loss_scale=4.0)
-    opt = eager_optimizer(cfg, eager.values())
-    for t, grads in enumerate(fixed_grads({k: v.shape for k, v in eager.items()}, 3)):
-        scale = state.begin_iteration()
-        assert scale == 4.0
-        for k in [k for k in eager if not (t == 1 and k == "p2")]:  # p2 gets no gradient in iteration 1
-            state.accumulate_grad(k, grads[k] * scale)
-            eager[k].grad = grads[k]
-        step_all(state)
-        torch.nn.utils.clip_grad_norm_(eager.values(), 2.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        assert all(torch.equal(state.master[k], p) for k, p in eager.items()), t
-    assert state.grad_of("p0") is None
-    state.accumulate_grad("p0", torch.ones(4, 3))
-    assert torch.equal(state.grad_of("p0"), torch.ones(4, 3))  # the first write overwrites
-
-
-def test_complete_all_and_discard_for_recovery():
-    cfg = rpcompile.AdamW(lr=0.1, max_grad_norm=1.0, impl="foreach")
-    runs = []
-    for fail in (False, True):
-        state, _ = flat_state(cfg, loss_scale=DynamicLossScale(init_scale=8.0))
-        for grads in fixed_grads({k: state.master[k].shape for k in state.master}, 3):
-            scale = state.begin_iteration()
-            if fail:  # a failed attempt: partial gradients, one group completed, then recovery
-                state.accumulate_grad("p2", grads["p2"] * 100), state.accumulate_grad("p1", grads["p1"])
-                state.grads_complete(2)
-                state.discard_grads()
-                fail = False
-            for k in ("p2", "p1", "p0"):
-                state.accumulate_grad(k, grads[k] * scale)
-            for l in (2, 1, 0):
-                state.grads_complete_all()  # before every STEP: only the first one completes groups
-                state.step(l)
-        runs.append(state.state_dict())
-    assert all(torch.equal(runs[0]["master"][n], runs[1]["master"][n]) for n in runs[0]["master"])
-    assert runs[0]["steps"] == runs[1]["steps"] == [3, 3, 3]
 
 
 @settings(max_examples=20, deadline=None)
@@ -401,45 +256,3 @@ def test_property_random_layouts_match_eager(data):
             opt.step()
         versions.append({k: p.detach().clone() for k, p in eager.items()})
     assert all(torch.equal(state.parameters_fp32()[k], p.detach()) for k, p in eager.items())
-
-
-# -- clipping with a global norm below the limit ------------------------------------------------------------
-def _flat(cfg):
-    torch.manual_seed(3)
-    params = {f"p{i}": nn.Parameter(torch.randn(4 + i, 3)) for i in range(3)}
-    state = HostState(params, {f"p{i}": (i,) for i in range(3)}, 3, optimizer=cfg)
-    return state, {k: nn.Parameter(v.detach().clone()) for k, v in params.items()}
-
-
-def _grads(scale: float) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(11)
-    raw = {f"p{i}": torch.randn(4 + i, 3, generator=g) for i in range(3)}
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in raw.values()]))
-    return {k: v * (scale / norm) for k, v in raw.items()}  # global norm ~= scale
-
-
-@pytest.mark.parametrize("norm,limit", [(0.5, 1.0), (0.999, 1.0), (1e-3, 10.0), (3.0, 1.0)])
-@pytest.mark.parametrize("opt", ["sgd", "adamw"])
-def test_clipping_leaves_gradients_below_the_limit_unchanged(norm, limit, opt):
-    cfg = (rpcompile.SGD(lr=0.1, max_grad_norm=limit, impl="foreach") if opt == "sgd"
-           else rpcompile.AdamW(lr=0.1, weight_decay=0.0, max_grad_norm=limit, impl="foreach"))
-    state, eager = _flat(cfg)
-    before = {k: v.detach().clone() for k, v in eager.items()}
-    grads = _grads(norm)
-    ref_opt = eager_optimizer(cfg, eager.values())
-    for k, p in eager.items():
-        p.grad = grads[k].clone()
-        state.accumulate_grad(k, grads[k])
-    for l in (2, 1, 0):
-        state.grads_complete(l)
-    total = torch.nn.utils.clip_grad_norm_(eager.values(), limit)
-    assert torch.equal(state.global_norm(), total)
-    if total < limit:  # torch leaves them as they are (its coefficient is clamped to 1)
-        assert all(torch.equal(p.grad, grads[k]) for k, p in eager.items())
-    ref_opt.step()
-    for l in (2, 1, 0):
-        state.step(l)
-    assert all(torch.equal(state.master[k], p) for k, p in eager.items())
-    if opt == "sgd" and total < limit:  # the update is -lr * g with g unchanged (up to the kernel's rounding)
-        for k in eager:
-            torch.testing.assert_close(state.master[k], before[k] - 0.1 * grads[k], rtol=1e-6, atol=1e-7)
