@@ -6,6 +6,7 @@ what the passes emit (`Program` + `CostTable`), and imports only the IR and the 
 The executor's parts, here:
 
     executor.py          `Runtime`: the interpreter, a Program issued onto worker streams (one handler per Op)
+    reports.py           what a Runtime reports: per-iteration counters, the last step's timeline, peaks
     issuer.py            one issuing thread per worker, walking its instructions in program order
     handlers.py          the issue handlers, one per Op: their tables, transfers (P, U, D, G), release (E)
     compute_handlers.py  the compute handlers (F, X, R, B), a mixin of the issue handlers
