@@ -1,7 +1,7 @@
 """The runtime interpreter: a Program issued onto worker streams, one handler per Op (DESIGN.md ideas 1-7, 3a).
 
     >>> with Runtime(graph, emit(plan, gpus=2, microbatches=4), HostState.from_graph(graph, optimizer=AdamW())) as rt:
-    ...     loss = rt.step(batch)
+    ...     loss = rt.step(batch)                                   # doctest: +SKIP
 
 `Runtime` composes parts that each own their state and are handed what they
 need:
