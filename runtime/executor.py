@@ -1,7 +1,7 @@
 """The runtime interpreter: a Program issued onto worker streams, one handler per Op (DESIGN.md ideas 1-7, 3a).
 
     >>> with Runtime(graph, emit(plan, gpus=2, microbatches=4), HostState.from_graph(graph, optimizer=AdamW())) as rt:
-    ...     loss = rt.step(batch)
+    ...     loss = rt.step(batch)                                   # doctest: +SKIP
 
 `Runtime` composes parts that each own their state and are handed what they
 need:
@@ -18,6 +18,9 @@ need:
 - `HostLanes` (`runtime/host_lanes.py`): the threads that accumulate
   gradients, step and copy, with their events, staging and undo backups;
 - `Recovery` (`runtime/recovery.py`): drain, prune, undo a failure.
+
+What it reports about its runs (`stats`, `last_timeline`, `peak_memory`) comes
+from the `RuntimeReports` mixin (`runtime/reports.py`).
 
 The host blocks on device work only where host code consumes it: the losses
 `step` returns, a gradient slot the host adds up, the uploads a copy must not
@@ -57,6 +60,7 @@ from rpcompile.runtime.host.pinned import PinnedAllocator
 from rpcompile.runtime.streams.pool import BufferPool
 from rpcompile.runtime.program_info import EVAL_BASE, ProgramInfo, forward_only
 from rpcompile.runtime.recovery import Recovery
+from rpcompile.runtime.reports import RuntimeReports
 from rpcompile.runtime.stage.batch import split_batch
 from rpcompile.runtime.stage.cuts import chunk_elements, stage_io
 from rpcompile.runtime.stage.routing import RoutingLog
@@ -70,7 +74,7 @@ DEP_KINDS = ("act_up>compute", "param_up>compute", "compute>act_down", "compute>
              "copy>param_up", "reader>release")  # what `drop` may name (a test switch)
 
 
-class Runtime:
+class Runtime(RuntimeReports):
     """Runs a Program on N workers (CUDA devices or host workers) against a HostState.
 
     Args:
@@ -330,34 +334,6 @@ class Runtime:
             self.recovery.recover()
         self.recovery.prune()
 
-    def stats(self, t: int | None = None) -> dict[str, Any]:
-        """Counters of iteration t (default: the last one stepped; call `flush()` first for complete numbers).
-
-        Returns:
-            {"host_waits", "issue_waits", "host_allocations", "device_allocations", "bytes_to_device",
-             "bytes_to_host": int, "busy_s": {stream: seconds}}.
-        """
-        return self.stats_of(self.t - 1 if t is None else t)
-
-    def stats_of(self, t: int) -> dict[str, Any]:
-        """Counters of iteration t (see `stats`)."""
-        return self.ctx.stats.get(t)
-
-    @property
-    def last_timeline(self) -> list[tuple[str, int, str, float, float]]:
-        """(name, worker, lane, start, end) of the last step's device instructions, seconds from its first.
-
-        Waits for the step's remaining work (`flush`) first.
-        """
-        self.flush()
-        recs = [r for r in self.ctx.stats.records(self.t - 1) if r[0].startswith("w") and " " in r[0]]
-        if not recs:
-            return []
-        t0 = min(r[2] for r in recs)
-        out = [(label, int(label[1:].split(" ")[0]), stream.split("/")[1], a - t0, b - t0)
-               for label, stream, a, b in recs]
-        return sorted(out, key=lambda r: (r[3], r[0]))
-
     def close(self) -> None:
         """Finish queued work and stop every thread; later calls raise RuntimeError at once."""
         if self.closed:
@@ -382,15 +358,6 @@ class Runtime:
 
     def __exit__(self, *exc: Any) -> None:  # noqa: D105
         self.close()
-
-    def peak_memory(self) -> list[int]:
-        """Peak accounted bytes of each worker since construction (or `reset_peaks`)."""
-        return [w.store.peak for w in self.workers]
-
-    def reset_peaks(self) -> None:
-        """Start new per-worker peak measurements."""
-        for w in self.workers:
-            w.store.reset_peak()
 
 
 def check_pinned(state: Any, kind: str) -> None:

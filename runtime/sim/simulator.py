@@ -15,6 +15,9 @@ runs its instructions FIFO in program order, iteration t before t+1.
     >>> simulate(emit(StagePlan.from_str("1|1|1"), gpus=2, microbatches=2), c, hw).makespan
     9.0
 
+What it returns, the `Timeline` and its `Record`s with their views, is in
+`runtime/sim/timeline.py`; this module holds the run and its cost and memory model.
+
 Note: durations. F = sum of the stage's `fwd`, X = fwd + bwd, R = fwd, B = bwd,
 E = 0. P/G move `Chunk.bytes`. U moves the input activation (`act_bytes` of the
 layer before the stage; the model input `saved_bytes[0]` for layer 0), a B
@@ -34,7 +37,6 @@ optimizer state for the whole run.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 
@@ -44,6 +46,7 @@ from rpcompile.ir.plan import StageKind
 from rpcompile.ir.program import COMPUTE_OPS, Instr, Lane, Op, Program
 from rpcompile.runtime.distributed import ring_allreduce_time
 from rpcompile.runtime.sim.events import Job, StuckError, exposed_waits, peak_usage, run_jobs
+from rpcompile.runtime.sim.timeline import Record, Timeline
 
 MASTER_PER_PARAM_BYTE = 2   # fp32 master bytes per byte of 16-bit parameters
 STATE_PER_PARAM_BYTE = 6    # fp32 master + Adam m + v (12 B) per 2 B parameter
@@ -56,116 +59,6 @@ _CONSUMERS = {  # which same-worker dependents use a buffer made by an op (they 
     Op.BACKWARD: COMPUTE_OPS | {Op.ACT_DOWN}, Op.RECOMPUTE: frozenset({Op.BACKWARD}),
     Op.PARAM_UP: COMPUTE_OPS | {Op.RELEASE},
 }
-
-
-@dataclass(frozen=True, slots=True)
-class Record:
-    """When one instruction instance ran."""
-
-    name: str        # physical name in its iteration (workers rotated), e.g. "w1 F0.m0"
-    template: str    # the name in the program's template (iteration 0 numbering)
-    iteration: int
-    worker: int      # physical worker, -1 = host
-    lane: str
-    op: str
-    start: float     # seconds
-    end: float
-
-
-@dataclass(frozen=True, slots=True)
-class Timeline:
-    """The simulated run; times in seconds, memory in bytes.
-
-    iteration_time is the makespan for one iteration, else `steady_iteration_time`.
-    """
-
-    gpus: int
-    iterations: int
-    makespan: float                   # end of the last instruction (optimizer and copies included)
-    iteration_ends: tuple[float, ...]  # C_t: end of iteration t's last compute
-    iteration_time: float
-    steady_iteration_time: float      # per iteration over the steady-state window (see simulate)
-    busy: tuple[float, ...]           # compute seconds per worker over the run
-    bubble_ratio: float               # idle compute share over the run: 1 - sum(busy) / (N * makespan)
-    steady_bubble: float              # 1 - work per iteration / (N * steady_iteration_time)
-    exposed_comm: float               # seconds compute lanes waited on transfers, all workers
-    exposed_per_worker: tuple[float, ...]
-    peak_memory: tuple[int, ...]      # per worker peak device bytes
-    records: tuple[Record, ...]       # every instruction instance, in program order per iteration
-
-    @property
-    def start(self) -> dict[str, float]:
-        """{template name: start} of iteration 0 (for Program.to_chrome_trace)."""
-        return {r.template: r.start for r in self.records if r.iteration == 0}
-
-    @property
-    def end(self) -> dict[str, float]:
-        """{template name: end} of iteration 0."""
-        return {r.template: r.end for r in self.records if r.iteration == 0}
-
-    def times(self) -> dict[tuple[int, str], tuple[float, float]]:
-        """{(iteration, template name): (start, end)}."""
-        return {(r.iteration, r.template): (r.start, r.end) for r in self.records}
-
-    def worker_busy(self, t0: float, t1: float) -> tuple[float, ...]:
-        """Compute seconds of each worker inside the window [t0, t1]."""
-        out = [0.0] * self.gpus
-        for r in self.records:
-            if r.op in _COMPUTE_LETTERS and r.worker >= 0:
-                out[r.worker] += max(0.0, min(r.end, t1) - max(r.start, t0))
-        return tuple(out)
-
-    def summary(self) -> str:
-        """A few lines: times, bubbles, exposed communication, peak memory."""
-        gib = [f"{m / 2**30:.2f}" for m in self.peak_memory]
-        return (f"Timeline(gpus={self.gpus}, iterations={self.iterations}): makespan {self.makespan:.6g} s, "
-                f"iteration {self.iteration_time:.6g} s, steady {self.steady_iteration_time:.6g} s, "
-                f"bubble {self.bubble_ratio:.2%}, steady bubble {self.steady_bubble:.2%}, "
-                f"exposed comm {self.exposed_comm:.6g} s, peak GiB {gib}")
-
-    def __str__(self) -> str:
-        return self.summary()
-
-    def to_chrome_trace(self, path) -> None:
-        """Write chrome://tracing JSON: one process per worker (host last), one thread per lane."""
-        events = []
-        for r in self.records:
-            pid = r.worker if r.worker >= 0 else self.gpus
-            events.append({"name": r.name.split(" ", 1)[1], "cat": r.op, "ph": "X", "pid": pid, "tid": r.lane,
-                           "ts": r.start * 1e6, "dur": (r.end - r.start) * 1e6,
-                           "args": {"iteration": r.iteration, "template": r.template}})
-        for w in range(self.gpus + 1):
-            events.append({"name": "process_name", "ph": "M", "pid": w,
-                           "args": {"name": f"w{w}" if w < self.gpus else "host"}})
-        with open(path, "w") as f:
-            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
-
-    def plot(self, path, *, title: str | None = None) -> None:
-        """Save a Gantt chart PNG: one row per (worker, lane) that ran something."""
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        rows = sorted({(r.worker if r.worker >= 0 else self.gpus, r.lane) for r in self.records})
-        row_of = {k: i for i, k in enumerate(rows)}
-        colors = dict(F="tab:blue", X="tab:purple", R="tab:cyan", B="tab:green", U="tab:orange",
-                      P="tab:olive", D="tab:red", G="tab:brown", O="tab:gray", C="tab:pink", E="black")
-        fig, ax = plt.subplots(figsize=(14, 0.35 * len(rows) + 1.5))
-        for r in self.records:
-            if r.end > r.start:
-                y = row_of[(r.worker if r.worker >= 0 else self.gpus, r.lane)]
-                ax.barh(y, r.end - r.start, left=r.start, height=0.8, color=colors.get(r.op, "k"),
-                        edgecolor="white", linewidth=0.2)
-        ax.set_yticks(range(len(rows)))
-        ax.set_yticklabels([f"{'w' + str(w) if w < self.gpus else 'host'} {lane}" for w, lane in rows])
-        ax.invert_yaxis()
-        ax.set_xlabel("seconds")
-        ax.set_title(title or self.summary()[:120], fontsize=8)
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-
-
-_COMPUTE_LETTERS = frozenset(o.value for o in COMPUTE_OPS)
 
 
 def simulate(program: Program, costs: CostTable, hardware, *, iterations: int = 1,
