@@ -311,8 +311,19 @@ def estimate_costs(graph: LayerGraph, example: Any, *, mode: str = "measure", de
         ValueError: bad mode, missing hardware, indivisible batch, an uncountable layer (named), or a
             layer that does not fit `memory_budget` (names the layer, each term's bytes and the budget).
 
+    >>> import torch; from transformers import LlamaConfig, LlamaForCausalLM
+    >>> _ = torch.manual_seed(0)
+    >>> llama = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    ...     num_attention_heads=4, num_key_value_heads=2, vocab_size=128, attn_implementation="eager"))
+    >>> from rpcompile.passes import trace
+    >>> ids = torch.randint(0, 128, (2, 16)); batch = {"input_ids": ids, "labels": ids}
+    >>> g = trace(llama, batch)
     >>> t = estimate_costs(g, batch, mode="predict", hardware=Hardware.preset("rtx4090"))
-    >>> print(t)   # one row per layer, totals at the bottom
+    >>> print(t)   # one row per layer, totals at the bottom  # doctest: +ELLIPSIS
+    #    layer               fwd       bwd       params     grads ...
+    0    model.embed_tokens  0.050 ms  0.005 ms  16.0 KiB   16.0 KiB ...
+    4    lm_head             0.025 ms  0.020 ms  16.0 KiB   16.0 KiB ...
+         total               0.626 ms  0.857 ms  104.6 KiB  104.6 KiB ...
     """
     if mode not in ("measure", "predict"):
         raise ValueError(f"mode must be 'measure' or 'predict', got {mode!r}")

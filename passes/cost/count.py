@@ -48,7 +48,14 @@ def split_microbatch(graph: LayerGraph, example: Any, microbatches: int) -> dict
     Raises:
         ValueError: a batched input's size is not divisible by `microbatches` (names it).
 
-    >>> split_microbatch(g, {"input_ids": ids8x16, "labels": ids8x16}, 4)["input_ids"].shape
+    >>> import torch; from transformers import LlamaConfig, LlamaForCausalLM
+    >>> _ = torch.manual_seed(0)
+    >>> llama = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    ...     num_attention_heads=4, num_key_value_heads=2, vocab_size=128, attn_implementation="eager"))
+    >>> from rpcompile.passes import trace
+    >>> ids8x16 = torch.randint(0, 128, (8, 16)); batch = {"input_ids": ids8x16, "labels": ids8x16}
+    >>> g = trace(llama, batch)
+    >>> split_microbatch(g, batch, 4)["input_ids"].shape
     torch.Size([2, 16])
     """
     if microbatches < 1:

@@ -14,10 +14,19 @@ that are multiples of the chunk; between them the last partial chunk's
 launches and weight reads are interpolated). `max_seq_len` (`seqlen.py`)
 solves the memory constraints for the largest S.
 
+    >>> import torch; from transformers import LlamaConfig, LlamaForCausalLM
+    >>> _ = torch.manual_seed(0)
+    >>> llama = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    ...     num_attention_heads=4, num_key_value_heads=2, vocab_size=128, attn_implementation="eager"))
+    >>> from rpcompile.passes import trace, estimate_costs
+    >>> from rpcompile.passes.cost.seqlen import max_seq_len
+    >>> ids = torch.randint(0, 128, (2, 16)); batch = {"input_ids": ids, "labels": ids}
+    >>> g, hw = trace(llama, batch), Hardware.preset("rtx4090")
     >>> sc = estimate_costs(g, batch, mode="predict", hardware=hw, symbolic=True)  # tiny Llama, hidden 32
-    >>> sc.fwd_flops[1]
+    >>> sc.fwd_flops[1]   # layer 1, model.layers.0: eager attention's S x S scores, the linear layers
     128*B*S**2 + 18432*B*S
-    >>> max_seq_len(sc, Hardware.preset("rtx4090"), gpus=8).length  # doctest: +SKIP
+    >>> max_seq_len(sc, hw, gpus=8).length   # bound by model.layers.0's backward workspace on a 24 GB card
+    21193
 """
 from __future__ import annotations
 
@@ -68,8 +77,18 @@ class SymbolicCosts:
     def at(self, B: int, S: int = 1) -> CostTable:
         """The CostTable at a concrete microbatch size and sequence length.
 
-        >>> sc.at(B=2, S=100).fwd_flops[1]
-        6246400
+        >>> import torch; from transformers import LlamaConfig, LlamaForCausalLM
+        >>> _ = torch.manual_seed(0)
+        >>> llama = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        ...     num_attention_heads=4, num_key_value_heads=2, vocab_size=128, attn_implementation="eager"))
+        >>> from rpcompile.passes import trace, estimate_costs
+        >>> ids = torch.randint(0, 128, (2, 16)); batch = {"input_ids": ids, "labels": ids}
+        >>> sc = estimate_costs(trace(llama, batch), batch, mode="predict", hardware=Hardware.preset("rtx4090"),
+        ...                     symbolic=True)
+        >>> sc.fwd_flops[1]
+        128*B*S**2 + 18432*B*S
+        >>> sc.at(B=2, S=100).fwd_flops[1]   # 128 * 2 * 100**2 + 18432 * 2 * 100
+        6246400.0
         """
         env = {_SYM_B: B, _SYM_S: S}
 

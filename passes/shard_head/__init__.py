@@ -118,7 +118,13 @@ def shard_lm_head(graph: LayerGraph, shards: int | str = "auto", *, costs: CostT
             bad `shards`, `chunk` or `balance`, or `costs` does not match the graph.
 
     Example:
-        >>> g = shard_lm_head(trace(llama, batch), shards=2, chunk=16)
+        >>> import torch; from transformers import LlamaConfig, LlamaForCausalLM
+        >>> _ = torch.manual_seed(0)
+        >>> llama = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        ...     num_attention_heads=4, num_key_value_heads=2, vocab_size=128, attn_implementation="eager"))
+        >>> from rpcompile.passes import trace
+        >>> ids = torch.randint(0, 128, (2, 16)); batch = {"input_ids": ids, "labels": ids}
+        >>> g = shard_lm_head(trace(llama, batch), shards=2, chunk=16)   # vocabulary 128: two shards of 64 rows
         >>> [layer.name for layer in g.layers][-3:]
         ['lm_head.shard0', 'lm_head.shard1', 'lm_head.loss']
         >>> g.layers[-3].param_slices

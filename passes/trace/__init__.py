@@ -65,6 +65,11 @@ def trace(model: torch.nn.Module, example: Any, *, loss_fn: Callable[[Any, Any],
             non-tensor value crosses layers and cannot be rebuilt (names it).
 
     Example:
+        >>> import torch; from transformers import LlamaConfig, LlamaForCausalLM
+        >>> _ = torch.manual_seed(0)
+        >>> llama = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        ...     num_attention_heads=4, num_key_value_heads=2, vocab_size=128, attn_implementation="eager"))
+        >>> ids = torch.randint(0, 128, (2, 16))
         >>> g = trace(llama, {"input_ids": ids, "labels": ids})
         >>> [layer.name for layer in g.layers]
         ['model.embed_tokens', 'model.layers.0', 'model.layers.1', 'model.norm', 'lm_head']

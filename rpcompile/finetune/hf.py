@@ -211,7 +211,8 @@ def export(model: Any, tokenizer: Any, out: str, *, merge: bool = False, use_cac
 
     Example:
         >>> export(model, tok, "out/")   # doctest: +SKIP
-        >>> AutoModelForCausalLM.from_pretrained("out/")
+        >>> from transformers import AutoModelForCausalLM
+        >>> model = AutoModelForCausalLM.from_pretrained("out/")   # doctest: +SKIP
     """
     os.makedirs(out, exist_ok=True)
     if merge and hasattr(model, "merge_and_unload"):

@@ -1,8 +1,14 @@
 """NEFTune: uniform noise on the input embeddings while training (Jain et al. 2023; TRL's `neftune_noise_alpha`).
 
-    >>> handle = add_neftune(model, alpha=5.0)     # doctest: +SKIP
-    >>> c = rpcompile.compile(trainable_module(model), ...)   # training steps add the noise, evaluate() does not
-    >>> remove_neftune(model, handle)              # doctest: +SKIP
+    >>> import rpcompile, torch; from transformers import LlamaConfig, LlamaForCausalLM
+    >>> _ = torch.manual_seed(0)
+    >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    ...     num_attention_heads=4, num_key_value_heads=2, vocab_size=128))
+    >>> ids = torch.randint(0, 128, (2, 16)); batch = {"input_ids": ids, "labels": ids}
+    >>> handle = add_neftune(model, alpha=5.0)
+    >>> c = rpcompile.compile(trainable_module(model), gpus=1, example=batch)   # doctest: +SKIP
+    >>> loss = c.step(batch)   # training steps add the noise, evaluate() does not  # doctest: +SKIP
+    >>> remove_neftune(model, handle)
 
 In a training step the embedding output e (batch, L, d) becomes e + u, u uniform
 in [-alpha / sqrt(L * d), alpha / sqrt(L * d)] elementwise (L: the sequence length

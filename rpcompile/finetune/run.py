@@ -5,7 +5,7 @@
 
     >>> from rpcompile.finetune import FinetuneConfig, finetune
     >>> result = finetune(FinetuneConfig(model="tiny/", data="train.jsonl", out="tuned/", steps=30))  # doctest: +SKIP
-    >>> result.losses[0] > result.losses[-1]
+    >>> result.losses[0] > result.losses[-1]                                                        # doctest: +SKIP
     True
 
 The run: load the folder offline (`AutoModelForCausalLM`, `AutoTokenizer`),

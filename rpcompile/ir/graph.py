@@ -72,12 +72,18 @@ class LayerGraph:
     """A traced model: ordered layers, the values between them and the parameters.
 
     Example:
+        >>> import rpcompile, torch; from transformers import LlamaConfig, LlamaForCausalLM
+        >>> _ = torch.manual_seed(0)
+        >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        ...     num_attention_heads=4, num_key_value_heads=2, vocab_size=128, attn_implementation="eager"))
+        >>> ids = torch.randint(0, 128, (2, 16)); batch = {"input_ids": ids, "labels": ids}
         >>> g = rpcompile.passes.trace(model, batch)
         >>> [layer.name for layer in g.layers]
         ['model.embed_tokens', 'model.layers.0', 'model.layers.1', 'model.norm', 'lm_head']
         >>> [v.name for v in g.live_at(1)]     # model inputs first, then in order of production
-        ['labels', 'attention_mask', 'position_embeddings_0', 'position_embeddings_1', 'position_ids', 'h1']
-        >>> g.run(batch)                       # the loss, exactly as model(**batch).loss
+        ['labels', 'position_ids', 'position_embeddings_0', 'position_embeddings_1', 'h1']
+        >>> torch.equal(g.run(batch), model(**batch).loss)   # the loss, exactly as model(**batch).loss
+        True
     """
 
     layers: tuple[Layer, ...]  # in execution order

@@ -72,6 +72,7 @@ class AdamW:
     """AdamW with decoupled weight decay, applied on the CPU to fp32 masters.
 
     Example:
+        >>> import rpcompile
         >>> rpcompile.AdamW(lr=3e-4, max_grad_norm=1.0)
         AdamW(lr=0.0003, betas=(0.9, 0.999), eps=1e-08, weight_decay=0.01, max_grad_norm=1.0, impl='fused', decay=None)
     """
@@ -99,6 +100,7 @@ class SGD:
     """SGD with optional (Nesterov) momentum, applied on the CPU to fp32 masters.
 
     Example:
+        >>> import rpcompile
         >>> rpcompile.SGD(lr=0.1, momentum=0.9)
         SGD(lr=0.1, momentum=0.9, weight_decay=0.0, nesterov=False, max_grad_norm=None, impl='fused', decay=None)
     """
@@ -191,6 +193,7 @@ def make_torch_optimizer(config: AdamW | SGD, params: Sequence[Any], decayed: Se
         `torch.optim.AdamW` or `torch.optim.SGD` with the kernel `config.impl`.
 
     Example:
+        >>> import torch
         >>> make_torch_optimizer(AdamW(lr=1e-3, impl="foreach"), [torch.zeros(3)]).defaults["foreach"]
         True
     """

@@ -12,8 +12,9 @@ the instruction records, so that `program.py` can call them.
          0  P0.r0.c0  C.l0
          1  U0.m0     O.l0
          2  X0.m0
-         3  G0.r0.c0
-         4  E0.r0
+         3  D0.m0
+         4  G0.r0.c0
+         5  E0.r0
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ file to batches, in order:
     >>> data = prepare("chat.jsonl", tokenizer, seq=512, cache_root="out/token-cache")   # doctest: +SKIP
     >>> data.batch(step=0, size=8, seed=0).keys()                  # doctest: +SKIP
     dict_keys(['input_ids', 'labels', 'position_ids'])
-    >>> docs = read_documents("chat.jsonl", tokenizer)             # doctest: +SKIP (the documents as a list)
+    >>> docs = read_documents("chat.jsonl", tokenizer)             # the documents as a list  # doctest: +SKIP
 
 `prepare` is the whole path from a file to packed sequences: it reads the file
 in one streaming pass, tokenizes it into a token cache (`rpcompile.finetune.data.token_cache`:

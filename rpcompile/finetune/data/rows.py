@@ -1,6 +1,7 @@
 """Rows: what one data row means, as a `Document` (its text and the characters it trains on).
 
-    >>> row_document({"prompt": "Q: ", "completion": "A"}, "prompt/completion", "line 1", tok, None, "text", None)
+    >>> row_document({"prompt": "Q: ", "completion": "A"}, "prompt/completion", "line 1",   # no tokenizer:
+    ...              tokenizer=None, train_on=None, text_field="text", template=None)  # only conversations need one
     Document(text='Q: A', templated=False, spans=((3, 4),), train_eos=True)
 
 The row kinds and the rules of what is trained (the chat template's replies,
