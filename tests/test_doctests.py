@@ -1,7 +1,8 @@
-"""The docstrings' examples run: every module of `rpcompile` (the `passes/` folder included, as
-`rpcompile.passes`) has its doctests run by the stdlib `doctest`, one test per module.
+"""The docstrings' examples run: every module of `rpcompile` (the `passes/` and `runtime/` folders
+included, as `rpcompile.passes` and `rpcompile.runtime`) has its doctests run by the stdlib `doctest`,
+one test per module, with torch's random state put back after each (examples seed their own).
 
-`rpcompile.runtime` is left out. A module's test is skipped where an optional package (transformers,
+A module's test is skipped where an optional package (transformers,
 peft, ...) is missing that the module imports (at the top, or lazily in a function) or that one of
 its examples that run imports.
 Examples marked `# doctest: +SKIP` (slow, random, or needing files) are not run; `...` in an expected
@@ -18,8 +19,9 @@ import io
 import pkgutil
 
 import pytest
+import torch
 
-SKIPPED = ("rpcompile.runtime",)  # packages whose doctests are not run here (with their submodules)
+SKIPPED: tuple[str, ...] = ()  # packages whose doctests are not run here (with their submodules)
 OPTIONAL = ("transformers", "peft", "tokenizers", "tqdm", "tensorboard", "yaml", "matplotlib")
 
 
@@ -48,13 +50,15 @@ def _modules(package: str) -> list[str]:
     return names
 
 
-# pyproject maps folder passes/ to rpcompile.passes: it is no folder of rpcompile/'s, so it is walked too
-MODULES = sorted(set(_modules("rpcompile") + _modules("rpcompile.passes")))
+# pyproject maps folders passes/ and runtime/ to rpcompile.passes and rpcompile.runtime: they are no
+# folders of rpcompile/'s, so they are walked too
+MODULES = sorted(set(_modules("rpcompile") + _modules("rpcompile.passes") + _modules("rpcompile.runtime")))
 
 
 def test_modules_found():
-    """The walk sees both folders (rpcompile/ and passes/) and leaves runtime/ out."""
-    assert {"rpcompile.ir.graph", "rpcompile.passes.trace", "rpcompile.passes.cost.symbolic"} <= set(MODULES)
+    """The walk sees the three folders (rpcompile/, passes/ and runtime/)."""
+    assert {"rpcompile.ir.graph", "rpcompile.passes.trace", "rpcompile.passes.cost.symbolic",
+            "rpcompile.runtime.host.optimizer", "rpcompile.runtime.sim.events"} <= set(MODULES)
     assert not [m for m in MODULES if _skipped(m)]
 
 
@@ -74,8 +78,9 @@ def test_doctests(name: str):
         pytest.importorskip(needed)
     runner = doctest.DocTestRunner(verbose=False, optionflags=doctest.ELLIPSIS)  # as pytest --doctest-modules
     report = io.StringIO()
-    for t in sorted(tests, key=lambda t: t.lineno or 0):
-        runner.run(t, out=report.write)
+    with torch.random.fork_rng():  # an example's manual_seed does not reach the tests after it
+        for t in sorted(tests, key=lambda t: t.lineno or 0):
+            runner.run(t, out=report.write)
     if runner.failures:
         pytest.fail(f"{runner.failures} of {runner.tries} doctest examples of {name} failed:\n{report.getvalue()}",
                     pytrace=False)

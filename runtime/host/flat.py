@@ -5,6 +5,8 @@ buffers, at the offsets `rpcompile.ir.host_layout.host_layout` gives, so one ker
 group and one more writes its compute copies (`FlatGroups.step`, `FlatGroups.cast`). The torch
 optimizers of `impl="foreach"/"single"` (and the fallback without a C++ compiler) step the same views.
 
+    >>> import torch
+    >>> from rpcompile.ir.host_layout import host_layout
     >>> lay = host_layout([("w", 3, torch.float32, 0, True)], groups=1)
     >>> fg = FlatGroups(lay, {"w": torch.ones(3)}, ("exp_avg", "exp_avg_sq"))
     >>> fg.master["w"].data_ptr() == fg.masters[0].data_ptr(), sorted(fg.moment["w"])

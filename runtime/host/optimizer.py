@@ -99,10 +99,12 @@ class HostState(GradStats, StateIO):
         With a dynamic loss scale, call `begin_iteration()` at each iteration's start.
 
     Example:
+        >>> import rpcompile, torch
         >>> m = torch.nn.Linear(2, 2)
         >>> s = HostState(dict(m.named_parameters()), {"weight": (0,), "bias": (0,)}, 1,
         ...               optimizer=rpcompile.SGD(lr=0.1))
-        >>> s.accumulate_grad("weight", torch.ones(2, 2)); s.accumulate_grad("bias", torch.ones(2))
+        >>> s.accumulate_grad("weight", torch.ones(2, 2)), s.accumulate_grad("bias", torch.ones(2))  # finite
+        (True, True)
         >>> s.step(0); s.copy(0); s.groups
         (('weight', 'bias'),)
     """
@@ -194,6 +196,11 @@ class HostState(GradStats, StateIO):
         layers' modules for the running statistics to keep, see `tracked_buffers`).
 
         Example:
+            >>> import rpcompile, torch; from transformers import LlamaConfig, LlamaForCausalLM
+            >>> llama = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            ...     num_attention_heads=4, num_key_value_heads=2, vocab_size=128))
+            >>> ids = torch.zeros(2, 16, dtype=torch.long)
+            >>> g = rpcompile.passes.trace(llama, {"input_ids": ids, "labels": ids})
             >>> HostState.from_graph(g, optimizer=rpcompile.AdamW(), dtype=torch.bfloat16).groups[0]
             ('model.embed_tokens.weight',)
         """
