@@ -171,9 +171,8 @@ class _Batch:
         q = g(st_pre + st_post).masked_fill(pad, -_INF)  # a no-op step ends at -inf
         start = torch.where((stage == 0) | pad, -_INF, 0.0)  # a round's first slot has no previous slot
         self.shift = start - g(st_pre)  # input ready: previous slot's end - recompute (F: pre 0)
-        self.first_in = start + torch.where(g(is_b), -_INF, 0.0)  # B: the first start waits for the saved input
+        self.is_b = g(is_b)  # B: the first start waits for the saved input alone (the recompute needs no more)
         self.q, self.rq = q, q * self.rr
-        self.qr = torch.stack([self.rq, self.q], 1)  # [K, 2, P]: added to the (first, last) input ends
         prod_step = torch.where(g(has_prod) & ~pad, jt - stage + g(prod), k_max)  # k_max: a row of -inf
         self.prod = prod_step[:, None, :].expand(k_max, 2, rows).contiguous()
         self.stage, self.pad = stage, pad
@@ -194,12 +193,12 @@ class _Batch:
         self._steps()
 
     _ROW_MAJOR = ("per", "h_f", "h_b", "pad_state", "iters", "window")
-    _STEP_MAJOR = ("shift", "first_in", "q", "rq", "qr", "prod", "stage", "pad", "up_at", "grad_at")
+    _STEP_MAJOR = ("shift", "is_b", "q", "rq", "prod", "stage", "pad", "up_at", "grad_at")
 
     def _steps(self) -> None:
         """Each step's operands as a list, one view per step, made once (indexing a tensor costs a call)."""
         self.steps_ = {name: list(getattr(self, name).split(1, 0)) if name == "prod" else
-                       list(getattr(self, name).unbind(0)) for name in ("shift", "first_in", "q", "rq", "qr",
+                       list(getattr(self, name).unbind(0)) for name in ("shift", "is_b", "q", "rq",
                                                                          "prod", "pad")}
         self.has_pad = self.pad.any(1).tolist()
 
@@ -250,11 +249,11 @@ class _Batch:
                 u = torch.maximum(ready[j], fw, out=ups[j])
                 c = torch.maximum(free[w], u)
                 sv = ends_.gather(0, tab["prod"][j])[0]  # the saved input's (first, last) end
-                gin = torch.maximum(sv, d + tab["shift"][j])
-                nf = torch.maximum(c, torch.maximum(sv[0], d[0] + tab["first_in"][j]))
-                torch.add(torch.maximum(c, gin[0]), tab["q"][j], out=e0s[j])
-                z = (gin + tab["qr"][j]).amax(0)
-                e1 = torch.maximum(z, c + tab["rq"][j], out=e1s[j])
+                g0, g1 = torch.maximum(sv, d + tab["shift"][j]).unbind(0)  # when m's input is ready, m = 0, R-1
+                m0 = torch.maximum(c, g0)
+                torch.add(m0, tab["q"][j], out=e0s[j])
+                e1 = torch.maximum(m0 + tab["rq"][j], g1 + tab["q"][j], out=e1s[j])  # max(c, g0) + Rq: c + Rq too
+                nf = torch.maximum(c, torch.where(tab["is_b"][j], sv[0], g0))  # B: its recompute waits for sv alone
                 if self.has_pad[j]:  # a no-op step leaves its worker as it was
                     free[w] = torch.where(tab["pad"][j], free[w], e1)
                     first[w] = torch.where(tab["pad"][j], first[w], nf)
