@@ -14,12 +14,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from rpcompile.cli.main import main  # noqa: E402
 import hf_fixtures as fx  # noqa: E402
-
-FLAGS = ["--seq", "32", "--micro-batch-size", "2", "--microbatches", "2", "--gpus", "2", "--lr", "3e-3",
-         "--warmup", "2", "--memory-gib", str(2**19 / 2**30), "--lm-head-shards", "1", "--no-progress",
-         "--steps", "6"]
+from test_finetune_run import errors, run  # noqa: E402 - the same command line (FLAGS) and error lines
 
 
 @pytest.fixture(scope="module")
@@ -27,17 +23,6 @@ def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("finetune_preflight")
     rows = fx.text_rows()
     return SimpleNamespace(model=fx.model_folder(d / "tiny"), train=fx.write_jsonl(d / "train.jsonl", rows[:40]))
-
-
-def errors(capsys) -> list[str]:
-    """The command's own lines on stderr (transformers' loading bars left out), and no traceback anywhere."""
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    return [line for line in err.splitlines() if line.startswith("python -m rpcompile")]
-
-
-def run(files, out, *extra) -> int:
-    return main(["finetune", "--model", files.model, "--data", files.train, "--out", str(out), *FLAGS, *extra])
 
 
 def _no_weights(monkeypatch):
