@@ -6,6 +6,7 @@ file to batches, in order:
     rows.py         what one data row means, as a `Document` (its text and the characters it trains on)
     encoding.py     documents to token ids and targets; a tokenizer's fingerprint
     token_cache.py  the memory-mapped token cache on disk, built in one streaming pass
+    cache_files.py  the token cache's files: their format, written, then opened and checked
     layout.py       packing layouts: which tokens of a cache go into which sequence
     packing.py      packed sequences as a layout over the cache, batches built on demand
 

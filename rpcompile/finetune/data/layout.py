@@ -16,7 +16,7 @@ from typing import Iterable
 
 import numpy as np
 
-from rpcompile.finetune.data.token_cache import TokenCache
+from rpcompile.finetune.data.cache_files import TokenCache
 
 __all__ = ["Layout", "layout", "check_packing", "PACKINGS", "NothingToTrain"]
 
@@ -51,7 +51,7 @@ def layout(cache: TokenCache, seq: int, packing: str = "whole", documents: Itera
     """The layout of the cache's documents (all, or `documents`: cache indices) in sequences of `seq` tokens.
 
     Args:
-        cache: a `TokenCache` (rpcompile.finetune.data.token_cache).
+        cache: a `TokenCache` (rpcompile.finetune.data.cache_files).
         seq: tokens per sequence.
         packing: "whole", "split" or "none" (`rpcompile.finetune.data.packing`).
         documents: the documents to pack, in any order (laid out in cache order); None: all.
