@@ -203,11 +203,14 @@ class _Batch:
         self.has_pad = self.pad.any(1).tolist()
 
     def _take(self, keep: torch.Tensor) -> None:
-        """Keep only these rows of the tables."""
+        """Keep only these rows of the tables, and only the steps the longest of them has."""
         for name in self._ROW_MAJOR:
             setattr(self, name, getattr(self, name)[keep])
+        k = int(self.per.max()) if len(keep) else 0
         for name in self._STEP_MAJOR:
-            setattr(self, name, getattr(self, name)[..., keep])
+            setattr(self, name, getattr(self, name)[:k, ..., keep])
+        self.prod = self.prod.clamp(max=k)  # the spare row of -inf moves to k (a producer precedes its B)
+        self.k_max = k
         self._steps()
 
     def run(self, cutoff: float) -> list[float]:
@@ -294,8 +297,10 @@ class _Batch:
                 keep = torch.nonzero(~done).flatten()
                 live, rows = live[keep], len(keep)
                 self._take(keep)
+                k_max = self.k_max
                 free, first = [x[keep] for x in free], [x[keep] for x in first]
-                uploaded, last_step, ends_, up = uploaded[:, keep], last_step[keep], ends_[..., keep], up[:, keep]
+                uploaded, last_step, up = uploaded[:, keep], last_step[keep], up[:k_max, keep]
+                ends_ = torch.cat([ends_[:k_max, :, keep], torch.full((1, 2, rows), -_INF, dtype=_F64)])
                 copies, steps, ends = [x[keep] for x in copies], [x[keep] for x in steps], [x[keep] for x in ends]
                 states = {u: x[keep] for u, x in states.items()}
             t += 1
