@@ -122,10 +122,15 @@ def _complete(search) -> None:
         tfb = search.pb[nl] - search.pb[n]
         fwd = {fs: _side(ev.forward(fs), False) for fs in (even_sizes(n, k) for k in range(1, n + 1))} if n else {(): _NONE}
         bwd = {bs: _side(ev.backward(bs), True) for bs in (even_sizes(n, k) for k in range(1, n + 1))} if n else {(): _NONE}
+        f_ok = {fs: ev.side_fits(fs, backward=False) for fs in fwd}  # a stage too big for any plan: no
+        b_ok = {bs: ev.side_fits(bs[::-1], backward=True) for bs in bwd}  # plan with this side can fit
         for fs, fa in fwd.items():
             for bs, ba in bwd.items():
                 plan = (fs, f, bs)
                 if plan in search.seen:
+                    continue
+                if not (f_ok[fs] and b_ok[bs]):
+                    search.seen.add(plan)  # as `consider` marks a plan too big for the budget
                     continue
                 if search.floor(f, max(fa[1], tfb, ba[1]), len(fs) + 1 + len(bs)) > lim:
                     search.seen.add(plan)  # as `consider` marks a plan its bound rules out
