@@ -141,23 +141,31 @@ def paper_tables() -> dict:
     return {m: (CostTable.from_lists(**d["costs"]), d["memory_budget"]) for m, d in data.items()}
 
 
-def rebuild_costs() -> None:
-    """Write tests/passes/partition/paper_costs.json: the costs `plan` predicts (needs transformers)."""
+def predicted_costs(model: str) -> tuple[CostTable, int]:
+    """(the costs `python -m rpcompile plan --model model` predicts on 8x rtx4090 at seq 2048 with 16
+    microbatches, the stage memory budget it plans with); needs transformers."""
     import torch
     from rpcompile.ir.hardware import Hardware
     from rpcompile.models.presets import build_meta, example_batch
     from rpcompile.options import Options
     from rpcompile.pipeline import plan_pipeline
-    hw = Hardware.preset("rtx4090").replace(host_memory=2**42)  # the costs only: host memory is plan's check
+    hw = Hardware.preset("rtx4090").replace(host_memory=2**50)  # the costs only: host memory is plan's check
+    net = build_meta(model)
+    opts = Options(gpus=GPUS, microbatches=MICROBATCHES, staleness=STALENESS, optimizer=None,
+                   dtype=torch.bfloat16, loss_fn=None, layers=None, lm_head_shards="auto", hardware=hw,
+                   memory_budget=None, backend="host", seed=0)
+    _, costs, _, _, _ = plan_pipeline(net, example_batch(net.config.vocab_size, MICROBATCHES, 2048), opts,
+                                      mode="predict")
+    return costs, hw.stage_budget(None)
+
+
+def rebuild_costs() -> None:
+    """Write tests/passes/partition/paper_costs.json: the costs `plan` predicts (needs transformers)."""
+    from rpcompile.ir.hardware import Hardware
     out = {}
     for model in PAPER:
-        net = build_meta(model)
-        opts = Options(gpus=GPUS, microbatches=MICROBATCHES, staleness=STALENESS, optimizer=None,
-                       dtype=torch.bfloat16, loss_fn=None, layers=None, lm_head_shards="auto", hardware=hw,
-                       memory_budget=None, backend="host", seed=0)
-        _, costs, _, _, _ = plan_pipeline(net, example_batch(net.config.vocab_size, MICROBATCHES, 2048), opts,
-                                          mode="predict")
-        out[model] = {"costs": costs.to_lists(), "memory_budget": int(0.9 * hw.device_memory)}
+        costs, _ = predicted_costs(model)
+        out[model] = {"costs": costs.to_lists(), "memory_budget": int(0.9 * Hardware.preset("rtx4090").device_memory)}
     with open(COSTS, "w") as f:
         json.dump(out, f)
 

@@ -29,6 +29,7 @@ from tabulate import tabulate
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import machine_line, tree_at, write_doc  # noqa: E402
+from partition import GPUS, MICROBATCHES, STALENESS, Before, predicted_costs  # noqa: E402
 
 MODELS = ("qwen3-1.7b", "llama3.1-8b", "gpt-oss-20b", "qwen3-32b", "qwen3-235b-a22b")
 HOST = {"qwen3-32b": "1024", "qwen3-235b-a22b": "8192"}  # GiB: these refuse at the preset's 512 GiB
@@ -71,6 +72,25 @@ def run(model: str, extra: list[str], tree: str | None = None) -> dict:
             "max_seq_len": next((line for line in lines if line.startswith("max_seq_len")), "?")}
 
 
+def planners_agree(models: list[str], rev: str) -> dict[str, str]:
+    """Per model, whether today's `partition` and the one at `rev` (a child process on that tree, as in
+    bench/partition.py) give the same plan on today's predicted costs, at both round sizes `plan` tries."""
+    from rpcompile.passes import partition
+    before, out = Before(rev), {}
+    try:
+        for model in models:
+            costs, budget = predicted_costs(model)
+            same = []
+            for rr in (8, 16):
+                kw = dict(gpus=GPUS, microbatches=MICROBATCHES, round_size=rr, staleness=STALENESS,
+                          memory_budget=budget)
+                same.append(partition(costs, **kw).to_str() == before(costs, 1, **kw)[1].to_str())
+            out[model] = " / ".join("yes" if x else "NO" for x in same)
+    finally:
+        before.close()
+    return out
+
+
 def _short(r: dict) -> tuple[str, str]:
     """(the plan's stage sizes, the max_seq_len length) of a run, for the table."""
     if "failed" in r:
@@ -98,6 +118,7 @@ def main() -> None:
         if tree:
             shutil.rmtree(tree, ignore_errors=True)
     base = max(imp0[0], imp1[0])
+    agree = planners_agree(list(args.models), args.before) if tree else {}
     table = []
     for model, extra, new, old in rows:
         plan, longest = _short(new)
@@ -106,11 +127,12 @@ def main() -> None:
         if tree:
             same = ("failed alike" if "failed" in new and "failed" in old else
                     "yes" if all(new.get(k) == old.get(k) for k in ("plan", "max_seq_len")) else "NO")
-            row += [f"{old['wall']:.1f}", f"{old['cpu']:.1f}", same]
+            row += [f"{old['wall']:.1f}", f"{old['cpu']:.1f}", same, agree[model]]
         table.append(row + [plan, longest, new.get("tokens", "")])
     heads = ["model", "wall s", "CPU s", f"<= 3 s + import ({3 + base:.1f} s); beyond import"]
     if tree:
-        heads += [f"wall s at {args.before}", f"CPU s at {args.before}", "same plan and max_seq_len"]
+        heads += [f"wall s at {args.before}", f"CPU s at {args.before}", f"same output as at {args.before}",
+                  f"same plan as {args.before}'s partition on today's costs (R=8 / 16)"]
     heads += ["plan", "max_seq_len", "simulated tokens/s"]
     text = tabulate(table, headers=heads, tablefmt="github", disable_numparse=True)
     print(text)
@@ -124,7 +146,12 @@ def main() -> None:
               f"(issue 31): at most 3 s plus that (the larger). The tree at {args.before} ran each command right "
               f"after the current one. qwen3-32b and qwen3-235b-a22b exceed the preset's 512 GiB of host "
               f"memory, so they are refused with the issue's exact command (before too) and planned again with "
-              f"--host-memory. No weights are allocated.\n\n" + text)
+              f"--host-memory. No weights are allocated. The command's output differs from {args.before}'s since "
+              f"issue 33 priced bf16 on GeForce cards at the fp32-accumulate rate (165.2 TFLOP/s on a 4090, "
+              f"not 330): other costs, so other plans and tokens/s. Whether the planner itself still gives the "
+              f"same plans is the last check column: today's predicted costs (`bench/partition.py`'s "
+              f"`predicted_costs`) planned by today's `partition` and by {args.before}'s in a child process, "
+              f"at both round sizes.\n\n" + text)
 
 
 if __name__ == "__main__":
