@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+from typing import Iterator
 
 from rpcompile.ir.costs import CostTable
 from rpcompile.passes.partition.steady import steady_time
@@ -82,28 +83,36 @@ class Evaluator:
         return True
 
     def fits(self, stages: list) -> bool:
-        """True if every stage fits the memory budget (bytes as `StagePlan.stage_memory` with gpus=N)."""
-        return self.memory is None or max(self.stage_memory(stages)) <= self.memory
+        """True if every stage fits the memory budget (bytes as `StagePlan.stage_memory` with gpus=N); stops at
+        the first stage that does not (most plans a search offers under a tight budget do not fit)."""
+        if self.memory is None:
+            return True
+        budget = self.memory
+        return all(m <= budget for m in self._stage_bytes(stages))
 
     def stage_memory(self, stages: list) -> list[int]:
         """`StagePlan.stage_memory(costs, gpus=N)` of the plan, from prefix sums."""
-        c, pp, pw = self.costs, self.p_param, self.p_work
-        own = [pp[hi] - pp[lo] for _, lo, hi, _, _ in stages]
-        cuts = sorted(lo for code, lo, _, _, _ in stages if code == 2 and lo > 0)
-        ns, out = len(stages), []
+        return list(self._stage_bytes(stages))
+
+    def _stage_bytes(self, stages: list) -> Iterator[int]:
+        """Each stage's device bytes, in slot order (see `stage_memory`)."""
+        c, pp, pw, n = self.costs, self.p_param, self.p_work, self.n_gpu
+        saved, act = c.saved_bytes, c.act_bytes
+        cuts = sorted(lo for code, lo, _, _, _ in stages if code == 2 and lo > 0)  # the saved inputs' layers
+        held = list(itertools.accumulate((saved[j] for j in cuts), initial=0))   # their bytes, summed in order
+        ns = len(stages)
         for i, (code, lo, hi, _, _) in enumerate(stages):
             last = hi - 1
-            inp = c.saved_bytes[lo] if code == 2 or lo == 0 else c.act_bytes[lo - 1]
-            mem = own[i] + own[(i + self.n_gpu) % ns] + 2 * inp + c.act_bytes[last]
-            if code == 0:
-                mem += sum(c.saved_bytes[j] for j in cuts[bisect.bisect_right(cuts, lo):
-                                                           bisect.bisect_right(cuts, last)])
+            _, nlo, nhi, _, _ = stages[(i + n) % ns]  # the stage prefetched while this one runs
+            inp = saved[lo] if code == 2 or lo == 0 else act[lo - 1]
+            mem = pp[hi] - pp[lo] + pp[nhi] - pp[nlo] + 2 * inp + act[last]
+            if code == 0:  # an F stage keeps the saved inputs of the B stages that start inside it
+                mem += held[bisect.bisect_right(cuts, last)] - held[bisect.bisect_right(cuts, lo)]
             else:
                 mem += pw[hi] - pw[lo] + (c.act_bytes[lo - 1] if lo > 0 else 0)
                 if code == 2:
                     mem += c.act_bytes[last]
-            out.append(mem)
-        return out
+            yield mem
 
     def time(self, stages: list, cutoff: float | None = None, fast: float | None = None) -> float:
         """`iteration_time` of the plan (math.inf once known to exceed cutoff); charges its steps.

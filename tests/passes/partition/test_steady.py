@@ -134,3 +134,25 @@ def test_a_state_repeating_every_few_iterations_is_extended_by_its_period(monkey
     assert seen == [period]
     ev = Evaluator(costs, staleness=1, memory=None, **kw)
     assert close(steady_times(ev, [plan, ((1,) * 35, 1, (1,) * 35)])[0], exact)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_evaluator_memory_equals_the_plan_s_stage_memory(seed):
+    # the search checks memory from prefix sums (and stops at the first stage over the budget): the same bytes
+    # as StagePlan.stage_memory, on random byte costs, plans and worker counts
+    rng = random.Random(200 + seed)
+    for _ in range(200):
+        nl = rng.randint(1, 14)
+        def rand():
+            return [rng.choice([0, rng.randint(1, 10**6), rng.randint(1, 10**9)]) for _ in range(nl)]
+        costs = CostTable.from_lists(fwd=[1.0] * nl, bwd=[2.0] * nl, param_bytes=rand(), grad_bytes=rand(),
+                                     peak_bytes=rand(), act_bytes=rand(), saved_bytes=rand())
+        n = rng.randint(1, 8)
+        fs, f, bs = random_plan(rng, nl)
+        want = list(StagePlan.from_sizes(fs, f, bs).stage_memory(costs, gpus=n))
+        ev = Evaluator(costs, gpus=n, microbatches=2, round_size=2, staleness=1, memory=None)
+        stages = ev.stages(fs, f, bs)
+        assert ev.stage_memory(stages) == want, (fs, f, bs, n)
+        for budget in (max(want) - 1, max(want), min(want)):
+            ev.memory = budget
+            assert ev.fits(stages) == (max(want) <= budget), (fs, f, bs, n, budget)
