@@ -141,6 +141,7 @@ class _Caps:
 
     def __init__(self, p: list[float], n: int, lo: float, hi: float, done: list, seen: set, ok=None):
         self.p, self.n, self.lo, self.done, self.seen, self.ok = p, n, lo, done, seen, ok
+        self.rp = [p[n] - x for x in reversed(p[:n + 1])]  # prefix sums from the last layer down
         self.down = not math.isinf(hi)
         self.heap = [] if self.down else [(lo, -1, -1)]  # (+-sum of layers [i, j), i, j), one per start i
         for i in range(n):
@@ -178,7 +179,8 @@ class _Caps:
         k0 = _fewest(p, n, cap)
         ks = range(k0, min(n, k0 + _EXTRA) + 1)
         for k in ks:
-            for sizes in (_even(p, n, cap, k), _greedy(p, n, cap, k, left=True), _greedy(p, n, cap, k, left=False)):
+            right = _greedy(self.rp, n, cap, k)  # filled from the last layer: the same on the reversed sums
+            for sizes in (_even(p, n, cap, k), _greedy(p, n, cap, k), right and right[::-1]):
                 if sizes is not None and sizes not in self.seen:
                     self.seen.add(sizes)
                     if self.ok is None or self.ok(sizes):  # a stage too big for any plan: never paired
@@ -235,12 +237,9 @@ def _even(p: list[float], n: int, cap: float, k: int) -> tuple[int, ...] | None:
     return tuple(cuts[j + 1] - cuts[j] for j in range(k))
 
 
-def _greedy(p: list[float], n: int, cap: float, k: int, *, left: bool) -> tuple[int, ...] | None:
-    """k stages under cap, filled from the first layer (left) or the last; None if that needs more or fewer."""
-    if not left:
-        q = [p[n] - x for x in reversed(p[:n + 1])]
-        sizes = _greedy(q, n, cap, k, left=True)
-        return None if sizes is None else sizes[::-1]
+def _greedy(p: list[float], n: int, cap: float, k: int) -> tuple[int, ...] | None:
+    """k stages under cap, filled from the first layer; None if that needs more or fewer (on the reversed
+    prefix sums, `_Caps.rp`, it fills from the last layer, the sizes reversed)."""
     sizes, i, slack = [], 0, cap * _EPS
     while i < n:
         j = bisect.bisect_right(p, p[i] + cap + slack, i + 1, n + 1) - 1
