@@ -141,7 +141,7 @@ class _Caps:
 
     def __init__(self, p: list[float], n: int, lo: float, hi: float, done: list, seen: set, ok=None):
         self.p, self.n, self.lo, self.done, self.seen, self.ok = p, n, lo, done, seen, ok
-        self.rp = [p[n] - x for x in reversed(p[:n + 1])]  # prefix sums from the last layer down
+        self.rp: list[float] | None = None  # prefix sums from the last layer down, once a layout needs them
         self.down = not math.isinf(hi)
         self.heap = [] if self.down else [(lo, -1, -1)]  # (+-sum of layers [i, j), i, j), one per start i
         for i in range(n):
@@ -178,6 +178,8 @@ class _Caps:
         p, n, out = self.p, self.n, []
         k0 = _fewest(p, n, cap)
         ks = range(k0, min(n, k0 + _EXTRA) + 1)
+        if self.rp is None:
+            self.rp = [p[n] - x for x in reversed(p[:n + 1])]
         for k in ks:
             right = _greedy(self.rp, n, cap, k)  # filled from the last layer: the same on the reversed sums
             for sizes in (_even(p, n, cap, k), _greedy(p, n, cap, k), right and right[::-1]):
