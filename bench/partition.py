@@ -215,10 +215,12 @@ def main(argv: list[str] | None = None) -> None:
               f"that tree (`git archive`), timed the same way in the same run; paper = the RoundPipe paper's "
               f"planning times; iteration times by `iteration_time` (lower is better; ours / before <= 1 is the "
               f"acceptance).\n\n" + table + "\n\nSince issue 31 a plan is timed by the first and last "
-              "microbatch of each slot and only until the schedule repeats (`passes/partition/steady.py`, "
-              "within 1e-12 of `iteration_time`), the complete even family of a model of up to 40 layers all at "
-              "once as float64 tensor rows (`batch.py`), and every plan that may tie is re-timed exactly: the "
-              "plans are those of the planner before.\n")
+              "microbatch of each slot and only until the state repeats, shifted, from one iteration or every few "
+              "to the next (`passes/partition/steady.py`, within 1e-12 of `iteration_time`), the complete even "
+              "family of a model of up to 40 layers all at once as step-major float64 tensor rows (`batch.py`), "
+              "after dropping the plans whose busiest worker alone, or a side too big for the memory budget, "
+              "rules them out; every plan that may tie is re-timed exactly: the plans are those of the planner "
+              "before.\n")
 
 
 if __name__ == "__main__":
