@@ -231,6 +231,18 @@ def test_host_waits_scale_with_microbatches_not_instructions():
     assert w16 < len(big.instrs) / 20  # the old executor synchronised the host after every instruction
 
 
+def test_stats_default_to_the_last_step():
+    # `stats()` is the iteration just stepped (the first allocates its buffers), the same as asking for it
+    graph = _graph()
+    with Runtime(graph, _program(graph, PLAN3, 3, 6, 1), HostState.from_graph(graph, optimizer=OPT),
+                 backend="host", timeout=20) as rt:
+        for s in range(2):
+            rt.step(_batch(s, 6))
+            rt.flush()
+            assert rt.stats() == rt.stats(s) and rt.stats()["bytes_to_device"] > 0, s
+        assert rt.stats(0)["host_allocations"] > 0
+
+
 def test_no_allocation_after_two_warm_up_steps():
     # The third: 7 stages on 4 workers, the embedding and head larger than a block. A worker's slot-count
     # parity drifts between rotations (its parameter buffers were sized for one rotation: they grew in
