@@ -153,6 +153,7 @@ def test_evaluator_memory_equals_the_plan_s_stage_memory(seed):
         ev = Evaluator(costs, gpus=n, microbatches=2, round_size=2, staleness=1, memory=None)
         stages = ev.stages(fs, f, bs)
         assert ev.stage_memory(stages) == want, (fs, f, bs, n)
+        assert ev.fits(stages)  # no budget: every plan fits
         for budget in (max(want) - 1, max(want), min(want)):
             ev.memory = budget
             assert ev.fits(stages) == (max(want) <= budget), (fs, f, bs, n, budget)
