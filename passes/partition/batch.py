@@ -37,7 +37,7 @@ import math
 
 import torch
 
-from rpcompile.passes.partition.steady import TOLERANCE
+from rpcompile.passes.partition.steady import TOLERANCE, periodic_window
 from rpcompile.passes.partition.timing import layer_sums, steady_state_window
 
 _INF = math.inf
@@ -310,7 +310,7 @@ class _Batch:
                  out: list[float]) -> torch.Tensor:
         """Rows whose result is known after iteration t (`steady.py`'s Notes): proven above `cutoff` by the
         increments over q iterations (`steady.window_floor`), or repeating every q iterations, q = 1, 2, ...
-        (the window extended as `steady.periodic_window` does); their results go to `out`. Returns the
+        (the window extended by `steady.periodic_window`); their results go to `out`. Returns the
         mask of those rows."""
         per, state = self.per, states[t]
         done = torch.zeros(len(per), dtype=torch.bool)
@@ -333,16 +333,11 @@ class _Batch:
             done |= slower
             valid &= ~slower
             rep = valid & (hi - lo <= scale)
-            if bool(rep.any()):
+            if bool(rep.any()):  # few rows: each extended by `periodic_window` itself
                 idx = torch.nonzero(rep).flatten()
-                ext = [e[idx] for e in ends]
-                inc_q = ((lo + hi) / 2)[idx]
-                while len(ext) < int(self.iters[idx].max()):
-                    ext.append(ext[-q] + inc_q)
-                ext = torch.stack(ext, 1)
-                k, wdw = self.iters[idx][:, None] - 1, self.window[idx][:, None]
-                avg = ((ext.gather(1, k) - ext.gather(1, k - wdw)) / wdw)[:, 0].tolist()
-                for r, x in zip(idx.tolist(), avg):
+                history = torch.stack(ends, 1)[idx].tolist()
+                for r, e, inc_q in zip(idx.tolist(), history, ((lo + hi) / 2)[idx].tolist()):
+                    x = periodic_window(e, q, inc_q, int(self.iters[r]), int(self.window[r]))
                     out[int(live[r])] = x if x <= cutoff else _INF
                 done |= rep
         return done

@@ -141,3 +141,9 @@ def test_a_hardware_pickled_before_kind_existed_loads(name, kind, monkeypatch):
     older = pickle.loads(pickled_as_before(hw, 2, monkeypatch))  # before `blas_workspace` too: its default, 0
     assert older == hw.replace(blas_workspace=0) and older.kind == kind
     assert pickle.loads(pickle.dumps(hw)) == hw
+
+
+@pytest.mark.parametrize("name", ["rtx4090", "rtx5090"])
+def test_consumer_presets_are_the_paper_s_eight_card_servers(name):
+    hw = Hardware.preset(name)
+    assert hw.gpus == 8 and hw.host_memory == 512 * 2**30 and hw.kind == "cuda"

@@ -152,3 +152,20 @@ def test_measured_costs_split_the_fused_head_as_predicted_ones_do():
     predicted = estimate_costs(fused, example, mode="predict", hardware=Hardware.preset("cpu"), progress=False)
     assert measured.fwd_flops == predicted.fwd_flops and measured.bwd_flops == predicted.bwd_flops
     assert measured.bwd_flops[-2] == 2 * measured.fwd_flops[-2] > 0  # dX and dW: two GEMMs to the logits' one
+
+
+def test_the_head_chain_steps_apply_as_the_model_did() -> None:
+    # the casts and scalings between the head's matmul and the loss (a cast to fp32, a logit scale), in order
+    from rpcompile.passes.shard_head.fused import _chained
+    z = torch.randn(3, 5, dtype=torch.bfloat16)
+    steps = (("cast", torch.float32), ("mul", 0.5), ("rmul", 3.0), ("div", 4.0))
+    got = _chained(z, steps)
+    assert got.dtype == torch.float32 and torch.equal(got, 3.0 * (z.float() * 0.5) / 4.0)
+
+
+def test_the_symbolic_fit_takes_whole_chunks_of_every_token_shard() -> None:
+    # K token shards of `chunk` tokens each: the fitting lengths are multiples of K x chunk
+    from rpcompile.passes.cost.symbolic import chunk_unit
+    _, graph = _traced("qwen3")
+    assert chunk_unit(shard_lm_head(graph, shards=3, chunk=5, fused=True)) == 15
+    assert chunk_unit(shard_lm_head(graph, shards=1, chunk=7, fused=True)) == 7
