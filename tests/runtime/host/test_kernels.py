@@ -116,9 +116,14 @@ def run(state, t, grads, copy_in_step=False):
         state.copy(l)
 
 
-def close(a: torch.Tensor, b: torch.Tensor, rel: float = 2e-6) -> bool:
-    """|a - b| <= rel * |b| elementwise (plus a float32 ulp at zero)."""
-    return bool(((a - b).abs() <= rel * b.abs() + 1e-12).all())
+def close(a: torch.Tensor, b: torch.Tensor, rel: float = 2e-6, scale: torch.Tensor | float = 0.0) -> bool:
+    """|a - b| <= rel * (|b| + scale) elementwise (plus a float32 ulp at zero).
+
+    `scale`: the size of the terms `b` was computed from. An update that cancels a parameter to near zero
+    (p * (1 - lr * wd) - lr * m / sqrt(v)) keeps the rounding error of its terms, not of its result: eager
+    PyTorch's vectorized kernels round differently on different CPUs (FMA or not), by an ulp of the terms.
+    """
+    return bool(((a - b).abs() <= rel * (b.abs() + scale) + 1e-12).all())
 
 
 @pytest.mark.parametrize("copy_in_step", [False, True])
@@ -134,9 +139,10 @@ def test_adamw_with_clipping_and_decay_equals_eager(copy_in_step):
             p.grad = grads[k].to(torch.bfloat16).float()  # what crossed PCIe
         norm = torch.nn.utils.clip_grad_norm_(eager.values(), 1.0)
         assert norm > 1.0 and float(state.norms[t]) == pytest.approx(float(norm), rel=1e-6)
+        before = {k: p.detach().abs() + cfg.lr for k, p in eager.items()}  # the update's terms: p and lr * m / sqrt(v)
         opt.step()
         for k, p in eager.items():
-            assert close(state.master[k], p.detach()), (t, k, (state.master[k] - p).abs().max())
+            assert close(state.master[k], p.detach(), scale=before[k]), (t, k, (state.master[k] - p).abs().max())
             assert torch.equal(state.read(k), state.master[k].to(torch.bfloat16)), (t, k)
             assert close(state.flat.moment[k]["exp_avg_sq"], opt.state[p]["exp_avg_sq"])
 
