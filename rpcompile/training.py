@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-from rpcompile.runtime.sim.simulator import Record
+from rpcompile.runtime.sim.timeline import Record
 from rpcompile.runtime.stage.batch import token_weights, trained_tokens
 
 __all__ = ["Training"]

@@ -59,76 +59,83 @@ def run_jobs(jobs: list[Job]) -> tuple[list[float], list[float]]:
     ([0.0, 1.0], [1.0, 2.0])
     """
     n = len(jobs)
-    lanes: dict[int, list[int]] = {}
-    for j, job in enumerate(jobs):
-        lanes.setdefault(job.lane, []).append(j)
-    lane_ids = sorted(lanes)
-    channel_lanes: dict[int, list[int]] = {}
-    for lane in lane_ids:
-        channel_lanes.setdefault(jobs[lanes[lane][0]].channel, []).append(lane)
-    for lane in lane_ids:
-        if any(jobs[j].channel != jobs[lanes[lane][0]].channel for j in lanes[lane]):
-            raise ValueError(f"lane {lane} spans several channels")
-    head = {lane: 0 for lane in lane_ids}
+    # dense lane numbers (a lane's rank among the lane ids: ties between lane heads go to the lower id)
+    lane_ids = sorted({job.lane for job in jobs})
+    rank = {lane: k for k, lane in enumerate(lane_ids)}
+    lane_of = [rank[job.lane] for job in jobs]
+    queue: list[list[int]] = [[] for _ in lane_ids]  # each lane's jobs in list order
+    lane_channel: list[int | None] = [None] * len(lane_ids)
+    chan = [job.channel for job in jobs]
+    prio = [job.priority for job in jobs]
+    dur = [job.duration for job in jobs]
     pending = [len(job.deps) for job in jobs]
-    ready = [0.0] * n
     dependents: list[list[int]] = [[] for _ in range(n)]
     for j, job in enumerate(jobs):
+        q = lane_of[j]
+        queue[q].append(j)
+        if lane_channel[q] is None:
+            lane_channel[q] = chan[j]
+        elif lane_channel[q] != chan[j]:
+            raise ValueError(f"lane {job.lane} spans several channels")
         for d in job.deps:
             if not 0 <= d < n:
                 raise ValueError(f"job {j} depends on job {d}, which does not exist")
             dependents[d].append(j)
+    channel_lanes: dict[int, list[int]] = {}  # per channel its lanes, by rank
+    for q, c in enumerate(lane_channel):
+        channel_lanes.setdefault(c, []).append(q)
+    head = [0] * len(lane_ids)
+    length = [len(q) for q in queue]
+    ready = [0.0] * n
     starts, ends = [0.0] * n, [0.0] * n
     done = [False] * n
     channel_free = {c: 0.0 for c in channel_lanes}
     channel_busy = {c: False for c in channel_lanes}
-    events: list[tuple[float, int, int, int]] = []
-    seq = 0
-    for c in channel_lanes:
-        events.append((0.0, _TRY, seq, c))
-        seq += 1
+    events: list[tuple[float, int, int, int]] = [(0.0, _TRY, seq, c) for seq, c in enumerate(channel_lanes)]
+    seq = len(events)
     heapq.heapify(events)
+    pop, push = heapq.heappop, heapq.heappush
 
     while events:
-        now, kind, _, x = heapq.heappop(events)
+        now, kind, _, x = pop(events)
         if kind == _END:
             done[x] = True
-            c = jobs[x].channel
+            c = chan[x]
             channel_busy[c] = False
-            heapq.heappush(events, (now, _TRY, seq, c))
+            push(events, (now, _TRY, seq, c))
             seq += 1
+            end = ends[x]
             for d in dependents[x]:
                 pending[d] -= 1
-                if ends[x] > ready[d]:
-                    ready[d] = ends[x]
+                if end > ready[d]:
+                    ready[d] = end
                 if pending[d] == 0:
-                    heapq.heappush(events, (now, _TRY, seq, jobs[d].channel))
+                    push(events, (now, _TRY, seq, chan[d]))
                     seq += 1
             continue
         c = x
         if channel_busy[c]:
             continue
-        best, best_key = -1, None
-        for lane in channel_lanes[c]:
-            q = lanes[lane]
-            h = head[lane]
-            if h < len(q) and pending[q[h]] == 0:
-                key = (jobs[q[h]].priority, ready[q[h]], lane)
-                if best_key is None or key < best_key:
-                    best, best_key = q[h], key
+        best = -1
+        for q in channel_lanes[c]:  # the ready lane head with the least (priority, ready time, lane)
+            h = head[q]
+            if h < length[q]:
+                j = queue[q][h]
+                if pending[j] == 0 and (best < 0 or prio[j] < prio[best]
+                                        or (prio[j] == prio[best] and ready[j] < ready[best])):
+                    best = j  # lanes are visited by rank: an equal key keeps the lower lane
         if best < 0:
             continue
         start = max(now, ready[best], channel_free[c])
         starts[best] = start
-        ends[best] = start + jobs[best].duration
-        head[jobs[best].lane] += 1
+        ends[best] = end = start + dur[best]
+        head[lane_of[best]] += 1
         channel_busy[c] = True
-        channel_free[c] = ends[best]
-        heapq.heappush(events, (ends[best], _END, seq, best))
+        channel_free[c] = end
+        push(events, (end, _END, seq, best))
         seq += 1
-    stuck = [j for j in range(n) if not done[j]]
-    if stuck:
-        raise StuckError(stuck)
+    if not all(done):
+        raise StuckError([j for j in range(n) if not done[j]])
     return starts, ends
 
 
@@ -160,12 +167,22 @@ def exposed_waits(jobs: list[Job], starts: list[float], ends: list[float], trans
     """
     avail = [0.0] * len(jobs)
     for j, job in enumerate(jobs):  # jobs are listed in a topological order
-        avail[j] = max((avail[d] for d in job.deps), default=0.0) if transfer[j] else ends[j]
+        if transfer[j]:
+            a = 0.0
+            for d in job.deps:
+                if avail[d] > a:
+                    a = avail[d]
+            avail[j] = a
+        else:
+            avail[j] = ends[j]
     prev: dict[int, float] = {}
     out = [0.0] * len(jobs)
     for j, job in enumerate(jobs):
         if compute[j]:
-            bound = max([prev.get(job.lane, 0.0)] + [avail[d] for d in job.deps])
+            bound = prev.get(job.lane, 0.0)
+            for d in job.deps:
+                if avail[d] > bound:
+                    bound = avail[d]
             out[j] = max(0.0, starts[j] - bound)
         prev[job.lane] = ends[j]
     return out

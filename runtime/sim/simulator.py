@@ -46,7 +46,7 @@ from rpcompile.ir.plan import StageKind
 from rpcompile.ir.program import COMPUTE_OPS, Instr, Lane, Op, Program
 from rpcompile.runtime.distributed import ring_allreduce_time
 from rpcompile.runtime.sim.events import Job, StuckError, exposed_waits, peak_usage, run_jobs
-from rpcompile.runtime.sim.timeline import Record, Timeline
+from rpcompile.runtime.sim.timeline import Records, Timeline
 
 MASTER_PER_PARAM_BYTE = 2   # fp32 master bytes per byte of 16-bit parameters
 STATE_PER_PARAM_BYTE = 6    # fp32 master + Adam m + v (12 B) per 2 B parameter
@@ -115,19 +115,22 @@ def simulate(program: Program, costs: CostTable, hardware, *, iterations: int = 
     full = [max((max(back, since) for back, since, _ in dl), default=0) for dl in deps_of]  # all deps from here
     offs = [tuple(d - back * n for back, _, d in dl) for dl in deps_of]
     jobs: list[Job] = []
-    phys: list[tuple[int, Instr]] = []  # (physical worker, template instr): program.shifted(t)'s worker
+    wk: list[int] = []  # each job's physical worker: program.shifted(t)'s
+    ids: dict[int, tuple[list[int], list[int], list[int]]] = {}  # per rotation: each template's worker, lane, channel
     for t in range(iterations):
-        shift, base = t * program.shift, t * n
-        for k, i in enumerate(tmpl):
+        shift, base = (t * program.shift) % program.gpus, t * n
+        if shift not in ids:  # ids numbered in order of first use, as the jobs are listed
+            ws = [i.worker if host[k] else (i.worker + shift) % program.gpus for k, i in enumerate(tmpl)]
+            ids[shift] = (ws, [lane_ids.setdefault((w, lanes[k]), len(lane_ids)) for k, w in enumerate(ws)],
+                          [channel_ids.setdefault((w, chans[k]), len(channel_ids)) for k, w in enumerate(ws)])
+        ws, lane_of, chan_of = ids[shift]
+        for k in range(n):
             if t >= full[k]:
-                deps = tuple(base + o for o in offs[k])
+                deps = tuple([base + o for o in offs[k]])
             else:
                 deps = tuple((t - back) * n + d for back, since, d in deps_of[k] if t - back >= 0 and t >= since)
-            w = i.worker if host[k] else (i.worker + shift) % program.gpus
-            lane = lane_ids.setdefault((w, lanes[k]), len(lane_ids))
-            ch = channel_ids.setdefault((w, chans[k]), len(channel_ids))
-            jobs.append(Job(lane, ch, prio[k], durations[k], deps))
-            phys.append((w, i))
+            jobs.append(Job(lane_of[k], chan_of[k], prio[k], durations[k], deps))
+        wk += ws
     try:
         starts, ends = run_jobs(jobs)
     except StuckError as e:
@@ -135,27 +138,23 @@ def simulate(program: Program, costs: CostTable, hardware, *, iterations: int = 
         raise RuntimeError(f"simulate: {len(e.stuck)} instructions never ran, first {tmpl[j % n].name} of "
                            f"iteration {j // n} (template numbering):\n"
                            f"{program.grid(mark=tmpl[j % n].name, context=4)}") from None
-    ops = [i.op for i in tmpl] * iterations
-    wk = [w for w, _ in phys]
-    compute = [op in COMPUTE_OPS for op in ops]
+    compute = [i.op in COMPUTE_OPS for i in tmpl]
+    computes = [j for j in range(iterations * n) if compute[j % n]]  # the compute jobs, in order
     busy = [0.0] * program.gpus
     ends_t = [0.0] * iterations
-    for j in range(len(jobs)):
-        if compute[j]:
-            busy[wk[j]] += ends[j] - starts[j]
-            ends_t[j // n] = max(ends_t[j // n], ends[j])
+    for j in computes:
+        busy[wk[j]] += ends[j] - starts[j]
+        if ends[j] > ends_t[j // n]:
+            ends_t[j // n] = ends[j]
     makespan = max(ends, default=0.0)
     steady = _steady(ends_t, program, makespan)
     work = sum(busy)
-    waits = exposed_waits(jobs, starts, ends, [op in _TRANSFER_OPS for op in ops], compute)
+    waits = exposed_waits(jobs, starts, ends, [i.op in _TRANSFER_OPS for i in tmpl] * iterations, compute * iterations)
     exposed = [0.0] * program.gpus
-    for j in range(len(jobs)):
-        if compute[j]:
-            exposed[wk[j]] += waits[j]
-    names = [i.name for i in tmpl]
-    lane_v, op_v = [lane.value for lane in lanes], [i.op.value for i in tmpl]
-    records = tuple(Record(f"w{w} {short[j % n]}" if w >= 0 and not host[j % n] else names[j % n], names[j % n],
-                           j // n, w, lane_v[j % n], op_v[j % n], starts[j], ends[j]) for j, (w, i) in enumerate(phys))
+    for j in computes:
+        exposed[wk[j]] += waits[j]
+    records = Records([i.name for i in tmpl], short, host, [lane.value for lane in lanes], [i.op.value for i in tmpl],
+                      wk, starts, ends)
     nw = program.gpus
     return Timeline(
         gpus=nw, iterations=iterations, makespan=makespan, iteration_ends=tuple(ends_t),
@@ -266,10 +265,17 @@ def _peaks(program: Program, costs: CostTable, wk: list[int], jobs: list[Job], s
             for ls in resident]
     free_at = list(ends)  # a buffer lives until its last same-worker consumer ends
     ops = [i.op for i in program.instrs]
+    # frees[k]: per template, the templates whose buffers instruction k uses (and frees when done), as flags
+    frees_kind = {op: [op in _CONSUMERS.get(made, ()) for made in ops] for op in set(ops)}
+    frees_kind = {op: f if any(f) else None for op, f in frees_kind.items()}
+    frees = [frees_kind[op] for op in ops]
     for j, job in enumerate(jobs):
-        for d in job.deps:
-            if wk[d] == wk[j] and ops[j % n] in _CONSUMERS.get(ops[d % n], ()):
-                free_at[d] = max(free_at[d], ends[j])
+        f = frees[j % n]
+        if f is not None:
+            w, e = wk[j], ends[j]
+            for d in job.deps:
+                if wk[d] == w and f[d % n] and e > free_at[d]:
+                    free_at[d] = e
     sizes = [_buffer_size(i, program, costs) for i in program.instrs]
     intervals: list[list[tuple[float, float, int]]] = [[] for _ in range(nw)]
     grads: dict[tuple[int, int, int, int], list[float]] = {}  # slot -> [first write, last use]

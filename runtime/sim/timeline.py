@@ -9,6 +9,7 @@ runtime's measured runs reuse `Record` (`Compiled.last_timeline`).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rpcompile.ir.program import COMPUTE_OPS
@@ -26,6 +27,47 @@ class Record:
     op: str
     start: float     # seconds
     end: float
+
+
+class Records(Sequence):
+    """A simulated run's `Record`s, made when read: a run of 24 iterations has ~90,000 of them, and a
+    plan or a round-size choice reads only the Timeline's numbers.
+
+    Record j is instance j // n of template instruction j % n (n = len(templates)); `workers[j]` is
+    its physical worker. Equal to any sequence of the same Records (a tuple included).
+    """
+
+    __slots__ = ("_templates", "_shorts", "_host", "_lanes", "_ops", "_workers", "_starts", "_ends")
+
+    def __init__(self, templates: Sequence[str], shorts: Sequence[str], host: Sequence[bool], lanes: Sequence[str],
+                 ops: Sequence[str], workers: Sequence[int], starts: Sequence[float], ends: Sequence[float]) -> None:
+        self._templates, self._shorts, self._host, self._lanes, self._ops = templates, shorts, host, lanes, ops
+        self._workers, self._starts, self._ends = workers, starts, ends
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def __getitem__(self, j):
+        if isinstance(j, slice):
+            return tuple(self[k] for k in range(*j.indices(len(self))))
+        if j < 0:
+            j += len(self)
+        if not 0 <= j < len(self):
+            raise IndexError(f"record {j} of {len(self)}")
+        n, w = len(self._templates), self._workers[j]
+        k = j % n
+        name = self._templates[k] if w < 0 or self._host[k] else f"w{w} {self._shorts[k]}"
+        return Record(name, self._templates[k], j // n, w, self._lanes[k], self._ops[k], self._starts[j],
+                      self._ends[j])
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and len(other) == len(self) and all(a == b for a, b in zip(self, other))
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"Records({len(self)} records)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +89,8 @@ class Timeline:
     exposed_comm: float               # seconds compute lanes waited on transfers, all workers
     exposed_per_worker: tuple[float, ...]
     peak_memory: tuple[int, ...]      # per worker peak device bytes
-    records: tuple[Record, ...]       # every instruction instance, in program order per iteration
+    records: Sequence[Record]         # every instruction instance, in program order per iteration (`Records`:
+                                      # made when read)
 
     @property
     def start(self) -> dict[str, float]:

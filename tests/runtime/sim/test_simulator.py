@@ -145,6 +145,29 @@ def test_iterations_follow_the_rotation_of_shifted():
     assert (0, "w0 F0.m0") in t.times() and t.start["w0 F0.m0"] < t.end["w0 F0.m0"]
 
 
+def test_records_list_every_instance_in_program_order_and_compare_as_a_tuple():
+    """Records are made when read: record j is iteration j // n's instruction j % n, with its physical
+    name and worker (host instructions keep their template name), lane, op and times."""
+    p = emit(StagePlan.from_str("1,1|1|1,1"), gpus=3, microbatches=3, staleness=1)
+    t = simulate(p, uniform(3, param_bytes=[10**6] * 3), PCIE, iterations=3)
+    n, recs = len(p.instrs), tuple(t.records)
+    assert len(t.records) == len(recs) == 3 * n and t.records == recs and recs == tuple(t.records)
+    host = 0
+    for j, r in enumerate(recs):
+        it, tmpl = divmod(j, n)
+        phys = p.shifted(it).instrs[tmpl]
+        worker = -1 if p.instrs[tmpl].is_host else phys.worker
+        host += worker < 0
+        name = p.instrs[tmpl].name if worker < 0 else f"w{worker} {phys.short}"
+        assert (r.name, r.template, r.iteration, r.worker, r.lane, r.op) == \
+            (name, p.instrs[tmpl].name, it, worker, phys.lane.value, phys.op.value), j
+        assert r.start <= r.end and t.records[j] == r and t.records[j - 3 * n] == r
+    assert host and t.records[n:2 * n] == recs[n:2 * n] and t.records[::-5] == recs[::-5]
+    assert t.records != recs[:-1] and t.records != recs[:-1] + (recs[0],)
+    with pytest.raises(IndexError):
+        t.records[3 * n]
+
+
 def test_trace_and_plot(tmp_path):
     plan, c = StagePlan.from_str("1|1|1"), uniform(2, act_bytes=[10**6] * 2)
     p = emit(plan, gpus=2, microbatches=2, staleness=0, costs=c)
