@@ -211,6 +211,7 @@ class Recorder(TorchDispatchMode, Folding, Regions):
         self.grad_ops: list[OpCount] = []  # ops of gradient regions (counted with the backward)
         self.tracker = tracker
         self._loop: list[list[tuple[bool, OpCount]]] | None = None  # iterations: (in a grad region, op)
+        self._times: list[int] = []  # per iteration of the current loop: how many iterations it stands for
         self._grad = False  # inside a gradient region
         self._fused: dict | None = None  # the open fused region: storages made and read, FLOPs, dtype
 
@@ -279,15 +280,24 @@ class Recorder(TorchDispatchMode, Folding, Regions):
         self._grad = False
 
     def fold_begin(self) -> None:
-        self._loop = []
+        self._loop, self._times = [], []
         if self.tracker is not None:
             self.tracker.fold_begin()
 
     def fold_next(self) -> None:
         if self._loop is not None:
             self._loop.append([])
+            self._times.append(1)
         if self.tracker is not None:
             self.tracker.fold_next()
+
+    def fold_repeat(self, k: int) -> None:
+        """The iteration that just ran stands for itself and `k` more like it (`regions._Loop.over`).
+
+        Its live memory needs nothing: the skipped iterations would repeat its curve.
+        """
+        if self._loop:
+            self._times[-1] += k
 
     def fold_end(self) -> None:
         loop, self._loop = self._loop or [], None
@@ -295,13 +305,13 @@ class Recorder(TorchDispatchMode, Folding, Regions):
             self.tracker.fold_end()
         if not loop:
             return
-        first = loop[0]
+        first, times = loop[0], self._times
         for k, (grad, op) in enumerate(first):
-            same = [it[k][1] for it in loop if len(it) > k and it[k][1].name == op.name]
+            same = [(it[k][1], n) for it, n in zip(loop, times) if len(it) > k and it[k][1].name == op.name]
             (self.grad_ops if grad else self.ops).append(OpCount(
-                op.name, sum(o.flops for o in same), sum(o.bytes for o in same), op.dtype,
-                sum(o.launches for o in same), op.form))
-        for it in loop:  # ops beyond the first iteration's length (or renamed) stay unfolded
+                op.name, sum(o.flops * n for o, n in same), sum(o.bytes * n for o, n in same), op.dtype,
+                sum(o.launches * n for o, n in same), op.form))
+        for it, n in zip(loop, times):  # ops beyond the first iteration's length (or renamed) stay unfolded
             for k, (grad, o) in enumerate(it):
                 if k >= len(first) or first[k][1].name != o.name:
-                    (self.grad_ops if grad else self.ops).append(o)
+                    (self.grad_ops if grad else self.ops).extend([o] * n)

@@ -8,6 +8,13 @@ op whose FLOPs, bytes and kernel launches are the sums over the iterations, and
 whose live memory is the largest over them. Op lists then have the same length
 at every shape, which the exact symbolic fits need.
 
+A loop whose iterations are alike (the same shapes, on `meta`) need not run
+them all: `_Loop.over` runs the first two and, where every folding mode can
+(`fold_repeat`), lets the second stand for the rest. The first differs from
+the others only in what the iteration before left alive; from the second on,
+each one repeats the one before. A head of 64 chunks or a layer of 128
+experts is then counted in 2 iterations, with the same counts.
+
     >>> with chunk_loop() as loop:          # no folding mode active: plain loop
     ...     for a in range(0, 10, 4):
     ...         with loop.iteration():
@@ -27,7 +34,7 @@ Two more markers, for the fused LM head (`shard_head.fused`):
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
@@ -35,7 +42,11 @@ __all__ = ["Folding", "Regions", "chunk_loop", "fused_region", "grad_region"]
 
 
 class Folding:
-    """Mixin of a dispatch mode that folds chunk loops (see module docstring)."""
+    """Mixin of a dispatch mode that folds chunk loops (see module docstring).
+
+    A mode that also has `fold_repeat(k)` (the iteration that just ran stands for itself and k more
+    like it) lets alike iterations be skipped (`_Loop.over`).
+    """
 
     def fold_begin(self) -> None:
         """A chunk loop starts."""
@@ -62,6 +73,23 @@ class _Loop:
         for m in self.modes:
             m.fold_next()
         yield
+
+    def over(self, items: Iterable, *, alike: bool, meta: bool) -> Iterator:
+        """The loop's items, each to run under `iteration()`.
+
+        Where the iterations are `alike` (the same ops at the same shapes), run on `meta` (nothing
+        is computed, so nothing is left unwritten) and every folding mode has `fold_repeat`, only
+        the first two are given; the second then stands for the rest. Otherwise all of them.
+        """
+        items = list(items)
+        if not (alike and meta and len(items) > 2 and self.modes
+                and all(hasattr(m, "fold_repeat") for m in self.modes)):
+            yield from items
+            return
+        yield items[0]
+        yield items[1]
+        for m in self.modes:
+            m.fold_repeat(len(items) - 2)
 
 
 @contextlib.contextmanager

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from rpcompile.passes.meta.regions import chunk_loop
 
-__all__ = ["chunked_lse", "chunk_bounds", "lse_update", "lse_loss", "vocab_slice"]
+__all__ = ["chunked_lse", "chunk_bounds", "lse_update", "lse_loss", "same_sizes", "vocab_slice"]
 
 
 def chunk_bounds(tokens: int, chunk: int) -> list[tuple[int, int]]:
@@ -44,6 +44,15 @@ def chunk_bounds(tokens: int, chunk: int) -> list[tuple[int, int]]:
     n = max(1, -(-tokens // max(1, chunk)))
     cuts = [tokens * i // n for i in range(n + 1)]
     return list(zip(cuts, cuts[1:]))
+
+
+def same_sizes(bounds: list[tuple[int, int]]) -> bool:
+    """Whether every chunk has the same size (then every iteration of a chunk loop runs the same ops).
+
+    >>> same_sizes(chunk_bounds(12, 4)), same_sizes(chunk_bounds(10, 4))
+    (True, False)
+    """
+    return len({e - a for a, e in bounds}) <= 1
 
 
 def _logits(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, steps: tuple, dim: int) -> torch.Tensor:
@@ -99,8 +108,9 @@ class _ChunkedLSE(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         tokens = x2.shape[0]
         out = [torch.empty(tokens, dtype=torch.float32, device=x.device) for _ in range(3)]
+        bounds = chunk_bounds(tokens, chunk)
         with chunk_loop() as loop:
-            for a, e in chunk_bounds(tokens, chunk):
+            for a, e in loop.over(bounds, alike=same_sizes(bounds), meta=x.is_meta):
                 with loop.iteration():
                     z = _logits(x2[a:e], w, b, steps, dim)
                     part = lse_update(z, target[a:e], lo, *(None if v is None else v[a:e] for v in (m, s, t)))
@@ -124,8 +134,9 @@ class _ChunkedLSE(torch.autograd.Function):
         g_s = torch.empty_like(s) if need_s else None
         wl = w.detach().requires_grad_(need_w)
         bl = None if b is None else b.detach().requires_grad_(need_b)
+        bounds = chunk_bounds(x2.shape[0], chunk)
         with chunk_loop() as loop:
-            for a, e in chunk_bounds(x2.shape[0], chunk):
+            for a, e in loop.over(bounds, alike=same_sizes(bounds), meta=x.is_meta):
                 with loop.iteration(), torch.enable_grad():
                     xc = x2[a:e].detach().requires_grad_(need_x)
                     sc = None if s is None else s[a:e].detach().requires_grad_(need_s)

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from rpcompile.passes.meta.regions import chunk_loop, fused_region, grad_region
-from rpcompile.passes.shard_head.chunked import chunk_bounds
+from rpcompile.passes.shard_head.chunked import chunk_bounds, same_sizes
 
 __all__ = ["fused_ce", "fused_loss", "ce_chunk", "token_part", "chain_scale"]
 
@@ -135,8 +135,9 @@ def _forward(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: 
     gw = torch.zeros(w.shape, dtype=acc, device=w.device) if need_w else None
     gb = torch.zeros(b.shape, dtype=acc, device=b.device) if need_b else None
     fn = _chunk_fn(x2)
+    bounds = chunk_bounds(e - a, chunk)
     with chunk_loop() as loop:
-        for lo, hi in chunk_bounds(e - a, chunk):
+        for lo, hi in loop.over(bounds, alike=same_sizes(bounds), meta=x2.is_meta):
             with loop.iteration():
                 xc = x2[a + lo:a + hi]
                 raw = _logits(xc, w, b, steps, dim)
