@@ -100,8 +100,8 @@ def _balanced_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tens
     out = torch.zeros_like(hidden_states)
     idx = torch.arange(n, device=hidden_states.device)
     pos = torch.zeros(n, dtype=torch.long, device=hidden_states.device)
-    with chunk_loop() as loop:  # every expert the same n tokens: alike iterations
-        for e in loop.over(range(experts), alike=True, meta=hidden_states.is_meta):
+    with chunk_loop() as loop:  # not `loop.over`: autograd records each expert's ops for the backward
+        for e in range(experts):
             with loop.iteration():
                 x = hidden_states[idx]
                 gate_up = x @ self.gate_up_proj[e] if transposed else F.linear(x, self.gate_up_proj[e])

@@ -12,8 +12,10 @@ A loop whose iterations are alike (the same shapes, on `meta`) need not run
 them all: `_Loop.over` runs the first two and, where every folding mode can
 (`fold_repeat`), lets the second stand for the rest. The first differs from
 the others only in what the iteration before left alive; from the second on,
-each one repeats the one before. A head of 64 chunks or a layer of 128
-experts is then counted in 2 iterations, with the same counts.
+each one repeats the one before. A head of 64 chunks is then counted in 2
+iterations, with the same counts. Only for loops whose backward is a loop of
+its own (the heads' autograd Functions): a loop that autograd records op by
+op (the balanced MoE experts) needs every iteration for its backward.
 
     >>> with chunk_loop() as loop:          # no folding mode active: plain loop
     ...     for a in range(0, 10, 4):
