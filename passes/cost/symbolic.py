@@ -255,8 +255,19 @@ def _time_expr(fitter: _Fitter, per_shape: list[Sequence], hw: Hardware, where: 
     bw = sympy.Float(hw.mem_bandwidth)
     expr = mem / bw + launches * sympy.Float(hw.op_latency)
     for (fl, by, dt), n in groups.items():
-        expr += n * sympy.Max(fl / sympy.Float(hw.flops(dt) * hw.efficiency), by / bw)
+        expr += n * _max(fl / sympy.Float(hw.flops(dt) * hw.efficiency), by / bw)
     return expr
+
+
+def _max(*args: sympy.Expr) -> sympy.Expr:
+    """`sympy.Max` of polynomials without sympy's search for arguments it can prove smaller.
+
+    That search (`Max._find_localzeros`, asking the assumptions whether a - b >= 0 for every pair)
+    took most of `symbolic_costs`' time outside counting. The callers keep only arguments that no
+    other one dominates coefficient-wise; one argument is itself, and equal ones are merged.
+    """
+    args = tuple(dict.fromkeys(args))
+    return args[0] if len(args) == 1 else sympy.Max(*args, evaluate=False)
 
 
 def _peak_expr(fitter: _Fitter, lives: list[tuple[int, ...]], where: str) -> sympy.Expr:
@@ -273,7 +284,7 @@ def _peak_expr(fitter: _Fitter, lives: list[tuple[int, ...]], where: str) -> sym
     for p in sorted(polys, key=lambda c: -sum(c)):  # a dominating polynomial has the larger coefficient sum
         if not any(all(a >= b for a, b in zip(q, p)) for q in keep):
             keep.append(p)
-    return sympy.Max(*(fitter.expr(p) for p in keep)) if keep else sympy.Integer(0)
+    return _max(*(fitter.expr(p) for p in keep)) if keep else sympy.Integer(0)
 
 
 def symbolic_costs(graph: LayerGraph, inputs: dict[str, torch.Tensor], hardware: Hardware, *,
