@@ -41,6 +41,7 @@ class Evaluator:
         self.p_param = list(itertools.accumulate(costs.param_bytes, initial=0))
         self.p_work = list(itertools.accumulate((g + p for g, p in zip(costs.grad_bytes, costs.peak_bytes)),
                                                 initial=0))
+        self._sums: dict = {}  # (lo, hi) -> layer_sums(costs, lo, hi): layouts share most of their stages
         self._fwd: dict = {}   # (sizes) -> forward stage tuples
         self._bwd: dict = {}   # (sizes) -> backward stage tuples, execution order
         self.timed = 0         # recurrence steps spent (stages x microbatches x iterations)
@@ -50,8 +51,7 @@ class Evaluator:
         out = self._fwd.get(sizes)
         if out is None:
             cuts = itertools.accumulate(sizes, initial=0)
-            out = self._fwd[sizes] = tuple((0, lo, hi) + layer_sums(self.costs, lo, hi)
-                                           for lo, hi in itertools.pairwise(cuts))
+            out = self._fwd[sizes] = tuple((0, lo, hi) + self.sums(lo, hi) for lo, hi in itertools.pairwise(cuts))
         return out
 
     def backward(self, sizes: tuple[int, ...]) -> tuple:
@@ -60,7 +60,7 @@ class Evaluator:
         if out is None:
             hi, stages = sum(sizes), []
             for s in sizes:
-                stages.append((2, hi - s, hi) + layer_sums(self.costs, hi - s, hi))
+                stages.append((2, hi - s, hi) + self.sums(hi - s, hi))
                 hi -= s
             out = self._bwd[sizes] = tuple(stages)
         return out
@@ -68,7 +68,14 @@ class Evaluator:
     def stages(self, fs: tuple[int, ...], f: int, bs: tuple[int, ...]) -> list:
         """All stage tuples in slot order: F1..Fa, FB, B1..Bb."""
         n = self.nl - f
-        return [*self.forward(fs), (1, n, self.nl) + layer_sums(self.costs, n, self.nl), *self.backward(bs)]
+        return [*self.forward(fs), (1, n, self.nl) + self.sums(n, self.nl), *self.backward(bs)]
+
+    def sums(self, lo: int, hi: int) -> tuple[float, float]:
+        """`timing.layer_sums(costs, lo, hi)`, each range summed once (the same floats)."""
+        out = self._sums.get((lo, hi))
+        if out is None:
+            out = self._sums[lo, hi] = layer_sums(self.costs, lo, hi)
+        return out
 
     def side_fits(self, sizes: tuple[int, ...], *, backward: bool, start: int = 0) -> bool:
         """False if a stage of this layout (sizes in layer order from `start`) cannot fit the budget in any
