@@ -231,7 +231,8 @@ class Recorder(TorchDispatchMode, Folding, Regions):
         name = func.__name__.split(".")[0]
         if func.is_view or name in _NO_DATA or func.namespace == "prim":
             return out
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)] + flat_out
+        ins = (args, {k: v for k, v in kwargs.items() if k != "out"})  # an out= tensor is written: in flat_out
+        tensors = [t for t in tree_flatten(ins)[0] if isinstance(t, torch.Tensor)] + flat_out
         nbytes = sum(tensor_bytes(t) for t in tensors)
         packet = func._overloadpacket
         rule = FLOP_RULES.get(packet) or GROUPED_MM_FLOPS.get(packet) or flop_registry.get(packet)

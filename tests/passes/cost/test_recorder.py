@@ -1,0 +1,47 @@
+"""The predict recorder on hand-counted ops: GEMM FLOPs with out= arguments, a fused region's bytes."""
+from __future__ import annotations
+
+import torch
+
+from rpcompile.passes.cost.recorder import Recorder
+from rpcompile.passes.meta.regions import fused_region
+
+
+def test_a_gemm_writing_into_out_counts_its_flops():
+    """addmm(acc, a, b, out=acc), as the fused head accumulates its weight gradient: 2 * M * K * N FLOPs."""
+    acc, a, b = (torch.empty(s, device="meta") for s in ((8, 16), (8, 32), (32, 16)))
+    with Recorder() as rec:
+        torch.addmm(acc, a, b, out=acc)
+        torch.mm(a, b)
+    assert [(o.name, o.flops) for o in rec.ops] == [("addmm", 2 * 8 * 32 * 16), ("mm", 2 * 8 * 32 * 16)]
+    assert rec.ops[0].bytes == 4 * (8 * 16 + 8 * 32 + 32 * 16 + 8 * 16)  # acc, a, b read, acc written
+
+
+def test_a_mixed_dtype_gemm_into_an_fp32_acc_is_priced_at_its_operands_rate():
+    """addmm(acc fp32, a bf16, b bf16, out_dtype=fp32, out=acc): the bf16 rate, the GEMM's FLOPs."""
+    acc = torch.empty(8, 16, device="meta")
+    a, b = torch.empty(8, 32, device="meta", dtype=torch.bfloat16), torch.empty(32, 16, device="meta",
+                                                                                  dtype=torch.bfloat16)
+    with Recorder() as rec:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    (op,) = rec.ops
+    assert (op.name, op.flops, op.dtype) == ("addmm", 2 * 8 * 32 * 16, "bfloat16")
+    assert op.bytes == 4 * 8 * 16 * 2 + 2 * (8 * 32 + 32 * 16)
+
+
+def test_a_fused_region_costs_what_it_reads_from_outside_and_leaves_alive():
+    """x (outside, 512 B) -> y = 2x -> z = y + 1: the kernel reads x and writes z (1,024 B); y, made and
+    dropped inside, is never written to memory. Kept alive, y counts too."""
+    x = torch.empty(16, 8, device="meta")
+    for keep in (False, True):
+        with Recorder() as rec:
+            with fused_region():
+                y = x * 2
+                z = y + 1
+                if not keep:
+                    del y
+        eager, fused = rec.ops[:-1], rec.ops[-1]
+        assert [(o.name, o.form) for o in eager] == [("mul", "eager"), ("add", "eager")]
+        assert (fused.name, fused.form, fused.flops) == ("fused_elementwise", "fused", 0)
+        assert fused.bytes == 512 + 512 + (512 if keep else 0), keep
+        assert z.shape == x.shape
