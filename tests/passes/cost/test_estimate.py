@@ -155,3 +155,13 @@ def test_llama_8b_on_meta_flops_match_6nt_plus_attention_quickly():
     got = t.fwd_flops[1] + t.bwd_flops[1]
     assert abs(got / expected - 1) < 0.05
     assert t.param_bytes[1] == n * 4 and len(t) == 35 and 0 < t.fwd[1] < t.bwd[1]
+
+
+def test_symbolic_max_keeps_distinct_arguments_and_returns_a_lone_one():
+    """`symbolic._max`: sympy's Max without its proof search; one (or repeated) argument is itself."""
+    from rpcompile.passes.cost.symbolic import B, S, _max
+    p, q = 3 * B * S + 7, B * S ** 2
+    assert _max(p) is p and _max(p, p) is p
+    m = _max(p, q, p)
+    assert m.args == (p, q) or set(m.args) == {p, q}
+    assert m.subs({B: 1, S: 2}) == 13 and m.subs({B: 2, S: 10}) == 200
