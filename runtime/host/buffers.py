@@ -10,10 +10,12 @@ transfers, pinned at their exact size with CUDA workers (`runtime.host.pinned`):
   stage's outputs that later stages read, a backward stage's input gradients, the loss) and two
   per batch input and microbatch that an upload reads (by iteration parity).
 
-`transfer_bytes` counts them from the graph and the program, per microbatch at the traced
-dtypes (the activations' when the model is in the training dtype, as `finetune` builds it; a
-model kept in fp32 for a bf16 run counts its activations at fp32, twice what runs). An
-evaluation's downloads and a warm-up buffer the pool could not key yet are not counted.
+`pool_buffers` lists the pool's buffers with their shapes and dtypes, and the runtime allocates
+exactly those, each bound to its key from the first iteration on (evaluations reuse them);
+`transfer_bytes` sums them. So what admission counts is what is allocated, in every plan and
+however the threads interleave. Shapes and dtypes are the traced ones per microbatch (the
+activations' when the model is in the training dtype, as `finetune` builds it; a model kept in
+fp32 for a bf16 run: its activations run in bf16 inside fp32-sized buffers, which admission counts).
 
     >>> need = transfer_bytes(graph, program)                        # doctest: +SKIP
     >>> need.staging, need.pool                                      # doctest: +SKIP
