@@ -162,7 +162,7 @@ class Runtime(RuntimeReports):
                                    tracked=self.tracked, runners=self.runners, workers=self.workers,
                                    host_pool=self.host_pool, state=state, ctx=self.ctx, drop=self.drop,
                                    board=self.board, its=self.iterations, host=self.host,
-                                   planned=pool_buffers(graph, program))
+                                   planned=pool_buffers(graph, program, getattr(state, "dtype", None)))
         self.issuer = Issuer(ctx=self.ctx, workers=self.workers, drop=self.drop, board=self.board,
                              its=self.iterations, host=self.host, table=self.issue.table())
         self.handlers, self.issuers, self.lanes = self.issuer.handlers, self.issuer.threads, self.host.lanes

@@ -148,6 +148,27 @@ def test_the_host_pool_registers_exactly_the_buffers_admission_counts(gpus, stal
     assert reg.live == {}  # unregistered at close
 
 
+@pytest.mark.parametrize("traced,run", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_a_value_of_another_dtype_than_traced_fills_its_planned_buffer(traced, run):
+    """fp32 traced, bf16 run: bf16 activations in fp32-sized buffers; bf16 traced, fp32 run: planned at fp32.
+    Either way the pool registers what admission counts for the run's dtype, and trains as unpinned."""
+    example = M.lm_batch(batch=4, seq=8)
+    graph = trace(M.llama().to(traced), example)
+    program = emit(StagePlan.from_str("2,2|1|1,3"), gpus=2, microbatches=4, staleness=1)
+    batches = [M.lm_batch(batch=4, seq=8, seed=s) for s in range(3)]
+    losses = []
+    for reg in (Recording(), None):
+        state = HostState.from_graph(graph, optimizer=rpcompile.AdamW(lr=1e-2, impl="foreach"), dtype=run)
+        with Runtime(graph, program, state, backend="host", timeout=60,
+                     pinned=reg and PinnedAllocator(reg)) as rt:
+            losses.append([rt.step(b) for b in batches])
+            rt.flush()
+            if reg is not None:
+                need = transfer_bytes(graph, program, run)
+                assert sum(reg.live.values()) == need.total == rt.host_pool.reserved + need.staging
+    assert losses[0] == losses[1]
+
+
 def test_a_value_larger_than_its_planned_buffer_fails_naming_it_and_the_next_step_trains():
     graph = trace(M.llama(), M.lm_batch(batch=4, seq=8))
     program = emit(StagePlan.from_str("2,2|1|1,3"), gpus=2, microbatches=4, staleness=1)
