@@ -55,6 +55,7 @@ from rpcompile.runtime.handlers import IssueHandlers
 from rpcompile.runtime.host_lanes import HostLanes
 from rpcompile.runtime.issuer import Issuer
 from rpcompile.runtime.iterations import Iterations
+from rpcompile.runtime.host.buffers import pool_buffers
 from rpcompile.runtime.host.layout import slot_capacities, stage_layouts
 from rpcompile.runtime.host.pinned import PinnedAllocator
 from rpcompile.runtime.streams.pool import BufferPool
@@ -160,7 +161,8 @@ class Runtime(RuntimeReports):
         self.issue = IssueHandlers(graph=graph, io=self.io, layouts=self.layouts, capacity=self.capacity,
                                    tracked=self.tracked, runners=self.runners, workers=self.workers,
                                    host_pool=self.host_pool, state=state, ctx=self.ctx, drop=self.drop,
-                                   board=self.board, its=self.iterations, host=self.host)
+                                   board=self.board, its=self.iterations, host=self.host,
+                                   planned=pool_buffers(graph, program, getattr(state, "dtype", None)))
         self.issuer = Issuer(ctx=self.ctx, workers=self.workers, drop=self.drop, board=self.board,
                              its=self.iterations, host=self.host, table=self.issue.table())
         self.handlers, self.issuers, self.lanes = self.issuer.handlers, self.issuer.threads, self.host.lanes

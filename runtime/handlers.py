@@ -41,7 +41,8 @@ class IssueHandlers(ComputeHandlers):
         outs: (t, stage, mb) -> Cell of a compute's outputs, until its download (D) takes it.
         rc: (t, stage, mb) -> (Cell of a recompute's graph, its saved inputs), until the backward (B).
         hostvals: (t, "a" | "g", mb, ...) -> HostVal a batch input or a download leaves for its uploads.
-        shapes: host key -> (shape, dtype) seen: later buffers of that key are bound at issue.
+        shapes: host key -> (shape, dtype) a download brought: the device buffers of its uploads are
+            bound at issue from then on.
         slots_made: per worker, the parameter slots taken so far (their buffer parity).
 
     Handed (what it changes there: pool buffers, stream work, the worker stores' byte counts, the
@@ -49,15 +50,29 @@ class IssueHandlers(ComputeHandlers):
         graph, io (stage_io), layouts (stage_layouts), capacity (slot_capacities), tracked (layer ->
         host copies of its running statistics), runners (a LayerRunner per worker), workers, host_pool,
         state (the compute-copy blocks P reads), ctx (StreamContext: stats), drop (test switch),
-        board (IssueBoard), its (Iterations), host (HostLanes: the pinned gradient staging G fills).
+        board (IssueBoard), its (Iterations), host (HostLanes: the pinned gradient staging G fills),
+        planned (`runtime.host.buffers.pool_buffers`: host pool key -> (shape, dtype), the buffers D binds).
+
+    Note: the host pool holds exactly the planned buffers when the batches are shaped as traced (the
+    driver traces each batch shape apart; the first batch staged decides). A download binds its key's
+    one buffer at issue, at the planned shape and dtype, from the first iteration on (an evaluation
+    too: it runs between flushes, when every training buffer is free), so what is allocated does not
+    depend on how far the issuing threads run ahead of the streams. A value of another dtype than
+    traced (bf16 activations of a model traced in fp32) fills the first bytes of its buffer
+    (`BufferPool.recast`); one larger than planned fails, naming the value. With batches shaped unlike
+    the trace the shapes are learned instead: a download whose key's shape is not known yet binds an
+    unkeyed buffer when it runs (warm-up), later ones the key's buffer at issue, so the warm-up
+    buffers depend on the threads' timing and nothing counts them.
     """
 
     def __init__(self, *, graph: Any, io: Any, layouts: Any, capacity: Any, tracked: dict, runners: list,
                  workers: list, host_pool: Any, state: Any, ctx: Any, drop: frozenset, board: Any, its: Any,
-                 host: Any) -> None:
+                 host: Any, planned: dict) -> None:
         self.graph, self.io, self.layouts, self.capacity = graph, io, layouts, capacity
         self.tracked, self.runners, self.workers, self.host_pool = tracked, runners, workers, host_pool
         self.state, self.ctx, self.drop, self.board, self.its, self.host = state, ctx, drop, board, its, host
+        self.planned: dict | None = planned  # None: learn the shapes (see the Note)
+        self._checked = False  # whether the first batch staged was compared with the plan
         self.slots: dict[tuple, ParamSlot] = {}
         self.inputs: dict[tuple, dict] = {}
         self.outs: dict[tuple, Cell] = {}
@@ -81,6 +96,12 @@ class IssueHandlers(ComputeHandlers):
         the last upload reading them has run.
         """
         caller = CallerSide(self.ctx)
+        if not self._checked:  # the pool follows the plan only for batches shaped as traced (class Note)
+            self._checked = True
+            if self.planned is not None and any(("in", 0, j, n, tuple(v.shape), v.dtype) not in self.planned
+                                                for j, inputs in enumerate(mbs) for n, v in inputs.items()
+                                                if info.readers.get(("a", j, n), 0)):
+                self.planned = None
         for j, inputs in enumerate(mbs):
             for n, v in inputs.items():
                 readers = info.readers.get(("a", j, n), 0)
@@ -211,10 +232,10 @@ class IssueHandlers(ComputeHandlers):
         dst = {k: pool.handle() for k in keys.values()}
         if loss:
             dst[("loss", ins.mb)] = pool.handle()
-        tag = "e" if info.forward_only else "t"  # one persistent host buffer per value, apart for evaluation
-        for k, h in dst.items():
-            if k in self.shapes:
-                pool.bind(h, *self.shapes[k], ad, t, key=(tag,) + k)
+        for k, h in dst.items():  # one persistent host buffer per value (see the class Note)
+            known = self.shapes.get(k) if self.planned is None else self.planned[("t",) + k]
+            if known is not None:
+                pool.bind(h, *known, ad, t, key=("t",) + k)
 
         def run() -> None:
             out = cell.get()
@@ -222,9 +243,14 @@ class IssueHandlers(ComputeHandlers):
             items = [(k, vals[n]) for n, k in keys.items()] + ([(("loss", ins.mb), out["loss"])] if loss else [])
             for k, v in items:
                 h = dst[k]
-                if h.tensor is None:
-                    self.shapes[k] = (tuple(v.shape), v.dtype)
-                    pool.bind(h, tuple(v.shape), v.dtype, ad, t)  # warm-up: not keyed (see BufferPool.bind)
+                if h.tensor is None:  # learning the shapes: warm-up, not keyed (see BufferPool.bind)
+                    pool.bind(h, tuple(v.shape), v.dtype, ad, t)
+                elif (h.tensor.shape, h.tensor.dtype) != (v.shape, v.dtype):  # planned at another shape or dtype
+                    if pool.recast(h, v.shape, v.dtype) is None:
+                        raise ValueError(f"{k[-1]} of microbatch {ins.mb} is {tuple(v.shape)} {v.dtype} here, larger "
+                                         f"than its host buffer of {tuple(h.tensor.shape)} {h.tensor.dtype} (as "
+                                         f"traced, or first seen): step batches shaped like the traced one")
+                self.shapes.setdefault(k, (tuple(v.shape), v.dtype))
                 keep_for(v, ad)  # a device value the download still reads (a CPU value needs nothing)
                 h.get().copy_(v, non_blocking=True)
                 self.ctx.stats.add(t, "bytes_to_host", tensor_bytes(v))

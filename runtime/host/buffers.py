@@ -10,10 +10,13 @@ transfers, pinned at their exact size with CUDA workers (`runtime.host.pinned`):
   stage's outputs that later stages read, a backward stage's input gradients, the loss) and two
   per batch input and microbatch that an upload reads (by iteration parity).
 
-`transfer_bytes` counts them from the graph and the program, per microbatch at the traced
-dtypes (the activations' when the model is in the training dtype, as `finetune` builds it; a
-model kept in fp32 for a bf16 run counts its activations at fp32, twice what runs). An
-evaluation's downloads and a warm-up buffer the pool could not key yet are not counted.
+`pool_buffers` lists the pool's buffers with their shapes and dtypes, and the runtime allocates
+exactly those, each bound to its key from the first iteration on (evaluations reuse them);
+`transfer_bytes` sums them. So what admission counts is what is allocated, in every plan and
+however the threads interleave. Shapes are the traced ones per microbatch; a computed floating
+value is planned at the wider of its traced dtype and the training dtype, which is what it is
+at run time or holds it (a model kept in fp32 for a bf16 run: its activations run in bf16 inside
+fp32-sized buffers, which admission counts).
 
     >>> need = transfer_bytes(graph, program)                        # doctest: +SKIP
     >>> need.staging, need.pool                                      # doctest: +SKIP
@@ -29,7 +32,7 @@ import torch
 from rpcompile.runtime.host.layout import aligned
 from rpcompile.runtime.stage.cuts import count_readers, stage_io
 
-__all__ = ["TransferBytes", "transfer_bytes"]
+__all__ = ["TransferBytes", "transfer_bytes", "pool_buffers", "per_mb", "nbytes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +69,30 @@ def transfer_bytes(graph: Any, program: Any, dtype: torch.dtype | None = None) -
                 d = dtype or v.dtype
                 ends[d] = aligned(ends.get(d, 0), d) + v.bytes // v.dtype.itemsize
         staging += sum(k * d.itemsize for d, k in ends.items())
-    keys: dict[tuple, int] = {}
+    return TransferBytes(staging, sum(nbytes(*b) for b in pool_buffers(graph, program, dtype).values()))
+
+
+def pool_buffers(graph: Any, program: Any, dtype: torch.dtype | None = None) -> dict[tuple, tuple[tuple, torch.dtype]]:
+    """The host pool's buffers in a training run, by the pool key the runtime gives each: -> (shape, dtype).
+
+    A downloaded value has one buffer per microbatch, ("t", "a", mb, name) for an F stage's output
+    and ("t", "g", mb, layer, name) for the gradient a backward stage sends across the cut after
+    `layer`, if an upload reads it; the fused stage's loss ("t", "loss", mb); a batch input that an
+    upload reads two per microbatch, ("in", parity, mb, name, shape, dtype). Shapes are the traced
+    ones per microbatch (`per_mb`); a downloaded floating value is planned at the wider of its traced
+    dtype and `dtype` (the module docstring), a batch input at its traced dtype. The runtime
+    allocates exactly these (`IssueHandlers`); an evaluation reuses them.
+
+    Args:
+        graph: the traced LayerGraph the program's plan covers.
+        program: the Program (`rpcompile.passes.emit`).
+        dtype: training dtype of the compute copies (None: each parameter's own).
+    Returns:
+        pool key -> (shape, dtype); `nbytes(shape, dtype)` is what a buffer holds.
+    """
+    io, m = stage_io(graph, program.plan), program.microbatches
+    readers = count_readers(program, io)
+    out: dict[tuple, tuple[tuple, torch.dtype]] = {}
     for i in program.instrs:
         if i.op.value != "D":
             continue
@@ -75,13 +101,40 @@ def transfer_bytes(graph: Any, program: Any, dtype: torch.dtype | None = None) -
             down = {("a", i.mb, n): n for n in st.down}
         else:
             down = {("g", i.mb, st.layers.start - 1, n): n for n in st.grad_out}
-        keys.update({k: _per_mb(graph.values[n], m) for k, n in down.items() if readers.get(k, 0)})
+        out.update({("t",) + k: per_mb(graph.values[n], m, dtype) for k, n in down.items() if readers.get(k, 0)})
         if st.kind.value == "FB":
-            keys[("loss", i.mb)] = _per_mb(graph.values[graph.loss], m)
-    inputs = sum(_per_mb(graph.values[n], m) for j in range(m) for n in graph.inputs if readers.get(("a", j, n), 0))
-    return TransferBytes(staging, sum(keys.values()) + 2 * inputs)
+            out[("t", "loss", i.mb)] = per_mb(graph.values[graph.loss], m, dtype)
+    for j in range(m):
+        for n in graph.inputs:
+            if readers.get(("a", j, n), 0):
+                shape, dtype = per_mb(graph.values[n], m)
+                out.update({("in", parity, j, n, shape, dtype): (shape, dtype) for parity in (0, 1)})
+    return out
 
 
-def _per_mb(v: Any, microbatches: int) -> int:
-    """Bytes of value `v` in one microbatch (its batch dimension split M ways, as `split_batch` cuts it)."""
-    return v.bytes if v.batch_dim is None or not v.shape else v.bytes // microbatches
+def per_mb(v: Any, microbatches: int, dtype: torch.dtype | None = None) -> tuple[tuple[int, ...], torch.dtype]:
+    """(shape, dtype) of value `v` in one microbatch: its batch dimension split M ways, as `split_batch` cuts it;
+    a floating `v` at `dtype` if that is wider than its own.
+
+    >>> from rpcompile.ir.graph import Value
+    >>> h1 = Value("h1", (8, 4, 32), torch.bfloat16, 2048, True, "activation", 0)
+    >>> per_mb(h1, 4), per_mb(h1, 4, torch.float32)
+    (((2, 4, 32), torch.bfloat16), ((2, 4, 32), torch.float32))
+    """
+    shape = list(v.shape)
+    if v.batch_dim is not None and shape:
+        shape[v.batch_dim] //= microbatches
+    wide = dtype is not None and v.dtype.is_floating_point and dtype.itemsize > v.dtype.itemsize
+    return tuple(shape), dtype if wide else v.dtype
+
+
+def nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes of a contiguous tensor of `shape` and `dtype`.
+
+    >>> nbytes((2, 3), torch.bfloat16)
+    12
+    """
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    return n

@@ -182,6 +182,27 @@ class BufferPool:
             self._put_back(h)
         return view
 
+    def recast(self, h: Handle, shape: tuple, dtype: torch.dtype) -> torch.Tensor | None:
+        """View bound handle `h`'s buffer as (shape, dtype) from its first byte; None if it holds fewer bytes.
+
+        For a value whose shape or dtype at run time is not the one its buffer was planned at (the
+        host pool's downloads, `IssueHandlers`): the buffer stays the one it is, counted at its size.
+
+        >>> from rpcompile.runtime.streams.host import StreamContext, HostStream
+        >>> ctx = StreamContext(); s = HostStream("w0/x", ctx); pool = BufferPool("host", ctx)
+        >>> h = pool.take((2, 4), torch.float32, s, 0)
+        >>> pool.recast(h, (4, 2), torch.bfloat16).shape, pool.recast(h, (5, 4), torch.float32)
+        (torch.Size([4, 2]), None)
+        >>> s.close()
+        """
+        shape = tuple(shape)
+        raw = h.base.reshape(-1).view(torch.uint8)
+        n = _numel(shape) * dtype.itemsize
+        if n > raw.numel():
+            return None
+        h.tensor = raw[:n].view(dtype).view(shape)
+        return h.tensor
+
     def give(self, h: Handle, events: list) -> None:
         """Return `h`'s buffer for reuse once `events` (its last users) complete; at issue time."""
         h.released, h.events = True, [e for e in events if e is not None]

@@ -11,10 +11,10 @@ import rpcompile
 from rpcompile import StagePlan
 from rpcompile.hostmem import host_bytes
 from rpcompile.ir.hardware import Hardware
-from rpcompile.passes import emit, estimate_costs, trace
+from rpcompile.passes import emit, estimate_costs, shard_lm_head, trace
 from rpcompile.passes.cost.host_bytes import compute_blocks
-from rpcompile.runtime.executor import Runtime
-from rpcompile.runtime.host.buffers import transfer_bytes
+from rpcompile.runtime.executor import Runtime, RuntimeFailure
+from rpcompile.runtime.host.buffers import nbytes, pool_buffers, transfer_bytes
 from rpcompile.runtime.host.optimizer import HostState
 from rpcompile.runtime.host.pinned import PAGE, PinnedAllocator
 
@@ -92,7 +92,7 @@ def _run(graph, program, batches, pinned=None):
 
 def test_the_runtimes_transfer_buffers_are_registered_at_exactly_their_size_and_admission_counts_them():
     """Gradient staging and the host pool (downloads, step inputs, losses) go through the registrar at their
-    exact bytes; staging is what admission counts, the pool at least its keyed buffers; close unregisters all."""
+    exact bytes; admission counts both exactly; close unregisters all."""
     graph = trace(M.llama(), M.lm_batch(batch=4, seq=8))
     costs = estimate_costs(graph, M.lm_batch(batch=4, seq=8), mode="predict", hardware=Hardware.preset("cpu"),
                            microbatches=4, progress=False)
@@ -105,9 +105,77 @@ def test_the_runtimes_transfer_buffers_are_registered_at_exactly_their_size_and_
     assert staging and all(live[b.data_ptr()] == b.nbytes for b in staging)  # each at its exact size
     assert sum(b.nbytes for b in staging) == need.staging
     pool = sum(live.values()) - need.staging
-    assert pool == rt.host_pool.reserved >= need.pool > 0  # nothing rounded; every keyed buffer is there
+    assert pool == rt.host_pool.reserved == need.pool > 0  # nothing rounded, nothing learned in a warm-up
     host = host_bytes(graph, costs, plan, program=program, microbatches=4, gpus=2, round_size=program.round_size,
                       optimizer=rpcompile.AdamW())
     assert host.buffers == need.total and "transfer buffers" in str(host)
     assert reg.live == {} and rt.host.staging  # unregistered at close, the buffers still referenced
     assert losses == _run(graph, program, batches)[0]  # pinning changes no number
+
+
+_PLANS = {(False, 1): "2,2|1|1,3", (False, 2): "2,2|1|1,3", (False, 4): "1,1,1,1|1|1,1,1,1",
+          (True, 1): "3,3|1|3,3", (True, 2): "3,3|1|3,3", (True, 4): "2,2,2|1|2,2,2"}
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["head", "sharded-head"])
+@pytest.mark.parametrize("microbatches", [4, 8])
+@pytest.mark.parametrize("staleness", [0, 1])
+@pytest.mark.parametrize("gpus", [1, 2, 4])
+def test_the_host_pool_registers_exactly_the_buffers_admission_counts(gpus, staleness, microbatches, sharded):
+    """Every configuration, however the threads interleave (random lane delays): the pool registers one
+    buffer per counted download, loss and step input, each at its counted bytes; an evaluation adds none."""
+    example = M.lm_batch(batch=8, seq=8)
+    graph = trace(M.llama(), example)
+    costs = estimate_costs(graph, example, mode="predict", hardware=Hardware.preset("cpu"),
+                           microbatches=microbatches, progress=False)
+    if sharded:
+        graph = shard_lm_head(graph, shards=2, costs=costs)
+    program = emit(StagePlan.from_str(_PLANS[(sharded, gpus)]), gpus=gpus, microbatches=microbatches,
+                   staleness=staleness)
+    reg = Recording()
+    state = HostState.from_graph(graph, optimizer=rpcompile.AdamW(lr=1e-2, impl="foreach"))
+    with Runtime(graph, program, state, backend="host", timeout=60, pinned=PinnedAllocator(reg),
+                 lane_delay=gpus * 10 + microbatches) as rt:
+        for s in range(3):
+            rt.step(M.lm_batch(batch=8, seq=8, seed=s))
+        rt.evaluate(M.lm_batch(batch=8, seq=8, seed=9))
+        rt.flush()
+        staging = {b.data_ptr() for bufs in rt.host.staging.values() for b in bufs.values()}
+        pool = sorted(n for p, n in reg.live.items() if p not in staging)
+        need = transfer_bytes(graph, program)
+        assert sum(pool) == need.pool == rt.host_pool.reserved
+        assert pool == sorted(nbytes(*b) for b in pool_buffers(graph, program).values())  # one per key, its bytes
+    assert reg.live == {}  # unregistered at close
+
+
+@pytest.mark.parametrize("traced,run", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_a_value_of_another_dtype_than_traced_fills_its_planned_buffer(traced, run):
+    """fp32 traced, bf16 run: bf16 activations in fp32-sized buffers; bf16 traced, fp32 run: planned at fp32.
+    Either way the pool registers what admission counts for the run's dtype, and trains as unpinned."""
+    example = M.lm_batch(batch=4, seq=8)
+    graph = trace(M.llama().to(traced), example)
+    program = emit(StagePlan.from_str("2,2|1|1,3"), gpus=2, microbatches=4, staleness=1)
+    batches = [M.lm_batch(batch=4, seq=8, seed=s) for s in range(3)]
+    losses = []
+    for reg in (Recording(), None):
+        state = HostState.from_graph(graph, optimizer=rpcompile.AdamW(lr=1e-2, impl="foreach"), dtype=run)
+        with Runtime(graph, program, state, backend="host", timeout=60,
+                     pinned=reg and PinnedAllocator(reg)) as rt:
+            losses.append([rt.step(b) for b in batches])
+            rt.flush()
+            if reg is not None:
+                need = transfer_bytes(graph, program, run)
+                assert sum(reg.live.values()) == need.total == rt.host_pool.reserved + need.staging
+    assert losses[0] == losses[1]
+
+
+def test_a_value_larger_than_its_planned_buffer_fails_naming_it_and_the_next_step_trains():
+    graph = trace(M.llama(), M.lm_batch(batch=4, seq=8))
+    program = emit(StagePlan.from_str("2,2|1|1,3"), gpus=2, microbatches=4, staleness=1)
+    state = HostState.from_graph(graph, optimizer=rpcompile.AdamW(lr=1e-2, impl="foreach"))
+    with Runtime(graph, program, state, backend="host", timeout=60) as rt:
+        first = rt.step(M.lm_batch(batch=4, seq=8))
+        with pytest.raises(RuntimeFailure, match=r"of microbatch 0 is \(1, 16\) .* larger than its host buffer of "
+                                                 r"\(1, 8\)"):
+            rt.step(M.lm_batch(batch=4, seq=16))
+        assert rt.step(M.lm_batch(batch=4, seq=8)) == first  # iteration 1 again, on the weights it read before
