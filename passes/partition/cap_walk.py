@@ -144,16 +144,31 @@ class _Caps:
         self.rp: list[float] | None = None  # prefix sums from the last layer down, once a layout needs them
         self.down = not math.isinf(hi)
         self.heap = [] if self.down else [(lo, -1, -1)]  # (+-sum of layers [i, j), i, j), one per start i
-        for i in range(n):
-            if self.down:
-                j = bisect.bisect_left(p, p[i] + hi * (1 - _EPS), i + 1, n + 1) - 1
-                if j > i and p[j] - p[i] >= lo * (1 - _EPS):
-                    self.heap.append((p[i] - p[j], i, j))
-            else:
-                j = bisect.bisect_right(p, p[i] + lo * (1 + _EPS), i + 1, n + 1)
-                if j <= n:
-                    self.heap.append((p[j] - p[i], i, j))
-        heapq.heapify(self.heap)
+        # per start i the bisection of p[i + 1 .. n] for p[i] + hi (down) or p[i] + lo (up); p does not
+        # decrease, so that end only moves right as i does: one pass of k (the same ends as bisect's)
+        k, heap = 1, self.heap
+        if self.down:
+            reach, floor = hi * (1 - _EPS), lo * (1 - _EPS)
+            for i in range(n):
+                x = p[i] + reach
+                if k <= i:
+                    k = i + 1
+                while k <= n and p[k] < x:  # bisect_left(p, x, i + 1, n + 1)
+                    k += 1
+                j = k - 1
+                if j > i and p[j] - p[i] >= floor:
+                    heap.append((p[i] - p[j], i, j))
+        else:
+            reach = lo * (1 + _EPS)
+            for i in range(n):
+                x = p[i] + reach
+                if k <= i:
+                    k = i + 1
+                while k <= n and p[k] <= x:  # bisect_right(p, x, i + 1, n + 1)
+                    k += 1
+                if k <= n:
+                    heap.append((p[k] - p[i], i, k))
+        heapq.heapify(heap)
 
     def head(self) -> float | None:
         """The next cap, or None when the walk is over."""
