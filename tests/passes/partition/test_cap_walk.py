@@ -1,0 +1,40 @@
+"""The cap walk's first caps per start: one pass over the prefix sums, the same ends as a bisection each."""
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import math
+import random
+
+import pytest
+
+from rpcompile.passes.partition.cap_walk import _EPS, _Caps
+
+
+def bisected(p, n, lo, hi):
+    """The heap `_Caps` starts from, one bisection per start (the specification)."""
+    heap = [] if not math.isinf(hi) else [(lo, -1, -1)]
+    for i in range(n):
+        if not math.isinf(hi):
+            j = bisect.bisect_left(p, p[i] + hi * (1 - _EPS), i + 1, n + 1) - 1
+            if j > i and p[j] - p[i] >= lo * (1 - _EPS):
+                heap.append((p[i] - p[j], i, j))
+        else:
+            j = bisect.bisect_right(p, p[i] + lo * (1 + _EPS), i + 1, n + 1)
+            if j <= n:
+                heap.append((p[j] - p[i], i, j))
+    heapq.heapify(heap)
+    return heap
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_first_caps_equal_a_bisection_per_start(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 40)
+    costs = [float(rng.choice([0, 1, 1, 2, 3, 5])) for _ in range(n + 3)]  # small integers: exact ties
+    p = list(itertools.accumulate(costs, initial=0.0))
+    for lo, hi in ((rng.choice([0.0, 1.0, 2.0, 4.0, 7.0]), math.inf),
+                   (rng.choice([0.0, 1.0, 3.0]), rng.choice([0.0, 2.0, 4.0, 6.0, 9.0]))):
+        caps = _Caps(p, n, lo, hi, [], set())
+        assert caps.heap == bisected(p, n, lo, hi), (n, lo, hi, costs)
