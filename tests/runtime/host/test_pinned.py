@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import math
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from rpcompile.runtime.executor import Runtime, RuntimeFailure
 from rpcompile.runtime.host.buffers import nbytes, pool_buffers, transfer_bytes
 from rpcompile.runtime.host.optimizer import HostState
 from rpcompile.runtime.host.pinned import PAGE, PinnedAllocator
+from rpcompile.runtime.streams.pool import BufferPool
 
 
 class Recording:
@@ -149,9 +151,17 @@ def test_the_host_pool_registers_exactly_the_buffers_admission_counts(gpus, stal
 
 
 @pytest.mark.parametrize("traced,run", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
-def test_a_value_of_another_dtype_than_traced_fills_its_planned_buffer(traced, run):
+def test_a_value_of_another_dtype_than_traced_fills_its_planned_buffer(traced, run, monkeypatch):
     """fp32 traced, bf16 run: bf16 activations in fp32-sized buffers; bf16 traced, fp32 run: planned at fp32.
-    Either way the pool registers what admission counts for the run's dtype, and trains as unpinned."""
+    Either way the pool registers what admission counts for the run's dtype, and trains as unpinned; a
+    download keeps its value's dtype (a view of the buffer's first bytes), never the buffer's."""
+    recast = BufferPool.recast
+    recast_to = []
+
+    def spy(self, h, shape, dtype):
+        recast_to.append(dtype)
+        return recast(self, h, shape, dtype)
+    monkeypatch.setattr(BufferPool, "recast", spy)
     example = M.lm_batch(batch=4, seq=8)
     graph = trace(M.llama().to(traced), example)
     program = emit(StagePlan.from_str("2,2|1|1,3"), gpus=2, microbatches=4, staleness=1)
@@ -167,6 +177,7 @@ def test_a_value_of_another_dtype_than_traced_fills_its_planned_buffer(traced, r
                 need = transfer_bytes(graph, program, run)
                 assert sum(reg.live.values()) == need.total == rt.host_pool.reserved + need.staging
     assert losses[0] == losses[1]
+    assert set(recast_to) == ({run} if run.itemsize < traced.itemsize else set())  # narrower values only
 
 
 def test_a_value_larger_than_its_planned_buffer_fails_naming_it_and_the_next_step_trains():
@@ -179,3 +190,14 @@ def test_a_value_larger_than_its_planned_buffer_fails_naming_it_and_the_next_ste
                                                  r"\(1, 8\)"):
             rt.step(M.lm_batch(batch=4, seq=16))
         assert rt.step(M.lm_batch(batch=4, seq=8)) == first  # iteration 1 again, on the weights it read before
+
+
+def test_a_first_batch_shaped_unlike_the_trace_learns_its_shapes():
+    """The pool follows the plan only for batches shaped as traced (`IssueHandlers`' Note): a longer first
+    batch has no planned buffer to outgrow, its buffers are learned as it runs, and it trains."""
+    graph = trace(M.llama(), M.lm_batch(batch=4, seq=8))
+    program = emit(StagePlan.from_str("2,2|1|1,3"), gpus=2, microbatches=4, staleness=1)
+    state = HostState.from_graph(graph, optimizer=rpcompile.AdamW(lr=1e-2, impl="foreach"))
+    with Runtime(graph, program, state, backend="host", timeout=60) as rt:
+        losses = [rt.step(M.lm_batch(batch=4, seq=16, seed=s)) for s in range(2)]
+    assert all(math.isfinite(x) for x in losses)
