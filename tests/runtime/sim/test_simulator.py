@@ -168,6 +168,13 @@ def test_records_list_every_instance_in_program_order_and_compare_as_a_tuple():
         t.records[3 * n]
 
 
+def test_a_freed_channel_goes_to_the_head_ready_first_among_equal_priorities():
+    """Lane 1's head is ready at 0, lane 2's at 0.5 (after a job on another channel); both wait for lane 0's
+    job on their channel. When it ends, the one ready first goes, although lane 2 is visited later."""
+    jobs = [Job(0, 0, 0, 1.0, ()), Job(3, 1, 0, 0.5, ()), Job(1, 0, 0, 1.0, ()), Job(2, 0, 0, 1.0, (1,))]
+    assert run_jobs(jobs) == ([0.0, 0.0, 1.0, 2.0], [1.0, 0.5, 2.0, 3.0])
+
+
 def test_trace_and_plot(tmp_path):
     plan, c = StagePlan.from_str("1|1|1"), uniform(2, act_bytes=[10**6] * 2)
     p = emit(plan, gpus=2, microbatches=2, staleness=0, costs=c)
