@@ -8,6 +8,7 @@ This folder holds it and what it is built from:
     evaluator.py   plans as stage sizes: stage tuples, device memory and exact time without a StagePlan
     steady.py      `iteration_time` fast (to 1e-12): first and last microbatch per slot, until the state repeats
     batch.py       the same for many plans at once, as float64 tensor rows (the complete even family)
+    native.py      both recurrences in C (recurrence.c, built once per machine): the same floats, faster
     cap_walk.py    the heuristic part: a best-first walk over stage-time caps
     even_plans.py  the plans a person would write (even plans, every plan of tiny models)
     ties.py        the tie rule: one canonical plan among those within the tie of the fastest
@@ -96,7 +97,9 @@ to about 1e-12, and a plan they put within 1e-10 of the cutoff is timed again
 by `iteration_time` itself. So every time the search compares, stores or
 reports is `iteration_time`'s float, and the plans are those of the one-by-one
 exact search: on the paper models up to 40x faster than before, with the same
-plans.
+plans. Where the machine has a C compiler, both recurrences and the batch run
+in C (`native.py`): the same operations on the same doubles, so the same
+floats bit for bit, and the same plans as without it.
 """
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
 """`steady.steady_time` for many plans at once: one tensor row per plan, slot by slot.
 
+Where the planner's C kernel is built (`native.py`) it times the batch instead; this module is what runs
+without a C compiler.
+
 The even family of a model of up to 40 layers is about 3 n^2 plans (n the
 layers outside the fused stage), each timed unless a bound rules it out; one
 plan at a time that is most of `partition`'s time. Here every plan is a row of

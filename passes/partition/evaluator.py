@@ -23,6 +23,7 @@ import math
 from typing import Iterator
 
 from rpcompile.ir.costs import CostTable
+from rpcompile.passes.partition import native
 from rpcompile.passes.partition.steady import steady_time
 from rpcompile.passes.partition.timing import layer_sums, shape, shape_time, steady_state_window
 
@@ -45,6 +46,7 @@ class Evaluator:
         self._fwd: dict = {}   # (sizes) -> forward stage tuples
         self._bwd: dict = {}   # (sizes) -> backward stage tuples, execution order
         self.timed = 0         # recurrence steps spent (stages x microbatches x iterations)
+        self.lib = native.load()  # the C recurrences (the same floats), or None: timing.py's and steady.py's
 
     def forward(self, sizes: tuple[int, ...]) -> tuple:
         """Forward stage tuples (0, lo, hi, fwd sum, bwd sum) of a layout from layer 0 up."""
@@ -131,17 +133,16 @@ class Evaluator:
         ns = len(stages)
         iters = 1 if self.st == 0 else steady_state_window(self.n_gpu, ns, self.m // self.rr)[0]
         self.timed += ns * self.m * iters
-        sh = shape(stages)
-        kw = dict(gpus=self.n_gpu, microbatches=self.m, round_size=self.rr, staleness=self.st)
+        run = self._runner(stages, self.st)
         if cutoff is None or math.isinf(cutoff):
-            return shape_time(sh, **kw)
+            return run(True, None)
         if fast is None and iters * self.rr < _SCREEN_WORK:
-            return shape_time(sh, cutoff=cutoff, **kw)  # a short window: the screen would not pay for itself
+            return run(True, cutoff)  # a short window: the screen would not pay for itself
         if fast is None:
-            fast = steady_time(sh, cutoff=cutoff * (1 + SCREEN), **kw)
+            fast = run(False, cutoff * (1 + SCREEN))
         if fast > cutoff * (1 + SCREEN):
             return math.inf
-        return shape_time(sh, cutoff=cutoff, **kw)
+        return run(True, cutoff)
 
     def isolated_floor(self, stages: list, cutoff: float) -> float:
         """A lower bound on the staleness-1 `iteration_time` from one isolated iteration (0 if none applies).
@@ -157,10 +158,19 @@ class Evaluator:
         if self.st != 1 or steady_state_window(self.n_gpu, len(stages), self.m // self.rr)[1] % 2:
             return 0.0
         self.timed += len(stages) * self.m
-        kw = dict(gpus=self.n_gpu, microbatches=self.m, round_size=self.rr, staleness=0)
+        run = self._runner(stages, 0)
         if self.rr * 3 < _SCREEN_WORK:  # few microbatches per slot: the recurrence is as quick
-            return shape_time(shape(stages), cutoff=None if math.isinf(cutoff) else 2 * cutoff, **kw) / 2
-        t0 = steady_time(shape(stages), **kw) / 2  # within about 1e-12 of the recurrence's, one slot per step
+            return run(True, None if math.isinf(cutoff) else 2 * cutoff) / 2
+        t0 = run(False, None) / 2  # within about 1e-12 of the recurrence's, one slot per step
         if math.isinf(cutoff) or abs(t0 - cutoff) > cutoff * SCREEN:
             return t0  # the same side of the cutoff as the exact value
-        return shape_time(shape(stages), cutoff=2 * cutoff, **kw) / 2
+        return run(True, 2 * cutoff) / 2
+
+    def _runner(self, stages: list, staleness: int):
+        """run(exact, cutoff): the plan's `timing.shape_time` (exact) or `steady.steady_time` under
+        `staleness`, in C when the kernel is built (`native.py`: the same floats), else in Python."""
+        kw = dict(gpus=self.n_gpu, microbatches=self.m, round_size=self.rr, staleness=staleness)
+        if self.lib is not None:
+            return lambda exact, cutoff: native.time(self.lib, stages, cutoff=cutoff, exact=exact, **kw)
+        sh = shape(stages)
+        return lambda exact, cutoff: (shape_time if exact else steady_time)(sh, cutoff=cutoff, **kw)

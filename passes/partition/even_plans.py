@@ -18,7 +18,7 @@ import itertools
 import math
 from typing import Iterator
 
-from rpcompile.passes.partition.batch import steady_times
+from rpcompile.passes.partition import batch, native
 from rpcompile.passes.partition.cap_walk import _NONE, aggregate
 from rpcompile.passes.partition.evaluator import SCREEN
 
@@ -108,7 +108,7 @@ def sweep(search, budget: int) -> bool:
 
 def _complete(search) -> None:
     """Offer every even plan to `search`: those the family's bound leaves are timed at once
-    (`batch.steady_times`) against the time up to which a plan may tie when the sweep starts; those that
+    (`native.steady_times`, else `batch.steady_times`) against the time up to which a plan may tie when the sweep starts; those that
     may tie are then offered in the sweep's order (best estimate first), exactly as one by one: the time a
     plan may tie up to only falls, so a plan above it now is above it later too; the rest are marked seen,
     as the bound or the timing would have left them."""
@@ -142,7 +142,11 @@ def _complete(search) -> None:
                                                                len(p[2])), p[1], len(p[0]), len(p[2]))):
             search.consider(*plan, rigorous=True)
         return
-    times = steady_times(ev, todo, cutoff=None if math.isinf(lim) else lim * (1 + SCREEN))
+    cutoff = None if math.isinf(lim) else lim * (1 + SCREEN)
+    if ev.lib is not None:  # the C kernel (`native.py`), else the tensor rows: the same plans either way
+        times = native.steady_times(ev.lib, ev, todo, cutoff)
+    else:
+        times = batch.steady_times(ev, todo, cutoff)
     order = []
     for plan, t in zip(todo, times):
         if math.isinf(t):

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rpcompile.cache import cache_dir
+
 __all__ = ["Kernels", "load_kernels", "cache_dir", "optimizer_rate", "KINDS"]
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.cpp")
@@ -119,13 +121,6 @@ def _ptr(t: Tensor | None) -> int:
 def _threads() -> int:
     """OpenMP threads for one call: torch's intra-op thread count."""
     return torch.get_num_threads()
-
-
-def cache_dir() -> str:
-    """Where built kernels are kept: $RPCOMPILE_CACHE, else $XDG_CACHE_HOME/rpcompile, else ~/.cache/rpcompile."""
-    base = os.environ.get("RPCOMPILE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "rpcompile")
-    return os.path.join(base, "kernels")
 
 
 def _cpu_flags() -> str:

@@ -88,11 +88,15 @@ def test_batch_equals_the_recurrence_on_random_plans(seed):
                 assert cut_ok(got, want, cut), (p, kw, cut)
 
 
-def test_evaluator_time_with_a_cutoff_is_the_recurrence_float_or_inf():
+@pytest.mark.parametrize("kernel", ["1", "0"])  # recurrence.c (native.py), and timing.py with steady.py
+def test_evaluator_time_with_a_cutoff_is_the_recurrence_float_or_inf(monkeypatch, kernel):
+    monkeypatch.setenv("RPCOMPILE_PLANNER_KERNEL", kernel)
     rng = random.Random(7)
     for _ in range(150):
         costs, kw = problem(rng)
         ev = Evaluator(costs, staleness=1, memory=None, **kw)
+        if kernel == "0":
+            assert ev.lib is None
         fs, f, bs = random_plan(rng, costs.num_layers)
         exact = iteration_time(StagePlan.from_sizes(fs, f, bs), costs, staleness=1, **kw)
         for cut in (exact, exact * (1 + 1e-12), exact * 0.999, exact * 1.5):

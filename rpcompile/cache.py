@@ -1,0 +1,16 @@
+"""Where rpcompile keeps what it builds on the user's machine (the host optimizer's and the planner's kernels).
+
+    >>> import os
+    >>> os.path.basename(cache_dir())
+    'kernels'
+"""
+from __future__ import annotations
+
+import os
+
+
+def cache_dir() -> str:
+    """Where built kernels are kept: $RPCOMPILE_CACHE, else $XDG_CACHE_HOME/rpcompile, else ~/.cache/rpcompile."""
+    base = os.environ.get("RPCOMPILE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "rpcompile")
+    return os.path.join(base, "kernels")
