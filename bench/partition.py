@@ -34,6 +34,7 @@ from _common import machine_line, tree_at, write_doc  # noqa: E402
 
 from rpcompile import CostTable, StagePlan  # noqa: E402
 from rpcompile.passes import partition  # noqa: E402
+from rpcompile.passes.partition import native  # noqa: E402
 from rpcompile.passes.partition.timing import iteration_time  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -120,9 +121,16 @@ def row(name: str, costs: CostTable, runs: int, before: Before | None, **kw) -> 
     kw.setdefault("round_size", MICROBATCHES // 2)
     plain = {a: b for a, b in kw.items() if a != "memory_budget"}
     ours_s, ours = timed(partition, costs, runs, **kw)
+    os.environ[native.SWITCH] = "0"  # the same planner without its C kernel (a machine with no C compiler)
+    try:
+        python_s, python_plan = timed(partition, costs, runs, **kw)
+    finally:
+        del os.environ[native.SWITCH]
+    assert python_plan.to_str() == ours.to_str(), (name, python_plan.to_str(), ours.to_str())
     ref_s, ref = timed(reference, costs, runs, **kw)
     it = iteration_time(ours, costs, **plain)
-    out = [name, costs.num_layers, kw["round_size"], f"{ours_s * 1e3:.1f}", f"{ref_s * 1e3:.2f}"]
+    out = [name, costs.num_layers, kw["round_size"], f"{ours_s * 1e3:.1f}", f"{python_s * 1e3:.1f}",
+           f"{ref_s * 1e3:.2f}"]
     if before is not None:
         before_s, _, old_it = before(costs, runs, **kw)
         out += [f"{before_s * 1e3:,.1f}", f"{before_s / ours_s:,.1f}x", f"{it / old_it:.6f}"]
@@ -196,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if before is not None:
             before.close()
-    head = ["model", "layers", "R", "ours ms", "ref ms"]
+    head = ["model", "layers", "R", "ours ms", "ours, no C kernel ms", "ref ms"]
     if before is not None:
         head += [f"before ({args.before}) ms", "before / ours time", "ours / before iteration"]
     head += ["paper ms", "target met", "stages", "iteration ms", "ours / ref iteration"]
@@ -220,7 +228,11 @@ def main(argv: list[str] | None = None) -> None:
               "family of a model of up to 40 layers all at once as step-major float64 tensor rows (`batch.py`), "
               "after dropping the plans whose busiest worker alone, or a side too big for the memory budget, "
               "rules them out; every plan that may tie is re-timed exactly: the plans are those of the planner "
-              "before.\n")
+              "before. Both recurrences and the batch run in C where the machine has a C compiler "
+              "(`passes/partition/native.py`, recurrence.c: the same floats bit for bit); \"ours, no C kernel\" "
+              "is the same planner with `RPCOMPILE_PLANNER_KERNEL=0` (Python and torch), and gives the same "
+              f"plan (asserted). Planner kernel on this machine: "
+              f"{'built' if native.load() is not None else 'NOT available'}.\n")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ of 30 (batch) to 300 (one plan in Python). The plans `partition` returns do not
 depend on which ran.
 
 It is plain C (no Python or torch headers): the machine's C compiler (`$CC`,
-else `cc`) builds it in about a tenth of a second into the kernels' cache
+else `cc`) builds it in under half a second (once per machine) into the kernels' cache
 folder (`rpcompile.cache.cache_dir`), under a name keyed by the source, the
 flags, the compiler and the platform; later processes only load it. Where no
 compiler is found, the build fails, or `RPCOMPILE_PLANNER_KERNEL=0` is set,
