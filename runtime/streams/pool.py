@@ -51,7 +51,7 @@ def poison(t: torch.Tensor) -> None:
 class Handle:
     """A pool buffer as the runtime refers to it; `tensor` is None until the buffer is bound."""
 
-    __slots__ = ("tensor", "base", "flat", "key", "released", "events", "stream", "seq", "freed_at")
+    __slots__ = ("tensor", "base", "flat", "key", "released", "events", "stream", "seq", "freed_at", "lost")
 
     def __init__(self, seq: int = 0) -> None:
         self.tensor: torch.Tensor | None = None
@@ -63,6 +63,7 @@ class Handle:
         self.stream: Any = None  # the stream it was bound on
         self.seq = seq  # issue order of its creation: it may reuse only buffers released before
         self.freed_at = 0  # issue order of its release
+        self.lost = False  # a keyed buffer given up after a failure (`BufferPool.forget_keys`): not taken back
 
     def get(self) -> torch.Tensor:
         """The buffer; raises if nothing was written to it yet (a missing dependency)."""
@@ -97,6 +98,7 @@ class BufferPool:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)  # a keyed buffer was given back
         self._out: set = set()  # keys whose one buffer is handed out
+        self._held: dict[tuple, Handle] = {}  # key -> the handle its buffer is handed out to (`forget_keys`)
         ctx.failure.on_fail.append(self._wake)
         self._free: dict[tuple, list[tuple[torch.Tensor, list, int]]] = {}  # key -> (buffer, events, freed at)
         self._seq = itertools.count(1)  # issue order of handle creations and releases
@@ -167,6 +169,9 @@ class BufferPool:
             buf = self._new((max(n, capacity),) if flat else shape, dtype, it, counted)
         for e in events:
             stream.wait(e, it)
+        if key is not None:
+            with self._lock:
+                self._held[("key", key)] = h
         view = buf[:n] if flat else buf
         if self.poison == "take":
             stream.submit(lambda b=view: poison(b), "poison", it)
@@ -215,6 +220,10 @@ class BufferPool:
         buf, events = h.base, h.events  # work queued before the release may still read it through `h`
         key = ("key", h.key) if h.key is not None else ("flat", buf.dtype) if h.flat else (tuple(buf.shape), buf.dtype)
         with self._cond:
+            if h.lost:  # given up by `forget_keys`: its key has a new buffer, this one goes
+                return
+            if self._held.get(key) is h:
+                del self._held[key]
             self._free.setdefault(key, []).append((buf, events, h.freed_at))
             self._out.discard(key)
             gen = self._gen[id(buf)]
@@ -268,9 +277,20 @@ class BufferPool:
         return buf
 
     def forget_keys(self) -> None:
-        """After a failure: keyed buffers handed out to abandoned work are lost (a new one is made)."""
+        """After a failure: keyed buffers handed out to abandoned work are given up (a new one is made when
+        their key is next bound): they no longer count in `reserved` or in use, and one given back late is
+        dropped, so the pool still owns one buffer per key."""
+        gone = 0
         with self._cond:
+            for fkey in self._out:
+                h = self._held.pop(fkey, None)
+                if h is not None:
+                    h.lost = True
+                    self.reserved -= _nbytes(h.base)
+                    gone += self._live.pop(id(h.base), 0)
             self._out.clear()
+        if self.store is not None:
+            self.store.add(-gone)
 
     def _wake(self) -> None:
         """A failure: wake every `bind` waiting for a keyed buffer (it re-checks for abandonment)."""

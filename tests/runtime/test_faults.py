@@ -14,6 +14,7 @@ from rpcompile import AdamW, StagePlan  # noqa: E402
 from rpcompile.passes import emit, trace  # noqa: E402
 from rpcompile.ir.program import Op  # noqa: E402
 from rpcompile.runtime.executor import Runtime, RuntimeFailure  # noqa: E402
+from rpcompile.runtime.host.buffers import transfer_bytes  # noqa: E402
 from rpcompile.runtime.host.optimizer import HostState  # noqa: E402
 
 PLAN, GPUS, MBS = "2,2|1|1,3", 2, 4  # llama: 5 layers; layer 2 is recomputed in B stage "1,3"'s second slot
@@ -117,6 +118,8 @@ def test_backward_fault_keeps_last_completed_step(staleness):
         rt.step(BATCHES[2]), rt.step(BATCHES[3])
         rt.flush()
         _same(_snapshot(state), final)
+        # the host buffers the abandoned work held were given up: the pool owns what admission counts
+        assert rt.host_pool.reserved == transfer_bytes(g, rt.program).pool
 
 
 def test_lane_fault_in_transfer():

@@ -153,6 +153,29 @@ def test_pool_reuses_after_the_last_users_and_poisons():
         s.close()
 
 
+def test_after_a_failure_a_keyed_buffer_is_given_up_and_counted_once():
+    # recovery forgets the keyed buffers abandoned work holds: the key gets a new buffer, the pool still owns
+    # (reserved) and uses one per key, and the old one given back late is dropped, not kept beside the new
+    ctx = StreamContext(timeout=5.0)
+    s = HostStream("s", ctx)
+    pool = BufferPool("host", ctx)
+    try:
+        old = pool.take((2, 3), torch.float32, s, 0, key="a")
+        keep = pool.take((4,), torch.float32, s, 0, key="b")
+        pool.give(keep, [])  # given back before the failure: not given up
+        pool.forget_keys()
+        assert pool.reserved == 4 * 4 and old.lost and not keep.lost
+        new = pool.take((2, 3), torch.float32, s, 1, key="a")  # at once: no wait for the abandoned holder
+        assert new.base is not old.base and pool.reserved == (6 + 4) * 4
+        pool.give(old, [])  # the abandoned work's late release
+        pool.give(new, [])
+        again = pool.take((2, 3), torch.float32, s, 2, key="a")
+        assert again.base is new.base and pool.reserved == (6 + 4) * 4
+        assert pool.take((4,), torch.float32, s, 2, key="b").base is keep.base
+    finally:
+        s.close()
+
+
 # -- the runtime in poison mode ----------------------------------------------------------------------------
 @pytest.mark.parametrize("backend", MODES)
 @pytest.mark.parametrize("gpus,plan,mbs,staleness", [(2, "2,2|1|1,3", 4, 1), (3, PLAN3, 6, 0),
