@@ -29,6 +29,8 @@ import heapq
 import itertools
 import math
 
+from rpcompile.passes.partition import native
+
 _EPS = 1e-12   # relative slack for float prefix-sum comparisons
 _EXTRA = 1     # stage counts above the fewest tried at each cap (2 was slower and no better on random 41-100 layer cases)
 _PER_LAYER = 16  # budget charged per layer for building and checking a plan
@@ -101,7 +103,7 @@ class _Generator:
                 self.shared.extend([([], set()), ([], set())])
             lo = (s.f_max[n], s.wb_max[n]) if self.down else (self.t_min, self.t_min)
             self.sides = tuple(_Caps(p, n, lo[i], self.t_min if self.down else math.inf, *self.shared[i],
-                                     ok=lambda sizes, b=bool(i): s.ev.side_fits(sizes, backward=b))
+                                     ok=lambda sizes, b=bool(i): s.ev.side_fits(sizes, backward=b), lib=s.ev.lib)
                                for i, p in enumerate((s.pf, s.pb)))
         fwd, bwd = self.sides
         cap = self._next()
@@ -122,7 +124,7 @@ class _Generator:
         if cap is None:
             return False
         self.cap = cap
-        self.count = _fewest(s.pb, n, self.cap)
+        self.count = bwd.fewest(self.cap)  # _fewest(s.pb, n, cap)
         self.spent[0] += self.count
         return True
 
@@ -139,8 +141,9 @@ class _Caps:
     (the side's layouts so far) are shared by both walks of one fused size.
     """
 
-    def __init__(self, p: list[float], n: int, lo: float, hi: float, done: list, seen: set, ok=None):
+    def __init__(self, p: list[float], n: int, lo: float, hi: float, done: list, seen: set, ok=None, lib=None):
         self.p, self.n, self.lo, self.done, self.seen, self.ok = p, n, lo, done, seen, ok
+        self.native = None if lib is None else native.Layouts(lib, p, n, _EXTRA)  # `layouts` in C (`native.py`)
         self.rp: list[float] | None = None  # prefix sums from the last layer down, once a layout needs them
         self.down = not math.isinf(hi)
         self.heap = [] if self.down else [(lo, -1, -1)]  # (+-sum of layers [i, j), i, j), one per start i
@@ -191,19 +194,27 @@ class _Caps:
         """New layouts under cap (fewest stages .. +_EXTRA, each even, larger-first and larger-last) with their
         `aggregate`, and the stages computed on the way (the effort)."""
         p, n, out = self.p, self.n, []
-        k0 = _fewest(p, n, cap)
-        ks = range(k0, min(n, k0 + _EXTRA) + 1)
-        if self.rp is None:
-            self.rp = [p[n] - x for x in reversed(p[:n + 1])]
-        for k in ks:
-            right = _greedy(self.rp, n, cap, k)  # filled from the last layer: the same on the reversed sums
-            for sizes in (_even(p, n, cap, k), _greedy(p, n, cap, k), right and right[::-1]):
-                if sizes is not None and sizes not in self.seen:
-                    self.seen.add(sizes)
-                    if self.ok is None or self.ok(sizes):  # a stage too big for any plan: never paired
-                        out.append((sizes, aggregate(_sums(p, sizes))))
+        if self.native is not None:  # the same candidates, in C
+            k0, candidates = self.native(cap)
+        else:
+            k0 = _fewest(p, n, cap)
+            if self.rp is None:
+                self.rp = [p[n] - x for x in reversed(p[:n + 1])]
+            candidates = []
+            for k in range(k0, min(n, k0 + _EXTRA) + 1):
+                right = _greedy(self.rp, n, cap, k)  # filled from the last layer: the same on the reversed sums
+                candidates += [_even(p, n, cap, k), _greedy(p, n, cap, k), right and right[::-1]]
+        for sizes in candidates:
+            if sizes is not None and sizes not in self.seen:
+                self.seen.add(sizes)
+                if self.ok is None or self.ok(sizes):  # a stage too big for any plan: never paired
+                    out.append((sizes, aggregate(_sums(p, sizes))))
         self.done.extend(out)
-        return out, k0 + 4 * sum(ks)
+        return out, k0 + 4 * sum(range(k0, min(n, k0 + _EXTRA) + 1))
+
+    def fewest(self, cap: float) -> int:
+        """`_fewest` of this side's layers under cap."""
+        return _fewest(self.p, self.n, cap) if self.native is None else self.native.fewest(cap)
 
 
 _NONE = (0.0, 0.0, 0.0)  # the aggregate of an empty side

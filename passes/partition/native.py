@@ -1,4 +1,4 @@
-"""The planner's recurrences in C: recurrence.c, built once per machine and loaded with ctypes.
+"""The planner's hot loops in C: recurrence.c and layouts.c, built once per machine and loaded with ctypes.
 
 `partition` times thousands of plans: the exact recurrence of `timing.py`
 (`shape_time`, what every time it compares or reports is) and the fast one of
@@ -8,12 +8,13 @@ even family of a model of up to 40 layers all at once (`even_plans._complete`,
 same operations on the same doubles in the same order, built with
 -ffp-contract=off (no fused multiply-add), so the same floats bit for bit
 (tests/passes/partition/test_native.py), at a few microseconds a plan instead
-of 30 (batch) to 300 (one plan in Python). The plans `partition` returns do not
-depend on which ran.
+of 30 (batch) to 300 (one plan in Python). layouts.c is the cap walk's layout
+search (`cap_walk._fewest`, `_even`, `_greedy`: the same layouts). The plans
+`partition` returns do not depend on which ran.
 
 It is plain C (no Python or torch headers): the machine's C compiler (`$CC`,
 else `cc`) builds it in under half a second (once per machine) into the kernels' cache
-folder (`rpcompile.cache.cache_dir`), under a name keyed by the source, the
+folder (`rpcompile.ir.cache.cache_dir`), under a name keyed by the source, the
 flags, the compiler and the platform; later processes only load it. Where no
 compiler is found, the build fails, or `RPCOMPILE_PLANNER_KERNEL=0` is set,
 `load` returns None and the planner times plans in Python (`Evaluator`) and
@@ -39,10 +40,10 @@ import subprocess
 import sysconfig
 import tempfile
 
-from rpcompile.cache import cache_dir
+from rpcompile.ir.cache import cache_dir
 from rpcompile.passes.partition.timing import steady_state_window
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recurrence.c")
+SOURCES = tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f) for f in ("recurrence.c", "layouts.c"))
 FLAGS = ("-O2", "-std=c11", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math")  # no FMA: steady.py's floats
 SWITCH = "RPCOMPILE_PLANNER_KERNEL"  # set to 0 to time with batch.py instead
 
@@ -107,8 +108,11 @@ def load() -> ctypes.CDLL | None:
     if os.environ.get(SWITCH, "1") == "0":
         return None
     cc = os.environ.get("CC") or "cc"
-    with open(SOURCE, "rb") as f:
-        key = b"\0".join([f.read(), repr(FLAGS).encode(), cc.encode(), sysconfig.get_platform().encode()])
+    sources = []
+    for name in SOURCES:
+        with open(name, "rb") as f:
+            sources.append(f.read())
+    key = b"\0".join([*sources, repr(FLAGS).encode(), cc.encode(), sysconfig.get_platform().encode()])
     path = os.path.join(cache_dir(), f"rpcompile_planner_{hashlib.sha256(key).hexdigest()[:16]}.so")
     if not os.path.exists(path):
         try:
@@ -126,6 +130,10 @@ def load() -> ctypes.CDLL | None:
     lib.rp_steady_times.argtypes = [i32] + [ptr] * 12 + [i32] * 5 + [f64, ptr]
     lib.rp_time.restype = f64
     lib.rp_time.argtypes = [i32] + [ptr] * 5 + [i32] * 7 + [f64, i32]
+    lib.rp_fewest.restype = i32
+    lib.rp_fewest.argtypes = [ptr, i32, f64]
+    lib.rp_layouts.restype = i32
+    lib.rp_layouts.argtypes = [ptr, ptr, i32, f64, i32, ptr, ptr, ptr]
     return lib
 
 
@@ -152,8 +160,35 @@ def time(lib: ctypes.CDLL, stages: list, *, gpus: int, microbatches: int, round_
     return out
 
 
+class Layouts:
+    """The cap walk's layouts of one side in C (layouts.c: `cap_walk._fewest`, `_even` and `_greedy`, the same
+    layouts): prefix sums `p` of its n layers, at most `extra` stage counts above the fewest."""
+
+    def __init__(self, lib: ctypes.CDLL, p: list[float], n: int, extra: int):
+        self.lib, self.n, self.extra = lib, n, extra
+        self.p = array.array("d", p[:n + 1])
+        self.rp = array.array("d", [p[n] - x for x in reversed(p[:n + 1])])  # `_Caps.rp`: from the last layer
+        self.sizes = array.array("i", bytes(4 * 3 * (extra + 1) * n))
+        self.lens = array.array("i", bytes(4 * 3 * (extra + 1)))
+        self.work = array.array("i", bytes(4 * (n + 1)))
+        self.ptrs = [a.buffer_info()[0] for a in (self.p, self.rp)] + [n]
+        self.out = [a.buffer_info()[0] for a in (self.sizes, self.lens, self.work)]
+
+    def fewest(self, cap: float) -> int:
+        """`cap_walk._fewest(p, n, cap)`."""
+        return self.lib.rp_fewest(self.ptrs[0], self.n, cap)
+
+    def __call__(self, cap: float) -> tuple[int, list]:
+        """(k0, the candidates): for k = k0 .. min(n, k0 + extra), `_even`, `_greedy` and the reversed
+        `_greedy` on the reversed sums (None where one has no layout), in that order."""
+        k0 = self.lib.rp_layouts(*self.ptrs, cap, self.extra, *self.out)
+        sizes, lens, n = self.sizes, self.lens, self.n
+        count = 3 * (min(n, k0 + self.extra) - k0 + 1)
+        return k0, [tuple(sizes[c * n:c * n + lens[c]]) if lens[c] else None for c in range(count)]
+
+
 def _build(cc: str, path: str) -> None:
-    """Compile recurrence.c into `path`, atomically (another process may build the same file meanwhile)."""
+    """Compile the C sources into `path`, atomically (another process may build the same file meanwhile)."""
     if shutil.which(cc) is None:
         raise RuntimeError(f"no C compiler: {cc!r} is not on PATH (set CC)")
     folder = os.path.dirname(path)
@@ -161,7 +196,7 @@ def _build(cc: str, path: str) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
     os.close(fd)
     try:
-        subprocess.run([cc, *FLAGS, "-o", tmp, SOURCE], check=True, capture_output=True, timeout=120)
+        subprocess.run([cc, *FLAGS, "-o", tmp, *SOURCES], check=True, capture_output=True, timeout=120)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -11,4 +11,5 @@ project's but each other, and nothing here runs a pass or touches a device.
     hardware.py    Hardware: device, link and host numbers (presets and a measured CPU)
     hardware_presets.py  the presets' spec-sheet numbers, each with its source; torch's BLAS workspace
     optim.py       AdamW, SGD: optimizer configs (the update itself is runtime/host/optimizer.py)
+    cache.py       where the kernels rpcompile builds on the user's machine are kept (planner, host optimizer)
 """

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rpcompile.cache import cache_dir
+from rpcompile.ir.cache import cache_dir
 
 __all__ = ["Kernels", "load_kernels", "cache_dir", "optimizer_rate", "KINDS"]
 

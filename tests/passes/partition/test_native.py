@@ -12,7 +12,7 @@ import pytest
 
 from rpcompile import CostTable
 from rpcompile.passes import partition
-from rpcompile.passes.partition import native
+from rpcompile.passes.partition import cap_walk, native
 from rpcompile.passes.partition.evaluator import Evaluator
 from rpcompile.passes.partition.steady import steady_time
 from rpcompile.passes.partition.timing import shape, shape_time
@@ -60,6 +60,31 @@ def test_a_batch_equals_steady_time_bit_for_bit(seed):
             cut = rng.choice(want) * rng.choice([0.9, 1.0, 1.1])
             want = [steady_time(shape(ev.stages(*p)), staleness=staleness, cutoff=cut, **kw) for p in plans]
             assert native.steady_times(LIB, ev, plans, cut) == want, (kw, staleness, cut)
+
+
+@needs_lib
+@pytest.mark.parametrize("seed", range(3))
+def test_the_cap_walk_layouts_equal_the_python_ones(seed):
+    rng = random.Random(900 + seed)
+    for _ in range(150):
+        n = rng.randint(1, 40)
+        layer = rng.choice([1.0, 0.1, rng.uniform(0.1, 2.0)])  # equal layers: contiguous sums that tie
+        times = [rng.choice([layer, layer, 0.0, rng.uniform(0.0, 3.0)]) for _ in range(n + rng.randint(0, 3))]
+        p = [0.0]
+        for t in times:
+            p.append(p[-1] + t)
+        side = native.Layouts(LIB, p, n, cap_walk._EXTRA)
+        rp = [p[n] - x for x in reversed(p[:n + 1])]
+        i, j = sorted(rng.sample(range(n + 1), 2)) if n > 1 else (0, 1)
+        for cap in (p[j] - p[i], (p[j] - p[i]) * (1 + 1e-12), (p[j] - p[i]) * (1 - 1e-12), max(times[:n]),
+                    rng.uniform(0.0, p[n] + 1.0)):
+            k0 = cap_walk._fewest(p, n, cap)
+            assert side.fewest(cap) == k0, (p, n, cap)
+            want = []
+            for k in range(k0, min(n, k0 + cap_walk._EXTRA) + 1):
+                right = cap_walk._greedy(rp, n, cap, k)
+                want += [cap_walk._even(p, n, cap, k), cap_walk._greedy(p, n, cap, k), right and right[::-1]]
+            assert side(cap) == (k0, want), (p, n, cap)
 
 
 def paper_models():

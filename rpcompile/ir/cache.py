@@ -1,4 +1,6 @@
-"""Where rpcompile keeps what it builds on the user's machine (the host optimizer's and the planner's kernels).
+"""Where rpcompile keeps what it builds on the user's machine: the planner's and the host optimizer's kernels.
+
+In the lowest layer because both the passes (the planner) and the runtime (the host optimizer) build there.
 
     >>> import os
     >>> os.path.basename(cache_dir())
