@@ -43,6 +43,7 @@ class Evaluator:
         self.p_work = list(itertools.accumulate((g + p for g, p in zip(costs.grad_bytes, costs.peak_bytes)),
                                                 initial=0))
         self._sums: dict = {}  # (lo, hi) -> layer_sums(costs, lo, hi): layouts share most of their stages
+        self._own: dict = {}   # stage tuple -> `_own_bytes` (`fits`): plans share most of their stages
         self._fwd: dict = {}   # (sizes) -> forward stage tuples
         self._bwd: dict = {}   # (sizes) -> backward stage tuples, execution order
         self.timed = 0         # recurrence steps spent (stages x microbatches x iterations)
@@ -93,11 +94,29 @@ class Evaluator:
 
     def fits(self, stages: list) -> bool:
         """True if every stage fits the memory budget (bytes as `StagePlan.stage_memory` with gpus=N); stops at
-        the first stage that does not (most plans a search offers under a tight budget do not fit)."""
+        the first stage that does not (most plans a search offers under a tight budget do not fit).
+
+        The stages are checked from the last slot back: nearly every plan that does not fit has a B stage over
+        the budget (its gradients and workspace), and the B stages need no saved-input sums (`_held`).
+        """
         if self.memory is None:
             return True
-        budget = self.memory
-        return all(m <= budget for m in self._stage_bytes(stages))
+        budget, pp, own, n, ns = self.memory, self.p_param, self._own, self.n_gpu, len(stages)
+        held = None
+        for i in range(ns - 1, -1, -1):
+            stage = stages[i]
+            mem = own.get(stage)
+            if mem is None:
+                mem = own[stage] = self._own_bytes(*stage[:3])
+            nxt = stages[(i + n) % ns]  # the stage prefetched while this one runs
+            mem += pp[nxt[2]] - pp[nxt[1]]
+            if stage[0] == 0:
+                if held is None:
+                    held = self._held(stages)
+                mem += held(stage[1], stage[2] - 1)
+            if mem > budget:
+                return False
+        return True
 
     def stage_memory(self, stages: list) -> list[int]:
         """`StagePlan.stage_memory(costs, gpus=N)` of the plan, from prefix sums."""
@@ -105,23 +124,34 @@ class Evaluator:
 
     def _stage_bytes(self, stages: list) -> Iterator[int]:
         """Each stage's device bytes, in slot order (see `stage_memory`)."""
-        c, pp, pw, n = self.costs, self.p_param, self.p_work, self.n_gpu
+        pp, n, ns = self.p_param, self.n_gpu, len(stages)
+        held = self._held(stages)
+        for i, (code, lo, hi, _, _) in enumerate(stages):
+            _, nlo, nhi, _, _ = stages[(i + n) % ns]  # the stage prefetched while this one runs
+            yield self._own_bytes(code, lo, hi) + pp[nhi] - pp[nlo] + (held(lo, hi - 1) if code == 0 else 0)
+
+    def _own_bytes(self, code: int, lo: int, hi: int) -> int:
+        """A stage's device bytes but for the stage it prefetches and (F) the saved inputs it keeps: its
+        parameters, input (twice) and output, and for FB and B stages gradients, workspace and activations."""
+        c, pp, pw = self.costs, self.p_param, self.p_work
         saved, act = c.saved_bytes, c.act_bytes
+        last = hi - 1
+        inp = saved[lo] if code == 2 or lo == 0 else act[lo - 1]
+        mem = pp[hi] - pp[lo] + 2 * inp + act[last]
+        if code != 0:
+            mem += pw[hi] - pw[lo] + (act[lo - 1] if lo > 0 else 0)
+            if code == 2:
+                mem += act[last]
+        return mem
+
+    def _held(self, stages: list):
+        """held(lo, last): the bytes of the saved inputs an F stage over layers lo..last keeps, those of the
+        B stages that start inside it (after lo, up to last)."""
+        saved = self.costs.saved_bytes
         cuts = sorted(lo for code, lo, _, _, _ in stages if code == 2 and lo > 0)  # the saved inputs' layers
         held = list(itertools.accumulate((saved[j] for j in cuts), initial=0))   # their bytes, summed in order
-        ns = len(stages)
-        for i, (code, lo, hi, _, _) in enumerate(stages):
-            last = hi - 1
-            _, nlo, nhi, _, _ = stages[(i + n) % ns]  # the stage prefetched while this one runs
-            inp = saved[lo] if code == 2 or lo == 0 else act[lo - 1]
-            mem = pp[hi] - pp[lo] + pp[nhi] - pp[nlo] + 2 * inp + act[last]
-            if code == 0:  # an F stage keeps the saved inputs of the B stages that start inside it
-                mem += held[bisect.bisect_right(cuts, last)] - held[bisect.bisect_right(cuts, lo)]
-            else:
-                mem += pw[hi] - pw[lo] + (c.act_bytes[lo - 1] if lo > 0 else 0)
-                if code == 2:
-                    mem += c.act_bytes[last]
-            yield mem
+        right = bisect.bisect_right
+        return lambda lo, last: held[right(cuts, last)] - held[right(cuts, lo)]
 
     def time(self, stages: list, cutoff: float | None = None, fast: float | None = None) -> float:
         """`iteration_time` of the plan (math.inf once known to exceed cutoff); charges its steps.
