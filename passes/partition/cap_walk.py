@@ -180,15 +180,21 @@ class _Caps:
         return -self.heap[0][0] if self.down else self.heap[0][0]
 
     def pop(self) -> None:
-        """Drop every entry equal to the head cap, advancing each start to its next sum."""
-        key = self.heap[0][0]
-        while self.heap and abs(self.heap[0][0] - key) <= abs(key) * _EPS:
-            _, i, j = heapq.heappop(self.heap)
-            nj = j - 1 if self.down else j + 1
-            if self.down and nj > i and self.p[nj] - self.p[i] >= self.lo * (1 - _EPS):
-                heapq.heappush(self.heap, (self.p[i] - self.p[nj], i, nj))
-            elif not self.down and 0 <= j < self.n:
-                heapq.heappush(self.heap, (self.p[nj] - self.p[i], i, nj))
+        """Drop every entry equal to the head cap, advancing each start to its next sum (in place of the head:
+        the entries are distinct tuples, so the order they leave the heap in is the same)."""
+        heap, p, n = self.heap, self.p, self.n
+        key = heap[0][0]
+        tol, floor = abs(key) * _EPS, self.lo * (1 - _EPS)
+        while heap and abs(heap[0][0] - key) <= tol:
+            _, i, j = heap[0]
+            if self.down:
+                if j - 1 > i and p[j - 1] - p[i] >= floor:
+                    heapq.heapreplace(heap, (p[i] - p[j - 1], i, j - 1))
+                    continue
+            elif 0 <= j < n:
+                heapq.heapreplace(heap, (p[j + 1] - p[i], i, j + 1))
+                continue
+            heapq.heappop(heap)
 
     def layouts(self, cap: float) -> tuple[list[tuple[tuple[int, ...], tuple[float, ...]]], int]:
         """New layouts under cap (fewest stages .. +_EXTRA, each even, larger-first and larger-last) with their
