@@ -198,6 +198,7 @@ class _Search:
         # M w / N per fused size f (see work_bound), and the chain bound's parts: looked up, not recomputed
         self._work_bound = [self.m * self.work(f) / n_gpu for f in range(self.nl + 1)]
         self._rr1, self._st1 = rr - 1, 1 + staleness
+        self._halves: dict = {}  # stage count -> whether `floor`'s chain bound applies, halved
         self.best = self.reach = math.inf  # the fastest time timed; up to `reach` a plan ties (`ties.reach`)
         self.even_best = math.inf  # the fastest even plan's time (kept with tie > 0 only: `ties.py`)
         self.near: dict = {}  # (fwd, f, bwd) -> time, of every timed plan that fits and was within reach
@@ -263,10 +264,13 @@ class _Search:
         """The bound the guaranteed families prune with (see the module Note)."""
         chain = self.chain + (self.rr - 1) * t_max
         if self.st == 0:
-            return max(self.work_bound(f), chain)
-        rounds = self.m // self.rr
-        even = steady_state_window(self.n_gpu, stages, rounds)[1] % 2 == 0
-        return max(self.work_bound(f), chain / 2 if even and (stages >= self.n_gpu or rounds == 1) else 0.0)
+            return max(self._work_bound[f], chain)
+        halves = self._halves.get(stages)
+        if halves is None:  # whether the chain bound halves at this stage count (one answer per count)
+            rounds = self.m // self.rr
+            even = steady_state_window(self.n_gpu, stages, rounds)[1] % 2 == 0
+            halves = self._halves[stages] = even and (stages >= self.n_gpu or rounds == 1)
+        return max(self._work_bound[f], chain / 2 if halves else 0.0)
 
     def fill(self, t_max: float) -> float:
         """Heap order only: the fill and drain of an isolated (staleness 0) iteration."""

@@ -63,40 +63,34 @@ def steady_times(lib: ctypes.CDLL, ev, plans: list[tuple], cutoff: float | None 
     if not plans:
         return []
     # the layouts' stages, each layout once: rows off[k] .. off[k + 1] of (lo, hi, fwd sum, bwd sum)
-    sides: dict = {}
     off, lo, hi, fsum, bsum = array.array("i", [0]), array.array("i"), array.array("i"), array.array("d"), \
         array.array("d")
-    # per plan: its layouts, fused stage and window
-    fwd, bwd, fused_lo, iters, window = (array.array("i") for _ in range(5))
-    fused_f, fused_b = array.array("d"), array.array("d")
-    nl, rounds = ev.nl, ev.m // ev.rr
-    windows: dict = {}
-    for plan in plans:
-        for key, ids in (((True, plan[0]), fwd), ((False, plan[2]), bwd)):
-            k = sides.get(key)
-            if k is None:
-                k = sides[key] = len(sides)
-                for _, a, b, x, y in ev.forward(key[1]) if key[0] else ev.backward(key[1]):
-                    lo.append(a)
-                    hi.append(b)
-                    fsum.append(x)
-                    bsum.append(y)
-                off.append(len(lo))
-            ids.append(k)
-        n = nl - plan[1]
-        x, y = ev.sums(n, nl)
-        fused_lo.append(n)
-        fused_f.append(x)
-        fused_b.append(y)
-        ns = len(plan[0]) + 1 + len(plan[2])
-        wd = windows.get(ns)
-        if wd is None:
-            wd = windows[ns] = steady_state_window(ev.n_gpu, ns, rounds) if ev.st else (1, 1)
-        iters.append(wd[0])
-        window.append(wd[1])
+    fwd_ids: dict = {}
+    bwd_ids: dict = {}
+
+    def side(ids: dict, sizes: tuple, stages) -> int:
+        k = ids[sizes] = len(off) - 1
+        for _, a, b, x, y in stages:
+            lo.append(a)
+            hi.append(b)
+            fsum.append(x)
+            bsum.append(y)
+        off.append(len(lo))
+        return k
+
+    fwd, bwd, fused = array.array("i"), array.array("i"), array.array("i")  # per plan
+    for fs, f, bs in plans:
+        k = fwd_ids.get(fs)
+        fwd.append(side(fwd_ids, fs, ev.forward(fs)) if k is None else k)
+        k = bwd_ids.get(bs)
+        bwd.append(side(bwd_ids, bs, ev.backward(bs)) if k is None else k)
+        fused.append(f)
+    nl, used = ev.nl, set(fused)
+    sums = [ev.sums(nl - f, nl) if f in used else (0.0, 0.0) for f in range(nl + 1)]  # per fused size
+    fused_f, fused_b = array.array("d", [x for x, _ in sums]), array.array("d", [y for _, y in sums])
     out = array.array("d", bytes(8 * len(plans)))
     rc = lib.rp_steady_times(len(plans), *(a.buffer_info()[0] for a in (
-        fwd, bwd, fused_lo, fused_f, fused_b, iters, window, off, lo, hi, fsum, bsum)),
+        fwd, bwd, fused, fused_f, fused_b, off, lo, hi, fsum, bsum)),
         nl, ev.n_gpu, ev.m, ev.rr, ev.st, -1.0 if cutoff is None else float(cutoff), out.buffer_info()[0])
     if rc != 0:
         raise MemoryError(f"the planner kernel could not allocate its work space for {len(plans)} plans")
@@ -127,7 +121,7 @@ def load() -> ctypes.CDLL | None:
         return None
     ptr, i32, f64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_double
     lib.rp_steady_times.restype = i32
-    lib.rp_steady_times.argtypes = [i32] + [ptr] * 12 + [i32] * 5 + [f64, ptr]
+    lib.rp_steady_times.argtypes = [i32] + [ptr] * 10 + [i32] * 5 + [f64, ptr]
     lib.rp_time.restype = f64
     lib.rp_time.argtypes = [i32] + [ptr] * 5 + [i32] * 7 + [f64, i32]
     lib.rp_fewest.restype = i32

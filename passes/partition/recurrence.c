@@ -344,21 +344,59 @@ double rp_time(int ns, const int *code, const int *lo, const int *hi, const doub
     return out;
 }
 
+/* batch.busiest_worker: a lower bound on the plan's time, its busiest worker's compute (slot k runs on worker
+ * k mod N for R microbatches; with staleness 1 the rotation gives each worker one class k mod g of slots, g =
+ * gcd(N, slots per iteration), over N / g iterations). load: room for gpus doubles. */
+static double busiest_worker(const Shape *sh, int gpus, int rounds, int rr, int staleness, double *load) {
+    int per = sh->ns * rounds, classes = gpus, r, i, c;
+    double top = 0.0;
+    if (staleness) {
+        int a = per, b = gpus;
+        while (b != 0) {
+            int t = a % b;
+            a = b;
+            b = t;
+        }
+        classes = a;
+    }
+    for (c = 0; c < classes; c++) load[c] = 0.0;
+    for (r = 0; r < rounds; r++)
+        for (i = 0; i < sh->ns; i++) load[(r * sh->ns + i) % classes] += (sh->pre[i] + sh->post[i]) * rr;
+    for (c = 0; c < classes; c++)
+        if (load[c] > top) top = load[c];
+    return top * classes / gpus;
+}
+
+/* timing.steady_state_window: (iterations to run, iterations averaged); (1, 1) for staleness 0. */
+static void window_of(int gpus, int ns, int rounds, int staleness, int *iters, int *window) {
+    int a = gpus, b = (int)(((long)ns * rounds) % gpus);
+    while (b != 0) { /* gcd(gpus, S * rounds mod gpus) */
+        int t = a % b;
+        a = b;
+        b = t;
+    }
+    *window = staleness ? gpus / a : 1;
+    *iters = staleness ? (3 * *window > 4 ? 3 * *window : 4) : 1;
+}
+
 /* steady.steady_time of many plans. Plan p: forward layout fwd[p] and backward layout bwd[p] (rows lay_off[l] ..
  * lay_off[l + 1] of the stage table: first layer, end layer, fwd sum, bwd sum, the backward ones in execution
- * order), the fused stage from layer fused_lo[p] to nl with sums fused_f[p], fused_b[p]; iters[p], window[p]
- * as for rp_time. out[p]: seconds, or inf once proven above cutoff (< 0: none). Returns 0, or -1 when out of
- * memory. */
-int rp_steady_times(int nplans, const int *fwd, const int *bwd, const int *fused_lo, const double *fused_f,
-                    const double *fused_b, const int *iters, const int *window, const int *lay_off,
-                    const int *st_lo, const int *st_hi, const double *st_f, const double *st_b, int nl,
-                    int gpus, int microbatches, int round_size, int staleness, double cutoff, double *out) {
-    int max_ns = 1, max_iters = 1, p, i, rc = 0;
+ * order) and fused[p] fused layers: the stage from layer nl - fused[p] to nl, its sums fused_f[fused[p]] and
+ * fused_b[fused[p]]. out[p]: seconds, or inf once proven above cutoff (< 0: none). Returns 0, or -1 when out
+ * of memory. */
+int rp_steady_times(int nplans, const int *fwd, const int *bwd, const int *fused, const double *fused_f,
+                    const double *fused_b, const int *lay_off, const int *st_lo, const int *st_hi, const double *st_f,
+                    const double *st_b, int nl, int gpus, int microbatches, int round_size, int staleness,
+                    double cutoff, double *out) {
+    int max_ns = 1, max_iters = 1, p, i, rc = 0, rounds = microbatches / round_size, iters, window;
     size_t words;
     for (p = 0; p < nplans; p++) {
         int ns = (lay_off[fwd[p] + 1] - lay_off[fwd[p]]) + 1 + (lay_off[bwd[p] + 1] - lay_off[bwd[p]]);
         if (ns > max_ns) max_ns = ns;
-        if (iters[p] > max_iters) max_iters = iters[p];
+    }
+    for (i = 1; i <= max_ns; i++) {
+        window_of(gpus, i, rounds, staleness, &iters, &window);
+        if (iters > max_iters) max_iters = iters;
     }
     words = work_words(gpus, max_ns, nl, max_iters, microbatches, round_size);
     double *ws = malloc((words + 2 * (size_t)max_ns) * sizeof(double));
@@ -378,13 +416,18 @@ int rp_steady_times(int nplans, const int *fwd, const int *bwd, const int *fused
             for (i = 0; i < ns; i++) {
                 int row = i < nf ? a0 + i : b0 + i - nf - 1;
                 code[i] = i < nf ? 0 : i == nf ? 1 : 2;
-                lo[i] = i == nf ? fused_lo[p] : st_lo[row];
+                lo[i] = i == nf ? nl - fused[p] : st_lo[row];
                 hi[i] = i == nf ? nl : st_hi[row];
-                f[i] = i == nf ? fused_f[p] : st_f[row];
-                b[i] = i == nf ? fused_b[p] : st_b[row];
+                f[i] = i == nf ? fused_f[fused[p]] : st_f[row];
+                b[i] = i == nf ? fused_b[fused[p]] : st_b[row];
             }
             build_shape(&sh, ns, code, lo, hi, f, b, nl, iw + 4 * max_ns + nl);
-            out[p] = steady_one(&sh, gpus, microbatches, round_size, staleness, iters[p], window[p], cutoff, ws);
+            if (cutoff >= 0 && busiest_worker(&sh, gpus, rounds, round_size, staleness, ws) > cutoff * (1 + 1e-9)) {
+                out[p] = INFINITY; /* slower than the cutoff by its busiest worker alone (batch.busiest_worker) */
+                continue;
+            }
+            window_of(gpus, ns, rounds, staleness, &iters, &window);
+            out[p] = steady_one(&sh, gpus, microbatches, round_size, staleness, iters, window, cutoff, ws);
         }
     }
 done:
