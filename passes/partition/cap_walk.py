@@ -99,8 +99,8 @@ class _Generator:
                 self.push((), self.f, (), _NONE, _NONE, self.tfb)
             return False
         if self.sides is None:
-            if not self.shared:  # per side, shared by both directions: layouts so far and their set
-                self.shared.extend([([], set()), ([], set())])
+            if not self.shared:  # per side, shared by both directions: layouts so far, their set, the C side
+                self.shared.extend([([], set(), []), ([], set(), [])])
             lo = (s.f_max[n], s.wb_max[n]) if self.down else (self.t_min, self.t_min)
             self.sides = tuple(_Caps(p, n, lo[i], self.t_min if self.down else math.inf, *self.shared[i],
                                      ok=lambda sizes, b=bool(i): s.ev.side_fits(sizes, backward=b), lib=s.ev.lib)
@@ -141,9 +141,10 @@ class _Caps:
     (the side's layouts so far) are shared by both walks of one fused size.
     """
 
-    def __init__(self, p: list[float], n: int, lo: float, hi: float, done: list, seen: set, ok=None, lib=None):
+    def __init__(self, p: list[float], n: int, lo: float, hi: float, done: list, seen: set, box: list | None = None,
+                 ok=None, lib=None):
         self.p, self.n, self.lo, self.done, self.seen, self.ok = p, n, lo, done, seen, ok
-        self.native = None if lib is None else native.Layouts(lib, p, n, _EXTRA)  # `layouts` in C (`native.py`)
+        self.lib, self.box = lib, [] if box is None else box  # `layouts` in C (`native.py`), made when first used
         self.rp: list[float] | None = None  # prefix sums from the last layer down, once a layout needs them
         self.down = not math.isinf(hi)
         self.heap = [] if self.down else [(lo, -1, -1)]  # (+-sum of layers [i, j), i, j), one per start i
@@ -200,8 +201,8 @@ class _Caps:
         """New layouts under cap (fewest stages .. +_EXTRA, each even, larger-first and larger-last) with their
         `aggregate`, and the stages computed on the way (the effort)."""
         p, n, out = self.p, self.n, []
-        if self.native is not None:  # the same candidates, in C
-            k0, candidates = self.native(cap)
+        if self.lib is not None:  # the same candidates, in C
+            k0, candidates = self._native()(cap)
         else:
             k0 = _fewest(p, n, cap)
             if self.rp is None:
@@ -220,7 +221,13 @@ class _Caps:
 
     def fewest(self, cap: float) -> int:
         """`_fewest` of this side's layers under cap."""
-        return _fewest(self.p, self.n, cap) if self.native is None else self.native.fewest(cap)
+        return _fewest(self.p, self.n, cap) if self.lib is None else self._native().fewest(cap)
+
+    def _native(self) -> native.Layouts:
+        """The side's C layouts (`native.Layouts`), shared by both walks of one fused size (`box`)."""
+        if not self.box:
+            self.box.append(native.Layouts(self.lib, self.p, self.n, _EXTRA))
+        return self.box[0]
 
 
 _NONE = (0.0, 0.0, 0.0)  # the aggregate of an empty side
