@@ -225,7 +225,9 @@ def _plan_and_emit(graph: LayerGraph, costs: CostTable, opts: Options, m: int, b
     Note: round size. The partitioner's objective is the compute-only schedule time, and one round
     of all M microbatches uploads every stage's parameters once per iteration instead of M / R
     times. With a hardware target both round sizes (the default, `default_round_size`, and M) are
-    emitted and the simulated faster one (with transfers and the CPU optimizer) wins. Without one,
+    emitted and the simulated faster one (with transfers and the CPU optimizer) wins, among those
+    whose run fits the host memory (a round holds its microbatches' saved inputs on the host: at
+    long sequences only the smaller round may fit). Without one,
     one worker takes R = M when the run still fits the host memory (one worker runs everything in
     order, so the compute time is that of any R, and the transfers shrink M / R-fold: on this
     2-core CPU 1.00-1.05x eager PyTorch instead of 0.82-0.96x at R = 1, `bench/runtime_cpu.py`;
@@ -245,13 +247,18 @@ def _plan_and_emit(graph: LayerGraph, costs: CostTable, opts: Options, m: int, b
             if _fits_host(graph, costs, plan, opts, m, m, program):
                 return plan, program, None
         return (*emitted(default), None)
-    best = None
+    best = first = None
     for r in dict.fromkeys((default, m)):
         plan, program = emitted(r)
+        first = first or (plan, program)
+        if not _fits_host(graph, costs, plan, opts, m, r, program):
+            continue  # a round of r microbatches' saved inputs is more than the host holds: not a choice
         k = steady_iterations(program) if opts.staleness else 1
         timeline = simulate(program, costs, opts.hardware, iterations=k)
         if best is None or timeline.steady_iteration_time < best[0]:
             best = (timeline.steady_iteration_time, plan, program, timeline)
+    if best is None:  # neither fits: the default round's plan, which the host check then refuses by its bytes
+        return (*first, None)
     return best[1:]
 
 

@@ -165,3 +165,25 @@ def test_bytes_count_the_alignment_gaps_of_odd_shapes(dtype):
     assert allocated(state)["masters"] == need.masters > views  # the gaps are real and counted
     assert allocated(state) == dict(weights=need.weights, masters=need.masters, grads=need.grads,
                                     optimizer=need.optimizer)
+
+
+def test_with_a_hardware_target_the_round_size_is_chosen_among_those_the_host_holds():
+    # Both round sizes are simulated and the faster wins; one round of all M microbatches holds all their
+    # saved inputs on the host, so where only the default round fits the host memory the default is taken
+    # instead of refusing the run (plan --seq at a long length did refuse)
+    kw = dict(gpus=2, example=batch(), microbatches=4, memory_budget=2**18, backend="host")  # saved inputs
+    roomy = Hardware.preset("cpu").replace(host_memory=2**34)
+    with rpcompile.compile(TinyLlama(CFG), hardware=roomy, **kw) as c:
+        assert c.program.round_size == 4  # faster when the host holds it: one upload of each stage per iteration
+        run = dict(microbatches=4, gpus=2, optimizer=c.options.optimizer)
+        whole = host_bytes(c.graph, c.costs, c.plan, round_size=4, program=c.program, **run).total
+    with rpcompile.compile(TinyLlama(CFG), **kw) as c:  # no hardware target: the default round of 2
+        assert c.program.round_size == 2
+        half = host_bytes(c.graph, c.costs, c.plan, round_size=2, program=c.program,
+                          microbatches=4, gpus=2, optimizer=c.options.optimizer).total
+    assert half < whole
+    tight = roomy.replace(host_memory=(half + whole) // 2)
+    with rpcompile.compile(TinyLlama(CFG), hardware=tight, **kw) as c:
+        assert c.program.round_size == 2
+    with pytest.raises(ValueError, match=r"host memory: the run needs .* bytes"):
+        rpcompile.compile(TinyLlama(CFG), hardware=roomy.replace(host_memory=half - 1), **kw)
