@@ -97,9 +97,10 @@ to about 1e-12, and a plan they put within 1e-10 of the cutoff is timed again
 by `iteration_time` itself. So every time the search compares, stores or
 reports is `iteration_time`'s float, and the plans are those of the one-by-one
 exact search: on the paper models up to 40x faster than before, with the same
-plans. Where the machine has a C compiler, both recurrences and the batch run
-in C (`native.py`): the same operations on the same doubles, so the same
-floats bit for bit, and the same plans as without it.
+plans. Where the machine has a C compiler, both recurrences, the batch and the
+cap walk's layout search run in C (`native.py`): the same operations on the
+same doubles, so the same floats bit for bit, and the same plans as without it
+(another 2-5x on the paper models).
 """
 from __future__ import annotations
 
