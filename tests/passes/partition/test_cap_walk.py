@@ -38,3 +38,35 @@ def test_first_caps_equal_a_bisection_per_start(seed):
                    (rng.choice([0.0, 1.0, 3.0]), rng.choice([0.0, 2.0, 4.0, 6.0, 9.0]))):
         caps = _Caps(p, n, lo, hi, [], set())
         assert caps.heap == bisected(p, n, lo, hi), (n, lo, hi, costs)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_walk_visits_every_contiguous_sum_once_in_order(seed):
+    # walking up from lo: every distinct contiguous sum >= lo, ascending; walking down from below hi: every one
+    # in [lo, hi), descending (sums within _EPS of each other are one cap)
+    rng = random.Random(100 + seed)
+    n = rng.randint(1, 30)
+    costs = [rng.choice([0.0, 1.0, 1.0, 2.0, 0.5, rng.uniform(0.1, 3.0)]) for _ in range(n + 2)]
+    p = list(itertools.accumulate(costs, initial=0.0))
+    sums = sorted({p[j] - p[i] for i in range(n) for j in range(i + 1, n + 1)})
+    lo = rng.choice(sums)
+    hi = rng.choice([s for s in sums if s >= lo] + [sums[-1] * 2])
+
+    def walked(caps):
+        out = []
+        while caps.head() is not None:
+            out.append(caps.head())
+            caps.pop()
+        return out
+
+    def distinct(xs):  # one per group of sums within _EPS
+        out = []
+        for x in xs:
+            if not out or abs(x - out[-1]) > abs(out[-1]) * _EPS:
+                out.append(x)
+        return out
+
+    up = [s for s in sums if s >= lo * (1 - _EPS)]
+    assert walked(_Caps(p, n, lo, math.inf, [], set())) == [lo] + [x for x in distinct(up) if x > lo * (1 + _EPS)]
+    down = [s for s in sums if lo * (1 - _EPS) <= s < hi * (1 - _EPS)][::-1]
+    assert walked(_Caps(p, n, lo, hi, [], set())) == distinct(down), (costs[:n], lo, hi)
