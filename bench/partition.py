@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
               "after dropping the plans whose busiest worker alone, or a side too big for the memory budget, "
               "rules them out; every plan that may tie is re-timed exactly: the plans are those of the planner "
               "before. Both recurrences and the batch run in C where the machine has a C compiler "
-              "(`passes/partition/native.py`, recurrence.c: the same floats bit for bit); \"ours, no C kernel\" "
+              "(`passes/partition/native.py` and its C files: the same floats bit for bit); \"ours, no C kernel\" "
               "is the same planner with `RPCOMPILE_PLANNER_KERNEL=0` (Python and torch), and gives the same "
               f"plan (asserted). Planner kernel on this machine: "
               f"{'built' if native.load() is not None else 'NOT available'}.\n")

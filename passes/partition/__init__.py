@@ -8,7 +8,7 @@ This folder holds it and what it is built from:
     evaluator.py   plans as stage sizes: stage tuples, device memory and exact time without a StagePlan
     steady.py      `iteration_time` fast (to 1e-12): first and last microbatch per slot, until the state repeats
     batch.py       the same for many plans at once, as float64 tensor rows (the complete even family)
-    native.py      both recurrences in C (recurrence.c, built once per machine): the same floats, faster
+    native.py      the recurrences and the cap walk's layouts in C (*.c, built once per machine): the same floats
     cap_walk.py    the heuristic part: a best-first walk over stage-time caps
     even_plans.py  the plans a person would write (even plans, every plan of tiny models)
     ties.py        the tie rule: one canonical plan among those within the tie of the fastest

@@ -1,20 +1,21 @@
-"""The planner's hot loops in C: recurrence.c and layouts.c, built once per machine and loaded with ctypes.
+"""The planner's hot loops in C (shape.c, steady.c, exact.c, layouts.c), built once per machine, loaded with ctypes.
 
 `partition` times thousands of plans: the exact recurrence of `timing.py`
 (`shape_time`, what every time it compares or reports is) and the fast one of
 `steady.py` (`steady_time`, the screen), one plan at a time, and the complete
 even family of a model of up to 40 layers all at once (`even_plans._complete`,
-`batch.py` with tensors). recurrence.c is both recurrences line for line: the
-same operations on the same doubles in the same order, built with
--ffp-contract=off (no fused multiply-add), so the same floats bit for bit
+`batch.py` with tensors). exact.c and steady.c are the two recurrences line for
+line, and shape.c the plan's `timing.shape` and the steps they share: the same
+operations on the same doubles in the same order, built with -ffp-contract=off
+(no fused multiply-add), so the same floats bit for bit
 (tests/passes/partition/test_native.py), at a few microseconds a plan instead
 of 30 (batch) to 300 (one plan in Python). layouts.c is the cap walk's layout
 search (`cap_walk._fewest`, `_even`, `_greedy`: the same layouts). The plans
 `partition` returns do not depend on which ran.
 
 It is plain C (no Python or torch headers): the machine's C compiler (`$CC`,
-else `cc`) builds it in under half a second (once per machine) into the kernels' cache
-folder (`rpcompile.ir.cache.cache_dir`), under a name keyed by the source, the
+else `cc`) builds it in under half a second (once per machine) into the kernels'
+cache folder (`rpcompile.ir.cache.cache_dir`), under a name keyed by the sources, the
 flags, the compiler and the platform; later processes only load it. Where no
 compiler is found, the build fails, or `RPCOMPILE_PLANNER_KERNEL=0` is set,
 `load` returns None and the planner times plans in Python (`Evaluator`) and
@@ -43,7 +44,9 @@ import tempfile
 from rpcompile.ir.cache import cache_dir
 from rpcompile.passes.partition.timing import steady_state_window
 
-SOURCES = tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f) for f in ("recurrence.c", "layouts.c"))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCES = tuple(os.path.join(_HERE, f) for f in ("shape.c", "steady.c", "exact.c", "layouts.c"))  # compiled
+HEADERS = (os.path.join(_HERE, "shape.h"),)  # included: part of the build's key
 FLAGS = ("-O2", "-std=c11", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math")  # no FMA: steady.py's floats
 SWITCH = "RPCOMPILE_PLANNER_KERNEL"  # set to 0 to time with batch.py instead
 
@@ -103,7 +106,7 @@ def load() -> ctypes.CDLL | None:
         return None
     cc = os.environ.get("CC") or "cc"
     sources = []
-    for name in SOURCES:
+    for name in SOURCES + HEADERS:
         with open(name, "rb") as f:
             sources.append(f.read())
     key = b"\0".join([*sources, repr(FLAGS).encode(), cc.encode(), sysconfig.get_platform().encode()])

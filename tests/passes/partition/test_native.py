@@ -1,4 +1,4 @@
-"""The planner's C kernel (`native.py`, recurrence.c) gives the floats of the Python recurrences bit for bit: the exact
+"""The planner's C kernel (`native.py`: shape.c, steady.c, exact.c, layouts.c) gives the floats of the Python recurrences bit for bit: the exact
 `timing.shape_time` and the fast `steady.steady_time`, one plan or a batch, with and without a cutoff; so
 `partition` returns the same plan, report and float with or without it. Without a C compiler, or with
 RPCOMPILE_PLANNER_KERNEL=0, it is not used and nothing else changes.

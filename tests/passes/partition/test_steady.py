@@ -88,7 +88,7 @@ def test_batch_equals_the_recurrence_on_random_plans(seed):
                 assert cut_ok(got, want, cut), (p, kw, cut)
 
 
-@pytest.mark.parametrize("kernel", ["1", "0"])  # recurrence.c (native.py), and timing.py with steady.py
+@pytest.mark.parametrize("kernel", ["1", "0"])  # the C kernel (native.py), and timing.py with steady.py
 def test_evaluator_time_with_a_cutoff_is_the_recurrence_float_or_inf(monkeypatch, kernel):
     monkeypatch.setenv("RPCOMPILE_PLANNER_KERNEL", kernel)
     rng = random.Random(7)
