@@ -115,11 +115,10 @@ class _Generator:
             side.pop()
             new, cost = side.layouts(cap)
             self.spent[0] += cost
-            for sizes, agg in new:
-                for o_sizes, o_agg in other.done:
-                    fs, bs = (sizes, o_sizes) if is_fwd else (o_sizes, sizes)
-                    fa, ba = (agg, o_agg) if is_fwd else (o_agg, agg)
-                    self.push(fs, self.f, bs[::-1], fa[:3], ba[:2] + ba[3:], self.tfb)
+            for mine in new:  # a forward layout is paired as it is, a backward one in execution order
+                for theirs in other.done:
+                    fwd_side, bwd_side = (mine, theirs) if is_fwd else (theirs, mine)
+                    self.push(fwd_side[0], self.f, bwd_side[2], fwd_side[1], bwd_side[3], self.tfb)
         cap = self._next()
         if cap is None:
             return False
@@ -197,9 +196,10 @@ class _Caps:
                 continue
             heapq.heappop(heap)
 
-    def layouts(self, cap: float) -> tuple[list[tuple[tuple[int, ...], tuple[float, ...]]], int]:
-        """New layouts under cap (fewest stages .. +_EXTRA, each even, larger-first and larger-last) with their
-        `aggregate`, and the stages computed on the way (the effort)."""
+    def layouts(self, cap: float) -> tuple[list[tuple], int]:
+        """New layouts under cap (fewest stages .. +_EXTRA, each even, larger-first and larger-last), and the
+        stages computed on the way (the effort). Each as (sizes, forward aggregate, sizes in execution order
+        as a backward side, backward aggregate): `partition._Search.estimate`'s sides (`aggregate`)."""
         p, n, out = self.p, self.n, []
         if self.lib is not None:  # the same candidates, in C
             k0, candidates = self._native()(cap)
@@ -215,7 +215,8 @@ class _Caps:
             if sizes is not None and sizes not in self.seen:
                 self.seen.add(sizes)
                 if self.ok is None or self.ok(sizes):  # a stage too big for any plan: never paired
-                    out.append((sizes, aggregate(_sums(p, sizes))))
+                    agg = aggregate(_sums(p, sizes))  # as either side: (layer order, its aggregate), reversed
+                    out.append((sizes, agg[:3], sizes[::-1], agg[:2] + agg[3:]))
         self.done.extend(out)
         return out, k0 + 4 * sum(range(k0, min(n, k0 + _EXTRA) + 1))
 
