@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from typing import Sequence
+
+from rpcompile.runtime.sim.native import load, run_native
 
 _END, _TRY = 0, 1  # event kinds; completions at a time are handled before starts
 
@@ -45,46 +48,103 @@ class StuckError(RuntimeError):
         self.stuck = stuck
 
 
-def run_jobs(jobs: list[Job]) -> tuple[list[float], list[float]]:
+@dataclass(frozen=True, slots=True)
+class Jobs:
+    """The work as columns, what `simulate` builds (`Jobs.of` converts a list of `Job`s): job j's dependencies
+    are dep_idx[dep_ptr[j]:dep_ptr[j + 1]]."""
+
+    lane: Sequence[int]
+    channel: Sequence[int]
+    priority: Sequence[int]
+    duration: Sequence[float]
+    dep_ptr: Sequence[int]   # len(lane) + 1 offsets into dep_idx
+    dep_idx: Sequence[int]
+
+    @classmethod
+    def of(cls, jobs: list[Job]) -> "Jobs":
+        """The columns of a list of jobs."""
+        ptr, idx = [0], []
+        for job in jobs:
+            idx += job.deps
+            ptr.append(len(idx))
+        return cls([j.lane for j in jobs], [j.channel for j in jobs], [j.priority for j in jobs],
+                   [j.duration for j in jobs], ptr, idx)
+
+    def __len__(self) -> int:
+        return len(self.lane)
+
+    def deps(self, j: int) -> Sequence[int]:
+        """Job j's dependencies."""
+        return self.dep_idx[self.dep_ptr[j]:self.dep_ptr[j + 1]]
+
+
+def run_jobs(jobs: list[Job] | Jobs, *, native: bool = True) -> tuple[list[float], list[float]]:
     """Schedule `jobs`; return (starts, ends), one entry per job.
 
     Args:
         jobs: the work, each lane's FIFO order given by list order.
+        native: run the loop in C (`runtime/sim/native.py`: the same floats) where the kernel is available;
+            False: in Python (`run_python`).
     Returns:
         Start and end time of every job.
     Raises:
         StuckError: naming the jobs that could never start.
+        ValueError: a dependency on a job that does not exist, or a lane on several channels.
 
     >>> run_jobs([Job(0, 0, 0, 1.0, ()), Job(0, 0, 0, 1.0, ())])
     ([0.0, 1.0], [1.0, 2.0])
     """
-    n = len(jobs)
-    # dense lane numbers (a lane's rank among the lane ids: ties between lane heads go to the lower id)
-    lane_ids = sorted({job.lane for job in jobs})
-    rank = {lane: k for k, lane in enumerate(lane_ids)}
-    lane_of = [rank[job.lane] for job in jobs]
-    queue: list[list[int]] = [[] for _ in lane_ids]  # each lane's jobs in list order
-    lane_channel: list[int | None] = [None] * len(lane_ids)
-    chan = [job.channel for job in jobs]
-    prio = [job.priority for job in jobs]
-    dur = [job.duration for job in jobs]
-    pending = [len(job.deps) for job in jobs]
+    cols = jobs if isinstance(jobs, Jobs) else Jobs.of(jobs)
+    n = len(cols)
+    if cols.dep_idx and not (0 <= min(cols.dep_idx) and max(cols.dep_idx) < n):
+        j = next(j for j in range(n) for d in cols.deps(j) if not 0 <= d < n)
+        d = next(d for d in cols.deps(j) if not 0 <= d < n)
+        raise ValueError(f"job {j} depends on job {d}, which does not exist")
+    lanes, n_lanes = _dense(cols.lane)  # a lane's rank among the lane ids: ties between lane heads go to the lower
+    chans, n_chans = _dense(cols.channel)
+    lib = load() if native else None
+    if lib is not None:
+        result = run_native(lib, n, lanes, chans, cols, n_lanes, n_chans)
+    else:
+        result = run_python(n, lanes, chans, cols, n_lanes)
+    if isinstance(result, int):
+        raise ValueError(f"lane {cols.lane[result]} spans several channels")
+    starts, ends, done = result
+    if not all(done):
+        raise StuckError([j for j in range(n) if not done[j]])
+    return starts, ends
+
+
+def _dense(ids: Sequence[int]) -> tuple[Sequence[int], int]:
+    """(each id's rank among the distinct ids, how many there are): the ids themselves when they are 0 .. k - 1."""
+    distinct = sorted(set(ids))
+    if distinct == list(range(len(distinct))):
+        return ids, len(distinct)
+    rank = {v: k for k, v in enumerate(distinct)}
+    return [rank[v] for v in ids], len(distinct)
+
+
+def run_python(n: int, lane_of: Sequence[int], chan: Sequence[int], cols: Jobs, n_lanes: int):
+    """The event loop of `run_jobs` (dense lanes and channels): (starts, ends, done), or the first job whose lane
+    is already on another channel."""
+    queue: list[list[int]] = [[] for _ in range(n_lanes)]  # each lane's jobs in list order
+    lane_channel: list[int | None] = [None] * n_lanes
+    prio, dur, ptr, idx = cols.priority, cols.duration, cols.dep_ptr, cols.dep_idx
+    pending = [ptr[j + 1] - ptr[j] for j in range(n)]
     dependents: list[list[int]] = [[] for _ in range(n)]
-    for j, job in enumerate(jobs):
+    for j in range(n):
         q = lane_of[j]
         queue[q].append(j)
         if lane_channel[q] is None:
             lane_channel[q] = chan[j]
         elif lane_channel[q] != chan[j]:
-            raise ValueError(f"lane {job.lane} spans several channels")
-        for d in job.deps:
-            if not 0 <= d < n:
-                raise ValueError(f"job {j} depends on job {d}, which does not exist")
+            return j
+        for d in idx[ptr[j]:ptr[j + 1]]:
             dependents[d].append(j)
     channel_lanes: dict[int, list[int]] = {}  # per channel its lanes, by rank
     for q, c in enumerate(lane_channel):
         channel_lanes.setdefault(c, []).append(q)
-    head = [0] * len(lane_ids)
+    head = [0] * n_lanes
     length = [len(q) for q in queue]
     ready = [0.0] * n
     starts, ends = [0.0] * n, [0.0] * n
@@ -134,9 +194,7 @@ def run_jobs(jobs: list[Job]) -> tuple[list[float], list[float]]:
         channel_free[c] = end
         push(events, (end, _END, seq, best))
         seq += 1
-    if not all(done):
-        raise StuckError([j for j in range(n) if not done[j]])
-    return starts, ends
+    return starts, ends, done
 
 
 def peak_usage(intervals: list[tuple[float, float, int]]) -> int:
@@ -153,7 +211,7 @@ def peak_usage(intervals: list[tuple[float, float, int]]) -> int:
     return peak
 
 
-def exposed_waits(jobs: list[Job], starts: list[float], ends: list[float], transfer: list[bool],
+def exposed_waits(jobs: Jobs, starts: list[float], ends: list[float], transfer: list[bool],
                   compute: list[bool]) -> list[float]:
     """Per job: how long a compute job waited on transfers beyond its lane and non-transfer inputs.
 
@@ -161,28 +219,30 @@ def exposed_waits(jobs: list[Job], starts: list[float], ends: list[float], trans
     (through chains of transfers); a compute job's exposed wait is its start
     minus the latest of its lane predecessor's end and its deps' availability.
 
-    >>> js = [Job(0, 0, 0, 1.0, ()), Job(1, 1, 0, 4.0, (0,)), Job(0, 0, 0, 1.0, (1,))]
+    >>> js = Jobs.of([Job(0, 0, 0, 1.0, ()), Job(1, 1, 0, 4.0, (0,)), Job(0, 0, 0, 1.0, (1,))])
     >>> exposed_waits(js, [0.0, 1.0, 5.0], [1.0, 5.0, 6.0], [False, True, False], [True, False, True])
     [0.0, 0.0, 4.0]
     """
-    avail = [0.0] * len(jobs)
-    for j, job in enumerate(jobs):  # jobs are listed in a topological order
+    n, ptr, idx = len(jobs), jobs.dep_ptr, jobs.dep_idx
+    avail = [0.0] * n
+    for j in range(n):  # jobs are listed in a topological order
         if transfer[j]:
             a = 0.0
-            for d in job.deps:
+            for d in idx[ptr[j]:ptr[j + 1]]:
                 if avail[d] > a:
                     a = avail[d]
             avail[j] = a
         else:
             avail[j] = ends[j]
     prev: dict[int, float] = {}
-    out = [0.0] * len(jobs)
-    for j, job in enumerate(jobs):
+    out = [0.0] * n
+    lane = jobs.lane
+    for j in range(n):
         if compute[j]:
-            bound = prev.get(job.lane, 0.0)
-            for d in job.deps:
+            bound = prev.get(lane[j], 0.0)
+            for d in idx[ptr[j]:ptr[j + 1]]:
                 if avail[d] > bound:
                     bound = avail[d]
             out[j] = max(0.0, starts[j] - bound)
-        prev[job.lane] = ends[j]
+        prev[lane[j]] = ends[j]
     return out

@@ -45,7 +45,7 @@ from rpcompile.passes.partition.timing import steady_state_window
 from rpcompile.ir.plan import StageKind
 from rpcompile.ir.program import COMPUTE_OPS, Instr, Lane, Op, Program
 from rpcompile.runtime.distributed import ring_allreduce_time
-from rpcompile.runtime.sim.events import Job, StuckError, exposed_waits, peak_usage, run_jobs
+from rpcompile.runtime.sim.events import Jobs, StuckError, exposed_waits, peak_usage, run_jobs
 from rpcompile.runtime.sim.timeline import Records, Timeline
 
 MASTER_PER_PARAM_BYTE = 2   # fp32 master bytes per byte of 16-bit parameters
@@ -112,25 +112,22 @@ def simulate(program: Program, costs: CostTable, hardware, *, iterations: int = 
     lanes = [i.lane for i in tmpl]
     chans = [_CHANNEL.get(lane, lane.value) for lane in lanes]
     prio = [0 if lane in _HIGH else 1 for lane in lanes]
-    full = [max((max(back, since) for back, since, _ in dl), default=0) for dl in deps_of]  # all deps from here
-    offs = [tuple(d - back * n for back, _, d in dl) for dl in deps_of]
-    jobs: list[Job] = []
+    lane_col: list[int] = []
+    chan_col: list[int] = []
     wk: list[int] = []  # each job's physical worker: program.shifted(t)'s
     ids: dict[int, tuple[list[int], list[int], list[int]]] = {}  # per rotation: each template's worker, lane, channel
     for t in range(iterations):
-        shift, base = (t * program.shift) % program.gpus, t * n
+        shift = (t * program.shift) % program.gpus
         if shift not in ids:  # ids numbered in order of first use, as the jobs are listed
             ws = [i.worker if host[k] else (i.worker + shift) % program.gpus for k, i in enumerate(tmpl)]
             ids[shift] = (ws, [lane_ids.setdefault((w, lanes[k]), len(lane_ids)) for k, w in enumerate(ws)],
                           [channel_ids.setdefault((w, chans[k]), len(channel_ids)) for k, w in enumerate(ws)])
         ws, lane_of, chan_of = ids[shift]
-        for k in range(n):
-            if t >= full[k]:
-                deps = tuple([base + o for o in offs[k]])
-            else:
-                deps = tuple((t - back) * n + d for back, since, d in deps_of[k] if t - back >= 0 and t >= since)
-            jobs.append(Job(lane_of[k], chan_of[k], prio[k], durations[k], deps))
+        lane_col += lane_of
+        chan_col += chan_of
         wk += ws
+    jobs = Jobs(lane_col, chan_col, prio * iterations, durations * iterations,
+                *_expand_deps(deps_of, iterations, n))
     try:
         starts, ends = run_jobs(jobs)
     except StuckError as e:
@@ -163,6 +160,29 @@ def simulate(program: Program, costs: CostTable, hardware, *, iterations: int = 
         steady_bubble=1.0 - work / iterations / (nw * steady) if steady > 0 else 0.0,
         exposed_comm=sum(exposed), exposed_per_worker=tuple(exposed),
         peak_memory=_peaks(program, costs, wk, jobs, starts, ends), records=records)
+
+
+def _expand_deps(deps_of: list[list[tuple[int, int, int]]], iterations: int, n: int) -> tuple[list[int], list[int]]:
+    """The dependencies of `iterations` copies of the n templates, as CSR (ptr, idx): template k's deps
+    (back, since, d) in iteration t are job (t - back) * n + d, those with t - back >= 0 and t >= since."""
+    full = [max((max(back, since) for back, since, _ in dl), default=0) for dl in deps_of]  # all deps from here
+    offs = [d - back * n for dl in deps_of for back, _, d in dl]  # iteration t's deps, once t >= max(full)
+    ends, acc = [], 0
+    for dl in deps_of:
+        acc += len(dl)
+        ends.append(acc)
+    ptr, idx, steady = [0], [], max(full, default=0)
+    for t in range(iterations):
+        base = t * n
+        if t >= steady:
+            at = len(idx)
+            idx += [base + o for o in offs]
+            ptr += [at + e for e in ends]
+            continue
+        for k, dl in enumerate(deps_of):
+            idx += [(t - back) * n + d for back, since, d in dl if t - back >= 0 and t >= since]
+            ptr.append(len(idx))
+    return ptr, idx
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,7 +272,7 @@ def _steady(ends: list[float], program: Program, makespan: float) -> float:
     return (ends[-1] - ends[-1 - p]) / p
 
 
-def _peaks(program: Program, costs: CostTable, wk: list[int], jobs: list[Job], starts: list[float],
+def _peaks(program: Program, costs: CostTable, wk: list[int], jobs: Jobs, starts: list[float],
            ends: list[float]) -> tuple[int, ...]:
     """Per worker peak bytes: resident state, parameter chunks, gradients, activations, workspace."""
     nw, n = program.gpus, len(program.instrs)
@@ -269,29 +289,36 @@ def _peaks(program: Program, costs: CostTable, wk: list[int], jobs: list[Job], s
     frees_kind = {op: [op in _CONSUMERS.get(made, ()) for made in ops] for op in set(ops)}
     frees_kind = {op: f if any(f) else None for op, f in frees_kind.items()}
     frees = [frees_kind[op] for op in ops]
-    for j, job in enumerate(jobs):
+    ptr, idx = jobs.dep_ptr, jobs.dep_idx
+    for j in range(len(jobs)):
         f = frees[j % n]
         if f is not None:
             w, e = wk[j], ends[j]
-            for d in job.deps:
+            for d in idx[ptr[j]:ptr[j + 1]]:
                 if wk[d] == w and f[d % n] and e > free_at[d]:
                     free_at[d] = e
     sizes = [_buffer_size(i, program, costs) for i in program.instrs]
+    # per template: whether it is on a GPU's books at all, and the gradient slot its FUSED / BACKWARD / G writes
+    # or reads ((stage, round, its layers), None for other ops)
+    counted = [i.op not in (Op.STEP, Op.COPY) for i in program.instrs]
+    slots = [(i.stage, i.round if i.op is Op.GRAD_DOWN else i.mb // program.round_size, set(stages[i.stage].layers))
+             if i.op in (Op.FUSED, Op.BACKWARD, Op.GRAD_DOWN) else None for i in program.instrs]
     intervals: list[list[tuple[float, float, int]]] = [[] for _ in range(nw)]
     grads: dict[tuple[int, int, int, int], list[float]] = {}  # slot -> [first write, last use]
     for j, w in enumerate(wk):
-        i = program.instrs[j % n]
-        if w < 0 or i.op in (Op.STEP, Op.COPY):
+        k = j % n
+        if w < 0 or not counted[k]:
             continue
-        size, work = sizes[j % n]
+        size, work = sizes[k]
         if work:
             intervals[w].append((starts[j], ends[j], work))
         if size:
             intervals[w].append((starts[j], free_at[j], size))
-        if i.op in (Op.FUSED, Op.BACKWARD, Op.GRAD_DOWN) and not set(stages[i.stage].layers) <= resident[w]:
-            rnd = i.round if i.op is Op.GRAD_DOWN else i.mb // program.round_size
-            span = grads.setdefault((j // n, w, i.stage, rnd), [starts[j], ends[j]])
-            span[1] = max(span[1], ends[j])
+        slot = slots[k]
+        if slot is not None and not slot[2] <= resident[w]:
+            span = grads.setdefault((j // n, w, slot[0], slot[1]), [starts[j], ends[j]])
+            if ends[j] > span[1]:
+                span[1] = ends[j]
     for (_, w, s, _), (a, b) in grads.items():
         intervals[w].append((a, b, sum(costs.grad_bytes[l] for l in stages[s].layers)))
     return tuple(base[w] + peak_usage(intervals[w]) for w in range(nw))

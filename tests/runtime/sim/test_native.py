@@ -1,0 +1,61 @@
+"""The simulator's C event loop (runtime/sim/events.c) against the Python one: the same floats, the same errors."""
+import random
+
+import pytest
+
+from rpcompile.runtime.sim import native
+from rpcompile.runtime.sim.events import Job, Jobs, StuckError, run_jobs
+
+pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler: the simulator runs in Python")
+
+
+def random_jobs(rng: random.Random, n: int) -> list[Job]:
+    """Jobs on a few lanes sharing a few channels, two priorities, equal and zero durations (ties everywhere),
+    each depending on up to three earlier jobs (so list order is a valid run: nothing is stuck)."""
+    lanes = rng.randint(1, 6)
+    channel = [rng.randint(0, max(0, lanes - 2)) * 3 + 5 for _ in range(lanes)]  # sparse channel ids
+    lane_ids = rng.sample(range(40), lanes)  # sparse lane ids: the rank breaks ties
+    out = []
+    for j in range(n):
+        q = rng.randrange(lanes)
+        dur = rng.choice([0.0, 0.5, 1.0, 1.0, rng.random(), rng.random() * 1e-9])
+        deps = tuple(sorted(rng.sample(range(j), min(j, rng.randint(0, 3)))))
+        out.append(Job(lane_ids[q], channel[q], rng.randint(0, 1), dur, deps))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_c_loop_gives_the_python_floats(seed):
+    rng = random.Random(seed)
+    jobs = random_jobs(rng, rng.randint(1, 300))
+    assert run_jobs(jobs) == run_jobs(jobs, native=False)
+    assert run_jobs(Jobs.of(jobs)) == run_jobs(jobs, native=False)
+
+
+@pytest.mark.parametrize("native_loop", [True, False])
+def test_both_loops_report_the_same_errors(native_loop):
+    with pytest.raises(StuckError) as e:
+        run_jobs([Job(0, 0, 0, 1.0, (1,)), Job(0, 0, 0, 1.0, ())], native=native_loop)
+    assert e.value.stuck == [0, 1]
+    with pytest.raises(StuckError) as e:  # a cycle through two lanes; the third job never waits on it
+        run_jobs([Job(0, 0, 0, 1.0, (1,)), Job(1, 1, 0, 1.0, (0,)), Job(2, 2, 0, 1.0, ())], native=native_loop)
+    assert e.value.stuck == [0, 1]
+    with pytest.raises(ValueError, match="lane 3 spans several channels"):
+        run_jobs([Job(3, 0, 0, 1.0, ()), Job(3, 1, 0, 1.0, ())], native=native_loop)
+    with pytest.raises(ValueError, match="job 1 depends on job 5"):
+        run_jobs([Job(0, 0, 0, 1.0, ()), Job(0, 0, 0, 1.0, (5,))], native=native_loop)
+    assert run_jobs([], native=native_loop) == ([], [])
+
+
+def test_zero_duration_completions_come_before_the_instant_s_start_decisions():
+    """A zero-length job on channel 0 ends at time 0 and readies a high-priority job on channel 1; channel 1's
+    first decision, also at time 0, must see it (events popped by time, then completions before starts)."""
+    jobs = [Job(0, 0, 0, 0.0, ()), Job(1, 1, 1, 1.0, ()), Job(2, 1, 0, 1.0, (0,))]
+    for native_loop in (True, False):
+        assert run_jobs(jobs, native=native_loop) == ([0.0, 1.0, 0.0], [0.0, 2.0, 1.0])
+
+
+def test_off_switch_runs_python(monkeypatch):
+    monkeypatch.setenv("RPCOMPILE_SIM_KERNEL", "0")
+    assert native.load() is None
+    assert run_jobs([Job(0, 0, 0, 1.0, ()), Job(1, 0, 0, 2.0, (0,))]) == ([0.0, 1.0], [1.0, 3.0])
