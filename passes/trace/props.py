@@ -11,9 +11,16 @@ Note:
     creation or mixture-of-experts routing) is re-run for real, with zero
     tensors standing in for the meta values; a module whose own weights are on
     meta cannot be, and raises a clear error naming the node.
+
+    Repeated units run once: a layer unit equal to one already run (`unit_signature`:
+    the same classes, attributes, parameter and buffer shapes, up to module
+    indices) on inputs with the same metadata gives that unit's output again, since
+    only metadata is recorded. A decoder of 94 identical blocks runs one block, not
+    94 (`propagate(..., memo=False)` runs every one; tests/passes/trace checks they agree).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +28,11 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map
 
-__all__ = ["TMeta", "propagate", "PropagationError"]
+__all__ = ["TMeta", "propagate", "PropagationError", "unit_signature"]
+
+# attributes that number a block among its peers (Hugging Face's `layer_idx`): not part of a unit's signature
+INDEX_ATTRS = frozenset({"layer_idx", "layer_index", "layer_id", "block_idx"})
+_PLAIN = (int, float, str, bool, type(None), torch.dtype, torch.device)
 
 
 class PropagationError(ValueError):
@@ -62,12 +73,14 @@ class _Prop(fx.Interpreter):
     """Interpreter that records `describe(value)` per node; modules and fake values run on meta."""
 
     def __init__(self, root: torch.nn.Module, graph: fx.Graph, units: dict[fx.Node, str],
-                 glue_device: torch.device, model_on_meta: bool) -> None:
+                 glue_device: torch.device, model_on_meta: bool, memo: bool = True) -> None:
         super().__init__(root, graph=graph)
         self.units = units
         self.glue_device = glue_device
         self.model_on_meta = model_on_meta
         self.record: dict[fx.Node, Any] = {}
+        self.memo: dict[tuple, tuple[Any, Any]] | None = {} if memo else None  # key -> (output, inputs kept alive)
+        self.signatures: dict[str, tuple | None] = {}  # module target -> unit_signature
 
     def run_node(self, n: fx.Node) -> Any:
         try:
@@ -89,6 +102,23 @@ class _Prop(fx.Interpreter):
         return value
 
     def _run_mixed(self, n: fx.Node, args: Any, kwargs: Any) -> Any:
+        """`_run_fresh`, or for a module call equal to one already run (the module Note), that one's output."""
+        key = self._unit_key(n, args, kwargs) if n.op == "call_module" and self.memo is not None else None
+        if key is not None and key in self.memo:
+            return self.memo[key][0]
+        value = self._run_fresh(n, args, kwargs)
+        if key is not None:
+            self.memo[key] = (value, (args, kwargs))  # the inputs stay alive: the ids in keys are not reused
+        return value
+
+    def _unit_key(self, n: fx.Node, args: Any, kwargs: Any) -> tuple | None:
+        """(the module's signature, its inputs' metadata), or None when the call must run."""
+        if n.target not in self.signatures:
+            self.signatures[n.target] = unit_signature(self.fetch_attr(n.target))
+        sig = self.signatures[n.target]
+        return None if sig is None else (sig, _hashable((args, kwargs)))
+
+    def _run_fresh(self, n: fx.Node, args: Any, kwargs: Any) -> Any:
         """Run on meta when a module or a meta stand-in is involved; on failure, for real."""
         if n.op == "call_function" and n.target is getattr and len(args) > 1 and args[1] == "device" \
                 and isinstance(args[0], torch.Tensor) and args[0].is_meta:
@@ -132,13 +162,58 @@ class _Prop(fx.Interpreter):
         return z.requires_grad_(t.requires_grad) if t.requires_grad else z
 
 
+def unit_signature(module: torch.nn.Module) -> tuple | None:
+    """What a module call's output metadata depends on besides its inputs, equal for repeated blocks.
+
+    Per submodule (named with every number as '#', so `layers.3.mlp` and `layers.7.mlp` agree): its class,
+    its public attributes (plain values as they are, any other object by identity, so a shared config matches
+    and a per-block object does not; block numbers, `INDEX_ATTRS`, left out), its parameters' and buffers'
+    shapes, dtypes, devices and requires_grad. None (always run) for a module with forward hooks.
+
+    >>> a, b = torch.nn.Linear(4, 8), torch.nn.Linear(4, 8)
+    >>> unit_signature(a) == unit_signature(b), unit_signature(a) == unit_signature(torch.nn.Linear(4, 9))
+    (True, False)
+    """
+    parts = []
+    for name, m in module.named_modules():
+        if m._forward_hooks or m._forward_pre_hooks:
+            return None
+        attrs = tuple((k, _plain_or_id(v)) for k, v in sorted(vars(m).items())
+                      if not k.startswith("_") and k not in INDEX_ATTRS)
+        tensors = tuple((k, tuple(t.shape), t.dtype, t.device.type, t.requires_grad)
+                        for k, t in [*m._parameters.items(), *m._buffers.items()] if t is not None)
+        parts.append((re.sub(r"\d+", "#", name), type(m), attrs, tensors))
+    return tuple(parts)
+
+
+def _plain_or_id(v: Any) -> Any:
+    """A plain value (or a tuple / list of them) as it is; anything else by identity."""
+    if isinstance(v, _PLAIN) or (type(v) in (tuple, list, frozenset) and all(isinstance(x, _PLAIN) for x in v)):
+        return (type(v).__name__, tuple(v) if type(v) in (tuple, list) else v)
+    return ("id", id(v))
+
+
+def _hashable(v: Any) -> Any:
+    """A call's arguments as a key: tensors by their `TMeta`, tuples, lists and dicts (fx's immutable ones
+    included) as tagged tuples, plain values as they are, any other object by identity."""
+    if isinstance(v, torch.Tensor):
+        v = describe(v)
+    if isinstance(v, (TMeta, torch.Size)) or isinstance(v, _PLAIN):
+        return (type(v).__name__, v)
+    if type(v) in (tuple, list) or isinstance(v, fx.immutable_collections.immutable_list):
+        return ("list" if isinstance(v, list) else "tuple", *map(_hashable, v))
+    if isinstance(v, dict) and type(v) in (dict, fx.immutable_collections.immutable_dict):
+        return ("dict", *((k, _hashable(x)) for k, x in v.items()))
+    return ("id", id(v))
+
+
 def _target(n: fx.Node) -> str:
     """Readable op target of a node."""
     return getattr(n.target, "__name__", None) or str(n.target)
 
 
 def propagate(root: torch.nn.Module, graph: fx.Graph, inputs: dict[str, torch.Tensor],
-              units: dict[fx.Node, str], model_on_meta: bool) -> dict[fx.Node, Any]:
+              units: dict[fx.Node, str], model_on_meta: bool, *, memo: bool = True) -> dict[fx.Node, Any]:
     """Run `graph` once on `inputs` and return `describe(value)` for every node.
 
     Args:
@@ -147,13 +222,14 @@ def propagate(root: torch.nn.Module, graph: fx.Graph, inputs: dict[str, torch.Te
         inputs: model inputs by placeholder name.
         units: call_module nodes of layer units -> unit name (for error messages).
         model_on_meta: the model's weights are on meta (for error messages).
+        memo: run a repeated unit once (the module Note); False runs every call.
     Returns:
         node -> TMeta for tensors, tuples/lists/dicts of those, or the Python value.
     """
     names = [n.target for n in graph.nodes if n.op == "placeholder"]
     args = [inputs[name] for name in names]
     device = args[0].device if args else torch.device("cpu")
-    prop = _Prop(root, graph, units, device, model_on_meta)
+    prop = _Prop(root, graph, units, device, model_on_meta, memo)
     with torch.enable_grad():
         prop.run(*args)
     return prop.record
