@@ -97,7 +97,8 @@ def simulate(program: Program, costs: CostTable, hardware, *, iterations: int = 
     tmpl = program.instrs
     n = len(tmpl)
     pos = program.index()
-    durations = [_duration(i, program, costs, bw) for i in tmpl]
+    moved = _Moved(program, costs)
+    durations = [_duration(i, program, costs, bw, moved) for i in tmpl]
     lane_ids: dict[tuple[int, Lane], int] = {}
     channel_ids: dict[tuple[int, str], int] = {}
     deps_of = []
@@ -159,7 +160,7 @@ def simulate(program: Program, costs: CostTable, hardware, *, iterations: int = 
         busy=tuple(busy), bubble_ratio=1.0 - work / (nw * makespan) if makespan > 0 else 0.0,
         steady_bubble=1.0 - work / iterations / (nw * steady) if steady > 0 else 0.0,
         exposed_comm=sum(exposed), exposed_per_worker=tuple(exposed),
-        peak_memory=_peaks(program, costs, wk, jobs, starts, ends), records=records)
+        peak_memory=_peaks(program, costs, moved, wk, jobs, starts, ends), records=records)
 
 
 def _expand_deps(deps_of: list[list[tuple[int, int, int]]], iterations: int, n: int) -> tuple[list[int], list[int]]:
@@ -219,7 +220,7 @@ class _Bandwidths:
         return vals
 
 
-def _duration(i: Instr, program: Program, costs: CostTable, bw: _Bandwidths) -> float:
+def _duration(i: Instr, program: Program, costs: CostTable, bw: _Bandwidths, moved: "_Moved") -> float:
     """Seconds one instruction takes."""
     op = i.op
     if op is Op.RELEASE:
@@ -235,8 +236,7 @@ def _duration(i: Instr, program: Program, costs: CostTable, bw: _Bandwidths) -> 
     b = sum(costs.bwd[l] for l in layers)
     if op in COMPUTE_OPS:
         return {Op.FORWARD: f, Op.FUSED: f + b, Op.RECOMPUTE: f, Op.BACKWARD: b}[op]
-    nbytes = transfer_bytes(i, program, costs)
-    return bw.latency + nbytes / (bw.h2d if op in (Op.PARAM_UP, Op.ACT_UP) else bw.d2h)
+    return bw.latency + moved(i) / (bw.h2d if op in (Op.PARAM_UP, Op.ACT_UP) else bw.d2h)
 
 
 def transfer_bytes(i: Instr, program: Program, costs: CostTable) -> int:
@@ -256,6 +256,24 @@ def transfer_bytes(i: Instr, program: Program, costs: CostTable) -> int:
     return costs.act_bytes[first - 1] if first > 0 else 0
 
 
+class _Moved:
+    """`transfer_bytes` of one program's instructions, each distinct transfer computed once (a paper model's
+    program has thousands of P/G/U/D instructions over a few hundred distinct chunks and slots)."""
+
+    def __init__(self, program: Program, costs: CostTable) -> None:
+        self.program, self.costs = program, costs
+        self.chunks = {(c.stage, c.index): c.bytes for c in program.chunks}
+        self.seen: dict[tuple, int] = {}
+
+    def __call__(self, i: Instr) -> int:
+        if i.op in (Op.PARAM_UP, Op.GRAD_DOWN):
+            return self.chunks[(i.stage, i.chunk)]
+        key = (i.op, i.stage, i.grad)
+        if key not in self.seen:
+            self.seen[key] = transfer_bytes(i, self.program, self.costs)
+        return self.seen[key]
+
+
 def steady_iterations(program: Program) -> int:
     """How many back-to-back iterations `simulate` needs for the steady state of `program` (staleness 1)."""
     return steady_state_window(program.gpus, program.plan.num_stages, program.rounds)[0]
@@ -272,7 +290,7 @@ def _steady(ends: list[float], program: Program, makespan: float) -> float:
     return (ends[-1] - ends[-1 - p]) / p
 
 
-def _peaks(program: Program, costs: CostTable, wk: list[int], jobs: Jobs, starts: list[float],
+def _peaks(program: Program, costs: CostTable, moved: _Moved, wk: list[int], jobs: Jobs, starts: list[float],
            ends: list[float]) -> tuple[int, ...]:
     """Per worker peak bytes: resident state, parameter chunks, gradients, activations, workspace."""
     nw, n = program.gpus, len(program.instrs)
@@ -297,11 +315,12 @@ def _peaks(program: Program, costs: CostTable, wk: list[int], jobs: Jobs, starts
             for d in idx[ptr[j]:ptr[j + 1]]:
                 if wk[d] == w and f[d % n] and e > free_at[d]:
                     free_at[d] = e
-    sizes = [_buffer_size(i, program, costs) for i in program.instrs]
+    sizes = [_buffer_size(i, program, costs, moved) for i in program.instrs]
     # per template: whether it is on a GPU's books at all, and the gradient slot its FUSED / BACKWARD / G writes
     # or reads ((stage, round, its layers), None for other ops)
     counted = [i.op not in (Op.STEP, Op.COPY) for i in program.instrs]
-    slots = [(i.stage, i.round if i.op is Op.GRAD_DOWN else i.mb // program.round_size, set(stages[i.stage].layers))
+    layer_sets = [frozenset(st.layers) for st in stages]
+    slots = [(i.stage, i.round if i.op is Op.GRAD_DOWN else i.mb // program.round_size, layer_sets[i.stage])
              if i.op in (Op.FUSED, Op.BACKWARD, Op.GRAD_DOWN) else None for i in program.instrs]
     intervals: list[list[tuple[float, float, int]]] = [[] for _ in range(nw)]
     grads: dict[tuple[int, int, int, int], list[float]] = {}  # slot -> [first write, last use]
@@ -324,15 +343,15 @@ def _peaks(program: Program, costs: CostTable, wk: list[int], jobs: Jobs, starts
     return tuple(base[w] + peak_usage(intervals[w]) for w in range(nw))
 
 
-def _buffer_size(i: Instr, program: Program, costs: CostTable) -> tuple[int, int]:
+def _buffer_size(i: Instr, program: Program, costs: CostTable, moved: _Moved) -> tuple[int, int]:
     """(bytes of the buffer an instruction makes, bytes of workspace while it runs)."""
     if i.op in (Op.ACT_UP, Op.PARAM_UP):
-        return transfer_bytes(i, program, costs), 0
+        return moved(i), 0
     if i.stage < 0 or i.op not in COMPUTE_OPS:
         return 0, 0
     layers = program.plan.stages[i.stage].layers
     if i.op is Op.FORWARD:
-        return transfer_bytes(Instr(Op.ACT_DOWN, i.worker, i.stage, i.mb), program, costs), 0
+        return moved(Instr(Op.ACT_DOWN, i.worker, i.stage, i.mb)), 0
     if i.op is Op.RECOMPUTE:  # autograd tensors of the stage, held until its backward
         return sum(costs.peak_bytes[l] for l in layers), 0
     grad_in = costs.act_bytes[layers.start - 1] if layers.start > 0 else 0
