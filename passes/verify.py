@@ -93,6 +93,7 @@ class _Ctx:
 def _structure(c: _Ctx) -> None:
     """Fields in range, each slot on its round-robin worker, complete chunk sets."""
     p = c.p
+    chunk_keys = {(ch.stage, ch.index) for ch in p.chunks}
     for i in p.instrs:
         if (i.worker == -1) != (i.op in HOST_OPS):
             c.fail("STRUCTURE", i.name, "host ops (O, C) run on worker -1, all others on a device")
@@ -105,7 +106,7 @@ def _structure(c: _Ctx) -> None:
             c.fail("STRUCTURE", i.name, "stage, round or microbatch out of range")
         if i.worker != c.worker(i.stage, rnd):
             c.fail("STRUCTURE", i.name, f"slot {rnd * c.ns + i.stage} must run on worker {c.worker(i.stage, rnd)}")
-        if i.op in CHUNK_OPS and not any(ch.stage == i.stage and ch.index == i.chunk for ch in p.chunks):
+        if i.op in CHUNK_OPS and (i.stage, i.chunk) not in chunk_keys:
             c.fail("STRUCTURE", i.name, "no such chunk")
     for st in c.stages:
         n_chunks = len(p.stage_chunks(st.index))
@@ -211,9 +212,10 @@ def _release(c: _Ctx) -> None:
 def _layer_instrs(c: _Ctx, op: Op) -> dict[int, list[str]]:
     """Optimizer group l -> the P or G chunks touching it (its own layer and tied readers)."""
     out: dict[int, list[str]] = {l: [] for l in range(c.p.plan.num_layers)}
+    groups = {(ch.stage, ch.index): sorted({g for j in ch.layers for g in c.p.groups_of(j)}) for ch in c.p.chunks}
     for i in c.p.instrs:
         if i.op is op:
-            for l in sorted({g for j in c.p.chunk_of(i).layers for g in c.p.groups_of(j)}):
+            for l in groups.get((i.stage, i.chunk), ()):  # no such chunk: STRUCTURE's to report
                 out[l].append(i.name)
     return out
 

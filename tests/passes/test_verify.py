@@ -53,6 +53,14 @@ def test_structure_wrong_worker():
     assert rule_of(replace(p, instrs=instrs)).rule == "STRUCTURE"
 
 
+def test_structure_a_chunk_the_program_does_not_have():
+    p = prog()
+    name = next(i.name for i in p.instrs if i.op.name == "PARAM_UP")
+    instrs = tuple(replace(i, chunk=9) if i.name == name else i for i in p.instrs)
+    e = rule_of(replace(p, instrs=instrs))
+    assert e.rule == "STRUCTURE" and "no such chunk" in str(e)
+
+
 def test_deps_must_resolve():
     e = rule_of(edit(prog(), "w0 F0.m1", add=(Ref("w0 F9.m1"),)))
     assert e.rule == "DEPS" and "F9" in str(e)
