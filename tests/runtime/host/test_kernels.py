@@ -318,3 +318,23 @@ def test_hardware_measure_times_the_optimizer_it_is_given():
     hw = Hardware.measure("cpu", budget_s=0.3, optimizer_rate=lambda budget: calls.append(budget) or 1.25e9)
     assert hw.optimizer_bytes_per_s == 1.25e9 and len(calls) == 1 and 0 < calls[0] <= 0.3
     assert kmod.optimizer_rate(0.05, elements=2 ** 16) > 1e6  # the kernels' AdamW: fp32 master bytes/s
+
+
+def test_a_built_extension_loads_without_cpp_extension_and_a_broken_one_is_built_again(monkeypatch, tmp_path):
+    """A later process imports the built file directly (no setuptools, no ninja check); a file that does not
+    import goes back to `cpp_extension.load` to be built again."""
+    import subprocess
+    import sys
+    code = ("import sys, torch; from rpcompile.runtime.host import kernels as k; "
+            "print(k.load_kernels() is not None, 'torch.utils.cpp_extension' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True", "False"]
+    monkeypatch.setenv("RPCOMPILE_CACHE", str(tmp_path))
+    name = kmod.module_name()
+    folder = tmp_path / "kernels" / name
+    folder.mkdir(parents=True)
+    (folder / f"{name}.so").write_bytes(b"not an extension")
+    from torch.utils import cpp_extension
+    calls = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: calls.append(kw["name"]) or "rebuilt")
+    assert kmod._build(name, verbose=False) == "rebuilt" and calls == [name]
