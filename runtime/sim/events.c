@@ -1,5 +1,4 @@
-/* The simulator's event loop (`events.run_python`) in C, and the two passes over its result that read every
- * job's dependencies (`events.exposed_waits`, the buffers' free times of `simulator._peaks`).
+/* The simulator's event loop (`events.run_python`) in C.
  *
  * The same decisions in the same order: events are popped by (time, kind, sequence number) exactly as the
  * Python heap pops its tuples, and times are only compared, maxed and added, so the starts and ends are the
