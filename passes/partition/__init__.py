@@ -8,7 +8,8 @@ This folder holds it and what it is built from:
     evaluator.py   plans as stage sizes: stage tuples, device memory and exact time without a StagePlan
     steady.py      `iteration_time` fast (to 1e-12): first and last microbatch per slot, until the state repeats
     batch.py       the same for many plans at once, as float64 tensor rows (the complete even family)
-    native.py      the recurrences and the cap walk's layouts in C (*.c, built once per machine): the same floats
+    native.py      the recurrences and the cap walk's caps and layouts in C (*.c, built once per machine): the
+                   same floats
     cap_walk.py    the heuristic part: a best-first walk over stage-time caps
     even_plans.py  the plans a person would write (even plans, every plan of tiny models)
     ties.py        the tie rule: one canonical plan among those within the tie of the fastest
@@ -98,9 +99,9 @@ by `iteration_time` itself. So every time the search compares, stores or
 reports is `iteration_time`'s float, and the plans are those of the one-by-one
 exact search: on the paper models up to 40x faster than before, with the same
 plans. Where the machine has a C compiler, both recurrences, the batch and the
-cap walk's layout search run in C (`native.py`): the same operations on the
-same doubles, so the same floats bit for bit, and the same plans as without it
-(another 2-5x on the paper models).
+cap walk's walk over caps and its layout search run in C (`native.py`): the
+same operations on the same doubles, so the same floats bit for bit, and the
+same plans as without it (another 2-5x on the paper models).
 """
 from __future__ import annotations
 
@@ -308,16 +309,16 @@ class _Search:
         plan = (fs, f, bs)
         if plan in self.seen:
             return "skipped"
-        stages = self.ev.stages(fs, f, bs)
-        t_max = max(a + b if code else a for code, _, _, a, b in stages)
+        t_max = self.ev.slowest(fs, f, bs)
         lim = self.reach * (1 + _MARGIN)
         if rigorous:
-            if self.floor(f, t_max, len(stages)) > lim:
+            if self.floor(f, t_max, len(fs) + 1 + len(bs)) > lim:
                 self.seen.add(plan)
                 return "skipped"
         elif self.bound(f, t_max) >= self.reach:
             return "skipped"
         self.seen.add(plan)
+        stages = self.ev.stages(fs, f, bs)
         if not self.ev.fits(stages):
             return "too big"
         if fast is None and self.ev.isolated_floor(stages, lim) > lim:  # exact bound: the plan cannot tie the best

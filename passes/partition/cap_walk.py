@@ -18,9 +18,12 @@ N workers. Plans are timed in heap order by `partition`'s search
 plan may still tie (`_Search.reach`: the reference time x (1 + tie)) are dropped;
 the walk ends when the heap is empty, when every estimate left exceeds that
 time by `STOP`, or when `budget` (recurrence steps of the
-timed plans plus the layouts' stages) is spent, once some plan fits. Nothing
-here is guaranteed: `partition`'s guarantees come from the reference plan, the
-even family and the exhaustive search.
+timed plans plus the layouts' stages) is spent, once some plan fits. Where the
+planner's kernel is built, a step of a walk (its next cap, the layouts there
+and which of them are new and may fit) is one call into C (`native.CapWalks`,
+the same caps and layouts as `_PyWalk`). Nothing here is guaranteed:
+`partition`'s guarantees come from the reference plan, the even family and the
+exhaustive search.
 """
 from __future__ import annotations
 
@@ -40,46 +43,47 @@ _GEN, _PLAN = 0, 1
 
 def walk(search, budget: int) -> None:
     """Run the cap walk for `search` (a `partition._Search`) until its heap is empty or `budget` is spent."""
-    heap, seq, seen, start = [], itertools.count(), set(), search.ev.timed
+    heap, seq, start = [], itertools.count(), search.ev.timed
     spent = [0]
-
-    def push(fs: tuple, f: int, bs: tuple, fwd: tuple, bwd: tuple, tfb: float) -> None:
-        """Queue a plan (sides' aggregates as `aggregate`) unless seen or hopeless by the bound."""
-        k = (fs, f, bs)
-        if k not in seen and search.bound(f, max(fwd[1], tfb, bwd[1])) < search.reach:
-            seen.add(k)
-            heapq.heappush(heap, (search.estimate(f, tfb, fwd, bwd, len(bs)), next(seq), _PLAN, k))
-            spent[0] += len(fs) + len(bs) + 1
-
-    for f in range(1, search.nl + 1):
-        shared: list = []
-        for down in (False, True):
-            g = _Generator(search, f, down, shared, push, spent)
-            heapq.heappush(heap, (g.key(), next(seq), _GEN, g))
-    while heap and (spent[0] + search.ev.timed - start < budget or not search.near):
-        if heap[0][0] > search.reach * (1 + STOP):
-            break  # every estimate left is well above the best time
-        _, _, kind, item = heapq.heappop(heap)
-        if kind == _GEN:
-            if search.bound(item.f, max(item.cap, item.t_min)) < search.reach and item.step():
-                heapq.heappush(heap, (item.key(), next(seq), _GEN, item))
-        else:
-            done = search.consider(*item)  # its recurrence steps count through search.ev.timed
-            spent[0] += (len(item[0]) + len(item[2]) + 1 if done == "too big" else
-                         _PER_LAYER * search.nl if done == "timed" else 0)
+    lib = search.ev.lib  # the sides walk in C where the kernel is built (`native.CapWalks`), else in Python
+    kernel = None if lib is None else native.cap_walks(lib, search.ev, search.pf, search.pb, _EXTRA)
+    try:
+        for f in range(1, search.nl + 1):
+            sides = _Sides(search, f, kernel)
+            for down in (False, True):
+                g = _Generator(search, f, down, sides, heap, seq, spent)
+                heapq.heappush(heap, (g.key(), next(seq), _GEN, g))
+        while heap and (spent[0] + search.ev.timed - start < budget or not search.near):
+            if heap[0][0] > search.reach * (1 + STOP):
+                break  # every estimate left is well above the best time
+            _, _, kind, item = heapq.heappop(heap)
+            if kind == _GEN:
+                if search.bound(item.f, max(item.cap, item.t_min)) < search.reach and item.step():
+                    heapq.heappush(heap, (item.key(), next(seq), _GEN, item))
+            else:
+                done = search.consider(*item)  # its recurrence steps count through search.ev.timed
+                spent[0] += (len(item[0]) + len(item[2]) + 1 if done == "too big" else
+                             _PER_LAYER * search.nl if done == "timed" else 0)
+    finally:
+        heap.clear()  # its generators hold it: no cycle left for the garbage collector, and no walk on freed sides
+        if kernel is not None:
+            kernel.close()
 
 
 class _Generator:
     """Plans with f fused layers, cap by cap: up from t_min, or (down) from just below t_min to the least cap."""
 
-    def __init__(self, search, f: int, down: bool, shared: list, push, spent: list):
-        self.s, self.f, self.n, self.down, self.shared = search, f, search.nl - f, down, shared
-        self.push, self.spent = push, spent
+    def __init__(self, search, f: int, down: bool, sides: _Sides, heap: list, seq, spent: list):
+        self.s, self.f, self.n, self.down, self.sides = search, f, search.nl - f, down, sides
+        self.heap, self.seq, self.spent = heap, seq, spent  # the walk's heap, its order of entry and effort
         self.tfb = search.pb[search.nl] - search.pb[self.n]
         self.t_min = max(self.tfb, search.wb_max[self.n])  # every layer's fwd + bwd sits in an FB or B stage
         self.cap, self.count = self.t_min, min(self.n, 1)  # the next cap and the fewest backward stages under it
         self.work = search.work(f)
-        self.sides = None  # (forward, backward) _Caps, built on the first step
+        self.caps = None  # the walk over both sides' caps (`_Sides.walk`), made on the first step
+        # what `key` needs of the search, once: R-1, the forward side's and fused stage's work (the sum key
+        # took first: the same float), the backward side's work, the rounds
+        self._fixed = (search.rr - 1, search.pf[self.n] + self.tfb, search.pb[self.n], search.m // search.rr)
 
     def key(self) -> float:
         """Heap order of the next cap: the bound, or the workers held at its fewest stages if larger.
@@ -87,63 +91,134 @@ class _Generator:
         The backward stages are paced by the cap (new layouts reach it): each holds its worker about
         (R-1) * cap.
         """
-        s, n, t = self.s, self.n, max(self.cap, self.t_min)
-        held = self.work + (s.rr - 1) * (s.pf[n] + self.tfb + max(self.count * t, s.pb[n]))
-        return max(s.bound(self.f, t), held * (s.m // s.rr) / s.n_gpu) + s.fill(t)
+        s, t = self.s, max(self.cap, self.t_min)
+        r1, head, tail, rounds = self._fixed
+        held = self.work + r1 * (head + max(self.count * t, tail))
+        return max(s.bound(self.f, t), held * rounds / s.n_gpu) + s.fill(t)
 
     def step(self) -> bool:
         """Advance to the next cap, queue the new plans; False when no caps remain."""
         s, n = self.s, self.n
         if n == 0:
             if not self.down:
-                self.push((), self.f, (), _NONE, _NONE, self.tfb)
+                self._queue(0, [((), _NONE, (), _NONE)], [((), _NONE, (), _NONE)])
             return False
-        if self.sides is None:
-            if not self.shared:  # per side, shared by both directions: layouts so far, their set, the C side
-                self.shared.extend([([], set(), []), ([], set(), [])])
+        if self.caps is None:
             lo = (s.f_max[n], s.wb_max[n]) if self.down else (self.t_min, self.t_min)
-            self.sides = tuple(_Caps(p, n, lo[i], self.t_min if self.down else math.inf, *self.shared[i],
-                                     ok=lambda sizes, b=bool(i): s.ev.side_fits(sizes, backward=b), lib=s.ev.lib)
-                               for i, p in enumerate((s.pf, s.pb)))
-        fwd, bwd = self.sides
-        cap = self._next()
-        if cap is None:
+            self.caps = self.sides.walk(self.down, lo, self.t_min if self.down else math.inf)
+        got = self.caps.step()
+        if got is None:
             return False
-        for side, other, is_fwd in ((fwd, bwd, True), (bwd, fwd, False)):
-            if side.head() != cap:
-                continue
-            side.pop()
-            new, cost = side.layouts(cap)
-            self.spent[0] += cost
-            for mine in new:  # a forward layout is paired as it is, a backward one in execution order
-                for theirs in other.done:
-                    fwd_side, bwd_side = (mine, theirs) if is_fwd else (theirs, mine)
-                    self.push(fwd_side[0], self.f, bwd_side[2], fwd_side[1], bwd_side[3], self.tfb)
-        cap = self._next()
-        if cap is None:
+        fresh, following = got
+        for i, (k0, layouts) in enumerate(fresh):  # forward, then backward
+            if k0 < 0:
+                continue  # the cap is not one of this side's
+            top = min(n, k0 + _EXTRA)
+            self.spent[0] += k0 + 2 * (k0 + top) * (top - k0 + 1)  # the stages computed: k0 + 4 * (k0 + .. + top)
+            if layouts:
+                new = self.sides.accept(i, layouts)
+                if new:
+                    self._queue(i, new, self.sides.done[1 - i])
+        if following is None:
             return False
-        self.cap = cap
-        self.count = bwd.fewest(self.cap)  # _fewest(s.pb, n, cap)
+        self.cap, self.count = following
         self.spent[0] += self.count
         return True
 
+    def _queue(self, i: int, new: list, others: list) -> None:
+        """Queue each new layout of side i (0 forward, 1 backward) with each of the other side's `others`
+        (`_Sides.done` entries), unless hopeless by the bound. Each plan is queued once, with no set of plans
+        to check: a layout is new to its side once (both walks of a fused size share the sides), and at a cap
+        that is both sides' the forward side's new layouts are paired before the backward side's join `done`."""
+        s, f, tfb, heap, seq = self.s, self.f, self.tfb, self.heap, self.seq
+        bound, estimate, reach, effort = s.bound, s.estimate, s.reach, 0
+        for mine in new:  # a forward layout is paired as it is, a backward one in execution order
+            for theirs in others:
+                fwd_side, bwd_side = (mine, theirs) if i == 0 else (theirs, mine)
+                fwd, bwd, fs, bs = fwd_side[1], bwd_side[3], fwd_side[0], bwd_side[2]
+                if bound(f, max(fwd[1], tfb, bwd[1])) < reach:
+                    heapq.heappush(heap, (estimate(f, tfb, fwd, bwd, len(bs)), next(seq), _PLAN, (fs, f, bs)))
+                    effort += len(fs) + len(bs) + 1
+        self.spent[0] += effort
+
+
+class _Sides:
+    """Both sides of one fused size, shared by its two walks: each side's layouts so far that may fit.
+
+    Per side, `done` holds those layouts, each as (sizes, forward aggregate, sizes in execution order as a
+    backward side, backward aggregate): `partition._Search.estimate`'s sides (`aggregate`). A layout with a
+    stage whose own bytes exceed the memory budget (`Evaluator.side_fits`) is never paired: no plan could hold it.
+    """
+
+    def __init__(self, search, f: int, kernel: native.CapWalks | None):
+        self.s, self.n, self.kernel = search, search.nl - f, kernel
+        self.done: tuple[list, list] = ([], [])
+        self.seen: tuple[set, set] = (set(), set())  # every layout found so far (Python walks)
+        self.native = None  # (forward, backward) C sides (`native.CapWalks.pair`), made with the first walk
+
+    def walk(self, down: bool, lo: tuple[float, float], hi: float):
+        """The walk over both sides' caps in [lo, hi) (lo per side): `native.Walk` where the kernel is built,
+        else `_PyWalk`; either gives the same caps and layouts."""
+        s, n = self.s, self.n
+        if self.kernel is None:
+            return _PyWalk(tuple(_Caps(p, n, lo[i], hi, self.seen[i],
+                                       ok=lambda sizes, b=bool(i): s.ev.side_fits(sizes, backward=b))
+                                 for i, p in enumerate((s.pf, s.pb))), down)
+        if self.native is None:
+            self.native = self.kernel.pair(n)
+        return self.kernel.walk(self.native, n, down, lo, hi)
+
+    def accept(self, i: int, layouts: list[tuple]) -> list[tuple]:
+        """New layouts of side i (0 forward, 1 backward) that may fit, added to the side's `done` as its entries."""
+        p = (self.s.pf, self.s.pb)[i]
+        out = []
+        for sizes in layouts:
+            agg = aggregate(_sums(p, sizes))  # as either side: (layer order, its aggregate), reversed
+            out.append((sizes, agg[:3], sizes[::-1], agg[:2] + agg[3:]))
+        self.done[i].extend(out)
+        return out
+
+
+class _PyWalk:
+    """`native.Walk` in Python: both sides' `_Caps` walking one way."""
+
+    def __init__(self, caps: tuple, down: bool):
+        self.caps, self.down = caps, down
+
+    def step(self) -> tuple | None:
+        """None when no cap is left, else ([(k0, new layouts) forward, backward], (next cap, the backward
+        side's fewest stages under it) or None): each side whose next cap is the next cap of either is popped
+        and its new layouts at the cap that may fit are found (`_Caps.layouts`; k0 is the fewest stages at
+        the cap, -1 for a side whose caps do not include it)."""
+        cap = self._next()
+        if cap is None:
+            return None
+        fresh = []
+        for side in self.caps:
+            if side.head() != cap:
+                fresh.append((-1, []))
+                continue
+            side.pop()
+            fresh.append(side.layouts(cap))
+        cap = self._next()
+        bwd = self.caps[1]
+        return fresh, None if cap is None else (cap, _fewest(bwd.p, bwd.n, cap))
+
     def _next(self) -> float | None:
         """The next cap of either side in walking order, None when both are done."""
-        heads = [h for h in (self.sides[0].head(), self.sides[1].head()) if h is not None]
+        heads = [h for h in (self.caps[0].head(), self.caps[1].head()) if h is not None]
         return None if not heads else (max if self.down else min)(heads)
 
 
 class _Caps:
     """One side's caps (contiguous sums of layers 0..n-1, prefix sums p) in [lo, hi), walked up or down.
 
-    Walking up starts at lo itself; walking down starts at the largest sum below hi. `done` and `seen`
-    (the side's layouts so far) are shared by both walks of one fused size.
+    Walking up starts at lo itself; walking down starts at the largest sum below hi. `seen` (the side's
+    layouts so far) is shared by both walks of one fused size; `ok(sizes)`: whether a layout may fit.
     """
 
-    def __init__(self, p: list[float], n: int, lo: float, hi: float, done: list, seen: set, box: list | None = None,
-                 ok=None, lib=None):
-        self.p, self.n, self.lo, self.done, self.seen, self.ok = p, n, lo, done, seen, ok
-        self.lib, self.box = lib, [] if box is None else box  # `layouts` in C (`native.py`), made when first used
+    def __init__(self, p: list[float], n: int, lo: float, hi: float, seen: set, ok=None):
+        self.p, self.n, self.lo, self.seen, self.ok = p, n, lo, seen, ok
         self.rp: list[float] | None = None  # prefix sums from the last layer down, once a layout needs them
         self.down = not math.isinf(hi)
         self.heap = [] if self.down else [(lo, -1, -1)]  # (+-sum of layers [i, j), i, j), one per start i
@@ -196,39 +271,21 @@ class _Caps:
                 continue
             heapq.heappop(heap)
 
-    def layouts(self, cap: float) -> tuple[list[tuple], int]:
-        """New layouts under cap (fewest stages .. +_EXTRA, each even, larger-first and larger-last), and the
-        stages computed on the way (the effort). Each as (sizes, forward aggregate, sizes in execution order
-        as a backward side, backward aggregate): `partition._Search.estimate`'s sides (`aggregate`)."""
+    def layouts(self, cap: float) -> tuple[int, list[tuple]]:
+        """(k0, the new layouts under cap): for k = k0 (the fewest stages) .. k0 + `_EXTRA`, each even,
+        larger-first and larger-last, those not seen before (all are seen from now on) that may fit (`ok`)."""
         p, n, out = self.p, self.n, []
-        if self.lib is not None:  # the same candidates, in C
-            k0, candidates = self._native()(cap)
-        else:
-            k0 = _fewest(p, n, cap)
-            if self.rp is None:
-                self.rp = [p[n] - x for x in reversed(p[:n + 1])]
-            candidates = []
-            for k in range(k0, min(n, k0 + _EXTRA) + 1):
-                right = _greedy(self.rp, n, cap, k)  # filled from the last layer: the same on the reversed sums
-                candidates += [_even(p, n, cap, k), _greedy(p, n, cap, k), right and right[::-1]]
-        for sizes in candidates:
-            if sizes is not None and sizes not in self.seen:
-                self.seen.add(sizes)
-                if self.ok is None or self.ok(sizes):  # a stage too big for any plan: never paired
-                    agg = aggregate(_sums(p, sizes))  # as either side: (layer order, its aggregate), reversed
-                    out.append((sizes, agg[:3], sizes[::-1], agg[:2] + agg[3:]))
-        self.done.extend(out)
-        return out, k0 + 4 * sum(range(k0, min(n, k0 + _EXTRA) + 1))
-
-    def fewest(self, cap: float) -> int:
-        """`_fewest` of this side's layers under cap."""
-        return _fewest(self.p, self.n, cap) if self.lib is None else self._native().fewest(cap)
-
-    def _native(self) -> native.Layouts:
-        """The side's C layouts (`native.Layouts`), shared by both walks of one fused size (`box`)."""
-        if not self.box:
-            self.box.append(native.Layouts(self.lib, self.p, self.n, _EXTRA))
-        return self.box[0]
+        k0 = _fewest(p, n, cap)
+        if self.rp is None:
+            self.rp = [p[n] - x for x in reversed(p[:n + 1])]
+        for k in range(k0, min(n, k0 + _EXTRA) + 1):
+            right = _greedy(self.rp, n, cap, k)  # filled from the last layer: the same on the reversed sums
+            for sizes in (_even(p, n, cap, k), _greedy(p, n, cap, k), right and right[::-1]):
+                if sizes is not None and sizes not in self.seen:
+                    self.seen.add(sizes)
+                    if self.ok is None or self.ok(sizes):
+                        out.append(sizes)
+        return k0, out
 
 
 _NONE = (0.0, 0.0, 0.0)  # the aggregate of an empty side

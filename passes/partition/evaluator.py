@@ -46,6 +46,9 @@ class Evaluator:
         self._own: dict = {}   # stage tuple -> `_own_bytes` (`fits`): plans share most of their stages
         self._fwd: dict = {}   # (sizes) -> forward stage tuples
         self._bwd: dict = {}   # (sizes) -> backward stage tuples, execution order
+        self._fused: dict = {}  # fused size -> its stage tuple
+        self._f_slow: dict = {}  # (sizes) -> the forward side's slowest stage time (`slowest`)
+        self._b_slow: dict = {}  # (sizes) -> the backward side's
         self.timed = 0         # recurrence steps spent (stages x microbatches x iterations)
         self.lib = native.load()  # the C recurrences (the same floats), or None: timing.py's and steady.py's
 
@@ -70,8 +73,29 @@ class Evaluator:
 
     def stages(self, fs: tuple[int, ...], f: int, bs: tuple[int, ...]) -> list:
         """All stage tuples in slot order: F1..Fa, FB, B1..Bb."""
-        n = self.nl - f
-        return [*self.forward(fs), (1, n, self.nl) + self.sums(n, self.nl), *self.backward(bs)]
+        return [*self.forward(fs), self.fused(f), *self.backward(bs)]
+
+    def fused(self, f: int) -> tuple:
+        """The fused stage tuple (1, lo, hi, fwd sum, bwd sum) of the last f layers."""
+        out = self._fused.get(f)
+        if out is None:
+            n = self.nl - f
+            out = self._fused[f] = (1, n, self.nl) + self.sums(n, self.nl)
+        return out
+
+    def slowest(self, fs: tuple[int, ...], f: int, bs: tuple[int, ...]) -> float:
+        """t_max: the time of the plan's slowest stage (F: its fwd sum; FB, B: fwd + bwd), from each side's
+        slowest, kept per layout (an empty side counts 0.0), and the fused stage's. The same float as the max
+        over all its `stages`: either way max returns one of the times, and equal times are the same float
+        (a sum of costs >= 0 is never -0.0, the one float equal to another without being it)."""
+        a = self._f_slow.get(fs)
+        if a is None:
+            a = self._f_slow[fs] = max((x for _, _, _, x, _ in self.forward(fs)), default=0.0)
+        b = self._b_slow.get(bs)
+        if b is None:
+            b = self._b_slow[bs] = max((x + y for _, _, _, x, y in self.backward(bs)), default=0.0)
+        _, _, _, x, y = self.fused(f)
+        return max(a, x + y, b)
 
     def sums(self, lo: int, hi: int) -> tuple[float, float]:
         """`timing.layer_sums(costs, lo, hi)`, each range summed once (the same floats)."""

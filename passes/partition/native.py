@@ -1,4 +1,5 @@
-"""The planner's hot loops in C (shape.c, steady.c, exact.c, layouts.c), built once per machine, loaded with ctypes.
+"""The planner's hot loops in C (shape.c, steady.c, exact.c, layouts.c, caps.c), built once per machine, loaded with
+ctypes.
 
 `partition` times thousands of plans: the exact recurrence of `timing.py`
 (`shape_time`, what every time it compares or reports is) and the fast one of
@@ -10,13 +11,16 @@ operations on the same doubles in the same order, built with -ffp-contract=off
 (no fused multiply-add), so the same floats bit for bit
 (tests/passes/partition/test_native.py), at a few microseconds a plan instead
 of 30 (batch) to 300 (one plan in Python). layouts.c is the cap walk's layout
-search (`cap_walk._fewest`, `_even`, `_greedy`: the same layouts). The plans
-`partition` returns do not depend on which ran.
+search (`cap_walk._fewest`, `_even`, `_greedy`: the same layouts), and caps.c
+its walk over caps (`CapWalks`: each side's heap of contiguous sums, the set of
+layouts it found, `Evaluator.side_fits` in 64-bit integers), so that a step
+costs one call and only the new layouts that may fit come back to Python. The
+plans `partition` returns do not depend on which ran.
 
 It is plain C (no Python or torch headers): the machine's C compiler (`$CC`,
 else `cc`) builds it in under half a second (once per machine) into the kernels'
-cache folder (`rpcompile.ir.cache.cache_dir`), under a name keyed by the sources, the
-flags, the compiler and the platform; later processes only load it. Where no
+cache folder (`rpcompile.ir.clib`: `rpcompile.ir.cache.cache_dir`), under a name keyed by the sources,
+the flags, the compiler and the platform; later processes only load it. Where no
 compiler is found, the build fails, or `RPCOMPILE_PLANNER_KERNEL=0` is set,
 `load` returns None and the planner times plans in Python (`Evaluator`) and
 with tensors (`batch.py`).
@@ -33,24 +37,17 @@ from __future__ import annotations
 
 import array
 import ctypes
-import hashlib
-import logging
 import os
-import shutil
-import subprocess
-import sysconfig
-import tempfile
 
-from rpcompile.ir.cache import cache_dir
+from rpcompile.ir.clib import CLibrary
 from rpcompile.passes.partition.timing import steady_state_window
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = tuple(os.path.join(_HERE, f) for f in ("shape.c", "steady.c", "exact.c", "layouts.c"))  # compiled
+SOURCES = tuple(os.path.join(_HERE, f) for f in ("shape.c", "steady.c", "exact.c", "layouts.c", "caps.c"))  # compiled
 HEADERS = (os.path.join(_HERE, "shape.h"),)  # included: part of the build's key
-FLAGS = ("-O2", "-std=c11", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math")  # no FMA: steady.py's floats
 SWITCH = "RPCOMPILE_PLANNER_KERNEL"  # set to 0 to time with batch.py instead
-
-_log = logging.getLogger(__name__)
+# built with `clib.FLAGS`: -ffp-contract=off (no FMA) and no fast math, so steady.py's floats
+LIBRARY = CLibrary("rpcompile_planner", sources=SOURCES, headers=HEADERS, switch=SWITCH)
 
 
 def steady_times(lib: ctypes.CDLL, ev, plans: list[tuple], cutoff: float | None = None) -> list[float]:
@@ -102,35 +99,22 @@ def steady_times(lib: ctypes.CDLL, ev, plans: list[tuple], cutoff: float | None 
 
 def load() -> ctypes.CDLL | None:
     """The built kernel (built now if this machine has none yet), or None (see the module doc)."""
-    if os.environ.get(SWITCH, "1") == "0":
-        return None
-    cc = os.environ.get("CC") or "cc"
-    sources = []
-    for name in SOURCES + HEADERS:
-        with open(name, "rb") as f:
-            sources.append(f.read())
-    key = b"\0".join([*sources, repr(FLAGS).encode(), cc.encode(), sysconfig.get_platform().encode()])
-    path = os.path.join(cache_dir(), f"rpcompile_planner_{hashlib.sha256(key).hexdigest()[:16]}.so")
-    if not os.path.exists(path):
-        try:
-            _build(cc, path)
-        except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
-            _log.info("the planner kernel is not available (%s); timing plans in Python instead", exc)
-            return None
-    try:
-        lib = ctypes.CDLL(path)
-    except OSError as exc:  # e.g. built for another machine sharing the cache folder
-        _log.info("the planner kernel %s does not load (%s); timing plans in Python instead", path, exc)
+    lib = LIBRARY.load()
+    if lib is None:
         return None
     ptr, i32, f64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_double
     lib.rp_steady_times.restype = i32
     lib.rp_steady_times.argtypes = [i32] + [ptr] * 10 + [i32] * 5 + [f64, ptr]
     lib.rp_time.restype = f64
     lib.rp_time.argtypes = [i32] + [ptr] * 5 + [i32] * 7 + [f64, i32]
-    lib.rp_fewest.restype = i32
-    lib.rp_fewest.argtypes = [ptr, i32, f64]
-    lib.rp_layouts.restype = i32
-    lib.rp_layouts.argtypes = [ptr, ptr, i32, f64, i32, ptr, ptr, ptr]
+    lib.rp_side_new.restype = ptr
+    lib.rp_side_new.argtypes = [i32, i32] + [ptr] * 6 + [ctypes.c_longlong]
+    lib.rp_side_free.restype = None
+    lib.rp_side_free.argtypes = [ptr]
+    lib.rp_walk_start.restype = None
+    lib.rp_walk_start.argtypes = [ptr, i32, f64, f64]
+    lib.rp_step.restype = i32
+    lib.rp_step.argtypes = [ptr, ptr, i32, ptr, ptr]
     return lib
 
 
@@ -157,44 +141,90 @@ def time(lib: ctypes.CDLL, stages: list, *, gpus: int, microbatches: int, round_
     return out
 
 
-class Layouts:
-    """The cap walk's layouts of one side in C (layouts.c: `cap_walk._fewest`, `_even` and `_greedy`, the same
-    layouts): prefix sums `p` of its n layers, at most `extra` stage counts above the fewest."""
-
-    def __init__(self, lib: ctypes.CDLL, p: list[float], n: int, extra: int):
-        self.lib, self.n, self.extra = lib, n, extra
-        self.p = array.array("d", p[:n + 1])
-        self.rp = array.array("d", [p[n] - x for x in reversed(p[:n + 1])])  # `_Caps.rp`: from the last layer
-        self.sizes = array.array("i", bytes(4 * 3 * (extra + 1) * n))
-        self.lens = array.array("i", bytes(4 * 3 * (extra + 1)))
-        self.work = array.array("i", bytes(4 * (n + 1)))
-        self.ptrs = [a.buffer_info()[0] for a in (self.p, self.rp)] + [n]
-        self.out = [a.buffer_info()[0] for a in (self.sizes, self.lens, self.work)]
-
-    def fewest(self, cap: float) -> int:
-        """`cap_walk._fewest(p, n, cap)`."""
-        return self.lib.rp_fewest(self.ptrs[0], self.n, cap)
-
-    def __call__(self, cap: float) -> tuple[int, list]:
-        """(k0, the candidates): for k = k0 .. min(n, k0 + extra), `_even`, `_greedy` and the reversed
-        `_greedy` on the reversed sums (None where one has no layout), in that order."""
-        k0 = self.lib.rp_layouts(*self.ptrs, cap, self.extra, *self.out)
-        sizes, lens, n = self.sizes, self.lens, self.n
-        count = 3 * (min(n, k0 + self.extra) - k0 + 1)
-        return k0, [tuple(sizes[c * n:c * n + lens[c]]) if lens[c] else None for c in range(count)]
+_INT64 = 2 ** 62  # bytes below this are counted in C, in 64-bit integers (no difference of them overflows)
 
 
-def _build(cc: str, path: str) -> None:
-    """Compile the C sources into `path`, atomically (another process may build the same file meanwhile)."""
-    if shutil.which(cc) is None:
-        raise RuntimeError(f"no C compiler: {cc!r} is not on PATH (set CC)")
-    folder = os.path.dirname(path)
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
-    os.close(fd)
-    try:
-        subprocess.run([cc, *FLAGS, "-o", tmp, *SOURCES], check=True, capture_output=True, timeout=120)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+def cap_walks(lib: ctypes.CDLL, ev, pf: list[float], pb: list[float], extra: int) -> CapWalks | None:
+    """The cap walk's sides in C for `ev`'s problem (an `evaluator.Evaluator`; pf, pb: the prefix sums of the
+    layers' fwd and fwd + bwd), or None where a memory budget's bytes are not Python ints below `_INT64`
+    (then the walk runs in Python, `cap_walk._Caps`: the same layouts)."""
+    q = [a + b for a, b in zip(ev.p_param, ev.p_work)]  # a backward stage holds its parameters, grads, workspace
+    if ev.memory is not None and not (isinstance(ev.memory, int) and isinstance(q[-1], int) and q[-1] < _INT64):
+        return None  # (a float anywhere makes the last prefix sum a float)
+    return CapWalks(lib, ev, pf, pb, extra, q)
+
+
+class CapWalks:
+    """The cap walk's sides in C (caps.c) for one problem: per fused size and side (forward, backward) its two
+    cap walks (`cap_walk._Caps`, up and down), its layouts at each cap (layouts.c: `cap_walk._fewest`, `_even`,
+    `_greedy`) and the set of those seen, so that only the new layouts that may fit (`Evaluator.side_fits`) come
+    back. `close` frees them."""
+
+    def __init__(self, lib: ctypes.CDLL, ev, pf: list[float], pb: list[float], extra: int, q: list[int]):
+        self.lib, self.nl = lib, ev.nl
+        self.p = (array.array("d", pf), array.array("d", pb))
+        self.mem = None if ev.memory is None else (array.array("q", ev.p_param), array.array("q", q))
+        self.budget = 0 if ev.memory is None else min(ev.memory, _INT64)  # a stage's bytes are below _INT64 anyway
+        width = 3 * (extra + 1)  # candidates per cap
+        # what each step writes, read right after it, so shared by every walk: per side the buffers of the last
+        # cap's candidates (candidate c: sizes[c * n:], lens[c] stages; work; fresh), and rp_step's outputs
+        self.scratch = tuple((array.array("i", bytes(4 * width * self.nl)), array.array("i", bytes(4 * width)),
+                              array.array("i", bytes(4 * (self.nl + 1))), array.array("i", bytes(4 * width)))
+                             for _ in range(2))
+        self.cap, self.out = array.array("d", [0.0]), array.array("i", bytes(4 * 5))
+        self.args = tuple((self.p[i].buffer_info()[0], *(a.buffer_info()[0] for a in self.scratch[i]),
+                           None if self.mem is None else self.mem[i].buffer_info()[0], self.budget) for i in (0, 1))
+        self.extra, self.sides = extra, []
+
+    def pair(self, n: int) -> tuple[int, int]:
+        """A new (forward, backward) pair of C sides over layers 0..n-1 (n >= 1)."""
+        out = []
+        for i in (0, 1):
+            ptr = self.lib.rp_side_new(n, self.extra, *self.args[i])
+            if not ptr:
+                raise MemoryError("the planner kernel could not allocate a side of the cap walk")
+            self.sides.append(ptr)
+            out.append(ptr)
+        return out[0], out[1]
+
+    def walk(self, sides: tuple[int, int], n: int, down: bool, lo: tuple[float, float], hi: float) -> Walk:
+        """Both sides of a `pair` walking up from lo (per side; hi: math.inf) or down from the largest sum below
+        hi to lo, as `_Caps(p, n, lo, hi)`."""
+        for ptr, x in zip(sides, lo):
+            self.lib.rp_walk_start(ptr, int(down), x, hi)
+        return Walk(self, sides, n, down)
+
+    def close(self) -> None:
+        """Free every C side (the walks made from them must not step again)."""
+        for ptr in self.sides:
+            self.lib.rp_side_free(ptr)
+        self.sides = []
+
+
+class Walk:
+    """Both sides of one fused size walking one way in C: `cap_walk._PyWalk` (caps.c, rp_step)."""
+
+    def __init__(self, walks: CapWalks, sides: tuple[int, int], n: int, down: bool):
+        self.rp_step, self.scratch, self.n = walks.lib.rp_step, walks.scratch, n
+        self.cap, self.out = walks.cap, walks.out
+        self.args = (*sides, int(down), self.cap.buffer_info()[0], self.out.buffer_info()[0])
+
+    def step(self) -> tuple | None:
+        """As `cap_walk._PyWalk.step`: None when no cap is left, else ([(k0, new layouts that may fit) forward,
+        backward], (next cap, the backward side's fewest stages under it) or None); k0 is the fewest stages at
+        the cap, -1 for a side whose caps do not include it."""
+        rc = self.rp_step(*self.args)
+        if rc <= 0:
+            if rc < 0:
+                raise MemoryError("the planner kernel could not grow the cap walk's set of layouts")
+            return None
+        out = self.out
+        fresh = [(out[0], self._layouts(0, out[1]) if out[1] else []),
+                 (out[2], self._layouts(1, out[3]) if out[3] else [])]
+        return fresh, None if rc == 2 else (self.cap[0], out[4])
+
+    def _layouts(self, i: int, count: int) -> list[tuple[int, ...]]:
+        """The first `count` new layouts of side i at the last cap, as stage sizes."""
+        sizes, lens, _, fresh = self.scratch[i]
+        n = self.n
+        return [tuple(sizes[c * n:c * n + lens[c]]) for c in fresh[:count]]

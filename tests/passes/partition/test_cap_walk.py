@@ -1,4 +1,5 @@
-"""The cap walk's first caps per start: one pass over the prefix sums, the same ends as a bisection each."""
+"""The cap walk: its first caps per start (one pass over the prefix sums, the same ends as a bisection each), the
+caps it walks, and each plan queued once."""
 from __future__ import annotations
 
 import bisect
@@ -9,6 +10,9 @@ import random
 
 import pytest
 
+from rpcompile import CostTable
+from rpcompile.passes import partition
+from rpcompile.passes.partition import cap_walk, native
 from rpcompile.passes.partition.cap_walk import _EPS, _Caps
 
 
@@ -36,7 +40,7 @@ def test_first_caps_equal_a_bisection_per_start(seed):
     p = list(itertools.accumulate(costs, initial=0.0))
     for lo, hi in ((rng.choice([0.0, 1.0, 2.0, 4.0, 7.0]), math.inf),
                    (rng.choice([0.0, 1.0, 3.0]), rng.choice([0.0, 2.0, 4.0, 6.0, 9.0]))):
-        caps = _Caps(p, n, lo, hi, [], set())
+        caps = _Caps(p, n, lo, hi, set())
         assert caps.heap == bisected(p, n, lo, hi), (n, lo, hi, costs)
 
 
@@ -67,6 +71,32 @@ def test_the_walk_visits_every_contiguous_sum_once_in_order(seed):
         return out
 
     up = [s for s in sums if s >= lo * (1 - _EPS)]
-    assert walked(_Caps(p, n, lo, math.inf, [], set())) == [lo] + [x for x in distinct(up) if x > lo * (1 + _EPS)]
+    assert walked(_Caps(p, n, lo, math.inf, set())) == [lo] + [x for x in distinct(up) if x > lo * (1 + _EPS)]
     down = [s for s in sums if lo * (1 - _EPS) <= s < hi * (1 - _EPS)][::-1]
-    assert walked(_Caps(p, n, lo, hi, [], set())) == distinct(down), (costs[:n], lo, hi)
+    assert walked(_Caps(p, n, lo, hi, set())) == distinct(down), (costs[:n], lo, hi)
+
+
+@pytest.mark.parametrize("kernel", ["1", "0"])
+def test_the_walk_queues_each_plan_once(monkeypatch, kernel):
+    # the walk keeps no set of the plans it queued: each side's layouts are new once, and each new one is
+    # paired with the other side's layouts so far, so no plan comes twice (with the C walk and the Python one)
+    monkeypatch.setenv(native.SWITCH, kernel)
+    queued = []
+    push = heapq.heappush
+
+    def record(heap, item):
+        if item[2] == cap_walk._PLAN:
+            queued.append(item[3])
+        push(heap, item)
+    monkeypatch.setattr(cap_walk.heapq, "heappush", record)
+    rng = random.Random(5)
+    for _ in range(8):
+        nl = rng.randint(8, 40)
+        layer = rng.uniform(0.5, 1.5)
+        fwd = [rng.choice([layer, layer, rng.uniform(0.1, 2.0)]) for _ in range(nl)]
+        costs = CostTable.from_lists(fwd=fwd, bwd=[2 * x for x in fwd], param_bytes=[100] * nl,
+                                     grad_bytes=[100] * nl, peak_bytes=[rng.randint(0, 100) for _ in range(nl)])
+        queued.clear()
+        partition(costs, gpus=rng.choice([2, 4, 8]), microbatches=16, round_size=rng.choice([4, 8, 16]),
+                  staleness=rng.choice([0, 1]), memory_budget=rng.choice([None, 100 * rng.randint(4, 20)]))
+        assert queued and len(set(queued)) == len(queued)

@@ -3,6 +3,7 @@
 `partition` returns the same plan, report and float with or without it. Without a C compiler, or with
 RPCOMPILE_PLANNER_KERNEL=0, it is not used and nothing else changes.
 """
+import itertools
 import json
 import math
 import os
@@ -62,29 +63,76 @@ def test_a_batch_equals_steady_time_bit_for_bit(seed):
             assert native.steady_times(LIB, ev, plans, cut) == want, (kw, staleness, cut)
 
 
+def walk_problem(rng):
+    """Random layer times (equal, within 1e-13 or 1e-10 of each other, zero) and bytes, and an evaluator with a
+    memory budget (or none) that some stages exceed."""
+    nl = rng.randint(2, 40)
+    layer = rng.choice([1.0, 0.1, rng.uniform(0.1, 2.0)])  # equal layers: contiguous sums that tie
+    near = [layer * (1 + rng.choice([1e-13, -1e-13, 1e-10])) for _ in range(3)]  # one cap within 1e-12, or not
+    fwd = [rng.choice([layer, layer, 0.0, rng.uniform(0.0, 3.0), *near]) for _ in range(nl)]
+    bwd = [x * rng.choice([2.0, rng.uniform(0.0, 3.0)]) for x in fwd]
+    big = rng.choice([10, 10**6, 10**12])
+
+    def rand():
+        return [rng.choice([0, rng.randint(1, big)]) for _ in range(nl)]
+    costs = CostTable.from_lists(fwd=fwd, bwd=bwd, param_bytes=rand(), grad_bytes=rand(), peak_bytes=rand(),
+                                 act_bytes=rand(), saved_bytes=rand())
+    memory = rng.choice([None, rng.randint(0, 4 * big)])
+    return costs, Evaluator(costs, gpus=rng.randint(1, 8), microbatches=4, round_size=2, staleness=1, memory=memory)
+
+
 @needs_lib
-@pytest.mark.parametrize("seed", range(3))
-def test_the_cap_walk_layouts_equal_the_python_ones(seed):
+@pytest.mark.parametrize("seed", range(4))
+def test_the_cap_walk_in_c_steps_as_the_python_one(seed):
+    # both walks of a fused size (up and down, sharing each side's layouts), stepped in a random interleaving until
+    # both are done: every step's caps, fewest stages and new layouts that may fit equal the Python walk's
     rng = random.Random(900 + seed)
-    for _ in range(150):
-        n = rng.randint(1, 40)
-        layer = rng.choice([1.0, 0.1, rng.uniform(0.1, 2.0)])  # equal layers: contiguous sums that tie
-        times = [rng.choice([layer, layer, 0.0, rng.uniform(0.0, 3.0)]) for _ in range(n + rng.randint(0, 3))]
-        p = [0.0]
-        for t in times:
-            p.append(p[-1] + t)
-        side = native.Layouts(LIB, p, n, cap_walk._EXTRA)
-        rp = [p[n] - x for x in reversed(p[:n + 1])]
-        i, j = sorted(rng.sample(range(n + 1), 2)) if n > 1 else (0, 1)
-        for cap in (p[j] - p[i], (p[j] - p[i]) * (1 + 1e-12), (p[j] - p[i]) * (1 - 1e-12), max(times[:n]),
-                    rng.uniform(0.0, p[n] + 1.0)):
-            k0 = cap_walk._fewest(p, n, cap)
-            assert side.fewest(cap) == k0, (p, n, cap)
-            want = []
-            for k in range(k0, min(n, k0 + cap_walk._EXTRA) + 1):
-                right = cap_walk._greedy(rp, n, cap, k)
-                want += [cap_walk._even(p, n, cap, k), cap_walk._greedy(p, n, cap, k), right and right[::-1]]
-            assert side(cap) == (k0, want), (p, n, cap)
+    for _ in range(40):
+        costs, ev = walk_problem(rng)
+        pf = list(itertools.accumulate(costs.fwd, initial=0.0))
+        pb = list(itertools.accumulate((a + b for a, b in zip(costs.fwd, costs.bwd)), initial=0.0))
+        kernel = native.cap_walks(LIB, ev, pf, pb, cap_walk._EXTRA)
+        try:
+            for f in rng.sample(range(1, costs.num_layers), min(3, costs.num_layers - 1)):
+                n = costs.num_layers - f
+                pair, seen = kernel.pair(n), (set(), set())
+                t_min = max(pb[-1] - pb[n], max(a + b for a, b in zip(costs.fwd[:n], costs.bwd[:n])))
+                walks = []
+                for down, lo, hi in ((False, (t_min, t_min), math.inf),
+                                     (True, (max(costs.fwd[:n]), t_min * rng.choice([0.0, 0.5])), t_min)):
+                    sides = [cap_walk._Caps(p, n, lo[i], hi, seen[i], ok=lambda sizes, b=bool(i): ev.side_fits(
+                        sizes, backward=b)) for i, p in enumerate((pf, pb))]
+                    walks.append((kernel.walk(pair, n, down, lo, hi), cap_walk._PyWalk(tuple(sides), down)))
+                while walks:
+                    c, py = walk = rng.choice(walks)
+                    got, want = c.step(), py.step()
+                    assert got == want, (costs, ev.memory, f, walk is walks[0])
+                    if want is None or want[1] is None:
+                        walks.remove(walk)
+        finally:
+            kernel.close()
+
+
+@needs_lib
+def test_bytes_too_large_for_the_c_walk_leave_it_to_python(monkeypatch):
+    # the C walk counts bytes in 64-bit integers: a memory budget over bytes of 2**62 and more, or given as a
+    # float, leaves the walk to Python (`_Caps`); the plans are the same either way
+    rng = random.Random(7)
+    nl = 12
+    fwd, zeros = [rng.uniform(0.5, 1.5) for _ in range(nl)], [0.0] * (nl + 1)
+    small = CostTable.from_lists(fwd=fwd, bwd=[2.0] * nl, param_bytes=[2**40] * nl, grad_bytes=[2**40] * nl)
+    huge = CostTable.from_lists(fwd=fwd, bwd=[2.0] * nl, param_bytes=[2**60] * nl, grad_bytes=[2**60] * nl)
+    kw = dict(gpus=4, microbatches=8, round_size=4, staleness=1)
+    for costs, memory, in_c in ((small, None, True), (small, 2**43, True), (small, float(2**43), False),
+                                (huge, None, True), (huge, 2**63, False)):
+        ev = Evaluator(costs, memory=memory, **kw)
+        assert (native.cap_walks(LIB, ev, zeros, zeros, 1) is not None) == in_c, (memory, in_c)
+    for budget in (2**63 + 2**61, 2.5 * 2**62):  # some plans of `huge` fit, some do not
+        a = partition(huge, memory_budget=budget, **kw)
+        monkeypatch.setenv(native.SWITCH, "0")
+        b = partition(huge, memory_budget=budget, **kw)
+        monkeypatch.delenv(native.SWITCH)
+        assert (a.to_str(), a.report.iteration_time) == (b.to_str(), b.report.iteration_time)
 
 
 def paper_models():

@@ -168,6 +168,20 @@ def test_evaluator_memory_equals_the_plan_s_stage_memory(seed):
                 assert ev.fits(stages) == (max(want) <= budget), (fs, f, bs, n, budget)
 
 
+@pytest.mark.parametrize("seed", range(2))
+def test_evaluator_slowest_is_the_max_over_the_plan_s_stage_times(seed):
+    # the search bounds a plan by its slowest stage, taken from each side's slowest (kept per layout) and the
+    # fused stage's: the same float as the max over all its stage times (F: fwd; FB and B: fwd + bwd)
+    rng = random.Random(400 + seed)
+    for _ in range(200):
+        costs, kw = problem(rng)
+        ev = Evaluator(costs, staleness=1, memory=None, **kw)
+        for _ in range(3):  # plans of one search share layouts (the evaluator keeps their slowest stage)
+            plan = random_plan(rng, costs.num_layers)
+            want = max(a + b if code else a for code, _, _, a, b in ev.stages(*plan))
+            assert ev.slowest(*plan) == want, (plan, costs)
+
+
 @pytest.mark.parametrize("kernel", ["1", "0"])
 def test_the_isolated_floor_at_a_cutoff_it_ties_is_the_recurrence_s_half(monkeypatch, kernel):
     # a fast isolated time within 1e-10 of the cutoff is timed again exactly (against twice the cutoff, the
