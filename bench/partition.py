@@ -14,6 +14,11 @@ The "before" planner runs in a child process on a copy of the tree at REV (`git 
 runtime`, laid out as the installed package: passes/ and runtime/ become rpcompile.passes and rpcompile.runtime),
 so its modules never mix with the current ones; each plan is timed there the same way (median of `--runs`)
 and its plan comes back as a string. Writes docs/bench/partition.md (the lead assembles docs/BENCHMARKS.md).
+
+Both processes run with OMP_WAIT_POLICY=PASSIVE (unless it is set already): the torch batches of the
+planner without its kernel and of the "before" planner leave OpenMP threads that spin, by default, for a
+while after their work, and on this 2-core machine they took the cores from the next timed call (qwen3-32b
+R=8 measured 51-53 ms right after them, 31-36 ms alone).
 """
 from __future__ import annotations
 
@@ -27,7 +32,9 @@ import subprocess
 import sys
 import time
 
-from tabulate import tabulate
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts its threads (see the module doc)
+
+from tabulate import tabulate  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import machine_line, tree_at, write_doc  # noqa: E402
@@ -231,8 +238,10 @@ def main(argv: list[str] | None = None) -> None:
               "before. Both recurrences and the batch run in C where the machine has a C compiler "
               "(`passes/partition/native.py` and its C files: the same floats bit for bit); \"ours, no C kernel\" "
               "is the same planner with `RPCOMPILE_PLANNER_KERNEL=0` (Python and torch), and gives the same "
-              f"plan (asserted). Planner kernel on this machine: "
-              f"{'built' if native.load() is not None else 'NOT available'}.\n")
+              "plan (asserted). The cap walk's steps run in C too (caps.c). Both processes ran with "
+              f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} (the script sets PASSIVE unless told "
+              "otherwise: idle torch threads of one measurement then do not spin on the cores the next one "
+              f"times on). Planner kernel on this machine: {'built' if native.load() is not None else 'NOT available'}.\n")
 
 
 if __name__ == "__main__":
