@@ -5,7 +5,7 @@ thousands of jobs for a paper model) through `events.run_jobs`; in Python that
 is about a microsecond per heap operation. events.c is the same loop: the same
 events popped in the same (time, kind, sequence number) order, times only
 compared, maxed and added, so the starts and ends are the Python's floats bit
-for bit (tests/runtime/sim/test_native.py). It is built like the planner's
+for bit (tests/runtime/sim/test_sim_kernel.py). It is built like the planner's
 kernel (`rpcompile.ir.clib`); where it is not available, or with
 `RPCOMPILE_SIM_KERNEL=0`, `run_jobs` runs the Python loop (`events.run_python`).
 
