@@ -334,6 +334,10 @@ class _Search:
                     self.near = {k: x for k, x in self.near.items() if x <= self.reach}
         return "timed"
 
+    def ceiling(self) -> float:
+        """The most `reach` can grow to from now on (`ties.ceiling`)."""
+        return ties.ceiling(self.best, self.even_best, self.tie)
+
     def tied(self) -> list[tuple]:
         """The plans timed so far that fit and tie the fastest (module doc, Ties), as (fwd, f, bwd)."""
         return [k for k, t in self.near.items() if t <= self.reach]

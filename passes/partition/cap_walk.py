@@ -4,7 +4,9 @@ A plan is (fused tail size f, forward layout, backward layout); its t_max is a
 contiguous sum of stage times. For every f two generators walk the caps, the
 contiguous sums of either side: one up from t_min (the fused stage or the
 largest layer's fwd + bwd, whichever is larger), one down from just below it
-(more stages: needed for tight memory budgets). At a cap the fewest stages of
+(more stages: needed for tight memory budgets); a fused size whose bound at
+t_min already reaches the most the tie's reach can grow to (`ties.ceiling`)
+gets none, since every cap of it would be dropped. At a cap the fewest stages of
 a side is a non-increasing step function of the cap (prefix sums, one binary
 search per stage); the side is laid out over the fewest stages and up to
 `_EXTRA` more, evenly by time (each cut at the prefix sum nearest j/k of the
@@ -48,7 +50,10 @@ def walk(search, budget: int) -> None:
     lib = search.ev.lib  # the sides walk in C where the kernel is built (`native.CapWalks`), else in Python
     kernel = None if lib is None else native.cap_walks(lib, search.ev, search.pf, search.pb, _EXTRA)
     try:
+        ceiling = search.ceiling()  # no reach to come exceeds it
         for f in range(1, search.nl + 1):
+            if search.bound(f, least_cap(search, f)) >= ceiling:
+                continue  # hopeless at its least cap, so at every cap: its walks would be dropped unstepped
             sides = _Sides(search, f, kernel)
             for down in (False, True):
                 g = _Generator(search, f, down, sides, heap, seq, spent)
@@ -70,6 +75,12 @@ def walk(search, budget: int) -> None:
             kernel.close()
 
 
+def least_cap(search, f: int) -> float:
+    """t_min of fused size f: the fused stage, or the largest layer's fwd + bwd (each sits in an FB or B stage)."""
+    n = search.nl - f
+    return max(search.pb[search.nl] - search.pb[n], search.wb_max[n])
+
+
 class _Generator:
     """Plans with f fused layers, cap by cap: up from t_min, or (down) from just below t_min to the least cap."""
 
@@ -77,7 +88,7 @@ class _Generator:
         self.s, self.f, self.n, self.down, self.sides = search, f, search.nl - f, down, sides
         self.heap, self.seq, self.spent = heap, seq, spent  # the walk's heap, its order of entry and effort
         self.tfb = search.pb[search.nl] - search.pb[self.n]
-        self.t_min = max(self.tfb, search.wb_max[self.n])  # every layer's fwd + bwd sits in an FB or B stage
+        self.t_min = least_cap(search, f)
         self.cap, self.count = self.t_min, min(self.n, 1)  # the next cap and the fewest backward stages under it
         self.work = search.work(f)
         self.caps = None  # the walk over both sides' caps (`_Sides.walk`), made on the first step

@@ -65,6 +65,20 @@ def reach(best: float, even_best: float, tie: float) -> float:
     return ref * (1 + tie)
 
 
+def ceiling(best: float, even_best: float, tie: float) -> float:
+    """The most `reach` can grow to from these times on, since both only fall.
+
+    `reach` is the reference x (1 + tie), and the reference is the fastest even plan's time when that is
+    within best x (1 + tie), else the fastest time, which is at most the fastest even plan's. So no reach
+    to come exceeds min(best x (1 + tie) x (1 + tie), even_best x (1 + tie)): with tie = 0 (no even plan
+    tracked) the fastest time. The same float operations as `reach`, so the bound holds for its floats.
+
+    >>> ceiling(100.0, 104.0, 0.05) >= reach(100.0, 104.0, 0.05), ceiling(100.0, 120.0, 0.05)
+    (True, 110.25)
+    """
+    return min(best * (1 + tie) * (1 + tie), even_best * (1 + tie))
+
+
 def key(nl: int, plan: tuple) -> tuple:
     """The tie rule's order of a plan (forward sizes, fused size, backward sizes) of an nl-layer model."""
     fs, f, bs = plan

@@ -76,6 +76,17 @@ def test_the_walk_visits_every_contiguous_sum_once_in_order(seed):
     assert walked(_Caps(p, n, lo, hi, set())) == distinct(down), (costs[:n], lo, hi)
 
 
+def problem(rng, most: int) -> tuple[CostTable, dict]:
+    """Random costs of 8 to `most` layers (most alike, with memory) and `partition`'s arguments."""
+    nl = rng.randint(8, most)
+    layer = rng.uniform(0.5, 1.5)
+    fwd = [rng.choice([layer, layer, rng.uniform(0.1, 2.0)]) for _ in range(nl)]
+    costs = CostTable.from_lists(fwd=fwd, bwd=[2 * x for x in fwd], param_bytes=[100] * nl,
+                                 grad_bytes=[100] * nl, peak_bytes=[rng.randint(0, 100) for _ in range(nl)])
+    return costs, dict(gpus=rng.choice([2, 4, 8]), microbatches=16, round_size=rng.choice([4, 8, 16]),
+                       staleness=rng.choice([0, 1]), memory_budget=rng.choice([None, 100 * rng.randint(4, 20)]))
+
+
 @pytest.mark.parametrize("kernel", ["1", "0"])
 def test_the_walk_queues_each_plan_once(monkeypatch, kernel):
     # the walk keeps no set of the plans it queued: each side's layouts are new once, and each new one is
@@ -91,12 +102,46 @@ def test_the_walk_queues_each_plan_once(monkeypatch, kernel):
     monkeypatch.setattr(cap_walk.heapq, "heappush", record)
     rng = random.Random(5)
     for _ in range(8):
-        nl = rng.randint(8, 40)
-        layer = rng.uniform(0.5, 1.5)
-        fwd = [rng.choice([layer, layer, rng.uniform(0.1, 2.0)]) for _ in range(nl)]
-        costs = CostTable.from_lists(fwd=fwd, bwd=[2 * x for x in fwd], param_bytes=[100] * nl,
-                                     grad_bytes=[100] * nl, peak_bytes=[rng.randint(0, 100) for _ in range(nl)])
+        costs, kw = problem(rng, 40)
         queued.clear()
-        partition(costs, gpus=rng.choice([2, 4, 8]), microbatches=16, round_size=rng.choice([4, 8, 16]),
-                  staleness=rng.choice([0, 1]), memory_budget=rng.choice([None, 100 * rng.randint(4, 20)]))
+        partition(costs, **kw)
         assert queued and len(set(queued)) == len(queued)
+
+
+def test_skipping_hopeless_fused_sizes_times_the_same_plans(monkeypatch):
+    # the walk queues no walk for a fused size whose bound at its least cap reaches `_Search.ceiling` (the most
+    # the tie's reach can grow to): with the skip switched off (an infinite ceiling) every problem, with tie 0
+    # and with wide ties (where a slower even plan raises the reach), times the same plans in the same order,
+    # with fewer walks
+    mod = __import__("sys").modules["rpcompile.passes.partition"]
+    calls: list = []
+    consider = mod._Search.consider
+
+    def record(self, *args, **kw):
+        got = consider(self, *args, **kw)
+        calls.append((args, kw.get("rigorous", False), got))
+        return got
+    monkeypatch.setattr(mod._Search, "consider", record)
+    walks = {True: 0, False: 0}  # walks made, with and without the skip
+    skipping = [True]
+    init = cap_walk._Generator.__init__
+
+    def count(self, *args):
+        walks[skipping[0]] += 1
+        init(self, *args)
+    monkeypatch.setattr(cap_walk._Generator, "__init__", count)
+    rng = random.Random(11)
+    for _ in range(60):
+        costs, kw = problem(rng, 60)
+        kw["tie"] = rng.choice([0.0, 0.05, 0.2, 0.3])
+        runs = []
+        for skip in (True, False):
+            calls.clear()
+            skipping[0] = skip
+            with monkeypatch.context() as m:
+                if not skip:
+                    m.setattr(mod._Search, "ceiling", lambda self: math.inf)
+                plan = partition(costs, **kw)
+            runs.append((plan.to_str(), list(calls)))
+        assert runs[0] == runs[1], kw
+    assert walks[True] < 0.9 * walks[False]  # and the skip is real
