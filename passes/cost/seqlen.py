@@ -35,7 +35,9 @@ Note:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import sympy
@@ -103,6 +105,41 @@ def seq_len_costs(graph: LayerGraph, hardware: Hardware, *, memory_budget: int |
     return symbolic_costs(graph, inputs, hardware)
 
 
+class _Polys:
+    """A memory column's expression at a fixed B, as a function of S: the max of polynomials in S, exactly.
+
+    Integer coefficients over a common denominator, evaluated in integers and rounded towards zero; nothing of sympy
+    runs per length (`sympy.lambdify` and `subs` took most of `max_seq_len`'s time outside counting).
+    """
+
+    def __init__(self, polys: list[tuple[int, int, int]], den: int):
+        self.polys, self.den = polys, den  # (c0, c1, c2) of c0 + c1 S + c2 S^2, all over den
+
+    def __call__(self, s: int) -> int:
+        top = max(c0 + s * (c1 + s * c2) for c0, c1, c2 in self.polys)
+        return top // self.den if top >= 0 else -(-top // self.den)  # towards zero, as int()
+
+
+def _at_b(e: Any, b: int) -> Any:
+    """`e` (a column's sympy expression in B and S: a polynomial or a Max of polynomials) at B = b, as a
+    function of S giving whole bytes: `_Polys`, or sympy's lambdify for any other form."""
+    e = sympy.sympify(e)
+    terms = e.args if isinstance(e, sympy.Max) else (e,)
+    polys = []
+    for t in terms:
+        coef = [Fraction(0)] * 3
+        for mono, c in t.as_coefficients_dict().items():
+            powers = mono.as_powers_dict()
+            eb, es = powers.pop(B, 0), powers.pop(S, 0)
+            if not c.is_Rational or set(powers) - {sympy.Integer(1)} or es not in (0, 1, 2) or eb not in (0, 1):
+                fn = sympy.lambdify(S, e.subs(B, b), "math")
+                return lambda s: int(fn(s))
+            coef[es] += Fraction(int(c.p), int(c.q)) * b ** eb
+        polys.append(coef)
+    den = math.lcm(*(c.denominator for p in polys for c in p))
+    return _Polys([tuple(int(c * den) for c in p) for p in polys], den)
+
+
 class _Model:
     """The two constraints of the module Note, evaluated at any S."""
 
@@ -112,7 +149,7 @@ class _Model:
         for _, f in _COLUMNS:
             for e in getattr(sc, f):
                 if e not in fns:
-                    fns[e] = sympy.lambdify(S, sympy.sympify(e).subs(B, b), "math")
+                    fns[e] = _at_b(e, b)
         self.cols = {f: [fns[e] for e in getattr(sc, f)] for _, f in _COLUMNS}
         self.plan = StagePlan.from_sizes([1] * (n - 1), 1, [1] * (n - 1))
         self.host_state = dict(sc.host_state)
@@ -123,7 +160,7 @@ class _Model:
 
         def value(fn) -> int:  # each distinct function evaluated once at s
             if fn not in at:
-                at[fn] = int(fn(s))
+                at[fn] = fn(s)
             return at[fn]
 
         cols = {f: [value(fn) if only in (None, f) else 0 for fn in fns] for f, fns in self.cols.items()}

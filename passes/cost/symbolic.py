@@ -198,11 +198,14 @@ class _Fitter:
 
     def __init__(self, pts: list[tuple[int, int]], check: tuple[int, int], with_s: bool) -> None:
         self.basis = _basis(with_s)
-        self.pts, self.check = pts, check
         design = [[Fraction(f(b, s)) for f in self.basis] for b, s in pts]
         if len(design) != len(self.basis):  # B-only: use the first two points
             design = design[: len(self.basis)]
-        self.inv = _inverse(design)
+        inv = _inverse(design)
+        # in integers: coefficient i is (row i of inv x D) . samples / D, D the inverse's common denominator
+        self.den = math.lcm(*(x.denominator for row in inv for x in row))
+        self.inv = [[int(x * self.den) for x in row] for row in inv]
+        self.at = [[f(b, s) for f in self.basis] for b, s in [*pts, check]]  # the monomials at every shape
         self.monos = [sympy.Integer(1), S, S ** 2, B, B * S, B * S ** 2] if with_s else [sympy.Integer(1), B]
         self.cache: dict[tuple, tuple[Fraction, ...] | None] = {}
         self.exprs: dict[tuple[Fraction, ...], sympy.Expr] = {}
@@ -211,11 +214,12 @@ class _Fitter:
         """The exact coefficients (on `self.monos`) through `samples`, or None if they miss `check_value`."""
         key = (*samples, check_value)
         if key not in self.cache:
-            ys = [Fraction(int(y)) for y in samples[: len(self.basis)]]
-            coef = tuple(sum(r * y for r, y in zip(row, ys)) for row in self.inv)
-            ok = all(sum(c * f(b, s) for c, f in zip(coef, self.basis)) == y
-                     for (b, s), y in zip([*self.pts, self.check], [*samples, check_value]))
-            self.cache[key] = coef if ok else None
+            ys = [int(y) for y in samples[: len(self.basis)]]
+            num = [sum(r * y for r, y in zip(row, ys)) for row in self.inv]  # the coefficients x den
+            den = self.den
+            ok = all(sum(c * m for c, m in zip(num, monos)) == int(y) * den
+                     for monos, y in zip(self.at, [*samples, check_value]))
+            self.cache[key] = tuple(Fraction(c, den) for c in num) if ok else None
         return self.cache[key]
 
     def expr(self, coef: Sequence[Fraction]) -> sympy.Expr:

@@ -1,0 +1,51 @@
+"""`max_seq_len` evaluates the memory columns without sympy per length (`seqlen._at_b`): the same whole
+bytes as the expressions themselves, at every B and S, and sympy's own evaluation for other forms."""
+from __future__ import annotations
+
+import math
+import random
+
+import sympy
+
+from rpcompile.passes.cost.seqlen import _at_b, _Polys
+from rpcompile.passes.cost.symbolic import B, S
+
+
+def exact(e, b: int, s: int) -> int:
+    """The expression at (b, s) in exact rationals, rounded towards zero (as the columns' int())."""
+    v = sympy.sympify(e).subs({B: b, S: s})
+    return int(v)
+
+
+def random_poly(rng: random.Random):
+    """A polynomial on 1, S, S^2, B, BS, BS^2 with rational (sometimes negative) coefficients."""
+    monos = [sympy.Integer(1), S, S ** 2, B, B * S, B * S ** 2]
+    return sum(sympy.Rational(rng.randint(-500, 5000), rng.choice([1, 1, 2, 3, 8])) * m
+               for m in monos if rng.random() < 0.7)
+
+
+def test_polynomials_and_their_max_give_the_exact_whole_bytes_at_every_b_and_s():
+    rng = random.Random(3)
+    for _ in range(80):
+        k = rng.choice([1, 1, 2, 3])
+        polys = [random_poly(rng) for _ in range(k)]
+        e = polys[0] if k == 1 else sympy.Max(*polys, evaluate=False)
+        for b in (1, 3):
+            fn = _at_b(e, b)
+            assert isinstance(fn, _Polys)
+            for s in (1, 7, 74_753, 1 << 24):
+                assert fn(s) == exact(e, b, s), (e, b, s)
+
+
+def test_constants_and_plain_integers_are_columns_too():
+    for e in (0, 12345, sympy.Integer(7), sympy.Rational(7, 2)):
+        assert _at_b(e, 3)(100) == int(sympy.sympify(e))
+
+
+def test_another_form_falls_back_to_sympy():
+    e = sympy.sqrt(S) * 1000 + B
+    fn = _at_b(e, 2)
+    assert not isinstance(fn, _Polys)
+    assert fn(10_000) == int(math.sqrt(10_000) * 1000 + 2)
+    cubic = S ** 3 + B * S
+    assert _at_b(cubic, 2)(100) == 100 ** 3 + 200
