@@ -13,6 +13,7 @@ from tabulate import tabulate
 from rpcompile import passes
 from rpcompile.api import Options
 from rpcompile.pipeline import compile_passes
+from rpcompile.models.background import Background
 from rpcompile.models.presets import build_meta, example_batch, seq_len_limit
 from rpcompile.hostmem import HostBytes, check_host_memory
 from rpcompile.ir.hardware import Hardware
@@ -55,7 +56,7 @@ def plan_model(model: str, *, gpus: int = 8, hardware: str | Hardware = "rtx4090
                microbatches: int = 16, staleness: int = 1, frozen_base: bool = False,
                host_memory: int | None = None, microbatch_size: int = 1, dtype: torch.dtype = torch.bfloat16,
                fp16_accumulation: bool = False, fused_head: bool = False,
-               lm_head_shards: int | str = "auto", seq_limit: bool = True) -> PlanResult:
+               lm_head_shards: int | str = "auto", seq_limit: bool = True, parallel: bool = True) -> PlanResult:
     """Build `model` on meta, predict its costs on `hardware`, plan, simulate, compare.
 
     Args:
@@ -70,6 +71,8 @@ def plan_model(model: str, *, gpus: int = 8, hardware: str | Hardware = "rtx4090
             `dtype=torch.float16, fp16_accumulation=True, fused_head=True`.
         lm_head_shards: the LM head's shards, as for `rpcompile.compile` (default "auto").
         seq_limit: also find `max_seq` (the slow part); False leaves it None.
+        parallel: find `max_seq` in a forked child process while this one plans (`Background`: Linux with
+            more than one core; the same result either way); False: one after the other.
     Returns:
         A PlanResult; `.table()` compares our schedule with GPipe, 1F1B, interleaved and looped-BFS
         (a baseline that cannot be built for this run says why in its row); `.max_seq` is
@@ -94,6 +97,21 @@ def plan_model(model: str, *, gpus: int = 8, hardware: str | Hardware = "rtx4090
             p.requires_grad_(p.dim() == 1)
     state = dict(staleness=staleness, optimizer=AdamW(), dtype=dtype, hardware=hw, limit=host_memory)
     check_host_memory(net, microbatches=microbatches, **state)  # the parameters' state alone, before planning
+    # the longest sequence, from the same model traced into sub-blocks (with a frozen base `long_sequence_graph`
+    # builds its own: the experts then run one after the other), found meanwhile in a child process if it may
+    with Background(parallel and seq_limit, _seq_limit if seq_limit else _not_asked, model, hw, gpus=gpus,
+                     microbatch_size=microbatch_size, microbatches=microbatches, frozen_base=frozen_base,
+                     built=None if frozen_base else net) as longest:
+        return _plan(net, model, hw, state, longest, gpus=gpus, seq=seq, microbatches=microbatches,
+                     microbatch_size=microbatch_size, staleness=staleness, dtype=dtype,
+                     lm_head_shards=lm_head_shards, fp16_accumulation=fp16_accumulation, fused_head=fused_head)
+
+
+def _plan(net, model: str, hw: Hardware, state: dict, longest: Background, *, gpus: int, seq: int, microbatches: int,
+          microbatch_size: int, staleness: int, dtype, lm_head_shards, fp16_accumulation: bool,
+          fused_head: bool) -> PlanResult:
+    """`plan_model` once the model is built and its parameters' state fits: plan, simulate, compare; the
+    longest sequence comes from `longest`."""
     example = example_batch(net.config.vocab_size, microbatches * microbatch_size, seq)
     opts = Options(gpus=gpus, microbatches=microbatches, staleness=staleness,
                    optimizer=None, dtype=dtype, loss_fn=None, layers=None,
@@ -112,15 +130,11 @@ def plan_model(model: str, *, gpus: int = 8, hardware: str | Hardware = "rtx4090
                  ours_sync.bubble_ratio, ours.steady_bubble, max(ours.peak_memory) / 2**30,
                  _fits(ours, hw)))
     rows += _baseline_rows(costs, gpus, m, tokens, hw)
-    # the same model traced into sub-blocks (with a frozen base `long_sequence_graph` builds its own: the
-    # experts then run one after the other)
-    longest, why = _seq_limit(model, hw, gpus=gpus, microbatch_size=microbatch_size, microbatches=m,
-                              frozen_base=frozen_base, built=None if frozen_base else net) \
-        if seq_limit else (None, "not asked for")
+    max_seq, why = longest.result()
     n_params = sum(v.shape.numel() if hasattr(v.shape, "numel") else _numel(v.shape)
                    for v in graph.params.values())
-    return PlanResult(model, n_params, plan, program, costs, tuple(rows), longest, why, tokens, host, hw.host_memory,
-                      microbatch_size)
+    return PlanResult(model, n_params, plan, program, costs, tuple(rows), max_seq, why, tokens, host,
+                      hw.host_memory, microbatch_size)
 
 
 def _baseline_rows(costs, gpus: int, microbatches: int, tokens: int, hw: Hardware) -> list[tuple]:
@@ -145,6 +159,11 @@ def _seq_limit(model: str, hw: Hardware, built=None, **kwargs):
         return seq_len_limit(model, hw, host_memory=hw.host_memory, model=built, **kwargs), None
     except Exception as exc:  # noqa: BLE001 - reported in the output: the plan itself still stands
         return None, f"{type(exc).__name__}: {exc}"
+
+
+def _not_asked(*args, **kwargs) -> tuple[None, str]:
+    """`_seq_limit`'s answer when max_seq is not asked for."""
+    return None, "not asked for"
 
 
 def _fits(timeline, hw: Hardware) -> str:

@@ -1,5 +1,7 @@
 """plan_model: the longest sequence it reports is `seq_len_limit`'s for the same model, built once for both."""
 import json
+import os
+import sys
 
 import pytest
 
@@ -53,3 +55,23 @@ def test_plan_model_simulates_its_program_once(tmp_path, monkeypatch, staleness)
     fresh = planning.simulate(r.program, r.costs, Hardware.preset("rtx4090"),
                               iterations=planning.steady_iterations(r.program))
     assert r.rows[0][1] == fresh.steady_iteration_time
+
+
+def test_plan_model_finds_the_limit_in_a_child_alongside_with_the_same_result(tmp_path, monkeypatch) -> None:
+    import rpcompile.models.planning as planning
+    real, pids = planning._seq_limit, tmp_path / "pids"
+
+    def recorded(*args, **kw):  # notes which process computed the limit
+        with open(pids, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return real(*args, **kw)
+    monkeypatch.setattr(planning, "_seq_limit", recorded)
+    path = config(tmp_path, "llama", model_type="llama")
+    hw = Hardware.preset("rtx4090").replace(device_memory=64 * 2**20)
+    got = [plan_model(path, gpus=2, hardware=hw, seq=64, microbatches=2, parallel=p) for p in (True, False)]
+    assert got[0].max_seq == got[1].max_seq and got[0].max_seq.length > 0
+    assert got[0].rows == got[1].rows and str(got[0].plan) == str(got[1].plan)
+    child, here = map(int, pids.read_text().split())
+    assert here == os.getpid()
+    if sys.platform == "linux" and len(os.sched_getaffinity(0)) > 1:
+        assert child != os.getpid()
