@@ -76,3 +76,16 @@ def test_plan_host_memory_overrides_the_preset(capsys):
     assert rc == 2 and "the host memory limit is 1.0 GiB" in err and len(err.strip().splitlines()) == 1, err
     rc, _, err = run_plan(capsys, *small, "--host-memory", "-1")
     assert rc == 2 and "--host-memory must be a positive number of GiB" in err, err
+
+
+@pytest.mark.parametrize("command, collects", [("plan", False), ("simulate", False), ("train", True),
+                                               ("finetune", True)])
+def test_only_the_short_commands_run_without_cyclic_garbage_collection(command, collects):
+    # plan and simulate skip the collector's sweeps over the imports' objects; training keeps it
+    code = ("import gc, runpy, sys\n"
+            f"sys.argv = ['rpcompile', {command!r}, '--help']\n"
+            "try:\n    runpy.run_module('rpcompile', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+            "print('collects', gc.isenabled())")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.stdout.strip().endswith(f"collects {collects}"), r.stdout[-500:] + r.stderr[-2000:]
