@@ -8,11 +8,14 @@ microbatches). qwen3-32b and qwen3-235b-a22b do not fit the rtx4090 preset's 512
 well), so they are also planned with --host-memory 1024 / 8192. The import baseline is the median of 3
 fresh processes, measured before and after the models so that a change in the machine's load shows; the
 "before" command runs on a copy of the tree at `--before` (`_common.tree_at`), right after the current one,
-so both see about the same load. The table also gives the process's CPU seconds (user + system: less
-sensitive to the load than the wall clock) and whether the plan line and the max_seq_len line are the
-same as before.
+so both see about the same load, and so does the tree at `--same-as` (after issue 33, whose costs the
+command prints since): its plan line and max_seq_len line must be today's. A fresh process that imports
+torch and transformers and builds the model on meta with transformers alone (median of 3 per model) shows
+the share of the time that is transformers' (its modeling module's imports, deferred by `import
+transformers`). The table also gives the process's CPU seconds (user + system, its children included: less
+sensitive to the load than the wall clock).
 
-    python bench/plan_cli.py [--before REV | --no-before] [MODEL ...]
+    python bench/plan_cli.py [--before REV] [--same-as REV] [--no-before] [MODEL ...]
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ MODELS = ("qwen3-1.7b", "llama3.1-8b", "gpt-oss-20b", "qwen3-32b", "qwen3-235b-a
 HOST = {"qwen3-32b": "1024", "qwen3-235b-a22b": "8192"}  # GiB: these refuse at the preset's 512 GiB
 ARGS = ["--gpus", "8", "--hardware", "rtx4090", "--seq", "2048", "--microbatches", "16"]
 BEFORE = "217a999"  # the tree before issue 31
+SAME_AS = "3e652d2"  # after issue 33 (its costs: the output since), before this session's speed-ups
 
 
 def _cpu() -> float:
@@ -52,6 +56,22 @@ def import_seconds(runs: int = 3) -> tuple[float, float]:
         walls.append(time.perf_counter() - t)
         cpus.append(_cpu() - c)
     return statistics.median(walls), statistics.median(cpus)
+
+
+def build_seconds(model: str, runs: int = 3) -> float:
+    """Median wall seconds of a fresh process that imports torch and transformers and builds `model` on meta
+    with transformers alone (its modeling module imported, as `plan` must): the share no planner can skip.
+    Without cyclic garbage collection, as `plan` runs."""
+    from rpcompile.models.presets import MODELS
+    cls, fields = MODELS[model]
+    code = (f"import gc\ngc.disable()\nimport torch, transformers\ncfg = transformers.{cls}(**{fields!r})\n"
+            "with torch.device('meta'):\n    transformers.AutoModelForCausalLM.from_config(cfg)")
+    walls = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        subprocess.run([sys.executable, "-c", code], check=True)
+        walls.append(time.perf_counter() - t)
+    return statistics.median(walls)
 
 
 def run(model: str, extra: list[str], tree: str | None = None) -> dict:
@@ -91,6 +111,13 @@ def planners_agree(models: list[str], rev: str) -> dict[str, str]:
     return out
 
 
+def _same(new: dict, ref: dict) -> str:
+    """Whether two runs print the same plan and max_seq_len lines (or both refuse the same way)."""
+    if "failed" in new or "failed" in ref:
+        return "failed alike" if new.get("failed") == ref.get("failed") else "NO"
+    return "yes" if all(new.get(k) == ref.get(k) for k in ("plan", "max_seq_len")) else "NO"
+
+
 def _short(r: dict) -> tuple[str, str]:
     """(the plan's stage sizes, the max_seq_len length) of a run, for the table."""
     if "failed" in r:
@@ -102,36 +129,44 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("models", nargs="*", default=list(MODELS))
     ap.add_argument("--before", default=BEFORE, help="git revision to compare with (default %(default)s)")
-    ap.add_argument("--no-before", action="store_true", help="do not run the command on the old tree")
+    ap.add_argument("--no-before", action="store_true", help="do not run the command on the old trees")
+    ap.add_argument("--same-as", default=SAME_AS, help="git revision whose output must be the same "
+                    "(default %(default)s: the costs of issue 33, before this session's changes)")
     args = ap.parse_args()
     tree = None if args.no_before else tree_at(args.before)
+    same_tree = None if args.no_before else tree_at(args.same_as)
     try:
         imp0 = import_seconds()
-        rows = []
+        rows, built = [], {}
         for model in args.models:
+            built[model] = build_seconds(model)
             for extra in ([], ["--host-memory", HOST[model]]) if model in HOST else ([],):
                 new = run(model, extra)
                 old = run(model, extra, tree) if tree else None
-                rows.append((model, extra, new, old))
+                ref = run(model, extra, same_tree) if same_tree else None
+                rows.append((model, extra, new, old, ref))
         imp1 = import_seconds()
     finally:
-        if tree:
-            shutil.rmtree(tree, ignore_errors=True)
+        for t in (tree, same_tree):
+            if t:
+                shutil.rmtree(t, ignore_errors=True)
     base = max(imp0[0], imp1[0])
     agree = planners_agree(list(args.models), args.before) if tree else {}
     table = []
-    for model, extra, new, old in rows:
+    for model, extra, new, old, ref in rows:
         plan, longest = _short(new)
         row = [model + (f" --host-memory {extra[1]}" if extra else ""), f"{new['wall']:.1f}", f"{new['cpu']:.1f}",
-               ("yes" if new["wall"] <= 3 + base else "NO") + f" ({new['wall'] - base:+.1f} s)"]
+               ("yes" if new["wall"] <= 3 + base else "NO") + f" ({new['wall'] - base:+.1f} s)",
+               f"{built[model]:.1f} ({new['wall'] - built[model]:+.1f} s)"]
         if tree:
-            same = ("failed alike" if "failed" in new and "failed" in old else
-                    "yes" if all(new.get(k) == old.get(k) for k in ("plan", "max_seq_len")) else "NO")
-            row += [f"{old['wall']:.1f}", f"{old['cpu']:.1f}", same, agree[model]]
+            row += [f"{old['wall']:.1f}", f"{old['cpu']:.1f}", f"{ref['wall']:.1f}", _same(new, ref),
+                    agree[model]]
         table.append(row + [plan, longest, new.get("tokens", "")])
-    heads = ["model", "wall s", "CPU s", f"<= 3 s + import ({3 + base:.1f} s); beyond import"]
+    heads = ["model", "wall s", "CPU s", f"<= 3 s + import ({3 + base:.1f} s); beyond import",
+             "import + transformers builds it on meta, s (ours beyond)"]
     if tree:
-        heads += [f"wall s at {args.before}", f"CPU s at {args.before}", f"same output as at {args.before}",
+        heads += [f"wall s at {args.before}", f"CPU s at {args.before}", f"wall s at {args.same_as}",
+                  f"same output as at {args.same_as}",
                   f"same plan as {args.before}'s partition on today's costs (R=8 / 16)"]
     heads += ["plan", "max_seq_len", "simulated tokens/s"]
     text = tabulate(table, headers=heads, tablefmt="github", disable_numparse=True)
@@ -144,7 +179,12 @@ def main() -> None:
               f"included. A fresh `import torch, transformers` took {imp0[0]:.2f} s wall ({imp0[1]:.2f} s CPU) "
               f"before the models and {imp1[0]:.2f} s ({imp1[1]:.2f} s CPU) after (median of 3 each); target "
               f"(issue 31): at most 3 s plus that (the larger). The tree at {args.before} ran each command right "
-              f"after the current one. qwen3-32b and qwen3-235b-a22b exceed the preset's 512 GiB of host "
+              f"after the current one, and the tree at {args.same_as} (after issue 33: the same costs) right after "
+              f"that: its output must be today's. The transformers column is a fresh process that imports torch "
+              f"and transformers and builds the model on meta with transformers alone (median of 3, no cyclic "
+              f"garbage collection, as `plan` runs; its modeling "
+              f"module's imports, which `import transformers` defers, are most of it), and how much longer the "
+              f"command took. qwen3-32b and qwen3-235b-a22b exceed the preset's 512 GiB of host "
               f"memory, so they are refused with the issue's exact command (before too) and planned again with "
               f"--host-memory. No weights are allocated. The command's output differs from {args.before}'s since "
               f"issue 33 priced bf16 on GeForce cards at the fp32-accumulate rate (165.2 TFLOP/s on a 4090, "
