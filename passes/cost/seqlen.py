@@ -129,12 +129,13 @@ def _at_b(e: Any, b: int) -> Any:
     for t in terms:
         coef = [Fraction(0)] * 3
         for mono, c in t.as_coefficients_dict().items():
-            powers = mono.as_powers_dict()
+            powers = dict(mono.as_powers_dict())
             eb, es = powers.pop(B, 0), powers.pop(S, 0)
-            if not c.is_Rational or set(powers) - {sympy.Integer(1)} or es not in (0, 1, 2) or eb not in (0, 1):
-                fn = sympy.lambdify(S, e.subs(B, b), "math")
+            powers.pop(sympy.Integer(1), None)
+            if not (c.is_Rational and not powers and es in (0, 1, 2) and sympy.sympify(eb).is_Integer and eb >= 0):
+                fn = sympy.lambdify(S, e.subs(B, b), "math")  # not rational x B^i x S^(0, 1 or 2)
                 return lambda s: int(fn(s))
-            coef[es] += Fraction(int(c.p), int(c.q)) * b ** eb
+            coef[es] += Fraction(int(c.p), int(c.q)) * b ** int(eb)
         polys.append(coef)
     den = math.lcm(*(c.denominator for p in polys for c in p))
     return _Polys([tuple(int(c * den) for c in p) for p in polys], den)

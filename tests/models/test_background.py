@@ -61,3 +61,14 @@ def test_a_child_runs_torch_after_the_caller_started_its_thread_pool():
             "with Background(True, torch.ones, 1 << 22) as job:\n"
             "    assert job.result().sum() == 1 << 22 and job.proc is None\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@forks
+def test_on_one_core_the_value_is_computed_here():
+    # no second core to run a child alongside: forking would only add its cost
+    import subprocess
+    code = ("import os; from rpcompile.models.background import Background\n"
+            "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
+            "with Background(True, os.getpid) as job:\n"
+            "    assert job.proc is None and job.result() == os.getpid()\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

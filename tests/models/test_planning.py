@@ -68,7 +68,7 @@ def test_plan_model_finds_the_limit_in_a_child_alongside_with_the_same_result(tm
     monkeypatch.setattr(planning, "_seq_limit", recorded)
     path = config(tmp_path, "llama", model_type="llama")
     hw = Hardware.preset("rtx4090").replace(device_memory=64 * 2**20)
-    got = [plan_model(path, gpus=2, hardware=hw, seq=64, microbatches=2, parallel=p) for p in (True, False)]
+    got = [plan_model(path, gpus=2, hardware=hw, seq=64, microbatches=2, **kw) for kw in ({}, {"parallel": False})]
     assert got[0].max_seq == got[1].max_seq and got[0].max_seq.length > 0
     assert got[0].rows == got[1].rows and str(got[0].plan) == str(got[1].plan)
     child, here = map(int, pids.read_text().split())

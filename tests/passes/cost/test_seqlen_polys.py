@@ -49,3 +49,8 @@ def test_another_form_falls_back_to_sympy():
     assert fn(10_000) == int(math.sqrt(10_000) * 1000 + 2)
     cubic = S ** 3 + B * S
     assert _at_b(cubic, 2)(100) == 100 ** 3 + 200
+    for other in (sympy.Float(0.5) * S + 3, sympy.Max(S ** 3, B * S, evaluate=False), sympy.sqrt(B) * S):
+        fn = _at_b(other, 3)  # a float coefficient, a Max with a cubic, a root of B: each falls back
+        assert not isinstance(fn, _Polys) and fn(1001) == int(other.subs({B: 3, S: 1001})), other
+    assert not isinstance(_at_b(sympy.Symbol("X") * S, 3), _Polys)  # another symbol is not a column's
+    assert _at_b(B ** 2 * S + 7, 3)(10) == 97  # any power of B is a number once B is fixed

@@ -4,12 +4,14 @@ Issue 14 item 2: the same model compiled in fresh processes on a loaded machine 
 The demo model's two best plans are 0.1-2.2% apart by each process's measured costs, so ranking by time
 alone flipped between them; `compile` ranks measured costs with `MEASURED_TIE`.
 """
+import math
 import random
 
 import pytest
 
 from rpcompile import CostTable, StagePlan
 from rpcompile.passes import partition
+from rpcompile.passes.partition import ties
 from rpcompile.pipeline import HOST_MEASURED_TIE, MEASURED_TIE, measured_tie
 from tests.passes.partition.test_partition_guarantees import tie_brute_force, tiny_case
 
@@ -118,3 +120,22 @@ def test_measured_sub_block_costs_give_one_plan_with_the_host_tie_and_several_wi
 
 def test_costs_measured_on_the_cpu_tie_wider_than_on_a_gpu():
     assert measured_tie("cpu") == HOST_MEASURED_TIE > measured_tie("cuda") == measured_tie("cuda:1") == MEASURED_TIE
+
+
+def test_the_ceiling_is_the_most_the_reach_can_grow_to():
+    # every later state (best' <= best, even_best' <= even_best, best' <= even_best') reaches at most the
+    # ceiling, and one reaches it: the fastest stays, and an even plan within the tie of it is timed
+    rng = random.Random(4)
+    for _ in range(2000):
+        tie = rng.choice([0.0, 0.05, 0.2, rng.uniform(0, 0.5)])
+        best = rng.uniform(1, 100)
+        even = rng.choice([math.inf, best, best * rng.uniform(1, 1.6)])
+        top = ties.ceiling(best, even, tie)
+        for _ in range(5):
+            b = best * rng.choice([1, rng.uniform(0.5, 1)])
+            e = max(b, rng.choice([even, min(even, b * rng.uniform(1, 1 + tie))]))
+            assert ties.reach(b, e, tie) <= top, (best, even, tie, b, e)
+        if tie > 0 and even < math.inf:
+            assert ties.reach(best, min(even, best * (1 + tie)), tie) == top, (best, even, tie)
+        else:
+            assert top == (best if tie == 0 else best * (1 + tie) * (1 + tie))
