@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = ["TMeta", "propagate", "PropagationError", "unit_signature"]
 
@@ -134,6 +134,12 @@ class _Prop(fx.Interpreter):
         if n.op == "call_module" and any(t.is_meta for t in self._state(n)):
             raise RuntimeError(f"module {n.target!r} cannot run on the meta device (data-dependent op) "
                                f"and its weights are on meta")
+        try:  # zero stand-ins that allocate nothing (one zero, expanded): mask creation reads only shapes
+            value = self._call(n, tree_map(self._broadcast_zero, args), tree_map(self._broadcast_zero, kwargs), False)
+            if not any(_is_broadcast(t) for t in tree_flatten(value)[0]):
+                return value
+        except Exception:  # noqa: BLE001 - e.g. an in-place write into the stand-in: dense zeros below
+            pass
         return self._call(n, tree_map(self._materialise, args), tree_map(self._materialise, kwargs), False)
 
     def _state(self, n: fx.Node) -> list[torch.Tensor]:
@@ -154,12 +160,23 @@ class _Prop(fx.Interpreter):
         state.update({k: b.to("meta") for k, b in mod.named_buffers()})
         return torch.func.functional_call(mod, state, args, kwargs)
 
+    def _broadcast_zero(self, t: Any) -> Any:
+        """One zero on the glue device expanded to meta tensor `t`'s shape: no memory (others unchanged)."""
+        if not isinstance(t, torch.Tensor) or not t.is_meta:
+            return t
+        return torch.zeros((), dtype=t.dtype, device=self.glue_device, requires_grad=t.requires_grad).expand(t.shape)
+
     def _materialise(self, t: Any) -> Any:
         """A zero tensor on the glue device standing in for meta tensor `t` (others unchanged)."""
         if not isinstance(t, torch.Tensor) or not t.is_meta:
             return t
         z = torch.zeros(t.shape, dtype=t.dtype, device=self.glue_device)
         return z.requires_grad_(t.requires_grad) if t.requires_grad else z
+
+
+def _is_broadcast(t: Any) -> bool:
+    """Whether `t` is a tensor that repeats an element through a zero stride (an expanded stand-in's view)."""
+    return isinstance(t, torch.Tensor) and t.numel() > 1 and 0 in t.stride()
 
 
 def unit_signature(module: torch.nn.Module) -> tuple | None:
