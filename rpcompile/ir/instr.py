@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 
 class Op(str, enum.Enum):
@@ -103,6 +103,11 @@ class Instr:
     layer: int = -1             # for O/C
     deps: tuple[Ref, ...] = ()  # completion dependencies
     grad: bool = False          # U only: the input gradient of a B slot (text suffix "g")
+    _name: str = field(init=False, repr=False, compare=False)  # `name`, made once: the simulator, the verifier
+                                                               # and codegen read it about 5 times per instr
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_name", self._text())
 
     @property
     def lane(self) -> Lane:
@@ -115,6 +120,10 @@ class Instr:
     @property
     def name(self) -> str:
         """The compact text without deps, e.g. 'w3 B5.m2'; unique within an iteration."""
+        return self._name
+
+    def _text(self) -> str:
+        """`name`, formatted from the fields."""
         o = self.op.value
         if self.op in HOST_OPS:
             return f"h {o}.l{self.layer}"
