@@ -5,21 +5,27 @@ transformers` and the same command on the tree before issue 31, all timed in the
 Each model runs in a fresh process, as a user would, on the `meta` device (8x rtx4090, seq 2048, 16
 microbatches). qwen3-32b and qwen3-235b-a22b do not fit the rtx4090 preset's 512 GiB of host memory
 (549 GiB and 3,941 GiB of parameter state; the command refuses them before planning, before issue 31 as
-well), so they are also planned with --host-memory 1024 / 8192. The import baseline is the median of 3
-fresh processes, measured before and after the models so that a change in the machine's load shows; the
-"before" command runs on a copy of the tree at `--before` (`_common.tree_at`), right after the current one,
-so both see about the same load, and so does the tree at `--same-as` (after issue 33, whose costs the
+well), so they are also planned with --host-memory 1024 / 8192. The current
+tree's command runs 3 times per row, each run right after a fresh `import torch, transformers`, and the
+row compares the two medians (the machine's speed drifts by tens of percent over minutes here: a pair run
+side by side sees about the same). The "before" command runs on a copy of the tree at `--before`
+(`_common.tree_at`), once, right after, so both see about the same load, and so does the tree at `--same-as` (after issue 33, whose costs the
 command prints since): its plan line and max_seq_len line must be today's. A fresh process that imports
 torch and transformers and builds the model on meta with transformers alone (median of 3 per model) shows
 the share of the time that is transformers' (its modeling module's imports, deferred by `import
 transformers`). The table also gives the process's CPU seconds (user + system, its children included: less
 sensitive to the load than the wall clock).
 
+Every tree is byte-compiled first (`compileall`), as `pip install` leaves a package and as Python's first
+import does where it may write: this machine sets PYTHONDONTWRITEBYTECODE=1, under which each command would
+compile rpcompile's modules from source again (about 0.3-0.5 s here), while torch and transformers load theirs.
+
     python bench/plan_cli.py [--before REV] [--same-as REV] [--no-before] [MODEL ...]
 """
 from __future__ import annotations
 
 import argparse
+import compileall
 import os
 import resource
 import shutil
@@ -47,15 +53,25 @@ def _cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def import_seconds(runs: int = 3) -> tuple[float, float]:
-    """Median (wall, CPU) seconds of a fresh `python -c "import torch, transformers"`."""
-    walls, cpus = [], []
-    for _ in range(runs):
-        t, c = time.perf_counter(), _cpu()
-        subprocess.run([sys.executable, "-c", "import torch, transformers"], check=True)
-        walls.append(time.perf_counter() - t)
-        cpus.append(_cpu() - c)
-    return statistics.median(walls), statistics.median(cpus)
+def byte_compile(*trees: str) -> None:
+    """Write the bytecode of every module under `trees` (the package's source folders, or a `tree_at` copy)."""
+    for tree in trees:
+        if not compileall.compile_dir(tree, quiet=1):
+            raise RuntimeError(f"byte-compiling {tree} failed")
+
+
+def import_seconds() -> float:
+    """Wall seconds of one fresh `python -c "import torch, transformers"`."""
+    t = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import torch, transformers"], check=True)
+    return time.perf_counter() - t
+
+
+def paired(model: str, extra: list[str], runs: int = 3) -> tuple[dict, float]:
+    """(the median run of the current tree's command, the median of a fresh import run before each)."""
+    pairs = [(import_seconds(), run(model, extra)) for _ in range(runs)]
+    walls = sorted(pairs, key=lambda p: p[1]["wall"])
+    return walls[len(walls) // 2][1], statistics.median(p[0] for p in pairs)
 
 
 def build_seconds(model: str, runs: int = 3) -> float:
@@ -135,34 +151,35 @@ def main() -> None:
     args = ap.parse_args()
     tree = None if args.no_before else tree_at(args.before)
     same_tree = None if args.no_before else tree_at(args.same_as)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
-        imp0 = import_seconds()
+        byte_compile(*(os.path.join(root, d) for d in ("rpcompile", "passes", "runtime")),
+                     *(t for t in (tree, same_tree) if t))
         rows, built = [], {}
         for model in args.models:
             built[model] = build_seconds(model)
             for extra in ([], ["--host-memory", HOST[model]]) if model in HOST else ([],):
-                new = run(model, extra)
+                new, imp = paired(model, extra)
                 old = run(model, extra, tree) if tree else None
                 ref = run(model, extra, same_tree) if same_tree else None
-                rows.append((model, extra, new, old, ref))
-        imp1 = import_seconds()
+                rows.append((model, extra, new, imp, old, ref))
     finally:
         for t in (tree, same_tree):
             if t:
                 shutil.rmtree(t, ignore_errors=True)
-    base = max(imp0[0], imp1[0])
     agree = planners_agree(list(args.models), args.before) if tree else {}
     table = []
-    for model, extra, new, old, ref in rows:
+    for model, extra, new, imp, old, ref in rows:
         plan, longest = _short(new)
         row = [model + (f" --host-memory {extra[1]}" if extra else ""), f"{new['wall']:.1f}", f"{new['cpu']:.1f}",
-               ("yes" if new["wall"] <= 3 + base else "NO") + f" ({new['wall'] - base:+.1f} s)",
+               f"{imp:.1f}", ("yes" if new["wall"] <= 3 + imp else "NO") + f" ({new['wall'] - imp:+.1f} s)",
                f"{built[model]:.1f} ({new['wall'] - built[model]:+.1f} s)"]
         if tree:
             row += [f"{old['wall']:.1f}", f"{old['cpu']:.1f}", f"{ref['wall']:.1f}", _same(new, ref),
                     agree[model]]
         table.append(row + [plan, longest, new.get("tokens", "")])
-    heads = ["model", "wall s", "CPU s", f"<= 3 s + import ({3 + base:.1f} s); beyond import",
+    heads = ["model", "wall s (median of 3)", "CPU s", "import torch, transformers s (median of 3, alternating)",
+             "<= 3 s + import; beyond import",
              "import + transformers builds it on meta, s (ours beyond)"]
     if tree:
         heads += [f"wall s at {args.before}", f"CPU s at {args.before}", f"wall s at {args.same_as}",
@@ -176,9 +193,8 @@ def main() -> None:
               + f"  \nload average at the end: {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f} "
               f"({os.cpu_count()} cores, shared)\n\n"
               f"`python -m rpcompile plan --model M {' '.join(ARGS)}`, each model in a fresh process, imports "
-              f"included. A fresh `import torch, transformers` took {imp0[0]:.2f} s wall ({imp0[1]:.2f} s CPU) "
-              f"before the models and {imp1[0]:.2f} s ({imp1[1]:.2f} s CPU) after (median of 3 each); target "
-              f"(issue 31): at most 3 s plus that (the larger). The tree at {args.before} ran each command right "
+              f"included, 3 times per row, each right after a fresh `import torch, transformers` (medians of the "
+              f"3; the target of issue 31: at most 3 s plus that import). The tree at {args.before} ran each command once right "
               f"after the current one, and the tree at {args.same_as} (after issue 33: the same costs) right after "
               f"that: its output must be today's. The transformers column is a fresh process that imports torch "
               f"and transformers and builds the model on meta with transformers alone (median of 3, no cyclic "
@@ -186,7 +202,8 @@ def main() -> None:
               f"module's imports, which `import transformers` defers, are most of it), and how much longer the "
               f"command took. qwen3-32b and qwen3-235b-a22b exceed the preset's 512 GiB of host "
               f"memory, so they are refused with the issue's exact command (before too) and planned again with "
-              f"--host-memory. No weights are allocated. The command's output differs from {args.before}'s since "
+              f"--host-memory. No weights are allocated. Every tree was byte-compiled first, as `pip install` "
+              f"leaves a package (this machine sets PYTHONDONTWRITEBYTECODE=1). The command's output differs from {args.before}'s since "
               f"issue 33 priced bf16 on GeForce cards at the fp32-accumulate rate (165.2 TFLOP/s on a 4090, "
               f"not 330): other costs, so other plans and tokens/s. Whether the planner itself still gives the "
               f"same plans is the last check column: today's predicted costs (`bench/partition.py`'s "
