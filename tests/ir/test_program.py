@@ -1,5 +1,6 @@
 """Program IR: text round trip, CSV round trip, Chrome trace, grid, shifting."""
 import json
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -46,6 +47,12 @@ def test_instr_text_round_trips(i):
 def test_every_op_has_its_text_and_lane(text, lane):
     i = Instr.from_str(text)
     assert i.name == text and i.lane is lane and str(i) == text
+
+
+def test_a_changed_instr_names_itself_anew_and_the_name_is_not_a_field():
+    i = Instr.from_str("w3 B5.m2 <- w3 R5.m2")
+    assert i.with_worker(2, 8).name == "w5 B5.m2" and replace(i, mb=4).name == "w3 B5.m4"
+    assert "_name" not in repr(i) and "w3 B5.m2" not in repr(i)  # the fields, as a dataclass shows them
 
 
 def test_deps_text():
