@@ -6,6 +6,12 @@ a copy of the tree at `--before` (`_common.tree_at`), alternating between the tw
 table gives the median seconds of each and their ratio, and the plans each chose (a plan may differ: the
 trees rank measured costs with different ties, 5% before and `rpcompile.pipeline.measured_tie` now).
 
+Python's cyclic collector: importing torch and transformers and building a model leave ~430k objects, and
+the full collection (~0.25 s here) they make due can fall inside `compile` or just after it, depending on
+how many objects each tree happens to allocate on the way. So each tree is timed twice per run: once after
+a `gc.collect()` (the passes' own work, the main columns) and once right after building the model, as a
+user's script runs, with the collector's seconds inside the timed call beside.
+
     python bench/compile_zoo.py [--runs 3] [--before 217a999]
 """
 from __future__ import annotations
@@ -27,19 +33,32 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = ("llama", "qwen3", "qwen3_moe", "gpt2")  # tests/models.py: tiny transformers models, random weights
 
 CHILD = """
-import json, sys, time, torch, rpcompile, models
+import gc, json, sys, time, torch, rpcompile, models
 model = getattr(models, sys.argv[1])(seed=0)
+if sys.argv[2] == "collect":
+    gc.collect()
+gc_seconds, started = [0.0], [0.0]
+def clock(phase, info):
+    if phase == "start":
+        started[0] = time.perf_counter()
+    else:
+        gc_seconds[0] += time.perf_counter() - started[0]
+gc.callbacks.append(clock)
 t = time.perf_counter()
 c = rpcompile.compile(model, gpus=2, example=models.lm_batch(batch=4, seq=16), microbatches=2, seed=0)
-print(json.dumps({"seconds": time.perf_counter() - t, "plan": c.plan.to_str()}))
+seconds = time.perf_counter() - t
+gc.callbacks.remove(clock)
+print(json.dumps({"seconds": seconds, "gc": gc_seconds[0], "plan": c.plan.to_str()}))
 c.close()
 """
 
 
-def compile_once(model: str, tree: str | None) -> dict:
-    """One fresh-process compile of a zoo model on the current tree (None) or the tree at `tree`."""
+def compile_once(model: str, tree: str | None, collect: bool) -> dict:
+    """One fresh-process compile of a zoo model on the current tree (None) or the tree at `tree`, after a
+    `gc.collect()` if `collect`."""
     path = os.pathsep.join([tree or ROOT, os.path.join(ROOT, "tests")])
-    r = subprocess.run([sys.executable, "-c", CHILD, model], capture_output=True, text=True, timeout=900,
+    r = subprocess.run([sys.executable, "-c", CHILD, model, "collect" if collect else "as-built"],
+                       capture_output=True, text=True, timeout=900,
                        cwd=tree or ROOT, env={**os.environ, "PYTHONPATH": path})
     if r.returncode:
         raise RuntimeError(f"compile of {model} failed:\n{r.stderr[-3000:]}")
@@ -56,17 +75,21 @@ def main() -> None:
     rows = []
     try:
         for model in MODELS:
-            now, old = [], []
+            runs = {(t, c): [] for t in (None, tree) for c in (True, False)}
             for _ in range(args.runs):  # interleaved: both trees see about the same load
-                now.append(compile_once(model, None))
-                old.append(compile_once(model, tree))
-            a = statistics.median(r["seconds"] for r in now)
-            b = statistics.median(r["seconds"] for r in old)
-            rows.append([model, f"{a:.2f}", f"{b:.2f}", f"{a / b:.2f}", " ; ".join(sorted({r["plan"] for r in now})),
-                         " ; ".join(sorted({r["plan"] for r in old}))])
+                for key, out in runs.items():
+                    out.append(compile_once(model, *key))
+            med = {k: (statistics.median(r["seconds"] for r in v), statistics.median(r["gc"] for r in v))
+                   for k, v in runs.items()}
+            (a, _), (b, _) = med[None, True], med[tree, True]
+            (c, c_gc), (d, d_gc) = med[None, False], med[tree, False]
+            rows.append([model, f"{a:.2f}", f"{b:.2f}", f"{a / b:.2f}", f"{c:.2f} ({c_gc:.2f})", f"{d:.2f} ({d_gc:.2f})",
+                         " ; ".join(sorted({r["plan"] for v in (runs[None, True], runs[None, False]) for r in v})),
+                         " ; ".join(sorted({r["plan"] for v in (runs[tree, True], runs[tree, False]) for r in v}))])
     finally:
         shutil.rmtree(tree, ignore_errors=True)
     table = tabulate(rows, headers=["model", "compile s (now)", f"compile s ({args.before})", "now / before",
+                                    "as built: now s (of it GC)", f"as built: {args.before} s (of it GC)",
                                     "plans now", f"plans at {args.before}"], tablefmt="github", disable_numparse=True)
     print(table)
     load = os.getloadavg()
@@ -75,7 +98,9 @@ def main() -> None:
                   f"before\n\n{machine_line()}  \nload average at the end: {load[0]:.2f}, {load[1]:.2f}, "
                   f"{load[2]:.2f} ({os.cpu_count()} cores, shared)\n\n"
                   f"Seconds inside `rpcompile.compile` (gpus=2, 2 microbatches, batch 4 x 16, costs measured on "
-                  f"the CPU), median of {args.runs} fresh processes per tree, the trees alternating.\n\n" + table)
+                  f"the CPU), median of {args.runs} fresh processes per tree and mode, the trees alternating: "
+                  f"after a `gc.collect()`, and (the 'as built' columns) right after building the model, with "
+                  f"the seconds of cyclic collection inside the call in brackets.\n\n" + table)
 
 
 if __name__ == "__main__":
