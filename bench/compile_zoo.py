@@ -7,10 +7,12 @@ table gives the median seconds of each and their ratio, and the plans each chose
 trees rank measured costs with different ties, 5% before and `rpcompile.pipeline.measured_tie` now).
 
 Python's cyclic collector: importing torch and transformers and building a model leave ~430k objects, and
-the full collection (~0.25 s here) they make due can fall inside `compile` or just after it, depending on
-how many objects each tree happens to allocate on the way. So each tree is timed twice per run: once after
-a `gc.collect()` (the passes' own work, the main columns) and once right after building the model, as a
-user's script runs, with the collector's seconds inside the timed call beside.
+the full collections (~0.2-0.3 s each here) they make due fall wherever the collector's counters happen to
+cross its thresholds: at 217a999 all three while the model is built, now two there and the third inside
+`compile`. So each tree is timed twice per run: once after a `gc.collect()` (the passes' own work, the main
+columns) and once right after building the model, as a user's script runs, with the full collections'
+seconds inside the timed call beside, the seconds of model building and `compile` together, and the number
+of full collections in each.
 
     python bench/compile_zoo.py [--runs 3] [--before 217a999]
 """
@@ -34,21 +36,26 @@ MODELS = ("llama", "qwen3", "qwen3_moe", "gpt2")  # tests/models.py: tiny transf
 
 CHILD = """
 import gc, json, sys, time, torch, rpcompile, models
+full = {"n": 0, "s": 0.0, "start": 0.0}  # the full (generation 2) collections so far, and their seconds
+def clock(phase, info):
+    if info["generation"] != 2:
+        return
+    if phase == "start":
+        full["start"] = time.perf_counter()
+    else:
+        full["n"] += 1
+        full["s"] += time.perf_counter() - full["start"]
+gc.callbacks.append(clock)
+t0 = time.perf_counter()
 model = getattr(models, sys.argv[1])(seed=0)
 if sys.argv[2] == "collect":
     gc.collect()
-gc_seconds, started = [0.0], [0.0]
-def clock(phase, info):
-    if phase == "start":
-        started[0] = time.perf_counter()
-    else:
-        gc_seconds[0] += time.perf_counter() - started[0]
-gc.callbacks.append(clock)
-t = time.perf_counter()
+built, n_built, s_built = time.perf_counter(), full["n"], full["s"]
 c = rpcompile.compile(model, gpus=2, example=models.lm_batch(batch=4, seq=16), microbatches=2, seed=0)
-seconds = time.perf_counter() - t
+done = time.perf_counter()
 gc.callbacks.remove(clock)
-print(json.dumps({"seconds": seconds, "gc": gc_seconds[0], "plan": c.plan.to_str()}))
+print(json.dumps({"seconds": done - built, "gc": full["s"] - s_built, "build_and_compile": done - t0,
+                  "full_in_build": n_built, "full_in_compile": full["n"] - n_built, "plan": c.plan.to_str()}))
 c.close()
 """
 
@@ -79,17 +86,24 @@ def main() -> None:
             for _ in range(args.runs):  # interleaved: both trees see about the same load
                 for key, out in runs.items():
                     out.append(compile_once(model, *key))
-            med = {k: (statistics.median(r["seconds"] for r in v), statistics.median(r["gc"] for r in v))
+            med = {k: {f: statistics.median(r[f] for r in v)
+                       for f in ("seconds", "gc", "build_and_compile", "full_in_build", "full_in_compile")}
                    for k, v in runs.items()}
-            (a, _), (b, _) = med[None, True], med[tree, True]
-            (c, c_gc), (d, d_gc) = med[None, False], med[tree, False]
-            rows.append([model, f"{a:.2f}", f"{b:.2f}", f"{a / b:.2f}", f"{c:.2f} ({c_gc:.2f})", f"{d:.2f} ({d_gc:.2f})",
+            now, before, now_ab, before_ab = med[None, True], med[tree, True], med[None, False], med[tree, False]
+            rows.append([model, f"{now['seconds']:.2f}", f"{before['seconds']:.2f}",
+                         f"{now['seconds'] / before['seconds']:.2f}",
+                         f"{now_ab['seconds']:.2f} ({now_ab['gc']:.2f})", f"{before_ab['seconds']:.2f} ({before_ab['gc']:.2f})",
+                         f"{now_ab['build_and_compile']:.2f} / {before_ab['build_and_compile']:.2f}",
+                         f"{now_ab['full_in_build']:g}+{now_ab['full_in_compile']:g} / "
+                         f"{before_ab['full_in_build']:g}+{before_ab['full_in_compile']:g}",
                          " ; ".join(sorted({r["plan"] for v in (runs[None, True], runs[None, False]) for r in v})),
                          " ; ".join(sorted({r["plan"] for v in (runs[tree, True], runs[tree, False]) for r in v}))])
     finally:
         shutil.rmtree(tree, ignore_errors=True)
     table = tabulate(rows, headers=["model", "compile s (now)", f"compile s ({args.before})", "now / before",
-                                    "as built: now s (of it GC)", f"as built: {args.before} s (of it GC)",
+                                    "as built: now s (full GC s)", f"as built: {args.before} s (full GC s)",
+                                    f"as built: model build + compile s, now / {args.before}",
+                                    f"full GCs in build+compile, now / {args.before}",
                                     "plans now", f"plans at {args.before}"], tablefmt="github", disable_numparse=True)
     print(table)
     load = os.getloadavg()
@@ -100,7 +114,9 @@ def main() -> None:
                   f"Seconds inside `rpcompile.compile` (gpus=2, 2 microbatches, batch 4 x 16, costs measured on "
                   f"the CPU), median of {args.runs} fresh processes per tree and mode, the trees alternating: "
                   f"after a `gc.collect()`, and (the 'as built' columns) right after building the model, with "
-                  f"the seconds of cyclic collection inside the call in brackets.\n\n" + table)
+                  f"the seconds of full (generation 2) collections inside the call in brackets, the seconds "
+                  f"from before building the model to the end of `compile`, and how many full collections "
+                  f"fell in the building and how many in `compile` (medians).\n\n" + table)
 
 
 if __name__ == "__main__":
