@@ -289,6 +289,24 @@ def test_a_cache_changed_in_place_is_rebuilt_and_says_so(tmp_path, folder, tok, 
     same(ref.pack(read_documents(chat, tok), tok, 32, "whole"), q)
 
 
+@pytest.mark.parametrize("field, value", [("tokens", "many"), ("documents", -1), ("eos", 1.5), ("content", 7)])
+def test_a_meta_json_with_a_wrong_type_is_damage_and_is_rebuilt(tmp_path, folder, field, value, capsys):
+    """A meta.json whose counts are not counts is damage like another: one line naming the field, then rebuilt."""
+    import json
+    _, chat, _ = files(tmp_path)
+    cache = tmp_path / "cache"
+    p = prepare(chat, Counting(load(folder)), seq=32, cache_root=str(cache))
+    (name,) = os.listdir(cache)
+    meta = cache / name / META
+    good = meta.read_bytes()
+    meta.write_text(json.dumps({**json.loads(good), field: value}))
+    t = Counting(load(folder))
+    q = prepare(chat, t, seq=32, cache_root=str(cache))
+    err = capsys.readouterr().err
+    assert f"token cache {cache / name}: damaged, meta.json's {field!r} is {value!r}, not a " in err, err
+    assert t.calls and not q.cached and q.fingerprint() == p.fingerprint() and meta.read_bytes() == good
+
+
 TRUNCATED = r"""
 import os, sys
 sys.path[:0] = sys.argv[1].split(os.pathsep)

@@ -11,12 +11,12 @@ EOS is one when the document trains it, a token of a masked document is one when
 character lies in a trained span).
 
 A cache is checked when it is opened, never per batch: the files' sizes, then their sha256 against
-meta.json's `content` (a streaming read: 0.7 GB/s on a 2-core Xeon, `bench/token_cache_checks.py`). A damaged cache (another size, another
-digest: a file overwritten in place, a disk error) is not used: `cached` rebuilds it and says so in one
-line. A file that shrinks while a run has it mapped would kill the process with SIGBUS at the next
-read of a page past its new end, so every read of the arrays (`TokenCache.check`, called by the
-layout and before each batch is gathered) first compares each file's size with its mapping's and
-raises OSError naming the file (a check of one `fstat` per file).
+meta.json's `content` (a streaming read: 0.7 GB/s on a 2-core Xeon, `bench/token_cache_checks.py`). A damaged
+cache (another size, another digest: a file overwritten in place, a disk error; a meta.json whose counts or ids
+are not integers >= 0) is not used: `cached` rebuilds it and says so in one line. A file that shrinks while
+a run has it mapped would kill the process with SIGBUS at the next read of a page past its new end, so every
+read of the arrays (`TokenCache.check`, called by the layout and before each batch is gathered) first compares
+each file's size with its mapping's and raises OSError naming the file (a check of one `fstat` per file).
 
 Building a cache (its key, a data file tokenized in one streaming pass into these files, the folder
 put in place atomically) is `rpcompile.finetune.data.token_cache`.
@@ -142,10 +142,11 @@ def _open(folder: str, key: str | None, *, verify: bool = True) -> TokenCache | 
             meta = json.load(f)
         if meta["format"] != FORMAT or (key is not None and meta["key"] != key):
             return None
-        sizes = {"ids": meta["tokens"], "trained": meta["tokens"], "offsets": meta["documents"] + 1}
-        content = meta["content"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
+    _check_meta(meta)
+    sizes = {"ids": meta["tokens"], "trained": meta["tokens"], "offsets": meta["documents"] + 1}
+    content = meta["content"]
     paths = {k: os.path.join(folder, name) for k, (name, _) in FILES.items()}
     if verify:
         digest = hashlib.sha256(b"".join(_file_digest(paths[k]) for k in FILES)).hexdigest()
@@ -158,6 +159,17 @@ def _open(folder: str, key: str | None, *, verify: bool = True) -> TokenCache | 
             maps.append((paths[k], mapped, len(mapped)))
     return TokenCache(meta["key"], arrays["ids"], arrays["trained"], arrays["offsets"], meta["eos"], meta["pad"],
                       content, folder, tuple(maps))
+
+
+def _check_meta(meta: Any) -> None:
+    """Damaged unless meta.json's counts and ids are integers >= 0 and its `content` is a sha256 in hex."""
+    for name in ("documents", "tokens", "eos", "pad"):
+        v = meta.get(name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise Damaged(f"{META}'s {name!r} is {v!r}, not a count")
+    c = meta.get("content")
+    if not isinstance(c, str) or len(c) != 64 or c.strip("0123456789abcdef"):
+        raise Damaged(f"{META}'s 'content' is {c!r}, not a sha256")
 
 
 def _file_digest(path: str) -> bytes:
