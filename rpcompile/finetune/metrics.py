@@ -10,7 +10,8 @@ tokens_per_s and trained_tokens_per_s (those over step_s), padded_tokens_per_s (
 position of the batch), peak_host_bytes, the runtime's counters of that step, eval_loss
 and eval_token_accuracy on eval steps). A resumed run
 (`resume_at=k`, the checkpoint's step) first drops every line of a step after k:
-those steps run again, so no step is written twice. Lines are flushed as they are
+those steps run again, so no step is written twice (`read_records`: a torn last line is dropped, any
+other line that is not a record refused, naming the file and the line). Lines are flushed as they are
 written, so `tail -f OUT/metrics.jsonl` follows a run.
 
 TensorBoard (`pip install "rpcompile[tensorboard]"`): the same numbers as
@@ -25,7 +26,8 @@ import math
 import os
 from typing import Any
 
-__all__ = ["MetricsLog", "METRICS_FILE", "TENSORBOARD_DIR", "check_report_to", "read_metrics"]
+__all__ = ["MetricsLog", "METRICS_FILE", "TENSORBOARD_DIR", "check_report_to", "read_metrics",
+           "read_records"]
 
 METRICS_FILE = "metrics.jsonl"  # in OUT
 TENSORBOARD_DIR = "tensorboard"  # in OUT: the event files of report_to="tensorboard"
@@ -52,6 +54,31 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
     return out
 
 
+def read_records(path: str) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl file a resumed run continues: a torn last line (a kill mid-write) is left out,
+    and any other line that is not a JSON object with an integer "step" is a ValueError naming the file and the line.
+    """
+    out = []
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                record = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                if not raw.endswith(b"\n"):  # the last line, torn by a kill
+                    break
+                why = "not UTF-8" if isinstance(exc, UnicodeDecodeError) else f"not JSON: {exc.msg}"
+            else:
+                step = record.get("step") if isinstance(record, dict) else None
+                if isinstance(step, int) and not isinstance(step, bool):
+                    out.append(record)
+                    continue
+                why = (f'its "step" is {step!r}, not an integer' if isinstance(record, dict) else
+                       f"a JSON {type(record).__name__}, not an object")
+            raise ValueError(f"the metrics file {path!r} line {n} is not a metrics record ({why}): delete that line, "
+                             f"or start the run over with --overwrite")
+    return out
+
+
 class MetricsLog:
     """Appends records to `out/metrics.jsonl` (and TensorBoard); see the module docstring.
 
@@ -75,7 +102,7 @@ class MetricsLog:
         """Rewrite the file without the lines of steps after `step` (atomically; a new run starts it empty)."""
         if not os.path.exists(self.path):
             return
-        kept = [r for r in read_metrics(self.path) if isinstance(r.get("step"), int) and r["step"] <= step]
+        kept = [r for r in read_records(self.path) if r["step"] <= step]
         tmp = self.path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             f.writelines(json.dumps(r) + "\n" for r in kept)

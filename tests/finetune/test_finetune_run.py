@@ -210,6 +210,21 @@ def test_a_resumed_log_drops_the_lines_after_its_checkpoint(tmp_path):
                                                              {"step": 3, "loss": 30.0, "eval_loss": None}]
 
 
+@pytest.mark.parametrize("line, why", [(b"[1, 2]", "a JSON list, not an object"), (b'"text"', "a JSON str, not an object"),
+                                       (b'{"step": "3"}', "its \"step\" is '3', not an integer"),
+                                       (b'{"step": 3, "loss": "caf\xe9"}', "not UTF-8"), (b"{oops", "not JSON")])
+def test_a_resumed_log_refuses_a_line_that_is_not_a_record_naming_the_file_and_line(tmp_path, line, why):
+    from rpcompile.finetune.metrics import MetricsLog
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 2.0}\n' + line + b'\n{"step": 4, "loss": 4.0}\n')
+    before = path.read_bytes()
+    with pytest.raises(ValueError) as err:
+        MetricsLog(str(tmp_path), resume_at=2)
+    assert str(err.value).startswith(f"the metrics file {str(path)!r} line 3 is not a metrics record ({why}")
+    assert str(err.value).endswith("): delete that line, or start the run over with --overwrite")
+    assert path.read_bytes() == before
+
+
 def test_val_size_holds_out_a_seeded_disjoint_part_and_records_it(files, tmp_path, capsys):
     import json
     assert run(files, tmp_path / "a", "--val-size", "0.25", "--steps", "2") == 0
