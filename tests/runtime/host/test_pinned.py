@@ -27,6 +27,7 @@ class Recording:
     def __init__(self, fail_above: int | None = None) -> None:
         self.live: dict[int, int] = {}
         self.calls: list[int] = []
+        self.unregistered: list[int] = []  # every unregister call, a repeated one included
         self.fail_above = fail_above
 
     def register(self, ptr: int, nbytes: int) -> None:
@@ -37,6 +38,7 @@ class Recording:
         self.calls.append(nbytes)
 
     def unregister(self, ptr: int) -> None:
+        self.unregistered.append(ptr)  # before the KeyError a second call raises (swallowed inside a __del__)
         del self.live[ptr]
 
 
@@ -73,12 +75,14 @@ def test_close_unregisters_and_a_refusal_leaves_nothing_registered():
     with pytest.raises(RuntimeError, match="5000 bytes"):
         alloc.zeros(2500, torch.float16)
     assert list(reg.live.values()) == [4000]
+    ptr = small.data_ptr()
     alloc.close()
-    assert reg.live == {} and alloc.registered == 0
+    assert reg.live == {} and alloc.registered == 0 and reg.unregistered == [ptr]
+    alloc.close()  # a second close unregisters nothing
     small += 1  # the memory stays valid (pageable again)
     del small
     gc.collect()
-    assert reg.live == {}  # no second unregister
+    assert reg.live == {} and reg.unregistered == [ptr]  # the block's finalizer unregisters it no second time
 
 
 def _run(graph, program, batches, pinned=None):
@@ -113,6 +117,25 @@ def test_the_runtimes_transfer_buffers_are_registered_at_exactly_their_size_and_
     assert host.buffers == need.total and "transfer buffers" in str(host)
     assert reg.live == {} and rt.host.staging  # unregistered at close, the buffers still referenced
     assert losses == _run(graph, program, batches)[0]  # pinning changes no number
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gradient_staging_of_odd_sized_parameters_is_counted_with_its_alignment_padding(dtype):
+    """5 x 5 weights and 5- and 4-element biases: each view in a stage's staging buffer starts 16-byte aligned,
+    so the buffers hold padding that admission counts too: counted bytes == registered bytes."""
+    batch = tuple(x.to(dtype) for x in M.regression_batch(width=5))
+    graph = trace(M.sequential(width=5).to(dtype), batch, loss_fn=M.mse_loss)
+    program = emit(StagePlan.from_str("3,3|1|3,3"), gpus=2, microbatches=2, staleness=1)
+    reg = Recording()
+    state = HostState.from_graph(graph, optimizer=rpcompile.AdamW(lr=1e-2, impl="foreach"))
+    with Runtime(graph, program, state, backend="host", timeout=60, pinned=PinnedAllocator(reg)) as rt:
+        rt.step(batch)
+        rt.flush()
+        staging = [b for bufs in rt.host.staging.values() for b in bufs.values()]
+        registered = [reg.live[b.data_ptr()] for b in staging]
+    numels = sum(p.numel() for p in graph.parameters().values())
+    assert len(staging) == 3 and sum(registered) > numels * dtype.itemsize  # padded beyond the parameters
+    assert transfer_bytes(graph, program).staging == sum(registered) == sum(b.nbytes for b in staging)
 
 
 _PLANS = {(False, 1): "2,2|1|1,3", (False, 2): "2,2|1|1,3", (False, 4): "1,1,1,1|1|1,1,1,1",
