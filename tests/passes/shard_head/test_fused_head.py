@@ -46,6 +46,35 @@ def test_fused_loss_and_grads_match_eager(name: str, k: int, chunk: int) -> None
     assert [n.args[5] for n in calls] == [(i, k) for i in range(k)]
 
 
+def _scaled_head_model(kind: str):
+    """A tiny transformers LM whose head scales its logits before the loss: Granite divides them by
+    `logits_scaling`, Cohere multiplies them by `logit_scale`."""
+    import transformers
+    extra = {"granite": dict(logits_scaling=4.0), "cohere": dict(logit_scale=0.25, bos_token_id=1, eos_token_id=2)}
+    cls = {"granite": "Granite", "cohere": "Cohere"}[kind]
+    cfg = getattr(transformers, f"{cls}Config")(**M._tiny(**extra[kind]), attn_implementation="eager")
+    return M._build(f"{cls}ForCausalLM", cfg, 0)
+
+
+@pytest.mark.parametrize("kind,step", [("granite", ("div", 4.0)), ("cohere", ("mul", 0.25))])
+def test_a_head_that_scales_its_logits_gets_the_gradients_of_eager(kind: str, step: tuple) -> None:
+    """The scale is part of d(loss)/d(logits): without it the loss is right and every gradient is off by it."""
+    model = _scaled_head_model(kind)
+    example = M.lm_batch(batch=B, seq=T)
+    model.zero_grad(set_to_none=True)
+    ref = model(**example).loss  # eager PyTorch: the model's own forward and loss
+    ref.backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    fused = shard_lm_head(trace(model, example), shards=2, chunk=7, fused=True)
+    calls = [n for lay in fused.layers for n in lay.module.graph.nodes if n.target is fused_ce]
+    assert calls and all(step in n.args[7] for n in calls)  # the scale is in the fused head's chain
+    loss, grads = _loss_and_grads(model, fused, example)
+    torch.testing.assert_close(loss, ref.detach(), atol=1e-5, rtol=0)
+    assert grads.keys() == ref_grads.keys()
+    for pname, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[pname], atol=1e-5, rtol=1e-4, msg=pname)
+
+
 class _Ops(TorchDispatchMode):
     """Names of the aten ops that run."""
 
