@@ -153,6 +153,33 @@ def test_pool_reuses_after_the_last_users_and_poisons():
         s.close()
 
 
+def test_a_buffer_reused_before_its_last_users_finish_stays_in_use_until_its_new_holder_is_done():
+    # the first holder's user completes after the buffer was handed out again: it is still in use (counted once,
+    # not poisoned under its new holder's data) until that new holder gives it back and its users finish
+    from rpcompile.runtime.streams.devices import Store
+    ctx = StreamContext(timeout=5.0)
+    s = HostStream("s", ctx)
+    store = Store("host")
+    pool = BufferPool("host", ctx, store=store, poison="release")
+    gate = threading.Event()
+    try:
+        h = pool.take((1024,), torch.float32, s, 0)
+        s.submit(gate.wait, "the first holder's user, still running", 0)
+        pool.give(h, [s.record(0)])
+        h2 = pool.take((1024,), torch.float32, s, 1)  # the same buffer, before its last user finished
+        s.submit(lambda: h2.get().fill_(2.0), "the new holder writes", 1)
+        written = s.record(1)
+        assert h2.base is h.base and store.bytes == 4096  # counted once
+        gate.set()
+        written.wait()  # the first holder's user is done
+        assert store.bytes == 4096 and torch.equal(h2.get(), torch.full((1024,), 2.0))
+        pool.give(h2, [written])
+        assert store.bytes == 0 and pool.reserved == 4096
+    finally:
+        gate.set()
+        s.close()
+
+
 def test_after_a_failure_a_keyed_buffer_is_given_up_and_counted_once():
     # recovery forgets the keyed buffers abandoned work holds: the key gets a new buffer, the pool still owns
     # (reserved) and uses one per key, and the old one given back late is dropped, not kept beside the new
