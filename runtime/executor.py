@@ -49,6 +49,7 @@ import math
 import weakref
 from typing import Any
 
+from rpcompile.ir.program import Op
 from rpcompile.runtime.board import IssueBoard
 from rpcompile.runtime.streams.devices import make_workers
 from rpcompile.runtime.handlers import IssueHandlers
@@ -66,7 +67,7 @@ from rpcompile.runtime.stage.batch import split_batch
 from rpcompile.runtime.stage.cuts import chunk_elements, stage_io
 from rpcompile.runtime.stage.routing import RoutingLog
 from rpcompile.runtime.stage.runner import LayerRunner, has_random_ops, tracked_buffers
-from rpcompile.runtime.streams.host import DEADLINE_FLOOR_S, StreamContext
+from rpcompile.runtime.streams.host import DEADLINE_FLOOR_S, StreamContext, wait_all
 from rpcompile.runtime.transfer import RuntimeFailure, make_delay, protocol_deps
 
 __all__ = ["Runtime", "run", "RuntimeFailure", "DEP_KINDS", "check_pinned"]
@@ -213,11 +214,21 @@ class Runtime(RuntimeReports):
         self.issue.stage_inputs(t, info, mbs)
         if not info.forward_only:
             self.host.make_events(t, info)
-            self.iterations.fix_scale(t, self.state.begin_iteration)
+            self.iterations.fix_scale(t, lambda: self._loss_scale(t, info.program.staleness))
         self.issuer.submit(t, info)
         if not info.forward_only:
             self.host.submit(t)
         return losses
+
+    def _loss_scale(self, t: int, lag: int) -> float:
+        """Iteration t's loss scale (`HostState.begin_iteration`). A dynamic one is left by the overflow check of
+        iteration t - 1 - lag (lag = staleness), which that iteration's first STEP makes: waited for here, where a
+        failure aborts the wait, before the state reads it."""
+        u = t - 1 - lag
+        info = self.iterations.info.get(u)
+        if self.state.scaler is not None and info is not None and info.host[Op.STEP]:
+            wait_all([self.host.events.get((u, info.host[Op.STEP][0].name))], self.ctx, t)
+        return self.state.begin_iteration(lag)
 
     def _losses(self, t: int, info: ProgramInfo, pairs: list) -> float:
         """Wait (one host wait) for iteration t's microbatch losses; their mean (weighted if t has weights).

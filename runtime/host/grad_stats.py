@@ -18,6 +18,16 @@ Note:
     weights that do not depend on step u); with staleness 0 it is a barrier
     between the last backward and the first optimizer step. Without them no
     step waits for another layer.
+
+Note:
+    The dynamic loss scale is a function of the run, never of thread timing. Iteration t
+    multiplies its loss by the scale that the overflow checks of iterations <= t - 1 - lag
+    leave, lag being the staleness: as stale as the weights it reads (staleness 0: torch
+    GradScaler's rule, t uses t-1's update; staleness 1: t uses t-2's, the last check made
+    before t's forward can start, since t reads the weights made from t-2's gradient).
+    `begin_iteration` waits for that check (the runtime waits for it abortably first), and
+    `verdicts` keeps each iteration's scale, skip and resulting scale; `state_dict` saves the
+    last two, so a resumed run uses the scales the uninterrupted one would.
 """
 from __future__ import annotations
 
@@ -30,7 +40,16 @@ from torch import Tensor
 
 from rpcompile.runtime.host.kernels import KINDS
 
-__all__ = ["GradStats", "NORMS_KEPT"]
+__all__ = ["GradStats", "NORMS_KEPT", "ScaleVerdict"]
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleVerdict:
+    """The dynamic loss scale's decision on one iteration (its overflow check)."""
+
+    used: float  # the scale the iteration's loss was multiplied by
+    skipped: bool  # an inf/nan gradient: the iteration's update was skipped
+    after: float  # the scale this check leaves (backed off, grown or unchanged)
 
 
 @dataclass(slots=True)
@@ -67,13 +86,28 @@ class GradStats:
         l = self.group_of.get(name := self.canonical(name))
         return self.grad[name] if l is not None and name in self._fresh[l] else None
 
-    def begin_iteration(self) -> float:
-        """Record the start of the next iteration; returns the factor its loss must be multiplied by."""
+    def begin_iteration(self, lag: int = 0) -> float:
+        """Record the start of the next iteration t; returns the factor its loss must be multiplied by.
+
+        With a dynamic loss scale: the scale left by the overflow checks of iterations <= t - 1 - lag
+        (lag = the staleness; see the module Note), waiting up to `timeout_s` for that check.
+
+        Example:
+            >>> s.begin_iteration(lag=1)   # iteration 1 at staleness 1: the initial scale   # doctest: +SKIP
+            65536.0
+        """
         with self._cond:
-            if self.scaler is not None:  # iteration u + 1 may start before u's scale update
-                self._scale_of[self._begun] = self.loss_scale
+            t = self._begun
+            if self.scaler is not None:
+                u = t - 1 - lag  # the last iteration whose check decides t's scale
+                known = lambda: u in self.verdicts or u < self._base or not self._n_trainable  # noqa: E731
+                if not self._cond.wait_for(known, timeout=self.timeout_s):
+                    raise RuntimeError(f"waited {self.timeout_s}s for the overflow check of iteration {u}, which "
+                                       f"fixes the loss scale of iteration {t}")
+                self._scale_of[t] = self.verdicts[u].after if u in self.verdicts else self._base_scale
             self._begun += 1
-            return 1.0 if self.loss_scale is None else self.loss_scale
+            return self._scale_of[t] if self.scaler is not None else 1.0 if self.loss_scale is None \
+                else self.loss_scale
 
     def accumulate_grad(self, name: str, grad: Tensor) -> bool:
         """Add `grad` (one device's accumulated gradient of one round, any dtype) into the fp32 buffer.
@@ -211,7 +245,7 @@ class GradStats:
             self.norms[u] = float(st.norm)
             for old in [k for k in self.norms if k <= u - NORMS_KEPT]:
                 del self.norms[old]
-        if self.scaler is not None:
+        if self.scaler is not None:  # the checks run in iteration order (u + 1's steps wait for u's)
             used = self._scale_of.get(u, self.loss_scale)
             if st.found_inf:  # several in-flight iterations at one scale back off only once
                 self.loss_scale = min(self.loss_scale, used * self.scaler.backoff_factor)
@@ -220,6 +254,9 @@ class GradStats:
                 self._good += 1
                 if self._good >= self.scaler.growth_interval:
                     self.loss_scale, self._good = self.loss_scale * self.scaler.growth_factor, 0
+            self.verdicts[u] = ScaleVerdict(used, st.found_inf, self.loss_scale)
+            for old in [k for k in self.verdicts if k <= u - NORMS_KEPT]:
+                del self.verdicts[old]
 
     def global_norm(self, iteration: int | None = None, timeout_s: float | None = None) -> Tensor:
         """The unscaled global L2 gradient norm of `iteration` (default: the oldest not stepped).

@@ -53,7 +53,7 @@ from torch import Tensor
 from rpcompile.ir.host_layout import host_layout
 from rpcompile.ir.optim import SGD, AdamW, DynamicLossScale, decay_names, make_torch_optimizer
 from rpcompile.runtime.host.flat import FlatGroups, moment_names
-from rpcompile.runtime.host.grad_stats import GradStats, _IterStats
+from rpcompile.runtime.host.grad_stats import GradStats, ScaleVerdict, _IterStats
 from rpcompile.runtime.host.kernels import load_kernels
 from rpcompile.runtime.host.layout import host_blocks, view
 from rpcompile.runtime.host.pinned import pinning
@@ -171,6 +171,9 @@ class HostState(GradStats, StateIO):
         self._begun = 0  # iterations started with begin_iteration()
         self._fresh: list[set[str]] = [set() for _ in range(num_layers)]  # grads written this iteration
         self._scale_of: dict[int, float] = {}  # iteration -> scale its loss was multiplied by
+        self.verdicts: dict[int, ScaleVerdict] = {}  # iteration -> its dynamic loss scale check (the last
+        # grad_stats.NORMS_KEPT), read by metrics after the step without waiting for it
+        self._base, self._base_scale = 0, self.loss_scale  # the scale before the checks of iterations >= _base
         self.skipped: list[int] = []  # iterations skipped for inf/nan gradients
         self._skips: set[int] = set()  # iterations whose steps apply nothing (`skip_iteration`)
         self._sq: dict[str, float] = {}  # kernels: sum of squares of each gradient written this iteration

@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rpcompile.runtime.host.grad_stats import ScaleVerdict
+
 __all__ = ["StateIO"]
 
 
@@ -37,7 +39,9 @@ class StateIO:
                 "master": {n: clone(t) for n, t in self.master.items()},
                 "buffers": {n: clone(t) for n, t in self.buffers.items()},
                 "optim": optim, "steps": list(self._stepped),
-                "loss_scale": {"scale": self.loss_scale, "good": self._good, "skipped": list(self.skipped)}}
+                "loss_scale": {"scale": self.loss_scale, "good": self._good, "skipped": list(self.skipped),
+                               "verdicts": [[u, v.used, v.skipped, v.after] for u, v in sorted(self.verdicts.items())
+                                            if u >= min(self._stepped, default=0) - 2]}}  # what the next two use
 
     def check_state_dict(self, sd: Mapping[str, Any]) -> None:
         """Raise ValueError (naming what differs) unless `sd` fits this state: names, shapes, groups, dtypes."""
@@ -92,5 +96,8 @@ class StateIO:
             self._begun = min((s for s, g in zip(self._stepped, self.groups) if g), default=0)
             ls = sd["loss_scale"]
             self.loss_scale, self._good, self.skipped = ls["scale"], ls["good"], list(ls["skipped"])
+            self.verdicts = {int(u): ScaleVerdict(used, bool(skip), after)  # absent in checkpoints before them
+                             for u, used, skip, after in ls.get("verdicts", [])}
+            self._base, self._base_scale = self._begun, self.loss_scale
         for fresh in self._fresh:
             fresh.clear()

@@ -139,3 +139,51 @@ def test_loss_scale_is_checked_and_saved(tmp_path):
     with rpcompile.load(str(tmp_path / "fp16.ckpt"), _zoo()) as c:
         assert c.options.loss_scale == scale and c.state.loss_scale == scale.init_scale
         assert [c.step(batch) for _ in range(2)] == want
+
+
+# -- the dynamic loss scale is a function of the run, not of thread timing ------------------------------------------
+# The zoo model overflows fp16 at a scale of 2**30 and not at 2**14: each check that finds an inf backs off to 2**14,
+# each good one grows 2**16-fold, so the scales alternate and every iteration's scale decides a skip.
+SEESAW = DynamicLossScale(init_scale=2.0**30, backoff_factor=2.0**-16, growth_factor=2.0**16, growth_interval=1)
+
+
+def _seesaw(hold: bool) -> tuple[list[int], list[float], dict[str, torch.Tensor]]:
+    """6 fp16 steps at staleness 1; the caller flushes after each step, or (`hold`) each iteration's overflow check
+    is held until the next iteration has begun (as late as staleness 1 lets it come). (skipped, scales, weights)"""
+    batch = _lm_batch()
+    with rpcompile.compile(_zoo(), gpus=2, example=batch, microbatches=MICROBATCHES, optimizer=OPT,
+                           dtype=torch.float16, loss_scale=SEESAW, lm_head_shards=1, backend="host") as c:
+        state, begun, checks = c.state, [], []
+        if hold:
+            import threading
+            begin, complete_all = state.begin_iteration, state.grads_complete_all
+            began = [threading.Event() for _ in range(8)]
+
+            def begin_iteration(*a):
+                began[len(begun)].set()
+                begun.append(len(begun))
+                return begin(*a)
+
+            def grads_complete_all():  # the commit point of iteration u, where its check is made
+                if len(checks) < 5:
+                    assert began[len(checks) + 1].wait(30), "iteration u + 1 never began"
+                checks.append(len(checks))
+                return complete_all()
+            state.begin_iteration, state.grads_complete_all = begin_iteration, grads_complete_all
+        scales = []
+        for _ in range(6):
+            c.step(batch)
+            scales.append(c._runtime.iterations.scales[c.steps - 1])
+            if not hold:
+                c.flush()
+        c.flush()
+        return list(state.skipped), scales, c.state.parameters_fp32()
+
+
+def test_the_dynamic_loss_scale_of_each_step_does_not_depend_on_when_the_optimizer_finishes():
+    skipped, scales, weights = _seesaw(hold=False)
+    held = _seesaw(hold=True)
+    assert held[:2] == (skipped, scales)
+    assert all(torch.equal(held[2][n], w) for n, w in weights.items())
+    assert (skipped, scales) == ([0, 1, 4, 5], [2.0**30, 2.0**30, 2.0**14, 2.0**14, 2.0**30, 2.0**46]), \
+        "at staleness 1, iteration t uses the scale the checks of iterations <= t - 2 leave"

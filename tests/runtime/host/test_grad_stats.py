@@ -205,3 +205,32 @@ def test_clipping_leaves_gradients_below_the_limit_unchanged(norm, limit, opt):
     if opt == "sgd" and total < limit:  # the update is -lr * g with g unchanged (up to the kernel's rounding)
         for k in eager:
             torch.testing.assert_close(state.master[k], before[k] - 0.1 * grads[k], rtol=1e-6, atol=1e-7)
+
+
+def _lagged_run(n: int, resume_at: int | None = None) -> tuple[list[float], HostState]:
+    """n sequential iterations at lag 1 (staleness 1), gradients inf in iterations 0 and 3; at `resume_at` the state
+    goes through a state_dict into a new HostState."""
+    cfg, scaler = rpcompile.SGD(lr=0.1, impl="single"), DynamicLossScale(init_scale=1024.0, growth_interval=1)
+    state, _ = flat_state(cfg, loss_scale=scaler)
+    scales = []
+    for t, grads in enumerate(fixed_grads({k: v.shape for k, v in state.master.items()}, n)):
+        if t == resume_at:
+            sd = state.state_dict()
+            state, _ = flat_state(cfg, loss_scale=scaler)
+            state.load_state_dict(sd)
+        scales.append(state.begin_iteration(lag=1))
+        for k, g in grads.items():
+            state.accumulate_grad(k, torch.full_like(g, float("inf")) if t in (0, 3) else g * scales[-1])
+        step_all(state)
+    return scales, state
+
+
+def test_at_lag_1_the_loss_scale_is_what_the_checks_two_iterations_back_leave_and_a_resume_keeps_it():
+    scales, state = _lagged_run(6)  # each check is in before the next begin: t still ignores t - 1's
+    assert scales == [1024.0, 1024.0, 512.0, 1024.0, 2048.0, 512.0] and state.skipped == [0, 3]
+    assert [(u, v.used, v.skipped, v.after) for u, v in sorted(state.verdicts.items())][2:4] == \
+        [(2, 512.0, False, 2048.0), (3, 1024.0, True, 512.0)]
+    for at in (2, 4):  # the checkpoint holds the two checks the next two iterations take their scales from
+        again, resumed = _lagged_run(6, resume_at=at)
+        assert again == scales and resumed.skipped == [0, 3]
+        assert all(torch.equal(resumed.master[k], m) for k, m in state.master.items())
