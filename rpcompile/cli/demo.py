@@ -68,11 +68,30 @@ def run(cfg: DemoConfig = DemoConfig()) -> float:
     _, costs8, plan8, program8, _ = plan_pipeline(model, big, opts, mode="predict")
     sim = simulate(program8, costs8, opts.hardware, iterations=steady_iterations(program8))
     _charts(cfg, measured, sim)
-    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
-    print(f"\nloss {first:.3f} -> {last:.3f} (mean of the first and last 5 steps)")
+    print(f"\n{loss_summary(losses)}")
     print(f"simulated on 8x RTX 4090 (plan {plan8.to_str()}): {sim.summary()}")
     print(f"charts and traces in {os.path.abspath(cfg.out)}/")
-    return last
+    return losses[-1]
+
+
+def loss_summary(losses: list[float]) -> str:
+    """The loss at the start and at the end of a run: the means of its first and last k steps, k = min(5, n // 2).
+
+    The two windows never overlap, so a short run compares different steps; one step is just its loss.
+
+        >>> loss_summary([3.0, 2.0])
+        'loss 3.000 -> 2.000 (the first and the last step)'
+        >>> loss_summary([4.0, 3.0, 2.0, 1.0])
+        'loss 3.500 -> 1.500 (mean of the first and last 2 steps)'
+        >>> loss_summary([2.5])
+        'loss 2.500 after 1 step'
+    """
+    if len(losses) < 2:
+        return f"loss {losses[0]:.3f} after 1 step" if losses else "no step ran"
+    k = min(5, len(losses) // 2)
+    first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
+    what = "the first and the last step" if k == 1 else f"mean of the first and last {k} steps"
+    return f"loss {first:.3f} -> {last:.3f} ({what})"
 
 
 def _charts(cfg: DemoConfig, measured, sim) -> None:

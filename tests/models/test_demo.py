@@ -39,3 +39,12 @@ def test_the_fine_tuning_package_is_callable_as_its_finetune_function(monkeypatc
     monkeypatch.setattr(rpcompile.finetune, "finetune", lambda cfg, **kw: seen.append((cfg, kw)) or "result")
     assert rpcompile.finetune("config", on_step=print) == "result"
     assert seen == [("config", {"on_step": print})]
+
+
+def test_the_demos_loss_summary_averages_only_the_steps_it_ran_in_windows_that_do_not_overlap():
+    from rpcompile.cli.demo import loss_summary
+    assert loss_summary([2.216, 2.0]) == "loss 2.216 -> 2.000 (the first and the last step)"
+    assert loss_summary([2.5]) == "loss 2.500 after 1 step"
+    assert loss_summary([6.0, 5.0, 4.0, 3.0, 2.0, 1.0]) == "loss 5.000 -> 2.000 (mean of the first and last 3 steps)"
+    twelve = [float(i) for i in range(12, 0, -1)]  # 12 .. 1: the first 5 average 10, the last 5 average 3
+    assert loss_summary(twelve) == "loss 10.000 -> 3.000 (mean of the first and last 5 steps)"
