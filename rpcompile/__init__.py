@@ -4,7 +4,8 @@ The pipeline: trace -> shard_lm_head -> estimate_costs -> partition -> emit ->
 verify -> runtime. Importing the package touches no device.
 
     >>> import rpcompile
-    >>> c = rpcompile.compile(model, gpus=8, example=batch)   # doctest: +SKIP
+    >>> c = rpcompile.compile(model, gpus=8)   # checks the arguments   # doctest: +SKIP
+    >>> loss = c.step(batch)                    # plans for this batch, then trains   # doctest: +SKIP
 """
 from rpcompile.ir.costs import CostTable
 from rpcompile.ir.graph import Layer, LayerGraph, Value

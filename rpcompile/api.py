@@ -4,9 +4,13 @@ Here the handle is built (programs, runtime, host state), switches programs when
 simulates, saves, loads and closes; what it runs (`step`, `evaluate`, `flush`, `set_lr`, `stats`,
 `last_timeline`) is its base class `Training`, in training.py.
 
-    >>> c = rpcompile.compile(model, gpus=2, example=batch, microbatches=4)   # doctest: +SKIP
-    >>> print(c.plan); print(c.program)                                        # doctest: +SKIP
-    >>> loss = c.step(batch)                                                   # doctest: +SKIP
+    >>> c = rpcompile.compile(model, gpus=2, microbatches=4)   # checks the arguments   # doctest: +SKIP
+    >>> loss = c.step(batch)                # plans for this batch, then trains on it   # doctest: +SKIP
+    >>> print(c.plan); print(c.program)                                               # doctest: +SKIP
+
+`example=batch` plans at `compile` instead (the same plan). A handle compiled without it holds the
+checked options (`Pending`) until its first `step` / `evaluate`; what only a plan makes (`PLANNED`)
+raises "nothing is planned yet" until then (`Compiled.__getattr__`).
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from rpcompile.ir.hardware import Hardware
 from rpcompile.ir.optim import SGD, AdamW, DynamicLossScale, decay_names
 from rpcompile.machine import hardware_of
 from rpcompile.options import Options, check_model, default_microbatches, options
+from rpcompile.passes.trace import match_units
 from rpcompile.pipeline import Frozen, compile_passes, frozen_of, plan_pipeline
 from rpcompile.replan import Variant, Variants, plan_for
 from rpcompile.runtime import simulate
@@ -36,8 +41,13 @@ from rpcompile.training import Training, _one_caller
 
 __all__ = ["compile", "Compiled", "Options", "default_microbatches", "plan_pipeline"]
 
+# What only a plan makes: on a handle compiled without `example`, reading one before its first step or evaluate
+# raises "nothing is planned yet" (`Compiled.__getattr__`)
+PLANNED = frozenset({"graph", "costs", "plan", "program", "microbatches", "state", "rank", "world_size",
+                     "_example", "_units", "_signature", "_variants", "_dist", "_runtime"})
 
-def compile(model: torch.nn.Module, gpus: int = 8, *, example: Any, microbatches: int | None = None,
+
+def compile(model: torch.nn.Module, gpus: int = 8, *, example: Any = None, microbatches: int | None = None,
             staleness: int = 1, optimizer: AdamW | SGD | None = None, dtype: torch.dtype | None = None,
             loss_fn: Callable | None = None, layers: Sequence[str] | None = None,
             lm_head_shards: int | str = "auto", hardware: Hardware | str | None = None,
@@ -45,12 +55,22 @@ def compile(model: torch.nn.Module, gpus: int = 8, *, example: Any, microbatches
             on_nonfinite: str = "raise", loss_scale: float | DynamicLossScale | None = None,
             loss_mean: str = "microbatch", fp16_accumulation: bool = False, fused_head: bool = False,
             dist: Any = False, process_group: Any = None, timeout: float | None = None) -> "Compiled":
-    """Compile `model` for RoundPipe training on `gpus` workers.
+    """Compile `model` for RoundPipe training on `gpus` workers: check the arguments, and plan now or at the first step.
+
+    With `example`, the passes (trace, costs, partition, emit, verify) run now on that batch. Without
+    it, the handle runs them on the first batch given to `step` or `evaluate` (as `torch.compile`
+    traces at the first call), and plans exactly what `example=` that batch would have: the same plan,
+    losses and weights. Either way every argument is checked here, before any batch. Until the first
+    plan, what only a plan has (`plan`, `program`, `graph`, `costs`, `state`, `microbatches`,
+    `simulate`, `stats`, `state_dict`, `save`, ...) raises RuntimeError("nothing is planned yet: ...");
+    `steps` is 0, `set_lr` is kept for the first update, `model()` is the module as given (the weights
+    are read at the plan), and `close` stops nothing.
 
     Args:
         model: the module; it must return its loss (or pass `loss_fn`).
         gpus: number of workers (CUDA devices; host worker threads without CUDA).
-        example: one global batch (tensor, tuple or dict of tensors, batch along dim 0).
+        example: one global batch (tensor, tuple or dict of tensors, batch along dim 0) to plan for now;
+            None (default): plan for the first batch `step` or `evaluate` gets.
         microbatches: microbatches per iteration (default: smallest divisor of the batch >= gpus).
         staleness: 1 (default, RoundPipe) or 0 (synchronous).
         optimizer: `rpcompile.AdamW(...)` (default lr 1e-4) or `rpcompile.SGD(...)`; its `decay` (names or a
@@ -103,6 +123,18 @@ def compile(model: torch.nn.Module, gpus: int = 8, *, example: Any, microbatches
         ValueError: a bad argument (named, before tracing); a layer that does not fit a worker even cut
             into sub-blocks (names the layer, its bytes by term and the budget); or a run that does not fit
             the host memory (`hardware.host_memory`, else this machine's RAM: the bytes by category).
+            Without `example`, all but the bad argument are raised by the first `step` / `evaluate`,
+            which leaves the handle unplanned, ready for another batch.
+
+    Example:
+        >>> import torch, rpcompile
+        >>> c = rpcompile.compile(torch.nn.Linear(4, 1), gpus=2)   # checked, nothing traced yet
+        >>> c
+        Compiled(not planned yet: plans at the first step(batch) or evaluate(batch); 2 workers, staleness 1)
+        >>> c.plan
+        Traceback (most recent call last):
+        RuntimeError: nothing is planned yet: compile(model, gpus=2) without example= plans at the first step(batch) ...
+        >>> c.close()
     """
     opts = options(gpus=gpus, microbatches=microbatches, staleness=staleness, optimizer=optimizer, dtype=dtype,
                    loss_fn=loss_fn, layers=layers, lm_head_shards=lm_head_shards, hardware=hardware,
@@ -110,8 +142,19 @@ def compile(model: torch.nn.Module, gpus: int = 8, *, example: Any, microbatches
                    loss_scale=loss_scale, loss_mean=loss_mean, fp16_accumulation=fp16_accumulation,
                    fused_head=fused_head, timeout=timeout)
     check_model(model)
+    if opts.layers is not None:
+        match_units(model, opts.layers)  # a pattern that matches no module is named now, before any batch
     decay_names(opts.optimizer, [n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad])
     return Compiled(model, opts, example, dist=dist, process_group=process_group)
+
+
+@dataclasses.dataclass
+class Pending:
+    """What a handle compiled without `example` keeps for its first plan (at its first step or evaluate)."""
+
+    dist: Any                  # compile's `dist`
+    process_group: Any         # compile's `process_group`
+    lr: float | None = None    # the last `set_lr` before the plan: queued on the runtime the plan starts
 
 
 class Compiled(Training):
@@ -122,37 +165,68 @@ class Compiled(Training):
     threads are serialised (each runs whole, in the order the threads get the lock) instead of
     racing on the iteration counter.
 
+    Planned or waiting: compiled with `example`, it plans at once (`_plan`); without, `_pending` holds
+    what the plan needs besides a batch until the first `step` / `evaluate` plans with its batch (under
+    the lock: two threads plan once). Before that, the names in `PLANNED` (the IRs, the host state,
+    the runtime) raise RuntimeError("nothing is planned yet: ..."), in one place (`__getattr__`).
+
     Attributes:
         graph, costs, plan, program: the compiler's IRs (all printable).
     """
 
-    def __init__(self, model: torch.nn.Module, opts: Options, example: Any, *, dist: Any = False,
+    def __init__(self, model: torch.nn.Module, opts: Options, example: Any = None, *, dist: Any = False,
                  process_group: Any = None, frozen: Frozen | None = None, resume: dict | None = None) -> None:
         self._lock = threading.RLock()  # one caller at a time (see `_one_caller`)
-        self._model, self.options, self._example = model, opts, example
-        (self.graph, self.costs, self.plan, self.program, self.microbatches,
-         self._units, _) = compile_passes(model, example, opts, frozen=frozen)  # units: sub-blocks, if it cut them
-        if opts.loss_mean == "tokens":
-            trained_tokens(self.graph, example, self.microbatches)  # no `labels`: refused before any thread starts
-        self._signature, self._variants = signature(example), Variants()  # one program per batch signature
-        self._variants.put(self._signature, self._variant())
-        self.state = HostState.from_graph(self.graph, optimizer=opts.optimizer, dtype=opts.dtype,
-                                          loss_scale=opts.loss_scale,
-                                          pin_memory=opts.backend != "host")  # pinned only where CUDA is
-        self.options = dataclasses.replace(opts, optimizer=self.state.config)  # decay resolved to names
-        if resume is not None:  # a checkpoint of another model or plan is refused before any thread starts
-            checkpoint.check(resume)
-            self.state.check_state_dict(resume["host"])
-        # data parallel (issue #9): rank 0's weights everywhere; each group's gradient averaged before its step
-        self._dist = data_parallel(self.state, dist, process_group)
-        self.rank, self.world_size = (self._dist.rank, self._dist.world) if self._dist else (0, 1)
-        self.closed = False
-        self._runtime = self._new_runtime(0)
+        self._model, self.options, self.closed = model, opts, False
+        self._pending: Pending | None = Pending(dist, process_group)
+        if example is not None:
+            self._plan(example, frozen=frozen, resume=resume)
+
+    def _plan(self, example: Any, *, frozen: Frozen | None = None, resume: dict | None = None) -> None:
+        """Run the passes on `example` and build what the plan needs: the IRs, host state, data parallelism,
+        runtime. If anything fails, the handle is left unplanned (no thread started) and the error raised."""
+        pending, opts = self._pending, self.options
+        try:
+            self._example = example
+            (self.graph, self.costs, self.plan, self.program, self.microbatches,
+             self._units, _) = compile_passes(self._model, example, opts, frozen=frozen)  # units: sub-blocks, if cut
+            if opts.loss_mean == "tokens":
+                trained_tokens(self.graph, example, self.microbatches)  # no `labels`: refused before any thread
+            self._signature, self._variants = signature(example), Variants()  # one program per batch signature
+            self._variants.put(self._signature, self._variant())
+            self.state = HostState.from_graph(self.graph, optimizer=opts.optimizer, dtype=opts.dtype,
+                                              loss_scale=opts.loss_scale,
+                                              pin_memory=opts.backend != "host")  # pinned only where CUDA is
+            self.options = dataclasses.replace(opts, optimizer=self.state.config)  # decay resolved to names
+            if resume is not None:  # a checkpoint of another model or plan is refused before any thread starts
+                checkpoint.check(resume)
+                self.state.check_state_dict(resume["host"])
+            # data parallel (issue #9): rank 0's weights everywhere; each group's gradient averaged before its step
+            self._dist = data_parallel(self.state, pending.dist, pending.process_group)
+            self.rank, self.world_size = (self._dist.rank, self._dist.world) if self._dist else (0, 1)
+            self._runtime = self._new_runtime(0)
+        except BaseException:
+            if self.__dict__.get("_dist"):
+                self._dist.close()
+            for name in PLANNED:  # back to unplanned: the next batch plans afresh
+                self.__dict__.pop(name, None)
+            self.options = opts
+            raise
+        self._pending = None
+        if pending.lr is not None:  # set_lr before the plan: queued as it would have been on a planned handle
+            self._runtime.lanes["optimizer"].submit(lambda: self.state.set_lr(pending.lr))
+
+    def __getattr__(self, name: str) -> Any:
+        """Only for names not set: what the plan makes (`PLANNED`) says in one line that none is made yet."""
+        if name in PLANNED:
+            raise RuntimeError(f"nothing is planned yet: compile(model, gpus={self.options.gpus}) without example= "
+                               f"plans at the first step(batch) or evaluate(batch); pass example= to plan now")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def steps(self) -> int:
         """Iterations completed (a failure rolls it back to the iteration that failed)."""
-        return self._runtime.t
+        return 0 if self._pending is not None else self._runtime.t
 
     @property
     def deadline_s(self) -> float:
@@ -162,12 +236,12 @@ class Compiled(Training):
             >>> rpcompile.compile(model, gpus=2, example=batch).deadline_s   # doctest: +SKIP
             600.0
         """
-        return self._runtime.timeout
+        return self.options.timeout or self._runtime.timeout  # the runtime's is the option, if one was given
 
     @property
     def skipped_steps(self) -> list[int]:
         """Iterations skipped for a non-finite loss or gradient (on_nonfinite="skip")."""
-        return list(self._runtime.skipped)
+        return [] if self._pending is not None else list(self._runtime.skipped)
 
     def _new_runtime(self, start: int, graph: LayerGraph | None = None, program: Any = None):
         rt = Runtime(graph or self.graph, program or self.program, self.state, backend=self.options.backend,
@@ -186,13 +260,17 @@ class Compiled(Training):
         return Variant(self.graph, self.costs, self.plan, self.program, self.microbatches, self._example)
 
     def _prepare(self, batch: Any) -> None:
-        """Check `batch`; if its signature (inputs present, shapes) is not the program's, switch programs.
+        """Check `batch`; plan with it if nothing is planned yet; if its signature (inputs present, shapes)
+        is not the program's, switch programs.
 
-        A signature seen before gets its program back; a new one is planned (`replan.plan_for`), keeping
-        the training state. The new program is built before the old runtime stops: if planning fails
-        (a bad batch), the handle goes on as before and the error is raised.
+        The first plan of a handle compiled without `example` is the one `compile(..., example=batch)`
+        makes (`_plan`). A signature seen before gets its program back; a new one is planned
+        (`replan.plan_for`), keeping the training state. The new program is built before the old runtime
+        stops: if planning fails (a bad batch), the handle goes on as before and the error is raised.
         """
         self._check_open()
+        if self._pending is not None:  # compiled without example=: this batch is the example
+            self._plan(batch)
         check_batch(batch, self.microbatches)
         sig = signature(batch)
         if sig != self._signature:
@@ -273,8 +351,13 @@ class Compiled(Training):
 
     @_one_caller
     def model(self) -> torch.nn.Module:
-        """The user's module with the current weights (every update applied, a pending one too)."""
+        """The user's module with the current weights (every update applied, a pending one too).
+
+        Before the first plan (compiled without `example`), the module as given: nothing has trained.
+        """
         self._check_open()
+        if self._pending is not None:
+            return self._model
         self._runtime.flush()
         masters = self.state.parameters_fp32()
         with torch.no_grad():
@@ -292,6 +375,8 @@ class Compiled(Training):
         if self.closed:
             return
         self.closed = True
+        if self._pending is not None:  # nothing planned: no thread was started
+            return
         try:
             self._runtime.close()
         finally:
@@ -305,5 +390,8 @@ class Compiled(Training):
         self.close()
 
     def __repr__(self) -> str:
+        if self._pending is not None:
+            return (f"Compiled(not planned yet: plans at the first step(batch) or evaluate(batch); "
+                    f"{self.options.gpus} workers, staleness {self.options.staleness})")
         return (f"Compiled({len(self.graph.layers)} layers, plan {self.plan.to_str()}, "
                 f"{self.options.gpus} workers, {self.microbatches} microbatches, staleness {self.options.staleness})")

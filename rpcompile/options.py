@@ -143,6 +143,8 @@ def options(*, gpus: Any, microbatches: Any = None, staleness: Any = 1, optimize
     if fp16_accumulation and parse_dtype(dtype) is not torch.float16:
         raise ValueError(f"fp16_accumulation=True needs dtype=torch.float16 (it changes fp16 GEMMs only), got "
                          f"dtype={dtype!r}")
+    if layers is not None and (not isinstance(layers, (list, tuple)) or not all(isinstance(p, str) for p in layers)):
+        raise ValueError(f"layers must be a list of module-name patterns (e.g. ['model.layers.*']), got {layers!r}")
     if loss_fn is not None and not callable(loss_fn):
         raise ValueError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     optimizer = _optimizer(optimizer)

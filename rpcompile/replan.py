@@ -3,7 +3,7 @@
 A program is traced for what its example held (`batch.signature`: the inputs present, a value that is
 None counting as absent, and the tensor shapes). An input the example lacked is not part of the
 program, so a batch with another signature must never run it: it gets a program of its own, planned
-once by `plan_for` with the layer units and LM-head shards of the first compile (the training state's
+once by `plan_for` with the layer units and LM-head shards of the first plan (the training state's
 layer groups stay the same), and kept in `Variants`. A key that comes and goes (a padding mask in
 some batches only) then switches between programs without planning again. What cannot be planned
 raises ValueError naming the key that was added or removed.

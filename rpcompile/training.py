@@ -32,8 +32,9 @@ def _one_caller(method: Callable) -> Callable:
 class Training:
     """`step`, `evaluate`, `stats`, `flush`, `set_lr` and `last_timeline` of `Compiled` (a mixin; see rpcompile/api.py).
 
-    They use what `Compiled.__init__` builds: `_lock`, `_runtime`, `_dist`, `state`, `options`, `graph`,
-    `microbatches`, `world_size`, `steps`, and its `_prepare` (check a batch, switch programs) and `_check_open`.
+    They use what `Compiled` builds: `_lock`, `_runtime`, `_dist`, `state`, `options`, `graph`,
+    `microbatches`, `world_size`, `steps`, and its `_prepare` (check a batch, plan it if nothing is planned
+    yet, switch programs) and `_check_open`; `_pending` is not None until the first plan (no `example=`).
     """
 
     def _weights(self, batch: Any, what: str) -> tuple[list[float] | None, tuple[int, int] | None]:
@@ -124,7 +125,8 @@ class Training:
             True
         """
         self._check_open()
-        self._runtime.flush()
+        if self._pending is None:  # before the first plan no step has run
+            self._runtime.flush()
 
     @_one_caller
     def set_lr(self, lr: float) -> None:
@@ -134,6 +136,7 @@ class Training:
         the iterations already run, so it never races with them: the update of
         iteration `c.steps` (the next `step(batch)`) and every later one use `lr`;
         an earlier one still running in the background keeps its own lr. No wait.
+        Before the first plan (`compile` without `example`), it is queued as that plan starts the runtime.
 
         Note:
             Which weights an lr reaches. With staleness 0, the update from step t's
@@ -147,6 +150,9 @@ class Training:
         self._check_open()
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 <= lr < float("inf"):
             raise ValueError(f"set_lr: lr must be a finite number >= 0, got {lr!r}")
+        if self._pending is not None:  # not planned yet: queued when the first plan starts the runtime
+            self._pending.lr = float(lr)
+            return
         self._runtime.lanes["optimizer"].submit(lambda: self.state.set_lr(float(lr)))
 
     @property

@@ -40,7 +40,7 @@ from rpcompile.passes.trace.hf_compat import no_kv_cache
 from rpcompile.passes.trace.tracer import (LayerTracer, UntraceableError, autowrap_masks, explain_root,
                                          forward_params, make_root)
 
-__all__ = ["trace", "UntraceableError", "PropagationError"]
+__all__ = ["trace", "match_units", "UntraceableError", "PropagationError"]
 
 
 def trace(model: torch.nn.Module, example: Any, *, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
@@ -78,7 +78,7 @@ def trace(model: torch.nn.Module, example: Any, *, loss_fn: Callable[[Any, Any],
     canonical, tied = _param_names(model)
     tied_names = [*tied, *tied.values()]
     tied_modules = frozenset(".".join(n.split(".")[:k]) for n in tied_names for k in range(n.count(".") + 1))
-    units = _match_units(model, layers) if layers is not None else _detect_units(model)
+    units = match_units(model, layers) if layers is not None else _detect_units(model)
     root = make_root(model)
     body = _make_body(model, example, kind, tuple(inputs), loss_fn)
     tracer = LayerTracer(frozenset(units), tied_modules, tuple(inputs), body)
@@ -204,8 +204,15 @@ def _stacks(lists: list[tuple[str, torch.nn.Module]], main: str) -> list[str]:
     return chosen
 
 
-def _match_units(model: torch.nn.Module, patterns: Sequence[str]) -> list[str]:
-    """Module names matching the patterns (`*` = one dotted segment); outermost matches win."""
+def match_units(model: torch.nn.Module, patterns: Sequence[str]) -> list[str]:
+    """Module names matching the patterns (`*` = one dotted segment); outermost matches win.
+
+    Raises:
+        ValueError: a pattern matches no module of `model` (names the pattern).
+
+    >>> match_units(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()), ["*"])
+    ['0', '1']
+    """
     names = [n for n, _ in model.named_modules() if n]
 
     def hit(name: str, pat: str) -> bool:
