@@ -1,14 +1,19 @@
 """The output folder of a fine-tuning run: what a run writes there, what it refuses, what a resume must match.
 
     >>> check_out(cfg)                  # raises unless cfg.out may be written (see finetune's docstring)  # doctest: +SKIP
-    >>> lock = claim_out(cfg); ...; lock.release()   # check_out, and the folder is this run's alone      # doctest: +SKIP
-    >>> check_resume(cfg, run_record(cfg, train))                                                     # doctest: +SKIP
+    >>> lock = claim_out(cfg)           # check_out (and check_resume), and the folder is this run's alone  # doctest: +SKIP
+    >>> lock.hold(cfg); ...; lock.release()   # OUT created (if new) and locked, just before the run writes  # doctest: +SKIP
+    >>> check_resume_data(cfg, run_record(cfg, train))                                                # doctest: +SKIP
 
-One run owns its output folder: `claim_out` takes an exclusive lock (`fcntl.flock` on `OUT/.lock`,
-which holds the owner's pid) for the whole run, so a second run on the same folder is refused at
-once, naming the pid that holds it. The operating system releases the lock with the process, so a
-killed run leaves no lock behind (the file stays; it locks nothing). Where there is no `flock`
-(Windows) there is no lock.
+One run owns its output folder: `claim_out` takes an exclusive lock (`fcntl.flock` on the folder
+itself, opened read-only) for the whole run, so a second run on the same folder is refused at once,
+naming the pid that holds it (read from /proc/locks where there is one). Nothing is written for the
+lock, and a refused command writes nothing at all: every check (`check_out`, and for a resume
+`check_resume`: the checkpoint is there, the settings are the run's) comes before any write, and a
+folder that does not exist yet is created, and locked, only by `OutLock.hold`, when the run starts
+writing into it. The operating system releases the lock with the process, so a killed run leaves no
+lock behind. Where there is no `flock` (Windows), or the file system refuses one on a folder, there is
+no lock.
 """
 from __future__ import annotations
 
@@ -25,15 +30,15 @@ except ImportError:  # pragma: no cover - Windows
 
 from rpcompile.finetune.config import FinetuneConfig
 from rpcompile.finetune.hf import TOKENIZER_FILES
-from rpcompile.finetune.metrics import METRICS_FILE, TENSORBOARD_DIR
+from rpcompile.finetune.metrics import METRICS_FILE, TENSORBOARD_DIR, read_records
 
-__all__ = ["CHECKPOINT", "RUN_FILE", "TOKEN_CACHE", "FREE", "LOCK_FILE", "OutLock", "check_out", "claim_out",
-           "previous_run", "remove_previous", "run_record", "read_run", "check_resume"]
+__all__ = ["CHECKPOINT", "RUN_FILE", "TOKEN_CACHE", "FREE", "PATHS", "OutLock", "check_out", "claim_out",
+           "previous_run", "remove_previous", "run_settings", "run_record", "read_run", "check_resume",
+           "check_resume_data"]
 
 CHECKPOINT = "rpcompile-checkpoint.rp"  # in `out`: the training state (rpcompile.load format)
 RUN_FILE = "rpcompile-run.json"  # in `out`: the run's settings and data fingerprint, checked on resume
 TOKEN_CACHE = "token-cache"  # in `out`: the tokenized data files (rpcompile.finetune.data.token_cache), kept for reruns
-LOCK_FILE = ".lock"  # in `out`: locked (flock) by the run that owns the folder; holds its pid
 # a resume may change these (the data file is checked by the fingerprint of its packed tokens, not its path)
 FREE = ("out", "data", "resume", "overwrite", "save_every", "eval", "eval_every", "progress", "logging_steps",
         "report_to", "dry_run", "num_proc", "timeout", "dist_timeout")
@@ -67,34 +72,49 @@ def check_out(cfg: FinetuneConfig) -> None:
 
 
 class OutLock:
-    """An exclusive lock on an output folder, held until `release` (or the process ends).
+    """An exclusive lock on an output folder (`flock` on the folder itself), held until `release` (or the process
+    ends); nothing is written for it.
 
     Args:
-        out: the folder (created if missing).
+        out: the folder; locked now if it exists, else by `hold`, which creates it.
     Raises:
-        ValueError: another process holds the folder (names its pid).
+        ValueError: another process holds the folder (names its pid where /proc/locks tells it).
     """
 
     def __init__(self, out: str) -> None:
-        self.path = os.path.join(out, LOCK_FILE)
+        self.out = out
         self._fd: int | None = None
+        if os.path.isdir(out):
+            self._lock()
+
+    def _lock(self) -> None:
+        """Lock the existing folder `out` (no lock where the platform or the file system has none)."""
         if fcntl is None:
             return
-        os.makedirs(out, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.out, os.O_RDONLY)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+            holder = _lock_holder(fd)
             os.close(fd)
-            raise ValueError(f"--out {out!r} is in use by another run (pid {holder}, which holds {self.path}): "
-                             f"wait for it to end, or give another --out") from None
+            pid = f"pid {holder}" if holder is not None else "another process"
+            raise ValueError(f"--out {self.out!r} is in use by another run ({pid} holds a lock on that folder): wait "
+                             f"for it to end, or give another --out") from None
+        except OSError:  # no flock on this file system (some network ones): no lock, as on Windows
+            os.close(fd)
+            return
         except BaseException:
             os.close(fd)
             raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
+
+    def hold(self, cfg: FinetuneConfig) -> None:
+        """The run starts writing: create `out` if it does not exist, lock it if it is not locked yet, and check it
+        again under the lock (another run may have written it since `claim_out`); raises as `claim_out`."""
+        if self._fd is None:
+            os.makedirs(self.out, exist_ok=True)
+            self._lock()
+        _check_claim(cfg)
 
     def release(self) -> None:
         """Let another run have the folder (closing the descriptor drops the lock)."""
@@ -103,21 +123,51 @@ class OutLock:
             os.close(fd)
 
 
+def _lock_holder(fd: int) -> int | None:
+    """The pid that holds a flock on the file open as `fd`, from /proc/locks (None where that is not known)."""
+    st = os.fstat(fd)
+    try:
+        with open("/proc/locks", encoding="ascii", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:  # "1: FLOCK  ADVISORY  WRITE 12923 fe:00:2146710 0 EOF" (device numbers in hex)
+        fields = line.split()
+        if len(fields) < 6 or fields[1] != "FLOCK":  # a waiter's line reads "1: -> FLOCK ..."
+            continue
+        dev = fields[5].split(":")
+        try:
+            if len(dev) == 3 and (int(dev[0], 16), int(dev[1], 16), int(dev[2])) == (
+                    os.major(st.st_dev), os.minor(st.st_dev), st.st_ino):
+                return int(fields[4])
+        except ValueError:
+            continue
+    return None
+
+
 def claim_out(cfg: FinetuneConfig) -> OutLock:
-    """`check_out`, then lock `cfg.out` for this run and check it again under the lock (another run may have
-    written it in between); the caller releases the lock when the run ends.
+    """`check_out` (and with `resume`, `check_resume`), then lock `cfg.out` for this run if it exists (else
+    `OutLock.hold` creates and locks it) and check again under the lock; nothing is written. The caller
+    calls `hold` before the run writes into `cfg.out`, and releases the lock when the run ends.
 
     Raises:
-        as `check_out`, and ValueError when another run holds the folder (naming its pid).
+        as `check_out` and `check_resume`, and ValueError when another run holds the folder (naming its pid).
     """
-    check_out(cfg)
+    _check_claim(cfg)
     lock = OutLock(cfg.out)
     try:
-        check_out(cfg)
+        _check_claim(cfg)
     except BaseException:
         lock.release()
         raise
     return lock
+
+
+def _check_claim(cfg: FinetuneConfig) -> None:
+    """What a run checks of `cfg.out` before it may write there: `check_out`, and `check_resume` for a resume."""
+    check_out(cfg)
+    if cfg.resume:
+        check_resume(cfg)
 
 
 def previous_run(out: str) -> list[str]:
@@ -131,18 +181,22 @@ def previous_run(out: str) -> list[str]:
     # run's own files first, then the weights
 
 
+def run_settings(cfg: FinetuneConfig) -> dict[str, Any]:
+    """The run record's "settings": every field of `cfg`, tuples as lists (JSON)."""
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cfg).items()}
+
+
 def run_record(cfg: FinetuneConfig, train: Any, held: Any = None) -> dict[str, Any]:
     """The run's settings and a fingerprint of its packed training data (what resume must match).
 
     With `held` (the --val-size part), the record also lists its documents (`held.selection`: the
     indices of the data file's non-blank rows), so the split can be checked and reproduced.
     """
-    settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cfg).items()}
     data = {"sequences": len(train), "tokens": train.tokens, "trained": train.trained,
             "sha256": train.fingerprint()}
     if held is not None:
         data["held_out"] = {"documents": [int(i) for i in held.selection], "sha256": held.fingerprint()}
-    return {"settings": settings, "data": data}
+    return {"settings": run_settings(cfg), "data": data}
 
 
 def remove_previous(out: str) -> None:
@@ -175,18 +229,41 @@ def read_run(path: str) -> dict[str, Any]:
                      f"with --overwrite")
 
 
-def check_resume(cfg: FinetuneConfig, run: dict[str, Any]) -> None:
-    """Raise unless out/ holds a checkpoint of a run with the same settings and data."""
+def check_resume(cfg: FinetuneConfig) -> None:
+    """Raise unless out/ holds a checkpoint, the record of a run with the same settings and a metrics file of records
+    (checked before anything is read or written; the data is `check_resume_data`'s, once it is packed).
+
+    The paths among the settings (`PATHS`) are compared as the files they name: `tiny`, `tiny/`, `./tiny` and
+    its absolute path are one model folder (a relative path is taken from the current folder).
+    """
     path, ckpt = os.path.join(cfg.out, RUN_FILE), os.path.join(cfg.out, CHECKPOINT)
     if not os.path.isfile(ckpt) or not os.path.isfile(path):
         missing = ckpt if not os.path.isfile(ckpt) else path
         raise FileNotFoundError(f"--resume: {missing!r} does not exist (run with --save-every K to write "
                                 f"checkpoints)")
-    saved = read_run(path)
-    diff = [f"{k}={saved['settings'].get(k)!r} then, {v!r} now" for k, v in run["settings"].items()
-            if k not in FREE and saved["settings"].get(k) != v]
+    saved = read_run(path)["settings"]
+    diff = [f"{k}={saved.get(k)!r} then, {v!r} now" for k, v in run_settings(cfg).items()
+            if k not in FREE and not _same_setting(k, saved.get(k), v)]
     if diff:
         raise ValueError(f"--resume: the settings differ from the run in {cfg.out!r}: {'; '.join(diff)}")
+    metrics = os.path.join(cfg.out, METRICS_FILE)
+    if os.path.isfile(metrics):
+        read_records(metrics)  # the lines the resumed run keeps: refused now, before anything is written
+
+
+PATHS = ("model", "chat_template")  # settings that name a file or folder: compared as resolved paths
+
+
+def _same_setting(key: str, then: Any, now: Any) -> bool:
+    """Whether a setting of the run record (`then`) and of this run (`now`) are the same; paths resolved."""
+    if key in PATHS and isinstance(then, str) and isinstance(now, str):
+        return os.path.realpath(then) == os.path.realpath(now)
+    return then == now
+
+
+def check_resume_data(cfg: FinetuneConfig, run: dict[str, Any]) -> None:
+    """Raise unless the run record in out/ holds the training data of `run` (its fingerprint)."""
+    saved = read_run(os.path.join(cfg.out, RUN_FILE))
     if saved["data"] != run["data"]:
         brief = lambda d: {k: v for k, v in d.items() if k != "held_out"}  # noqa: E731 - no document lists
         raise ValueError(f"--resume: the training data differs from the run's ({brief(saved['data'])} then, "

@@ -31,8 +31,12 @@ and a fingerprint of the data; written atomically). The data position and the
 schedule step are both the checkpoint's step count, so `resume=True` continues
 bit for bit; it refuses settings that differ from the run's.
 
-One run at a time owns `out`: an exclusive lock on `out/.lock` for the whole run refuses a second run
-on the same folder at once, naming the first one's pid (`rpcompile.finetune.out.claim_out`).
+One run at a time owns `out`: an exclusive lock on the folder for the whole run refuses a second run
+on the same folder at once, naming the first one's pid (`rpcompile.finetune.out.claim_out`). A refused
+run writes nothing: the settings, `out`, and for a resume its checkpoint, settings and metrics file are
+checked before anything is written, and a new `out` is created only when the run starts writing (its
+token cache). What needs the packed data (a run that does not fit, a resume whose data differs) is
+refused after that cache is written into `out/token-cache`.
 
 A finished run is never overwritten by accident: an `out` that holds a run record,
 a checkpoint, or model, adapter or tokenizer files is refused unless the run is
@@ -57,8 +61,8 @@ from rpcompile.finetune.data import CONVERSATIONAL, NothingToTrain, file_kind, p
 from rpcompile.finetune.config import DTYPES, FinetuneConfig, FinetuneResult, check_config
 from rpcompile.finetune.dist import Ranks
 from rpcompile.finetune.loop import Loop, StepFailed, StepOutOfMemory, StepPlan
-from rpcompile.finetune.out import (CHECKPOINT, RUN_FILE, TOKEN_CACHE, OutLock, check_resume, claim_out, remove_previous,
-                                   run_record)
+from rpcompile.finetune.out import (CHECKPOINT, RUN_FILE, TOKEN_CACHE, OutLock, check_resume_data, claim_out,
+                                   remove_previous, run_record)
 from rpcompile.finetune.hf import add_lora, check_model, decay_parameters, export, load_model, load_tokenizer, \
     trainable_module
 from rpcompile.finetune.metrics import MetricsLog, check_report_to
@@ -93,7 +97,9 @@ def finetune(cfg: FinetuneConfig, *, on_step: Callable[[int, float], None] | Non
             tracebacks are in OUT/rpcompile-failure.txt (the CLI: exit status 1).
         StepOutOfMemory: a step ran out of device or host memory (a MemoryError: the CLI prints its
             one line, exit 2); the last checkpoint stays valid.
-        KeyboardInterrupt: Ctrl-C; the step is undone and the last checkpoint stays valid (exit 130).
+        KeyboardInterrupt: Ctrl-C (from the command line, SIGTERM too); the step is undone and the last
+            checkpoint stays valid; its message is one line naming the step and the checkpoint kept (the CLI
+            prints it: exit 130, 143 for SIGTERM).
 
     Note:
         The learning rate of step t, `lr_at(t)`, is set just before `step(batch_t)`, so it is
@@ -114,14 +120,15 @@ def finetune(cfg: FinetuneConfig, *, on_step: Callable[[int, float], None] | Non
     if not cfg.dry_run:  # before anything slow: a finished run is never overwritten by accident, and one run
         ranks.on_rank0(lambda: locks.append(claim_out(cfg)))  # at a time owns the folder (rank 0's lock)
     try:
-        return _train(cfg, ranks, on_step)
+        return _train(cfg, ranks, on_step, locks)
     finally:
         for lock in locks:
             lock.release()
 
 
-def _train(cfg: FinetuneConfig, ranks: Ranks, on_step: Callable[[int, float], None] | None) -> FinetuneResult:
-    """The run of `finetune`, once `out` is this run's (see its docstring)."""
+def _train(cfg: FinetuneConfig, ranks: Ranks, on_step: Callable[[int, float], None] | None,
+           locks: list[OutLock]) -> FinetuneResult:
+    """The run of `finetune`, once `out` is this run's (see its docstring; `locks`: rank 0's lock of `out`)."""
     cuda = torch.cuda.is_available()
     dtype = DTYPES[cfg.dtype] or (torch.bfloat16 if cuda else torch.float32)
     tokenizer = load_tokenizer(cfg.model)  # everything that can be wrong is checked before the weights load
@@ -130,11 +137,12 @@ def _train(cfg: FinetuneConfig, ranks: Ranks, on_step: Callable[[int, float], No
         tokenizer.chat_template = read_template(cfg.chat_template)  # used for the data, and exported
     gpus = cfg.gpus or (torch.cuda.device_count() if cuda else 2)
     micro = ranks.microbatches(cfg.microbatches or 2 * gpus * ranks.world)  # this rank's share of the step's
+    ranks.on_rank0(lambda: [lock.hold(cfg) for lock in locks])  # the first write into out: its token cache
     train, held = _datasets(cfg, tokenizer, ranks)
     run = run_record(cfg, train, held if cfg.val_size else None)
     ranks.same_everywhere(json.dumps(run["data"], sort_keys=True), "the training data")
     if cfg.resume:
-        ranks.on_rank0(lambda: check_resume(cfg, run))
+        ranks.on_rank0(lambda: check_resume_data(cfg, run))
     size = cfg.micro_batch_size * micro * ranks.world  # sequences per step, every rank together
     plan = StepPlan(total=cfg.steps or max(1, math.ceil((cfg.epochs or 1.0) * len(train) / size)), size=size,
                     lr=cfg.lr if cfg.lr is not None else (2e-4 if cfg.lora else 2e-5),

@@ -1,4 +1,5 @@
-"""The output folder of a fine-tuning run (`rpcompile.finetune.out`): one run at a time owns it."""
+"""The output folder of a fine-tuning run (`rpcompile.finetune.out`): one run at a time owns it, a refused command
+writes nothing into it, and a resume matches its run's settings (paths as the folders they name)."""
 from __future__ import annotations
 
 import json
@@ -14,7 +15,8 @@ pytest.importorskip("transformers")
 
 from rpcompile.cli.main import main  # noqa: E402
 from rpcompile.finetune.metrics import read_metrics  # noqa: E402
-from rpcompile.finetune.out import LOCK_FILE, OutLock  # noqa: E402
+from rpcompile.finetune import FinetuneConfig  # noqa: E402
+from rpcompile.finetune.out import CHECKPOINT, RUN_FILE, OutLock, check_resume, run_settings  # noqa: E402
 import hf_fixtures as fx  # noqa: E402
 
 FLAGS = ["--seq", "32", "--micro-batch-size", "2", "--microbatches", "2", "--gpus", "2", "--warmup", "0",
@@ -52,11 +54,13 @@ def test_two_runs_started_at_once_on_one_out_one_trains_the_other_is_refused(fil
 
 def test_a_held_folder_is_refused_at_once_naming_the_pid_and_free_again_after_release(files, tmp_path, capsys):
     out = tmp_path / "o"
+    out.mkdir()
     lock = OutLock(str(out))
+    assert os.listdir(out) == []  # the lock is on the folder itself: nothing is written for it
     assert main(argv(files, out, "1e-3")) == 2
     err = capsys.readouterr().err
-    assert f"--out {str(out)!r} is in use by another run (pid {os.getpid()}, which holds {out / LOCK_FILE})" in err
-    assert os.listdir(out) == [LOCK_FILE]  # nothing was written
+    assert f"--out {str(out)!r} is in use by another run (pid {os.getpid()} holds a lock on that folder)" in err
+    assert os.listdir(out) == []  # nothing was written
     lock.release()
     assert main(argv(files, out, "1e-3")) == 0
     assert main(argv(files, out, "1e-3") + ["--overwrite"]) == 0  # the lock of the ended run is free
@@ -65,6 +69,7 @@ def test_a_held_folder_is_refused_at_once_naming_the_pid_and_free_again_after_re
 KILLED = r"""
 import os, sys
 from rpcompile.finetune.out import OutLock
+os.makedirs(sys.argv[1])
 lock = OutLock(sys.argv[1])
 print("locked", flush=True)
 sys.stdin.read()  # held until killed
@@ -81,3 +86,77 @@ def test_a_killed_runs_lock_does_not_block(files, tmp_path):
     p.send_signal(signal.SIGKILL)
     p.wait(timeout=30)
     assert main(argv(files, out, "1e-3")) == 0
+
+
+def tree(root) -> dict:
+    """Every folder and file under `root`: a file's size, mtime and bytes (None: `root` does not exist)."""
+    if not os.path.exists(root):
+        return None
+    found = {}
+    for folder, dirs, names in os.walk(root):
+        for n in dirs:
+            found[os.path.relpath(os.path.join(folder, n), root)] = "folder"
+        for n in names:
+            path = os.path.join(folder, n)
+            st = os.stat(path)
+            with open(path, "rb") as f:
+                found[os.path.relpath(path, root)] = (st.st_size, st.st_mtime_ns, f.read())
+    return found
+
+
+@pytest.fixture(scope="module")
+def finished(files, tmp_path_factory):
+    """A finished 3-step run with a checkpoint, and one without (--save-every 0)."""
+    d = tmp_path_factory.mktemp("finished")
+    assert main(argv(files, d / "saved", "1e-3") + ["--save-every", "3"]) == 0
+    assert main(argv(files, d / "unsaved", "1e-3")) == 0
+    return SimpleNamespace(saved=d / "saved", unsaved=d / "unsaved")
+
+
+def test_a_refused_command_writes_nothing_into_out_and_creates_no_folder(files, finished, tmp_path, capsys):
+    """Bad values, a resume with other settings, a resume with no checkpoint or a bad metrics line, a model folder
+    that is not one: refused in one line, OUT's tree (names, sizes, mtimes, bytes) as it was, a new OUT not made."""
+    nothing = tmp_path / "typo"
+    (tmp_path / "not-a-model").mkdir()
+    cases = [(nothing, ["--steps", "0"]), (nothing, ["--resume"]), (nothing, ["--model", str(tmp_path / "not-a-model")]),
+             (finished.saved, ["--resume", "--lr", "2e-3"]), (finished.saved, ["--resume", "--seq", "16"]),
+             (finished.unsaved, ["--resume"]), (finished.saved, ["--lr", "2e-3"]),
+             (finished.saved, ["--resume", "--model", str(tmp_path / "not-a-model")])]
+    for out, extra in cases:
+        before = tree(out)
+        capsys.readouterr()
+        assert main([*argv(files, out, "1e-3"), *extra]) == 2, extra
+        err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("python -m rpcompile")]
+        assert len(err) == 1, (extra, err)
+        assert tree(out) == before, (out, extra)
+    metrics = finished.saved / "metrics.jsonl"
+    good = metrics.read_bytes()
+    try:
+        metrics.write_bytes(good + b"[1, 2]\n")
+        before = tree(finished.saved)
+        assert main([*argv(files, finished.saved, "1e-3"), "--resume"]) == 2
+        assert f"the metrics file {str(metrics)!r} line 4 is not a metrics record" in capsys.readouterr().err
+        assert tree(finished.saved) == before
+    finally:
+        metrics.write_bytes(good)
+
+
+def test_resume_takes_the_model_folder_however_its_path_is_spelled(files, tmp_path, monkeypatch):
+    """`tiny`, `tiny/`, `./tiny` and the absolute path are one folder (chat templates too); another folder is not."""
+    import shutil
+    monkeypatch.chdir(os.path.dirname(files.model))
+    name = os.path.basename(files.model)
+    (tmp_path / "chat.jinja").write_text("{{ messages }}")
+    out = tmp_path / "run"
+    out.mkdir()
+    cfg = FinetuneConfig(model=name, data=files.train, out=str(out), chat_template=str(tmp_path / "chat.jinja"))
+    (out / RUN_FILE).write_text(json.dumps({"settings": run_settings(cfg), "data": {}}))
+    (out / CHECKPOINT).write_bytes(b"a checkpoint")
+    up = os.path.join("..", os.path.basename(os.getcwd()), name)
+    for spelling in (name, name + "/", f"./{name}", os.path.abspath(name), f"{name}//", up):
+        check_resume(FinetuneConfig(model=spelling, data=files.train, out=str(out), resume=True,
+                                    chat_template=os.path.relpath(tmp_path / "chat.jinja")))
+    other = shutil.copytree(files.model, tmp_path / name)  # the same files, another folder
+    with pytest.raises(ValueError, match=f"the settings differ .* model={name!r} then, {str(other)!r} now"):
+        check_resume(FinetuneConfig(model=str(other), data=files.train, out=str(out), resume=True,
+                                    chat_template=str(tmp_path / "chat.jinja")))
