@@ -16,8 +16,11 @@ one line on stderr and exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
 import sys
+import threading
 import time
 
 from rpcompile.checkpoint import write_text_atomic
@@ -175,6 +178,29 @@ def parser() -> argparse.ArgumentParser:
 REFUSED = (ValueError, ImportError, OSError, FloatingPointError, MemoryError)  # printed as one line, exit 2
 FAILED = (StepFailed,)  # a run that failed in the runtime: one line (the rest in a file it names), exit 1
 INTERRUPTED = 130  # the exit status after Ctrl-C (128 + SIGINT), as shells report it
+TERMINATED = 143  # the exit status after SIGTERM (128 + SIGTERM), what a cluster scheduler sends to stop a job
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread as Ctrl-C's KeyboardInterrupt is, so a command stops the same way (a
+    finetune step undone, the last checkpoint kept) and says so in one line."""
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """For the block: SIGTERM raises `Terminated` in the main thread (elsewhere nothing changes); the previous
+    handler is back after it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminated(signum: int, frame: object) -> None:
+        raise Terminated("terminated (SIGTERM)")
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)  # None: set outside Python
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -184,7 +210,9 @@ def main(argv: list[str] | None = None) -> int:
         Caught: `REFUSED` (ValueError, ImportError, OSError such as FileNotFoundError,
         NotADirectoryError, IsADirectoryError or PermissionError, FloatingPointError such
         as the runtime's NonFiniteError, and MemoryError such as finetune's StepOutOfMemory).
-        Ctrl-C (KeyboardInterrupt) is one line too, and exit status 130; a finetune step that failed in
+        Ctrl-C (KeyboardInterrupt) is one line too (what the command kept, e.g. finetune's last checkpoint), and
+        exit status 130; SIGTERM, while the command runs, stops it the same way, exit status 143 (`Terminated`).
+        A finetune step that failed in
         the runtime (`StepFailed`: an instruction raised, or a wait ran past --timeout) is one line
         naming the instruction, the worker and the wait, and the file in OUT that holds the grid and the
         tracebacks, exit status 1. Only the message's first line is printed (a
@@ -196,10 +224,12 @@ def main(argv: list[str] | None = None) -> int:
         print(exc, file=sys.stderr)
         return 2
     try:
-        return args.func(args)
-    except KeyboardInterrupt:  # the command said what it kept (e.g. finetune: the last checkpoint)
-        print(f"python -m rpcompile {args.command}: interrupted", file=sys.stderr)
-        return INTERRUPTED
+        with _sigterm_as_interrupt():
+            return args.func(args)
+    except KeyboardInterrupt as exc:  # its message says what the command kept (finetune: the last checkpoint)
+        why = str(exc).strip().split("\n")[0] or "interrupted"  # Terminated's: "terminated (SIGTERM) ..."
+        print(f"python -m rpcompile {args.command}: {why}", file=sys.stderr)
+        return TERMINATED if isinstance(exc, Terminated) else INTERRUPTED
     except FAILED as exc:
         print(f"python -m rpcompile {args.command}: error: {exc}", file=sys.stderr)
         return 1

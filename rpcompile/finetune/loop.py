@@ -20,7 +20,9 @@ A runtime failure (an instruction that raised, or a wait past its deadline) stop
 `StepFailed`: one line naming the step, the instruction, its worker and the wait, and the path of
 `OUT/rpcompile-failure.txt`, which holds the whole message (the instruction grid, the worker's traceback).
 
-What stops a run (`StepOutOfMemory`, `StepFailed`, KeyboardInterrupt): the step that failed is
+What stops a run (`StepOutOfMemory`, `StepFailed`, KeyboardInterrupt: Ctrl-C, or SIGTERM from the command line,
+whose message becomes one line, "interrupted in step 8 (undone, the checkpoint of step 6 is kept; continue with
+--resume)", for the command line to print): the step that failed is
 undone by the runtime, the lines of the steps that finished are written, and the
 last checkpoint is left as it was (a checkpoint is replaced atomically, never
 half-written), so `--resume` continues from it.
@@ -186,11 +188,12 @@ class Loop:
                     losses.append(self._step(bar, evals))
                     if on_step is not None:
                         on_step(c.steps, losses[-1])
-            except KeyboardInterrupt:
+            except KeyboardInterrupt as exc:  # Ctrl-C, or the command line's SIGTERM (a subclass)
                 self._write(complete=True)  # every finished step's line (the counters as recorded)
                 done = "finished, " if c.steps > t else "undone, "  # its update may have begun: then it counts
                 kept = f"the checkpoint of step {self.saved} is kept" if self.saved else "no checkpoint was written"
-                print(f"interrupted in step {t + 1} ({done}{kept}; continue with --resume)", file=sys.stderr)
+                why = str(exc) or "interrupted"
+                exc.args = (f"{why} in step {t + 1} ({done}{kept}; continue with --resume)",)  # its one line
                 raise
             except Exception as exc:
                 self._write(complete=True)

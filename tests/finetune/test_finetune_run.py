@@ -150,8 +150,9 @@ def test_ctrl_c_in_step_3_exits_130_and_resuming_logs_each_step_once(files, six,
     with monkeypatch.context() as mp:
         mp.setattr(rpcompile.Compiled, "step", _interrupt_in_step(3))
         assert run(files, out, "--save-every", "1") == 130
-    err = capsys.readouterr().err
-    assert "Traceback" not in err and "interrupted in step 3" in err
+    mine = errors(capsys)  # no traceback, and one line that says what was kept
+    assert len(mine) == 1 and re.fullmatch(r"python -m rpcompile finetune: interrupted in step 3 \((undone|finished), "
+                                           r"the checkpoint of step 2 is kept; continue with --resume\)", mine[0]), mine
     saved = checkpoint.load(os.path.join(out, CHECKPOINT))  # loadable
     assert saved["steps"] in (2, 3)  # step 3 undone, or finished if its update had begun
     calls = _count_tokenizer_calls(monkeypatch)
@@ -160,6 +161,65 @@ def test_ctrl_c_in_step_3_exits_130_and_resuming_logs_each_step_once(files, six,
     lines = read_metrics(os.path.join(out, "metrics.jsonl"))
     assert [r["step"] for r in lines] == [1, 2, 3, 4, 5, 6]
     assert [r["loss"] for r in lines] == six.losses  # and the same run, bit for bit
+
+
+SIGTERM_IN_STEP_3 = r"""
+import os, signal, sys, threading
+import rpcompile
+from rpcompile.cli.main import main
+real = rpcompile.Compiled.step
+def step(self, batch):  # SIGTERM from outside while the caller waits inside step 3
+    if self.steps == 2:
+        its = self._runtime.iterations
+        read = its.read_losses
+        def slow(t, ctx, give):
+            if threading.current_thread() is threading.main_thread():
+                os.kill(os.getppid(), signal.SIGUSR1)  # the test sends SIGTERM now
+                threading.Event().wait(60)  # ended by the SIGTERM
+            return read(t, ctx, give)
+        its.read_losses = slow
+    return real(self, batch)
+rpcompile.Compiled.step = step
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow  # a fresh process: its imports
+def test_sigterm_in_step_3_is_one_line_exit_143_and_resume_continues_the_same_run(files, six, tmp_path, capsys):
+    """What a cluster scheduler sends: handled as Ctrl-C (the step undone, the checkpoint kept), one line, 143."""
+    out = tmp_path / "o"
+    argv = ["finetune", "--model", files.model, "--data", files.train, "--out", str(out), *FLAGS, "--save-every", "1"]
+    asked = threading.Event()
+    previous = signal.signal(signal.SIGUSR1, lambda *_: asked.set())
+    try:
+        p = subprocess.Popen([sys.executable, "-c", SIGTERM_IN_STEP_3, *argv], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+        assert asked.wait(300), "the run never reached step 3"
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=120)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert p.returncode == 143 and "Traceback" not in err, (p.returncode, err[-2000:])
+    mine = [line for line in err.splitlines() if line.startswith("python -m rpcompile")]
+    assert re.fullmatch(r"python -m rpcompile finetune: terminated \(SIGTERM\) in step 3 \((undone|finished), the "
+                        r"checkpoint of step 2 is kept; continue with --resume\)", "\n".join(mine)), err[-2000:]
+    assert checkpoint.load(os.path.join(out, CHECKPOINT))["steps"] in (2, 3)
+    assert run(files, out, "--save-every", "1", "--resume") == 0
+    lines = read_metrics(os.path.join(out, "metrics.jsonl"))
+    assert [r["step"] for r in lines] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in lines] == six.losses  # the same run, bit for bit
+
+
+def test_the_sigterm_handler_is_the_commands_only(tmp_path):
+    """main() sets its SIGTERM handler for the command's run and puts the previous one back, on every exit."""
+    def mine(*_):
+        pass
+    previous = signal.signal(signal.SIGTERM, mine)
+    try:
+        assert main(["simulate", "--program", str(tmp_path / "missing.csv")]) == 2
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def test_out_of_memory_in_step_4_is_one_line_and_the_step_2_checkpoint_loads(files, tmp_path, monkeypatch, capsys):
