@@ -91,7 +91,11 @@ class OutLock:
         """Lock the existing folder `out` (no lock where the platform or the file system has none)."""
         if fcntl is None:
             return
-        fd = os.open(self.out, os.O_RDONLY)
+        try:
+            fd = os.open(self.out, os.O_RDONLY)
+        except OSError as exc:
+            raise PermissionError(f"--out {self.out!r}: cannot open the folder to lock it ({exc.strerror or exc})") \
+                from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
