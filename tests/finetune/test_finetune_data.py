@@ -143,3 +143,21 @@ def test_set_lr_applies_to_the_update_of_the_next_step(staleness):
     assert got == pytest.approx(want, abs=1e-5)
     for n, p in ref.items():
         torch.testing.assert_close(end[n], p, atol=1e-5, rtol=1e-5, msg=lambda m: f"{n}: {m}")
+
+
+
+CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"}]
+
+
+@pytest.mark.parametrize("row, field", [
+    ({"text": "ok \ud800 then"}, "'text'"),
+    ({"prompt": "Q: ", "completion": "\udfff"}, "'completion'"),
+    ({"messages": [CHAT[0], {"role": "assistant", "content": "x\ud800"}]}, "message 2 'content'"),
+    ({"conversations": [{"from": "human", "value": "\ud83d"}, {"from": "gpt", "value": "b"}]}, "turn 1 'value'"),
+])
+def test_a_lone_surrogate_in_a_row_is_refused_naming_the_file_line_and_field(tmp_path, tok, row, field):
+    fine = {"text": {"text": "fine"}, "prompt": {"prompt": "a", "completion": "b"}, "messages": {"messages": CHAT},
+            "conversations": {"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}]}}
+    path = fx.write_jsonl(tmp_path / "bad.jsonl", [fine[next(iter(row))], row])  # JSON writes the \ud800 escape
+    with pytest.raises(ValueError, match=rf"data file '{path}' line 2: {field} holds a lone UTF-16 surrogate"):
+        read_documents(path, tok)

@@ -55,11 +55,11 @@ def row_kind(obj: Any, text_field: str) -> str | None:
 
 def row_document(obj: dict, kind: str, where: str, tokenizer: Any, train_on: str | None, text_field: str,
               template: str | None) -> Document:
-    """One row of a known kind as a Document."""
+    """One row of a known kind as a Document; ValueError naming `where` and the field of a string that is not text."""
     if kind == "text":
-        return Document(obj[text_field], False)
+        return Document(_text(obj[text_field], where, repr(text_field)), False)
     if kind == "prompt/completion":
-        text = obj["prompt"] + obj["completion"]
+        text = _text(obj["prompt"], where, "'prompt'") + _text(obj["completion"], where, "'completion'")
         return Document(text, False) if train_on == "all" else Document(text, False, ((len(obj["prompt"]),
                                                                                        len(text)),), True)
     messages = _messages(obj["messages"], where) if kind == "messages" else _sharegpt(obj["conversations"], where)
@@ -71,18 +71,33 @@ def _messages(messages: list, where: str) -> list[dict]:
     for m in messages:
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             raise ValueError(f"{where}: each message must be {{'role': str, 'content': str}}, got {m!r}")
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+    return [{"role": _text(m["role"], where, f"message {i} 'role'"),
+             "content": _text(m["content"], where, f"message {i} 'content'")} for i, m in enumerate(messages, 1)]
 
 
 def _sharegpt(turns: list, where: str) -> list[dict]:
     """A sharegpt 'conversations' list as messages (human -> user, gpt -> assistant)."""
     out = []
-    for t in turns:
+    for i, t in enumerate(turns, 1):
         if not (isinstance(t, dict) and t.get("from") in SHAREGPT_ROLES and isinstance(t.get("value"), str)):
             raise ValueError(f"{where}: each sharegpt turn must be {{'from': one of {sorted(SHAREGPT_ROLES)}, "
                              f"'value': str}}, got {t!r}")
-        out.append({"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]})
+        out.append({"role": SHAREGPT_ROLES[t["from"]], "content": _text(t["value"], where, f"turn {i} 'value'")})
     return out
+
+
+def _text(value: str, where: str, field: str) -> str:
+    """`value` if it is text (encodable as UTF-8); ValueError naming the field and the character otherwise.
+
+    JSON can spell a lone UTF-16 surrogate ("\\ud800" without its pair): Python reads it into a str that no
+    tokenizer can encode.
+    """
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{where}: {field} holds a lone UTF-16 surrogate {value[exc.start]!r} at character "
+                         f"{exc.start}, which is not text (a JSON \\u escape without its pair)") from None
+    return value
 
 
 def _conversation(messages: list[dict], where: str, tokenizer: Any, template: str, train_on: str) -> Document:
