@@ -5,6 +5,9 @@ each keep a hot loop in C with no Python or torch headers. `load_library` builds
 one with the machine's C compiler (`$CC`, else `cc`) into `cache_dir()`, under a
 name keyed by the sources, the headers, the flags, the compiler and the
 platform, so a changed source is a new file and later processes only load it.
+The file is linked under a temporary name, renamed into place and sealed
+(`rpcompile.ir.cache.build_once`): one whose size or digest is not its seal's
+(a link cut short, garbage) is built again before anything maps it.
 Where no compiler is found, the build fails, or the library's switch variable
 is set to 0, it returns None and the caller runs its Python version instead.
 
@@ -24,7 +27,7 @@ import sysconfig
 import tempfile
 from dataclasses import dataclass
 
-from rpcompile.ir.cache import cache_dir
+from rpcompile.ir.cache import build_once, cache_dir
 
 # no fused multiply-add, no fast math: the C does the Python's double operations, so the same floats bit for bit
 FLAGS = ("-O2", "-std=c11", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math")
@@ -61,12 +64,11 @@ class CLibrary:
         if self.switch and os.environ.get(self.switch, "1") == "0":
             return None
         path = self.path()
-        if not os.path.exists(path):
-            try:
-                self._build(path)
-            except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
-                _log.info("%s is not available (%s); running its Python version instead", self.prefix, exc)
-                return None
+        try:
+            build_once(path, lambda: self._build(path))  # nothing when the file is whole (its seal's size, digest)
+        except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
+            _log.info("%s is not available (%s); running its Python version instead", self.prefix, exc)
+            return None
         try:
             return ctypes.CDLL(path)
         except OSError as exc:  # e.g. built for another machine sharing the cache folder
@@ -74,13 +76,11 @@ class CLibrary:
             return None
 
     def _build(self, path: str) -> None:
-        """Compile the sources into `path`, atomically (another process may build the same file meanwhile)."""
+        """Compile the sources into `path`: linked under a temporary name, then renamed (atomic)."""
         cc = self.compiler()
         if shutil.which(cc) is None:
             raise RuntimeError(f"no C compiler: {cc!r} is not on PATH (set CC)")
-        folder = os.path.dirname(path)
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
         os.close(fd)
         try:
             subprocess.run([cc, *self.flags, "-o", tmp, *self.sources], check=True, capture_output=True,

@@ -11,7 +11,9 @@ import random
 
 import pytest
 
+from forked import damaged_copy, exit_status
 from rpcompile import CostTable
+from rpcompile.ir.cache import SEAL, intact
 from rpcompile.passes import partition
 from rpcompile.passes.partition import cap_walk, native
 from rpcompile.passes.partition.evaluator import Evaluator
@@ -188,5 +190,22 @@ def test_the_kernel_is_built_once_per_cache_and_then_loaded(monkeypatch, tmp_pat
     assert len(built) == 1 and built[0].name.startswith("rpcompile_planner_")
     stamp = os.stat(built[0]).st_mtime_ns
     assert native.load() is not None
-    assert list(tmp_path.rglob("*")) == [built[0].parent, built[0]]  # no second build, no temporary left
+    seal = built[0].parent / (built[0].name + SEAL)  # its size and digest, checked before each load
+    assert sorted(tmp_path.rglob("*")) == [built[0].parent, built[0], seal]  # no second build, no temporary left
     assert os.stat(built[0]).st_mtime_ns == stamp
+
+
+@needs_lib
+@pytest.mark.parametrize("how", ["truncated", "garbage"])
+def test_a_damaged_kernel_is_built_again_before_a_process_maps_it(monkeypatch, tmp_path, how):
+    """Half the file (a link stopped by a full disk: mapping it killed the process with SIGBUS) or as many
+    garbage bytes (it failed to load, and was never built again): the next process builds it again and loads it,
+    and the one after plans with it."""
+    monkeypatch.setenv("RPCOMPILE_CACHE", str(tmp_path))
+    path = native.LIBRARY.path()
+    damaged_copy(LIB._name, path, how)  # a copy this process has not mapped
+    assert exit_status(lambda: native.load() is not None) == 0
+    assert intact(path)
+    ev = Evaluator(CostTable.from_lists([1.0] * 4, [2.0] * 4), gpus=1, microbatches=2, round_size=2, staleness=0,
+                   memory=None)
+    assert ev.lib is not None and native.steady_times(ev.lib, ev, [((3,), 1, (3,)), ((1, 2), 1, (2, 1))]) == [30.0] * 2

@@ -3,10 +3,13 @@ import random
 
 import pytest
 
+from forked import damaged_copy, exit_status
+from rpcompile.ir.cache import intact
 from rpcompile.runtime.sim import native
 from rpcompile.runtime.sim.events import Job, Jobs, StuckError, run_jobs
 
-pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler: the simulator runs in Python")
+BUILT = native.load()  # in the suite's cache
+pytestmark = pytest.mark.skipif(BUILT is None, reason="no C compiler: the simulator runs in Python")
 
 
 def random_jobs(rng: random.Random, n: int) -> list[Job]:
@@ -59,3 +62,16 @@ def test_off_switch_runs_python(monkeypatch):
     monkeypatch.setenv("RPCOMPILE_SIM_KERNEL", "0")
     assert native.load() is None
     assert run_jobs([Job(0, 0, 0, 1.0, ()), Job(1, 0, 0, 2.0, (0,))]) == ([0.0, 1.0], [1.0, 3.0])
+
+
+@pytest.mark.parametrize("how", ["truncated", "garbage"])
+def test_a_damaged_kernel_is_built_again_before_a_process_maps_it(monkeypatch, tmp_path, how):
+    """Half the file (a link stopped by a full disk: mapping it killed the process with SIGBUS) or as many
+    garbage bytes: the next process builds it again and loads it, and the one after simulates with it."""
+    monkeypatch.setenv("RPCOMPILE_CACHE", str(tmp_path))
+    path = native.LIBRARY.path()
+    damaged_copy(BUILT._name, path, how)  # a copy this process has not mapped
+    assert exit_status(lambda: native.load() is not None) == 0
+    assert intact(path)
+    jobs = random_jobs(random.Random(7), 200)
+    assert native.load() is not None and run_jobs(jobs) == run_jobs(jobs, native=False)
