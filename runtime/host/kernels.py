@@ -3,8 +3,9 @@
 `load_kernels()` builds `kernels.cpp` with `torch.utils.cpp_extension` (OpenMP, -O3 -march=native,
 -ffp-contract=off) into a cache folder keyed by the source, the flags, the CPU's feature flags and
 the Python and torch versions, so each machine builds once (`python -m rpcompile.runtime.host.kernels`
-builds ahead of time); later processes only load the library. `compile()` loads it when it makes the
-host state, so no build lands inside a timed step. Without a C++ compiler (or when the build
+builds ahead of time); later processes only load the library, once its size and digest are those
+of the seal the build wrote (a damaged file is built again, never mapped). `compile()` loads it
+when it makes the host state, so no build lands inside a timed step. Without a C++ compiler (or when the build
 fails) it returns None after one warning line, and the optimizer runs torch's kernels instead.
 
 Each call checks its tensors (CPU, contiguous, dtype, length) before handing the raw pointers over;
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import logging
 import os
 import platform
 import shutil
@@ -32,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rpcompile.ir.cache import cache_dir
+from rpcompile.ir.cache import build_once, cache_dir
 
 __all__ = ["Kernels", "load_kernels", "cache_dir", "optimizer_rate", "KINDS"]
 
@@ -174,26 +176,54 @@ def _build(name: str, verbose: bool) -> Any:
     An extension an earlier process built is imported directly: its name keys the source, the flags, the
     CPU, the compiler and the versions, so the file is the build `cpp_extension.load` would make, and
     loading it that way costs an import of setuptools and a ninja check (about 70 ms, a tenth of a small
-    model's compile). A file that does not import (a build cut short) is built again.
+    model's compile). It is imported only when it is whole (`rpcompile.ir.cache.build_once`: the size and
+    digest of its seal, written after a finished build); a file that is not (a link cut short by a full
+    disk, garbage) is never mapped: it is built again from nothing.
     """
     folder = os.path.join(cache_dir(), name)
     built = os.path.join(folder, name + ".so")
-    if os.path.exists(built):
-        try:
-            spec = importlib.util.spec_from_file_location(name, built)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            return module
-        except ImportError:
-            pass
+    module = build_once(built, lambda: _compile(name, folder, verbose), lock=folder)
+    if module is not None:  # built now (cpp_extension.load imported it)
+        return module
+    spec = importlib.util.spec_from_file_location(name, built)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _compile(name: str, folder: str, verbose: bool) -> Any:
+    """`cpp_extension.load` into `folder`, emptied first (besides its lock), so nothing a cut-short build left
+    there counts as up to date; returns the module it imports."""
     cxx = os.environ.get("CXX") or "c++"
     if shutil.which(cxx) is None:
         raise RuntimeError(f"no C++ compiler: {cxx!r} is not on PATH (set CXX or install g++)")
-    from torch.utils import cpp_extension  # imports setuptools: only when building
-
-    os.makedirs(folder, exist_ok=True)
+    for entry in os.listdir(folder):
+        if entry != "lock":  # cpp_extension's own lock file, maybe held by an older rpcompile's build
+            target = os.path.join(folder, entry)
+            shutil.rmtree(target) if os.path.isdir(target) else os.unlink(target)
+    cpp_extension = _import_cpp_extension()
     return cpp_extension.load(name=name, sources=[SOURCE], extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"],
                               build_directory=folder, verbose=verbose)
+
+
+class _NoCudaHome(logging.Filter):
+    """Drops the line torch's extension module logs at import on a machine without CUDA ("No CUDA runtime is
+    found, using CUDA_HOME=..."): the host kernels are a CPU-only extension, so it says nothing about the run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("No CUDA runtime is found")
+
+
+def _import_cpp_extension() -> ModuleType:
+    """torch.utils.cpp_extension (imports setuptools: only when building), without its CUDA_HOME line."""
+    logger = logging.getLogger("torch.utils.cpp_extension")  # the module's own logger (logging.getLogger(__name__))
+    quiet = _NoCudaHome()
+    logger.addFilter(quiet)
+    try:
+        from torch.utils import cpp_extension
+    finally:
+        logger.removeFilter(quiet)
+    return cpp_extension
 
 
 def optimizer_rate(budget_s: float = 0.5, *, elements: int = 2 ** 22) -> float:

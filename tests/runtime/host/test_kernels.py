@@ -1,6 +1,9 @@
 """The host optimizer's C++ kernels and HostState's memory-speed path, against eager torch."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -9,7 +12,9 @@ from torch import nn
 
 import models
 import rpcompile
+from forked import damaged_copy
 from oracle import reference_train
+from rpcompile.ir.cache import intact
 from rpcompile.ir.hardware import Hardware
 from rpcompile.ir.optim import DynamicLossScale
 from rpcompile.passes import emit, trace
@@ -320,21 +325,31 @@ def test_hardware_measure_times_the_optimizer_it_is_given():
     assert kmod.optimizer_rate(0.05, elements=2 ** 16) > 1e6  # the kernels' AdamW: fp32 master bytes/s
 
 
-def test_a_built_extension_loads_without_cpp_extension_and_a_broken_one_is_built_again(monkeypatch, tmp_path):
-    """A later process imports the built file directly (no setuptools, no ninja check); a file that does not
-    import goes back to `cpp_extension.load` to be built again."""
-    import subprocess
-    import sys
-    code = ("import sys, torch; from rpcompile.runtime.host import kernels as k; "
-            "print(k.load_kernels() is not None, 'torch.utils.cpp_extension' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["True", "False"]
+LOAD = ("import sys, torch; from rpcompile.runtime.host import kernels; k = kernels.load_kernels(); "
+        "print(k.land(torch.zeros(3), torch.tensor([1.0, 2.0, 2.0]), add=False), "
+        "'torch.utils.cpp_extension' in sys.modules)")
+
+
+def load_in_a_fresh_interpreter() -> tuple[str, str]:
+    """(stdout, stderr) of a new Python that loads the kernels (from $RPCOMPILE_CACHE) and lands [1, 2, 2]."""
+    run = subprocess.run([sys.executable, "-c", LOAD], capture_output=True, text=True)
+    assert run.returncode == 0, (run.returncode, run.stderr)  # -7: SIGBUS
+    return run.stdout, run.stderr
+
+
+@pytest.mark.parametrize("how", [None, "truncated", "garbage"])
+def test_a_fresh_interpreter_builds_missing_or_damaged_kernels_quietly_and_uses_them(monkeypatch, tmp_path, how):
+    """Nothing cached (a first run), half the file (a link stopped by a full disk: mapping it killed the process
+    with SIGBUS) or as many garbage bytes (it fell back to torch's kernels, and the build tool, finding the file up
+    to date, never built it again): the kernels are built, with nothing on stderr (not torch's extension module's
+    CUDA_HOME line: the kernels are CPU code), and used. A later process imports the sealed build directly,
+    without cpp_extension (setuptools and a ninja check: about 70 ms)."""
     monkeypatch.setenv("RPCOMPILE_CACHE", str(tmp_path))
     name = kmod.module_name()
-    folder = tmp_path / "kernels" / name
-    folder.mkdir(parents=True)
-    (folder / f"{name}.so").write_bytes(b"not an extension")
-    from torch.utils import cpp_extension
-    calls = []
-    monkeypatch.setattr(cpp_extension, "load", lambda **kw: calls.append(kw["name"]) or "rebuilt")
-    assert kmod._build(name, verbose=False) == "rebuilt" and calls == [name]
+    path = os.path.join(kmod.cache_dir(), name, name + ".so")
+    if how is not None:
+        damaged_copy(K.module.__file__, path, how)
+    assert load_in_a_fresh_interpreter() == ("(9.0, False) True\n", "")  # built: cpp_extension was imported
+    assert intact(path)
+    if how == "garbage":
+        assert load_in_a_fresh_interpreter() == ("(9.0, False) False\n", "")
