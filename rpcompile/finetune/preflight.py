@@ -18,9 +18,17 @@ The RAM a run needs is more than the host state (`rpcompile.hostmem`, which coun
 transfer buffers too: gradient staging and the host pool, `runtime.host.buffers`): the model as
 loaded keeps its own parameters and, with staleness 1, the runtime keeps a copy of the compute copies
 it may have to restore (undo copies); and on host workers (no CUDA) a worker's "device" memory is RAM too, so every worker's
-simulated peak counts. `INTERPRETER_BYTES` is added for Python, torch, transformers and the runtime's
-threads. The check and `--dry-run` count all of it and say so; with CUDA workers their peaks are device
-memory and do not count.
+simulated peak counts. What the process already holds when the check runs (Python, torch, transformers, the
+tokenizer and the prepared data) is read, not assumed (`resident_bytes`: its RSS at the check), and
+`RUNTIME_BYTES` is added for what the run adds beside the counted categories (the runtime's threads and the
+libraries and kernels it loads, the allocator's slack). The check and `--dry-run` count all of it and say so;
+with CUDA workers their peaks are device memory and do not count.
+
+Note:
+    The process's own footprint is measured because it depends on the torch build, not on the model:
+    importing torch and transformers takes 335 MiB of RSS with torch 2.13's CPU build and 761 MiB with
+    2.14.1's CUDA build (what pip installs by default, on a machine without a GPU too: its CUDA libraries are
+    mapped at import). A constant tuned on one build under-counted the other by 426 MiB.
 
 The plan printed is the predicted one: the run itself measures its layers and may
 group them differently; the memory figures are bytes, the same either way.
@@ -28,6 +36,9 @@ group them differently; the memory figures are bytes, the same either way.
 from __future__ import annotations
 
 import copy
+import os
+import resource
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,10 +53,22 @@ from rpcompile.ir.hardware import Hardware, rate_key
 from rpcompile.passes.cost.seqlen import max_seq_len
 from rpcompile.runtime import simulate
 
-__all__ = ["Preflight", "preflight", "local_hardware", "meta_model", "INTERPRETER_BYTES"]
+__all__ = ["Preflight", "preflight", "local_hardware", "meta_model", "resident_bytes", "RUNTIME_BYTES"]
 
-INTERPRETER_BYTES = 512 * 2**20  # RAM of Python, torch, transformers and the runtime's threads beside the model's
-# bytes: a finetune of a 38k-parameter model on 2 host workers peaks at 432 MiB RSS (torch CPU build)
+RUNTIME_BYTES = 256 * 2**20  # what a run adds beside the counted bytes: its ~30 threads' stacks and malloc arenas,
+# the host kernels and libraries it loads after the check, the allocator's slack (measured: a 17.7M-parameter
+# Llama on 2 host workers peaked 265 MiB above the counted bytes and the RSS at the check with torch 2.13's CPU
+# build, 302 MiB with 2.14.1's CUDA build)
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now: Linux's /proc/self/statm, elsewhere its peak so far (no less)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024  # macOS counts bytes, others KiB
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,21 +86,22 @@ class Preflight:
     buffers: int  # the model as loaded and undo copies (see the module docstring)
     seq_limit: Any  # rpcompile.SeqLenLimit: the longest sequence that fits and what binds it (None: see why)
     seq_limit_why: str | None  # why the longest sequence could not be found
+    resident: int = 0  # this process's RSS when the check ran (Python, torch, transformers, the data)
     iteration: float | None = None  # simulated seconds of one iteration on `hardware` (predicted costs)
     gemm_rate: str = ""  # the rate key its training-dtype GEMMs were priced at ("float16/float16": fp16 accumulation)
 
     @property
     def ram(self) -> int:
-        """The RAM the run needs: the host state, the host workers' peaks and `INTERPRETER_BYTES`."""
-        return self.host.total + self.buffers + self.workers_ram + INTERPRETER_BYTES
+        """The RAM the run needs: the host state, the host workers' peaks, the process so far, `RUNTIME_BYTES`."""
+        return self.host.total + self.buffers + self.workers_ram + self.resident + RUNTIME_BYTES
 
     def ram_line(self) -> str:
         """What `ram` adds up, in words."""
         workers = (f" + {len(self.peaks)} host workers' device peaks {_size(self.workers_ram)} (RAM here)"
                    if self.workers_ram else "")
         return (f"{_size(self.ram)} of {_size(self.host_limit)} RAM: host state {self.host} + the loaded model "
-                f"and undo copies {_size(self.buffers)}{workers} + Python and torch "
-                f"{_size(INTERPRETER_BYTES)}")
+                f"and undo copies {_size(self.buffers)}{workers} + this process so far (Python, torch, the data) "
+                f"{_size(self.resident)} + the runtime's threads and libraries {_size(RUNTIME_BYTES)}")
 
     def lines(self) -> list[str]:
         """The findings, a line each."""
@@ -166,7 +190,8 @@ def preflight(config: Any, example: Any, *, gpus: int, microbatches: int, microb
     rate = rate_key(dtype, torch.float16 if fp16_accumulation else None)
     workers = 0 if torch.cuda.is_available() else sum(peaks)  # host workers' device memory is RAM
     buffers = host.weights + (host.weights if staleness == 1 else 0)  # the loaded model, undo copies
-    found = Preflight(hw, plan, program, peaks, budget, host, hw.host_memory, workers, buffers, None, None)
+    found = Preflight(hw, plan, program, peaks, budget, host, hw.host_memory, workers, buffers, None, None,
+                      resident_bytes())
     if found.ram > hw.host_memory:
         raise ValueError(f"host memory: the run needs {found.ram_line().replace(' of ', ' but has ', 1)}; lower "
                          f"--micro-batch-size, --seq or --microbatches, or train adapters (--lora)")
@@ -178,7 +203,7 @@ def preflight(config: Any, example: Any, *, gpus: int, microbatches: int, microb
     except Exception as exc:  # noqa: BLE001 - reported: the plan and the checks above still stand
         limit, why = None, f"{type(exc).__name__}: {exc}"
     return Preflight(hw, plan, program, peaks, budget, host, hw.host_memory, workers, buffers, limit, why,
-                     timeline.iteration_time, rate)
+                     found.resident, timeline.iteration_time, rate)
 
 
 def _size(n: int) -> str:
