@@ -18,6 +18,7 @@ import torch
 
 from rpcompile.ir.hardware import Hardware
 from rpcompile.machine import hardware_of
+from rpcompile.runtime.streams.host import DEADLINE_MAX_S
 from rpcompile.ir.optim import SGD, AdamW, DynamicLossScale
 
 __all__ = ["Options", "options", "default_microbatches", "parse_dtype", "check_model", "check_timeout"]
@@ -160,12 +161,20 @@ def options(*, gpus: Any, microbatches: Any = None, staleness: Any = 1, optimize
 
 
 def check_timeout(timeout: Any) -> float | None:
-    """compile()'s / load()'s `timeout` as float seconds (None: derived from the plan); ValueError naming it."""
+    """compile()'s / load()'s `timeout` as float seconds (None: derived from the plan); ValueError naming it.
+
+    A finite timeout too long for a thread to wait (`threading.TIMEOUT_MAX`, ~292 years) means no deadline: it
+    is capped at `DEADLINE_MAX_S` (~73 years; a drain waits twice the deadline).
+
+        >>> check_timeout(1e10) == DEADLINE_MAX_S
+        True
+    """
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
-        raise ValueError(f"timeout must be None (derived from the plan) or a number of seconds > 0, got {timeout!r}")
-    return float(timeout)
+        raise ValueError(f"timeout must be None (derived from the plan) or a finite number of seconds > 0, got "
+                         f"{timeout!r}")
+    return min(float(timeout), DEADLINE_MAX_S)
 
 
 def check_model(model: Any) -> None:

@@ -37,9 +37,11 @@ from typing import Any
 from rpcompile.runtime.streams.stats import Stats
 
 __all__ = ["Abort", "Failure", "StreamContext", "HostEvent", "HostStream", "wait_all", "DeadlineExceeded",
-           "DEADLINE_FLOOR_S", "seconds"]
+           "DEADLINE_FLOOR_S", "DEADLINE_MAX_S", "seconds"]
 
 DEADLINE_FLOOR_S = 600.0  # the shortest default deadline of a wait (compile derives a longer one from its plan)
+DEADLINE_MAX_S = threading.TIMEOUT_MAX / 4  # the longest deadline (~73 years: none): a drain waits 2x it, and
+# every wait must stay one threading wait (a longer one raises OverflowError)
 
 
 def seconds(s: float) -> str:

@@ -372,3 +372,24 @@ def test_a_slow_layer_gets_a_deadline_from_its_measured_time_and_a_set_timeout_s
         assert time.perf_counter() - t0 < 5.0
         assert isinstance(e.value.__cause__, TimeoutError) and e.value.__cause__.waited == 0.25
         NAP.update(sleep=0.0)
+
+
+@pytest.mark.parametrize("kw, name", [  # NaN, inf, negative, huge or a float where an int goes: named, before tracing
+    (dict(timeout=math.nan), "timeout"), (dict(timeout=math.inf), "timeout"), (dict(timeout=-1.0), "timeout"),
+    (dict(timeout="60"), "timeout"), (dict(memory_budget=math.nan), "memory_budget"),
+    (dict(memory_budget=-1), "memory_budget"), (dict(memory_budget=1.5e9), "memory_budget"),
+    (dict(microbatches=math.inf), "microbatches"), (dict(microbatches=10**20), "microbatches"),
+    (dict(lm_head_shards=math.nan), "lm_head_shards"), (dict(seed=math.nan), "seed"), (dict(seed=1e20), "seed"),
+    (dict(loss_scale=math.nan), "loss_scale"), (dict(loss_scale=math.inf), "loss_scale"), (dict(gpus=math.inf), "gpus"),
+])
+def test_numbers_that_are_not_finite_in_range_or_whole_are_refused_naming_the_argument(kw, name):
+    with pytest.raises(ValueError, match=name):
+        make(**kw)
+
+
+def test_a_timeout_longer_than_a_thread_can_wait_means_no_deadline():
+    from rpcompile.options import check_timeout
+    from rpcompile.runtime.streams.host import DEADLINE_MAX_S
+    with make(timeout=1e10) as c:  # past threading.TIMEOUT_MAX (~9.2e9 s): an OverflowError in the first wait
+        assert c.options.timeout == DEADLINE_MAX_S and math.isfinite(c.step(batch(1)))
+    assert check_timeout(1e300) == DEADLINE_MAX_S  # rpcompile.load(timeout=) and finetune --timeout: the same
