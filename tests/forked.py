@@ -6,6 +6,7 @@ should not use torch (OpenMP's thread pool does not survive a fork).
 """
 import os
 import shutil
+import warnings
 from collections.abc import Callable
 
 from rpcompile.ir.cache import SEAL
@@ -35,7 +36,9 @@ def damage(path: str, how: str) -> None:
 def exit_status(check: Callable[[], bool]) -> int:
     """Run `check()` in a forked child: 0 when it returns True, 1 when False or on an exception, minus the signal
     number when a signal killed it."""
-    pid = os.fork()
+    with warnings.catch_warnings():  # Python >= 3.12 warns of forking a threaded process: the child runs no torch
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
         code = 1
         try:

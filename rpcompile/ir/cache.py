@@ -100,14 +100,14 @@ def locked(folder: str) -> Iterator[None]:
         os.close(fd)  # closing releases the lock
 
 
-def build_once(path: str, build: Callable[[], T], *, lock: str | None = None) -> T | None:
+def build_once(path: str, build: Callable[[], T]) -> T | None:
     """Make sure `path` is a whole entry (`intact`); otherwise delete it and `build()` it again, then seal it.
 
     Args:
         path: the built file.
-        build: makes the file at `path` (it must be complete there when `build` returns).
-        lock: the folder to lock while building (default: `path`'s folder, created if missing). Another
-            process building the same entry meanwhile waits, then finds it whole and builds nothing.
+        build: makes the file at `path` (it must be complete there when `build` returns), while this
+            process holds the lock on `path`'s folder (created if missing): another process building the
+            same entry meanwhile waits, then finds it whole and builds nothing.
     Returns:
         `build()`'s result if it ran, else None (the entry was whole).
     Raises:
@@ -115,9 +115,9 @@ def build_once(path: str, build: Callable[[], T], *, lock: str | None = None) ->
     """
     if intact(path):
         return None
-    lock = lock or os.path.dirname(path)
-    os.makedirs(lock, exist_ok=True)
-    with locked(lock):
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    with locked(folder):
         if intact(path):  # another process built it while this one waited
             return None
         discard(path)

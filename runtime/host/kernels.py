@@ -182,7 +182,7 @@ def _build(name: str, verbose: bool) -> Any:
     """
     folder = os.path.join(cache_dir(), name)
     built = os.path.join(folder, name + ".so")
-    module = build_once(built, lambda: _compile(name, folder, verbose), lock=folder)
+    module = build_once(built, lambda: _compile(name, folder, verbose))  # holding the folder's lock
     if module is not None:  # built now (cpp_extension.load imported it)
         return module
     spec = importlib.util.spec_from_file_location(name, built)
