@@ -21,6 +21,8 @@ REPORT_TO = ("tensorboard",)  # --report-to choices (metrics.jsonl is always wri
 DTYPES = {"auto": None, "fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}  # --dtype names; auto: bf16
 # on CUDA, fp32 on the CPU; fp16 trains with dynamic loss scaling (rpcompile.DynamicLossScale)
+MAX_COUNT = 2**31 - 1  # the largest count a setting takes (steps, seq, workers, ...): what an int32 holds
+MAX_SEED = 2**32 - 1  # the largest seed: the data order draws from seed * 1_000_003 + epoch in 64 bits
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,16 +96,20 @@ class FinetuneResult:
     out: str = ""  # the output folder
 
 
+def _finite_positive(v: object) -> bool:
+    """True for an int or float that is > 0 and finite (not a bool, not NaN, not inf)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf
+
+
 def check_config(cfg: FinetuneConfig) -> None:
-    """Raise ValueError naming the first bad setting."""
+    """Raise ValueError naming the first bad setting (every number: its type, its range, finite; see MAX_COUNT)."""
     positive = {"seq": cfg.seq, "micro_batch_size": cfg.micro_batch_size, "gpus": cfg.gpus,
-                "microbatches": cfg.microbatches, "steps": cfg.steps}
+                "microbatches": cfg.microbatches, "steps": cfg.steps, "logging_steps": cfg.logging_steps,
+                "num_proc": cfg.num_proc}
     for name, v in positive.items():
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
-    for name, v in {"logging_steps": cfg.logging_steps, "num_proc": cfg.num_proc}.items():
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_COUNT):
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer (at most {MAX_COUNT:,}), "
+                             f"got {v!r}")
     if cfg.report_to not in (None, *REPORT_TO):
         raise ValueError(f"--report-to must be one of {REPORT_TO}, got {cfg.report_to!r}")
     if isinstance(cfg.val_size, bool) or not isinstance(cfg.val_size, (int, float)) or not 0 <= cfg.val_size < 1:
@@ -111,13 +117,22 @@ def check_config(cfg: FinetuneConfig) -> None:
     if cfg.val_size and cfg.eval:
         raise ValueError("give --eval FILE or --val-size F, not both")
     for name, v in {"warmup": cfg.warmup, "save_every": cfg.save_every, "eval_every": cfg.eval_every,
-                    "lora": cfg.lora, "seed": cfg.seed}.items():
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 0, got {v!r}")
+                    "lora": cfg.lora}.items():
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_COUNT:
+            raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 0 (at most {MAX_COUNT:,}), got {v!r}")
+    if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int) or not 0 <= cfg.seed <= MAX_SEED:
+        raise ValueError(f"--seed must be an integer from 0 to {MAX_SEED} (2**32 - 1), got {cfg.seed!r}")
+    if not (cfg.lm_head_shards == "auto" or isinstance(cfg.lm_head_shards, int) and not isinstance(
+            cfg.lm_head_shards, bool) and 1 <= cfg.lm_head_shards <= MAX_COUNT):
+        raise ValueError(f"--lm-head-shards must be auto or a positive integer (at most {MAX_COUNT:,}), got "
+                         f"{cfg.lm_head_shards!r}")
     if cfg.steps is not None and cfg.epochs is not None:
         raise ValueError("give --steps or --epochs, not both")
-    if cfg.epochs is not None and not cfg.epochs > 0:
-        raise ValueError(f"--epochs must be > 0, got {cfg.epochs}")
+    for name, v in {"epochs": cfg.epochs, "memory_gib": cfg.memory_gib, "lora_alpha": cfg.lora_alpha,
+                    "max_grad_norm": cfg.max_grad_norm}.items():
+        if v is not None and not _finite_positive(v):
+            off = " (0 = off)" if name == "max_grad_norm" else ""
+            raise ValueError(f"--{name.replace('_', '-')} must be a finite positive number{off}, got {v!r}")
     if cfg.lr is not None and not 0 <= cfg.lr < math.inf:
         raise ValueError(f"--lr must be a finite number >= 0, got {cfg.lr}")
     if cfg.schedule not in SCHEDULES:
@@ -144,10 +159,9 @@ def check_config(cfg: FinetuneConfig) -> None:
     for name, v in {"weight_decay": cfg.weight_decay, "neftune_alpha": cfg.neftune_alpha}.items():
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
             raise ValueError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {v!r}")
-    if cfg.memory_gib is not None and not cfg.memory_gib > 0:
-        raise ValueError(f"--memory-gib must be > 0, got {cfg.memory_gib}")
     for name, v in {"timeout": cfg.timeout, "dist_timeout": cfg.dist_timeout}.items():
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf):
-            raise ValueError(f"--{name.replace('_', '-')} must be a number of seconds > 0, got {v!r}")
+        if v is not None and not _finite_positive(v):
+            raise ValueError(f"--{name.replace('_', '-')} must be a finite number of seconds > 0 (a huge one means "
+                             f"no deadline), got {v!r}")
     if cfg.resume and cfg.overwrite:
         raise ValueError("give --resume (continue the run in --out) or --overwrite (replace it), not both")

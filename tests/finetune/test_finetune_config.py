@@ -165,3 +165,35 @@ def test_the_new_flags_set_their_fields():
     c = config(*sum((["--" + k, v] for k, v in PATHS.items()), []), "--logging-steps", 5, "--report-to",
                "tensorboard", "--dry-run", "--num-proc", 3, "--val-size", 0.1)
     assert (c.logging_steps, c.report_to, c.dry_run, c.num_proc, c.val_size) == (5, "tensorboard", True, 3, 0.1)
+
+
+HUGE = str(10**20)  # past every count and seed (an int64 overflows at 9.2e18)
+
+
+@pytest.mark.parametrize("flag, value", [
+    *[("--epochs", v) for v in ("inf", "nan", "-1", "0")], *[("--memory-gib", v) for v in ("inf", "nan", "0")],
+    *[("--lora-alpha", v) for v in ("nan", "inf", "-1")], *[("--max-grad-norm", v) for v in ("nan", "inf", "-1")],
+    *[("--timeout", v) for v in ("nan", "inf", "-5")], ("--dist-timeout", "inf"), ("--dist-timeout", "nan"),
+    ("--lr", "nan"), ("--lr", "inf"), ("--weight-decay", "nan"), ("--neftune-alpha", "inf"), ("--val-size", "nan"),
+    ("--seed", HUGE), ("--seed", "-1"), ("--seed", "1e20"), ("--lm-head-shards", "0"), ("--lm-head-shards", HUGE),
+    *[(f, HUGE) for f in ("--steps", "--gpus", "--seq", "--micro-batch-size", "--microbatches", "--num-proc",
+                          "--logging-steps", "--warmup", "--save-every", "--eval-every", "--lora")],
+])
+def test_a_number_that_is_not_finite_in_range_or_representable_is_refused_naming_its_flag(tmp_path, capsys, flag,
+                                                                                           value):
+    out = tmp_path / "out"
+    lora = ["--lora", "2"] if flag == "--lora-alpha" else []
+    err = one_line(capsys, "--model", tmp_path / "m", "--data", tmp_path / "d.jsonl", "--out", out, *lora, flag, value)
+    assert flag in err and not out.exists(), err
+
+
+@pytest.mark.parametrize("ext, text", [(".json", '{"epochs": Infinity}'), (".json", '{"lora": 2, "lora_alpha": NaN}'),
+                                       (".yaml", "memory_gib: .inf"), (".json", '{"seed": 100000000000000000000}')])
+def test_a_config_file_number_goes_through_the_same_check(tmp_path, capsys, ext, text):
+    if ext == ".yaml":
+        pytest.importorskip("yaml")
+    path = write(tmp_path / f"run{ext}", text)
+    err = one_line(capsys, "--config", path, "--model", tmp_path / "m", "--data", tmp_path / "d.jsonl", "--out",
+                   tmp_path / "out")
+    key = next(k for k in ("epochs", "lora-alpha", "memory-gib", "seed") if k.replace("-", "_") in text)
+    assert f"--{key} must be" in err and not (tmp_path / "out").exists(), err
