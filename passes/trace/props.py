@@ -21,6 +21,7 @@ Note:
 from __future__ import annotations
 
 import re
+import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -184,7 +185,8 @@ def unit_signature(module: torch.nn.Module) -> tuple | None:
 
     Per submodule (named with every number as '#', so `layers.3.mlp` and `layers.7.mlp` agree): its class,
     its public attributes (plain values as they are, any other object by identity, so a shared config matches
-    and a per-block object does not; block numbers, `INDEX_ATTRS`, left out), its parameters' and buffers'
+    and a per-block object does not; a method bound to the submodule itself by its function; block numbers,
+    `INDEX_ATTRS`, left out), its parameters' and buffers'
     shapes, dtypes, devices and requires_grad. None (always run) for a module with forward hooks.
 
     >>> a, b = torch.nn.Linear(4, 8), torch.nn.Linear(4, 8)
@@ -195,12 +197,20 @@ def unit_signature(module: torch.nn.Module) -> tuple | None:
     for name, m in module.named_modules():
         if m._forward_hooks or m._forward_pre_hooks:
             return None
-        attrs = tuple((k, _plain_or_id(v)) for k, v in sorted(vars(m).items())
+        attrs = tuple((k, _attribute(m, v)) for k, v in sorted(vars(m).items())
                       if not k.startswith("_") and k not in INDEX_ATTRS)
         tensors = tuple((k, tuple(t.shape), t.dtype, t.device.type, t.requires_grad)
                         for k, t in [*m._parameters.items(), *m._buffers.items()] if t is not None)
         parts.append((re.sub(r"\d+", "#", name), type(m), attrs, tensors))
     return tuple(parts)
+
+
+def _attribute(m: torch.nn.Module, v: Any) -> Any:
+    """An attribute of `m` in its signature: a method bound to `m` itself (a patched `forward`, as
+    `meta.moe.balanced_experts` sets on every experts module) by its function, anything else `_plain_or_id`."""
+    if isinstance(v, types.MethodType) and v.__self__ is m:
+        return ("method", id(v.__func__))
+    return _plain_or_id(v)
 
 
 def _plain_or_id(v: Any) -> Any:

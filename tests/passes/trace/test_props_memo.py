@@ -111,3 +111,21 @@ def test_a_unit_with_other_attributes_or_shapes_runs_again():
     hooked = Block(4, 0)
     hooked.proj.register_forward_hook(lambda *a: None)
     assert sig(hooked) is None
+
+
+def test_experts_patched_for_meta_keep_the_signature_of_their_peers():
+    """`balanced_experts` binds its forward to every experts module: equal blocks still run once (an
+    eager-experts MoE on meta ran its experts loop in every block), a forward of another function does not."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from rpcompile.passes.meta.moe import _balanced_forward, balanced_experts
+    cfg = Qwen3MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=128, num_experts=4,
+                         num_experts_per_tok=2, decoder_sparse_step=1)
+    with torch.device("meta"):
+        net = AutoModelForCausalLM.from_config(cfg)
+    first, second = (layer.mlp for layer in net.model.layers)
+    with balanced_experts(net) as patched:
+        assert patched == 2 and first.experts.forward.__func__ is _balanced_forward
+        assert props.unit_signature(first) == props.unit_signature(second)
+        second.experts.forward = (lambda self, *a: None).__get__(second.experts)
+        assert props.unit_signature(first) != props.unit_signature(second)
