@@ -3,7 +3,8 @@
 Each layer runs forward and backward on meta copies of its parameters and
 inputs under the `Recorder` (`recorder.py`): every op's FLOPs and bytes, and
 the live bytes after every op. SDPA runs as the fused flash kernel
-(`meta.attention.FlashOnMeta`), MoE experts route evenly (`balanced_experts`),
+(`meta.attention.FlashOnMeta`), MoE experts route evenly (`balanced_experts`; a layer of
+more than five experts is counted from its first two to five where those give its count: `experts.py`),
 attention masks are built as the data would have them (`meta_masks`).
 Layers identical up to module indices are counted once.
 """
@@ -21,8 +22,9 @@ import torch
 from rpcompile.ir.graph import Layer, LayerGraph
 from rpcompile.passes.meta.attention import FlashOnMeta
 from rpcompile.passes.meta.masks import meta_masks
-from rpcompile.passes.meta.moe import balanced_experts
+from rpcompile.passes.meta.moe import balanced_experts, expert_count
 from rpcompile.passes.cost.recorder import OpCount, Recorder, Tracker, storage_id, tensor_bytes
+from rpcompile.passes.cost.experts import RUNS, extrapolate
 
 __all__ = ["OpCount", "LayerCount", "count_layers", "split_microbatch", "run_once"]
 
@@ -142,11 +144,9 @@ def _count_one(graph: LayerGraph, layer: Layer, inputs: list, later: set[str],
     for how in ("meta", "fake", "cpu"):
         try:
             if how == "meta":
-                state = _state(layer, _to_meta)
-                with balanced_experts(layer.module), FlashOnMeta():  # MoE: average routing; SDPA: fused kernel
-                    outs, rf, rb, live = run_once(layer, state, [_leaf(t, g) for t, g in zip(inputs, grads)])
+                outs, fwd, bwd, live = _run_meta(layer, inputs, grads)
             elif how == "fake":
-                outs, rf, rb, live = _run_fake(layer, inputs, grads)
+                outs, fwd, bwd, live = _ops(*_run_fake(layer, inputs, grads))
             else:
                 pbytes = graph.param_bytes(layer)
                 if pbytes > fallback_param_bytes:
@@ -155,19 +155,41 @@ def _count_one(graph: LayerGraph, layer: Layer, inputs: list, later: set[str],
                                      f"fallback_param_bytes={fallback_param_bytes}")
                 state = _state(layer, _random_cpu)
                 real = [_leaf(_random_cpu(t), g) for t, g in zip(inputs, grads)]
-                outs, rf, rb, live = run_once(layer, state, real)
+                outs, fwd, bwd, live = _ops(*run_once(layer, state, real))
             if how == "cpu":
                 warnings.warn(f"estimate_costs: layer {layer.index} ({layer.name}) cannot run on the meta device "
                               f"({'; '.join(errors)}); counted it by running it on the CPU with random weights", stacklevel=3)
             outs = tuple(_plain_meta(o) for o in outs)
             mem = _layer_memory(graph, layer, inputs, outs, later)
-            fwd, bwd = tuple(rf.ops), tuple(rf.grad_ops) + tuple(rb.ops)  # forward-time gradients: backward
-            return LayerCount(fwd, bwd, *mem, max(live, default=0), tuple(live)), outs
+            return LayerCount(tuple(fwd), tuple(bwd), *mem, max(live, default=0), tuple(live)), outs
         except ValueError:
             raise
         except Exception as exc:  # noqa: BLE001 - try the next way, report all if none works
             errors.append(f"{how}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
     raise ValueError(f"layer {layer.index} ({layer.name}) could not be counted: {'; '.join(errors)}")
+
+
+def _ops(outs: tuple, rf: Recorder, rb: Recorder, live: list[int]) -> tuple:
+    """`run_once`'s result as (outputs, forward ops, backward ops, live curve): forward-time gradients count
+    with the backward."""
+    return outs, tuple(rf.ops), tuple(rf.grad_ops) + tuple(rb.ops), tuple(live)
+
+
+def _run_meta(layer: Layer, inputs: list, grads: list) -> tuple:
+    """`run_once` on meta, as `_ops` (MoE: average routing; SDPA: the fused kernel). A layer of balanced
+    experts is counted from its first few experts where they give the count of all (`experts.extrapolate`)."""
+    got: dict[int | None, tuple] = {}
+
+    def run(k: int | None) -> tuple:
+        state = _state(layer, _to_meta)
+        with balanced_experts(layer.module, run=k), FlashOnMeta():
+            got[k] = _ops(*run_once(layer, state, [_leaf(t, g) for t, g in zip(inputs, grads)]))
+        return got[k][1:]
+
+    if (n := expert_count(layer.module)) and (counts := extrapolate(run, n)) is not None:
+        return (got[RUNS[0]][0], *counts)
+    run(None)
+    return got[None]
 
 
 def _run_fake(layer: Layer, inputs: list, grads: list) -> tuple:

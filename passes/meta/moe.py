@@ -38,6 +38,7 @@ indices, so the router still gets its gradient.
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 from types import MappingProxyType
 from typing import Any, Iterator
@@ -48,7 +49,7 @@ from torch.overrides import TorchFunctionMode
 
 from rpcompile.passes.meta.regions import chunk_loop
 
-__all__ = ["balanced_experts", "GROUPED_MM_FLOPS", "Routing", "routers"]
+__all__ = ["balanced_experts", "expert_count", "GROUPED_MM_FLOPS", "Routing", "routers"]
 
 _TOPK = (torch.topk, torch.Tensor.topk)
 
@@ -90,8 +91,10 @@ def _gate(self: torch.nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def _balanced_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor | None = None,
-                      top_k_weights: torch.Tensor | None = None, *args, **kwargs) -> torch.Tensor:
-    """transformers' eager experts loop with every expert given ceil(T*K/E) tokens (the first n, first choice)."""
+                      top_k_weights: torch.Tensor | None = None, *args, run: int | None = None,
+                      **kwargs) -> torch.Tensor:
+    """transformers' eager experts loop with every expert given ceil(T*K/E) tokens (the first n, first choice);
+    `run`: only the first `run` experts run (the tokens per expert stay those of all E)."""
     experts, tokens, hidden = self.gate_up_proj.shape[0], hidden_states.shape[0], hidden_states.shape[-1]
     k = top_k_index.shape[-1] if top_k_index is not None else 1
     n = max(1, min(tokens, -(-tokens * k // experts)))
@@ -101,7 +104,7 @@ def _balanced_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tens
     idx = torch.arange(n, device=hidden_states.device)
     pos = torch.zeros(n, dtype=torch.long, device=hidden_states.device)
     with chunk_loop() as loop:  # not `loop.over`: autograd records each expert's ops for the backward
-        for e in range(experts):
+        for e in range(experts if run is None else min(run, experts)):
             with loop.iteration():
                 x = hidden_states[idx]
                 gate_up = x @ self.gate_up_proj[e] if transposed else F.linear(x, self.gate_up_proj[e])
@@ -118,16 +121,26 @@ def _balanced_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tens
 
 
 @contextlib.contextmanager
-def balanced_experts(model: torch.nn.Module) -> Iterator[int]:
-    """Within the block, every experts module of `model` routes tokens evenly; yields how many were patched."""
+def balanced_experts(model: torch.nn.Module, run: int | None = None) -> Iterator[int]:
+    """Within the block, every experts module of `model` routes tokens evenly; yields how many were patched.
+
+    `run`: each module runs only its first `run` experts (`passes.cost.experts` extrapolates from such counts).
+    """
     patched = [m for m in model.modules() if _is_experts(m)]
+    forward = _balanced_forward if run is None else functools.partial(_balanced_forward, run=run)
     for m in patched:
-        m.forward = types.MethodType(_balanced_forward, m)
+        m.forward = types.MethodType(forward, m)
     try:
         yield len(patched)
     finally:
         for m in patched:
             del m.forward
+
+
+def expert_count(model: torch.nn.Module) -> int:
+    """E of the experts modules `balanced_experts` patches in `model` (0: none, or not all with the same E)."""
+    counts = {m.gate_up_proj.shape[0] for m in model.modules() if _is_experts(m)}
+    return counts.pop() if len(counts) == 1 else 0
 
 
 def routers(module: torch.nn.Module) -> list[torch.nn.Module]:

@@ -1,0 +1,89 @@
+"""A balanced-experts layer's count at E experts, from counts of its first 2, 3, 4 and 5 experts.
+
+`meta.moe.balanced_experts` runs transformers' eager experts loop one expert after the other, every
+expert on the same number of tokens, and autograd records each expert's ops for the backward: counting
+such a layer runs E x (forward + backward) expert bodies (qwen3-235b-a22b: 128 experts, most of the
+seven counts `symbolic_costs` makes of a frozen-base model). The counts follow the loop's shape:
+
+- the forward's chunk loop is folded (`recorder`), so the forward ops and the forward's live points
+  have the same length for any number of experts k, each a sum or a maximum over the iterations that
+  grows by the same amount per expert (affine in k);
+- the backward runs the experts in reverse, one block of ops (and live points) per expert, so going
+  from k to k + 1 experts puts one block in front of the blocks that were there, whose values stay
+  (they depend on how many experts are still to go back through, not on k), and the ops before them
+  change by the same amount per expert.
+
+So a count with k experts is `head(k) + block(k - 1) + ... + block(2) + tail` with `head` and `block`
+affine in k. `extrapolate` finds the head, the block and the tail from the counts at 2, 3 and 4
+experts, predicts the counts at 4 and 5 and checks them against the real ones, element for element;
+only then does it give the count at E (else None: the caller counts all E experts).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Callable, Sequence
+
+__all__ = ["RUNS", "extrapolate", "series_at"]
+
+RUNS = (2, 3, 4, 5)  # the expert counts run: the first three fit the model, the last two check it
+
+
+def _line(a: Any, b: Any, t: int) -> Any:
+    """`a + t * (b - a)` for an int, or for each count of an OpCount (name, dtype and form equal)."""
+    if isinstance(a, int):
+        return a + t * (b - a)
+    if (a.name, a.dtype, a.form) != (b.name, b.dtype, b.form):
+        raise ValueError("not the same op")
+    return replace(a, flops=a.flops + t * (b.flops - a.flops), bytes=a.bytes + t * (b.bytes - a.bytes),
+                   launches=a.launches + t * (b.launches - a.launches))
+
+
+def _common_suffix(a: Sequence, b: Sequence) -> int:
+    """Length of the longest common suffix of `a` and `b`."""
+    n = 0
+    while n < min(len(a), len(b)) and a[len(a) - 1 - n] == b[len(b) - 1 - n]:
+        n += 1
+    return n
+
+
+def series_at(seqs: dict[int, Sequence], k: int) -> list | None:
+    """The sequence at `k` experts from those at `RUNS` (module docstring), or None where they do not
+    follow the model (lengths, ops or values that the prediction at 4 and 5 experts misses)."""
+    a2, a3, a4 = seqs[2], seqs[3], seqs[4]
+    d = len(a3) - len(a2)
+    if d < 0 or any(len(seqs[r]) != len(a2) + (r - 2) * d for r in RUNS):
+        return None
+    h = len(a2) - _common_suffix(a2, a3)  # the head: what changes from 2 to 3 experts before the new block
+    head, block, tail = (a2[:h], a3[:h]), (a3[h:h + d], a4[h:h + d]), list(a2[h:])
+
+    def at(n: int) -> list:
+        out = [_line(x, y, n - 2) for x, y in zip(*head)]
+        for j in range(n - 1, 1, -1):  # the blocks of experts n - 1 ... 2 in front of the tail's
+            out += [_line(x, y, j - 2) for x, y in zip(*block)]
+        return out + tail
+
+    try:
+        if any(at(r) != list(seqs[r]) for r in RUNS):
+            return None
+        return at(k)
+    except ValueError:  # an op that changes with the number of experts
+        return None
+
+
+def extrapolate(count: Callable[[int], tuple[Sequence, ...]], experts: int) -> list[list] | None:
+    """`count(k)` (a tuple of sequences: ops, live points) at k = `experts`, from `count` at `RUNS`.
+
+    Returns:
+        One list per sequence, or None when a sequence does not follow the model (or `experts` is
+        not more than the largest of `RUNS`): then only a count of all the experts is right.
+    """
+    if experts <= RUNS[-1]:
+        return None
+    runs = {r: count(r) for r in RUNS}
+    out = []
+    for i in range(len(runs[RUNS[0]])):
+        got = series_at({r: runs[r][i] for r in RUNS}, experts)
+        if got is None:
+            return None
+        out.append(got)
+    return out
