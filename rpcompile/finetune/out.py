@@ -1,9 +1,9 @@
 """The output folder of a fine-tuning run: what a run writes there, what it refuses, what a resume must match.
 
-    >>> check_out(cfg)                  # raises unless cfg.out may be written (see finetune's docstring)  # doctest: +SKIP
-    >>> lock = claim_out(cfg)           # check_out (and check_resume), and the folder is this run's alone  # doctest: +SKIP
-    >>> lock.hold(cfg); ...; lock.release()   # OUT created (if new) and locked, just before the run writes  # doctest: +SKIP
-    >>> check_resume_data(cfg, run_record(cfg, train))                                                # doctest: +SKIP
+    >>> check_out(cfg)          # raises unless cfg.out may be written (see finetune's docstring)  # doctest: +SKIP
+    >>> lock = claim_out(cfg)   # check_out (and check_resume); the folder is this run's alone    # doctest: +SKIP
+    >>> lock.hold(cfg)          # just before the run writes: OUT created if new, and locked      # doctest: +SKIP
+    >>> check_resume_data(cfg, run_record(cfg, train)); ...; lock.release()                      # doctest: +SKIP
 
 One run owns its output folder: `claim_out` takes an exclusive lock (`fcntl.flock` on the folder
 itself, opened read-only) for the whole run, so a second run on the same folder is refused at once,

@@ -270,7 +270,8 @@ def test_a_resumed_log_drops_the_lines_after_its_checkpoint(tmp_path):
                                                              {"step": 3, "loss": 30.0, "eval_loss": None}]
 
 
-@pytest.mark.parametrize("line, why", [(b"[1, 2]", "a JSON list, not an object"), (b'"text"', "a JSON str, not an object"),
+@pytest.mark.parametrize("line, why", [(b"[1, 2]", "a JSON list, not an object"),
+                                       (b'"text"', "a JSON str, not an object"),
                                        (b'{"step": "3"}', "its \"step\" is '3', not an integer"),
                                        (b'{"step": 3, "loss": "caf\xe9"}', "not UTF-8"), (b"{oops", "not JSON")])
 def test_a_resumed_log_refuses_a_line_that_is_not_a_record_naming_the_file_and_line(tmp_path, line, why):

@@ -118,7 +118,8 @@ def test_a_refused_command_writes_nothing_into_out_and_creates_no_folder(files, 
     that is not one: refused in one line, OUT's tree (names, sizes, mtimes, bytes) as it was, a new OUT not made."""
     nothing = tmp_path / "typo"
     (tmp_path / "not-a-model").mkdir()
-    cases = [(nothing, ["--steps", "0"]), (nothing, ["--resume"]), (nothing, ["--model", str(tmp_path / "not-a-model")]),
+    cases = [(nothing, ["--steps", "0"]), (nothing, ["--resume"]),
+             (nothing, ["--model", str(tmp_path / "not-a-model")]),
              (finished.saved, ["--resume", "--lr", "2e-3"]), (finished.saved, ["--resume", "--seq", "16"]),
              (finished.unsaved, ["--resume"]), (finished.saved, ["--lr", "2e-3"]),
              (finished.saved, ["--resume", "--model", str(tmp_path / "not-a-model")])]
