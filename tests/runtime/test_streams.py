@@ -155,7 +155,8 @@ def test_pool_reuses_after_the_last_users_and_poisons():
 
 def test_a_buffer_reused_before_its_last_users_finish_stays_in_use_until_its_new_holder_is_done():
     # the first holder's user completes after the buffer was handed out again: it is still in use (counted once,
-    # not poisoned under its new holder's data) until that new holder gives it back and its users finish
+    # not poisoned under its new holder's data) until that new holder gives it back and its users finish; then
+    # it is poisoned (poison mode "release")
     from rpcompile.runtime.streams.devices import Store
     ctx = StreamContext(timeout=5.0)
     s = HostStream("s", ctx)
@@ -173,8 +174,8 @@ def test_a_buffer_reused_before_its_last_users_finish_stays_in_use_until_its_new
         gate.set()
         written.wait()  # the first holder's user is done
         assert store.bytes == 4096 and torch.equal(h2.get(), torch.full((1024,), 2.0))
-        pool.give(h2, [written])
-        assert store.bytes == 0 and pool.reserved == 4096
+        pool.give(h2, [written])  # its last user is done: free, and poisoned now
+        assert store.bytes == 0 and pool.reserved == 4096 and torch.isnan(h2.base).all()
     finally:
         gate.set()
         s.close()
