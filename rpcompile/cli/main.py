@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import signal
 import sys
 import threading
@@ -27,6 +28,7 @@ from rpcompile.checkpoint import write_text_atomic
 from rpcompile.cli.demo import DemoConfig, run
 from rpcompile.finetune.loop import StepFailed
 from rpcompile.finetune.run import finetune
+from rpcompile.finetune.config import MAX_COUNT
 from rpcompile.cli.finetune import add_arguments, config_from_args
 from rpcompile.models.planning import plan_model
 from rpcompile.models.presets import MODELS
@@ -49,13 +51,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (refused with the value, naming the option)."""
+    """argparse type: an integer from 1 to MAX_COUNT (refused with the value, naming the option)."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    if not 1 <= value <= MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (at most {MAX_COUNT:,}), got {value}")
     return value
 
 
@@ -68,8 +70,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     """Plan a model on meta for a target machine and compare with the baselines."""
     t = time.perf_counter()
-    if args.host_memory is not None and not args.host_memory > 0:
-        raise ValueError(f"--host-memory must be a positive number of GiB, got {args.host_memory:g}")
+    if args.host_memory is not None and not 1 <= args.host_memory * 2**30 < math.inf:  # NaN too
+        raise ValueError(f"--host-memory must be a finite positive number of GiB, got {args.host_memory:g}")
     limit = None if args.host_memory is None else int(args.host_memory * 2**30)
     r = plan_model(args.model, gpus=args.gpus, hardware=args.hardware, seq=args.seq,
                    microbatches=args.microbatches, staleness=args.staleness, frozen_base=args.frozen_base,

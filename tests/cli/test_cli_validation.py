@@ -105,3 +105,16 @@ def test_plan_keeps_the_baselines_that_can_be_built_and_prints_the_length_limit(
     line = next(x for x in out.splitlines() if x.startswith("max_seq_len"))
     assert line.startswith("max_seq_len on 8x rtx4090, 2 sequences per microbatch: ") and " tokens; at " in line
     assert "the device: " in line or "the host: " in line, line  # the binding term is named
+
+
+@pytest.mark.parametrize("argv", [
+    *[("plan", "--model", "MODEL", "--host-memory", v) for v in ("inf", "nan", "-1", "0", "1e300")],
+    *[("plan", "--model", "MODEL", flag, str(10**20)) for flag in ("--gpus", "--seq", "--microbatches",
+                                                                   "--micro-batch-size")],
+    ("simulate", "--program", "p.csv", "--iterations", str(10**20)), ("demo", "--steps", str(10**20)),
+])
+def test_a_number_that_is_not_finite_positive_or_representable_is_refused_naming_its_flag(capsys, tmp_path,
+                                                                                          monkeypatch, small_model, argv):
+    monkeypatch.chdir(tmp_path)
+    err = refused(capsys, *[small_model if a == "MODEL" else a for a in argv])
+    assert argv[-2] in err and ("finite positive" in err or "at most 2,147,483,647" in err), err
