@@ -15,6 +15,8 @@ from typing import Any, Sequence
 
 import torch
 
+from rpcompile.models.model_config import read_model_config
+
 __all__ = ["load_tokenizer", "check_model", "load_model", "add_lora", "trainable_module", "decay_parameters",
            "export", "TOKENIZER_FILES"]
 
@@ -93,8 +95,13 @@ def check_model(folder: str, tokenizer: Any, seq: int) -> Any:
 
 
 def _read_config(folder: str) -> Any:
-    """`AutoConfig.from_pretrained(folder)`, offline; ValueError in one line naming the folder (and the field)."""
+    """`AutoConfig.from_pretrained(folder)`, offline; ValueError in one line naming the folder (and the field).
+
+    The sizes are checked first (`rpcompile.models.model_config`): transformers takes a negative hidden size or
+    0 heads and fails only when the model is built.
+    """
     from transformers import AutoConfig
+    read_model_config(os.path.join(folder, "config.json"))  # ValueError naming the file and the field
     try:
         return AutoConfig.from_pretrained(folder, local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - e.g. huggingface_hub's StrictDataclassClassValidationError

@@ -10,13 +10,13 @@ without it `build_meta` says how to install it.
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
 import torch
 
 from rpcompile.models.attention import register
+from rpcompile.models.model_config import read_model_config
 from rpcompile.ir.hardware import Hardware
 from rpcompile.passes.cost.seqlen import max_seq_len
 from rpcompile.passes.trace import sublayer_units, trace
@@ -64,9 +64,17 @@ def config_for(name_or_path: str):
         cls, fields = MODELS[name_or_path]
         return getattr(tf, cls)(**fields)
     if os.path.isfile(name_or_path):
-        with open(name_or_path) as f:
-            raw = json.load(f)
-        return tf.AutoConfig.for_model(raw.pop("model_type"), **raw)
+        raw = read_model_config(name_or_path)  # ValueError naming the file and the field
+        kind = raw.pop("model_type", None)
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+        if not isinstance(kind, str) or kind not in CONFIG_MAPPING:
+            raise ValueError(f"{name_or_path}: model_type must name a transformers model type (e.g. \"llama\"), got "
+                             f"{'none' if kind is None else repr(kind)}")
+        try:
+            return tf.AutoConfig.for_model(kind, **raw)
+        except Exception as exc:  # noqa: BLE001 - a config class's own validation (TypeError, ValueError...)
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
+            raise ValueError(f"{name_or_path}: {lines[0]}") from None
     raise ValueError(f"unknown model {name_or_path!r}: use one of {sorted(MODELS)} or a config.json path")
 
 

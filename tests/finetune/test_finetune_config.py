@@ -197,3 +197,34 @@ def test_a_config_file_number_goes_through_the_same_check(tmp_path, capsys, ext,
                    tmp_path / "out")
     key = next(k for k in ("epochs", "lora-alpha", "memory-gib", "seed") if k.replace("-", "_") in text)
     assert f"--{key} must be" in err and not (tmp_path / "out").exists(), err
+
+
+@pytest.fixture(scope="module")
+def saved_tokenizer(tmp_path_factory):
+    """A folder holding only the tiny tokenizer: a model folder once a config.json is written beside it."""
+    pytest.importorskip("transformers")
+    import hf_fixtures as fx
+    folder = tmp_path_factory.mktemp("tokenizer")
+    fx.tokenizer().save_pretrained(str(folder))
+    return folder
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"hidden_size": -32}, "hidden_size must be a positive integer, got -32"),
+    ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer, got 0"),
+    ({"vocab_size": 0}, "vocab_size must be a positive integer, got 0"),
+    ({"hidden_size": "32"}, "hidden_size must be a positive integer, got '32'"),
+    ({"num_hidden_layers": None}, "num_hidden_layers must be a positive integer, got None"),
+    ({"num_key_value_heads": 3}, "num_attention_heads (4) must be a multiple of num_key_value_heads (3)"),
+])
+def test_a_model_folder_whose_config_cannot_build_the_model_is_refused_naming_the_file_and_field(
+        tmp_path, capsys, saved_tokenizer, change, words):
+    import shutil
+    folder = tmp_path / "model"
+    shutil.copytree(saved_tokenizer, folder)
+    config = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300, "max_position_embeddings": 64}
+    write(folder / "config.json", {**config, **change})  # no weights: refused before they would load
+    data = write(tmp_path / "d.jsonl", '{"text": "a document"}\n')
+    err = one_line(capsys, "--model", folder, "--data", data, "--out", tmp_path / "out", "--seq", 32, "--steps", 1)
+    assert f"{folder / 'config.json'}: {words}" in err and not (tmp_path / "out").exists(), err

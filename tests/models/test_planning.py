@@ -75,3 +75,33 @@ def test_plan_model_finds_the_limit_in_a_child_alongside_with_the_same_result(tm
     assert here == os.getpid()
     if sys.platform == "linux" and len(os.sched_getaffinity(0)) > 1:
         assert child != os.getpid()
+
+
+HOSTILE = {  # config.json -> the words of the one-line refusal (file and field)
+    "negative hidden size": ({**TINY, "hidden_size": -64}, "hidden_size must be a positive integer, got -64"),
+    "0 attention heads": ({**TINY, "num_attention_heads": 0}, "num_attention_heads must be a positive integer"),
+    "vocab 0": ({**TINY, "vocab_size": 0}, "vocab_size must be a positive integer, got 0"),
+    "a string hidden size": ({**TINY, "hidden_size": "64"}, "hidden_size must be a positive integer, got '64'"),
+    "0 layers": ({**TINY, "num_hidden_layers": 0}, "num_hidden_layers must be a positive integer, got 0"),
+    "heads not dividing hidden": ({**TINY, "head_dim": None, "num_attention_heads": 6, "num_key_value_heads": 6},
+                                  "hidden_size (64) must be a multiple of num_attention_heads (6)"),
+    "kv heads not dividing heads": ({**TINY, "num_key_value_heads": 3}, "must be a multiple of num_key_value_heads"),
+    "null": ({**TINY, "intermediate_size": None}, "intermediate_size must be a positive integer, got None"),
+    "a list where an int goes": ({**TINY, "num_hidden_layers": [2]}, "num_hidden_layers must be a positive integer"),
+    "a non-object": ([1, 2], "a model config is a JSON object of fields, got a list"),
+    "no model_type": ({k: v for k, v in TINY.items() if k != "model_type"}, "model_type must name"),
+    "unknown model_type": ({**TINY, "model_type": "no-such-model"}, "got 'no-such-model'"),
+    "not JSON": ("{'hidden_size': 64}", "not valid JSON at line 1 column 2"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_a_config_json_that_cannot_build_a_model_is_refused_naming_the_file_and_field(tmp_path, case) -> None:
+    raw, words = HOSTILE[case]
+    path = tmp_path / "config.json"
+    path.write_text(raw if isinstance(raw, str) else json.dumps({"model_type": "llama", **raw} if isinstance(
+        raw, dict) and case != "no model_type" else raw))
+    with pytest.raises(ValueError) as refused:
+        plan_model(str(path), gpus=2, hardware="rtx4090", seq=64, microbatches=4)
+    message = str(refused.value)
+    assert message.startswith(f"{path}: ") and words in message and "\n" not in message, message
