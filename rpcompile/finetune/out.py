@@ -17,11 +17,12 @@ no lock.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
-from typing import Any
+from typing import Any, Iterator
 
 try:
     import fcntl  # POSIX only: no lock without it
@@ -34,7 +35,7 @@ from rpcompile.finetune.metrics import METRICS_FILE, TENSORBOARD_DIR, read_recor
 
 __all__ = ["CHECKPOINT", "RUN_FILE", "TOKEN_CACHE", "FREE", "PATHS", "OutLock", "check_out", "claim_out",
            "previous_run", "remove_previous", "run_settings", "run_record", "read_run", "check_resume",
-           "check_resume_data"]
+           "check_resume_data", "taken_back_if_refused"]
 
 CHECKPOINT = "rpcompile-checkpoint.rp"  # in `out`: the training state (rpcompile.load format)
 RUN_FILE = "rpcompile-run.json"  # in `out`: the run's settings and data fingerprint, checked on resume
@@ -272,3 +273,37 @@ def check_resume_data(cfg: FinetuneConfig, run: dict[str, Any]) -> None:
         brief = lambda d: {k: v for k, v in d.items() if k != "held_out"}  # noqa: E731 - no document lists
         raise ValueError(f"--resume: the training data differs from the run's ({brief(saved['data'])} then, "
                          f"{brief(run['data'])} now)")
+
+
+@contextlib.contextmanager
+def taken_back_if_refused(out: str, active: bool = True) -> Iterator[None]:
+    """While a run prepares (its token cache, the data and memory checks), a refusal or an interrupt takes back
+    what it wrote into `out`: the folder itself if this run made it, else the token-cache entries it added.
+
+    So a run refused before it trains leaves `out` as it found it (a data file that changed under `--resume`,
+    a run that cannot fit the RAM); a cache entry it rebuilt in place (a damaged one) stays rebuilt.
+
+        >>> import tempfile; out = os.path.join(tempfile.mkdtemp(), "o")
+        >>> try:
+        ...     with taken_back_if_refused(out):
+        ...         os.makedirs(os.path.join(out, TOKEN_CACHE, "abc")); raise ValueError("refused")
+        ... except ValueError:
+        ...     os.path.exists(out)
+        False
+    """
+    if not active:
+        yield
+        return
+    made = not os.path.lexists(out)
+    cache = os.path.join(out, TOKEN_CACHE)
+    before = set(os.listdir(cache)) if os.path.isdir(cache) else None
+    try:
+        yield
+    except BaseException:
+        if made:
+            shutil.rmtree(out, ignore_errors=True)
+        elif os.path.isdir(cache):
+            added = set(os.listdir(cache)) - (before or set())
+            for name in added if before is not None else [""]:  # a cache folder it made goes whole
+                shutil.rmtree(os.path.join(cache, name), ignore_errors=True)
+        raise

@@ -36,7 +36,8 @@ on the same folder at once, naming the first one's pid (`rpcompile.finetune.out.
 run writes nothing: the settings, `out`, and for a resume its checkpoint, settings and metrics file are
 checked before anything is written, and a new `out` is created only when the run starts writing (its
 token cache). What needs the packed data (a run that does not fit, a resume whose data differs) is
-refused after that cache is written into `out/token-cache`.
+refused after that cache is written, and the refusal takes it back (`out.taken_back_if_refused`: the
+folder if the run made it, else the cache entries it added).
 
 A finished run is never overwritten by accident: an `out` that holds a run record,
 a checkpoint, or model, adapter or tokenizer files is refused unless the run is
@@ -62,7 +63,7 @@ from rpcompile.finetune.config import DTYPES, FinetuneConfig, FinetuneResult, ch
 from rpcompile.finetune.dist import Ranks
 from rpcompile.finetune.loop import Loop, StepFailed, StepOutOfMemory, StepPlan
 from rpcompile.finetune.out import (CHECKPOINT, RUN_FILE, TOKEN_CACHE, OutLock, check_resume_data, claim_out,
-                                   remove_previous, run_record)
+                                   remove_previous, run_record, taken_back_if_refused)
 from rpcompile.finetune.hf import add_lora, check_model, decay_parameters, export, load_model, load_tokenizer, \
     trainable_module
 from rpcompile.finetune.metrics import MetricsLog, check_report_to
@@ -137,28 +138,29 @@ def _train(cfg: FinetuneConfig, ranks: Ranks, on_step: Callable[[int, float], No
         tokenizer.chat_template = read_template(cfg.chat_template)  # used for the data, and exported
     gpus = cfg.gpus or (torch.cuda.device_count() if cuda else 2)
     micro = ranks.microbatches(cfg.microbatches or 2 * gpus * ranks.world)  # this rank's share of the step's
-    ranks.on_rank0(lambda: [lock.hold(cfg) for lock in locks])  # the first write into out: its token cache
-    train, held = _datasets(cfg, tokenizer, ranks)
-    run = run_record(cfg, train, held if cfg.val_size else None)
-    ranks.same_everywhere(json.dumps(run["data"], sort_keys=True), "the training data")
-    if cfg.resume:
-        ranks.on_rank0(lambda: check_resume_data(cfg, run))
-    size = cfg.micro_batch_size * micro * ranks.world  # sequences per step, every rank together
-    plan = StepPlan(total=cfg.steps or max(1, math.ceil((cfg.epochs or 1.0) * len(train) / size)), size=size,
-                    lr=cfg.lr if cfg.lr is not None else (2e-4 if cfg.lora else 2e-5),
-                    checkpoint=os.path.join(cfg.out, CHECKPOINT))
-    optimizer = AdamW(lr=plan.lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm)
-    lora = dict(rank=cfg.lora, alpha=cfg.lora_alpha, targets=cfg.lora_targets, seed=cfg.seed) if cfg.lora else None
-    example = ranks.share(train.batch(0, size, cfg.seed))
-    pre = preflight(config, example, gpus=gpus, microbatches=micro, microbatch_size=cfg.micro_batch_size,
-                    staleness=cfg.staleness, dtype=dtype, optimizer=optimizer, budget=_budget(cfg, cuda), lora=lora,
-                    packed=cfg.packing != "none", lm_head_shards=cfg.lm_head_shards,
-                    fp16_accumulation=cfg.fp16_accumulation, seq_limit=cfg.dry_run)  # refuses what cannot fit
-    if cfg.dry_run:
-        print("\n".join(pre.lines()))
-        print(f"dry run: {plan.total} steps of {size} sequences; nothing loaded or written")
-        return FinetuneResult(0, [], [], cfg.out)
-    print(f"fits: {pre.lines()[1]}; {pre.lines()[2]}")
+    with taken_back_if_refused(cfg.out, ranks.writes and not cfg.dry_run):  # a refusal leaves out as it was
+        ranks.on_rank0(lambda: [lock.hold(cfg) for lock in locks])  # the first write into out: its token cache
+        train, held = _datasets(cfg, tokenizer, ranks)
+        run = run_record(cfg, train, held if cfg.val_size else None)
+        ranks.same_everywhere(json.dumps(run["data"], sort_keys=True), "the training data")
+        if cfg.resume:
+            ranks.on_rank0(lambda: check_resume_data(cfg, run))
+        size = cfg.micro_batch_size * micro * ranks.world  # sequences per step, every rank together
+        plan = StepPlan(total=cfg.steps or max(1, math.ceil((cfg.epochs or 1.0) * len(train) / size)), size=size,
+                        lr=cfg.lr if cfg.lr is not None else (2e-4 if cfg.lora else 2e-5),
+                        checkpoint=os.path.join(cfg.out, CHECKPOINT))
+        optimizer = AdamW(lr=plan.lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm)
+        lora = dict(rank=cfg.lora, alpha=cfg.lora_alpha, targets=cfg.lora_targets, seed=cfg.seed) if cfg.lora else None
+        example = ranks.share(train.batch(0, size, cfg.seed))
+        pre = preflight(config, example, gpus=gpus, microbatches=micro, microbatch_size=cfg.micro_batch_size,
+                        staleness=cfg.staleness, dtype=dtype, optimizer=optimizer, budget=_budget(cfg, cuda), lora=lora,
+                        packed=cfg.packing != "none", lm_head_shards=cfg.lm_head_shards,
+                        fp16_accumulation=cfg.fp16_accumulation, seq_limit=cfg.dry_run)  # refuses what cannot fit
+        if cfg.dry_run:
+            print("\n".join(pre.lines()))
+            print(f"dry run: {plan.total} steps of {size} sequences; nothing loaded or written")
+            return FinetuneResult(0, [], [], cfg.out)
+        print(f"fits: {pre.lines()[1]}; {pre.lines()[2]}")
 
     model = load_model(cfg.model, dtype=dtype)
     use_cache = getattr(config, "use_cache", True)  # load_model turned it off for training

@@ -142,6 +142,28 @@ def test_a_refused_command_writes_nothing_into_out_and_creates_no_folder(files, 
         metrics.write_bytes(good)
 
 
+def test_a_run_refused_after_its_data_is_prepared_takes_back_what_it_wrote(files, finished, tmp_path, monkeypatch,
+                                                                            capsys):
+    """Refusals that come after the token cache is built: a new run that cannot fit the RAM leaves no OUT, and a
+    resume whose data file changed leaves the finished run's tree (its token cache included) as it was."""
+    with monkeypatch.context() as m:
+        m.setattr("rpcompile.ir.hardware._host_memory", lambda: 2**18)
+        assert main(argv(files, tmp_path / "new", "1e-3")) == 2
+    assert "host memory: the run needs" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+    other = tmp_path / "other.jsonl"
+    rows = [json.loads(line) for line in open(files.train, encoding="utf-8")]
+    fx.write_jsonl(other, [{"text": r["text"] + " and more"} for r in rows])
+    before = tree(finished.saved)
+    capsys.readouterr()
+    args = argv(files, finished.saved, "1e-3")
+    args[args.index("--data") + 1] = str(other)
+    assert main([*args, "--resume"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("python -m rpcompile")]
+    assert len(err) == 1 and "data" in err[0], err
+    assert tree(finished.saved) == before
+
+
 def test_resume_takes_the_model_folder_however_its_path_is_spelled(files, tmp_path, monkeypatch):
     """`tiny`, `tiny/`, `./tiny` and the absolute path are one folder (chat templates too); another folder is not."""
     import shutil
