@@ -5,7 +5,8 @@ transformers` and the same command on the tree before issue 31, all timed in the
 Each model runs in a fresh process, as a user would, on the `meta` device (8x rtx4090, seq 2048, 16
 microbatches). qwen3-32b and qwen3-235b-a22b do not fit the rtx4090 preset's 512 GiB of host memory
 (549 GiB and 3,941 GiB of parameter state; the command refuses them before planning, before issue 31 as
-well), so they are also planned with --host-memory 1024 / 8192. The current
+well), so they are also planned with --host-memory 1024 / 8192; qwen3-235b-a22b also with --frozen-base,
+the paper's configuration (issue 46: at most 3 s plus the import as well). The current
 tree's command runs 3 times per row, each run right after a fresh `import torch, transformers`, and the
 row compares the two medians (the machine's speed drifts by tens of percent over minutes here: a pair run
 side by side sees about the same). The "before" command runs on a copy of the tree at `--before`
@@ -20,7 +21,10 @@ Every tree is byte-compiled first (`compileall`), as `pip install` leaves a pack
 import does where it may write: this machine sets PYTHONDONTWRITEBYTECODE=1, under which each command would
 compile rpcompile's modules from source again (about 0.3-0.5 s here), while torch and transformers load theirs.
 
-    python bench/plan_cli.py [--before REV] [--same-as REV] [--no-before] [MODEL ...]
+    python bench/plan_cli.py [--before REV] [--same-as REV] [--no-before] [--only TEXT] [MODEL ...]
+
+A subset (models named, or `--only TEXT`: the rows whose model and flags contain TEXT) prints its table
+without writing docs/bench/plan_cli.md.
 """
 from __future__ import annotations
 
@@ -42,6 +46,7 @@ from partition import GPUS, MICROBATCHES, STALENESS, Before, predicted_costs  # 
 
 MODELS = ("qwen3-1.7b", "llama3.1-8b", "gpt-oss-20b", "qwen3-32b", "qwen3-235b-a22b")
 HOST = {"qwen3-32b": "1024", "qwen3-235b-a22b": "8192"}  # GiB: these refuse at the preset's 512 GiB
+FROZEN = ("qwen3-235b-a22b",)  # also planned with --frozen-base: the paper's configuration (fits 512 GiB)
 ARGS = ["--gpus", "8", "--hardware", "rtx4090", "--seq", "2048", "--microbatches", "16"]
 BEFORE = "217a999"  # the tree before issue 31
 SAME_AS = "3e652d2"  # after issue 33 (its costs: the output since), before this session's speed-ups
@@ -141,11 +146,19 @@ def _short(r: dict) -> tuple[str, str]:
     return r["plan"].split(":", 1)[-1].strip(), r["max_seq_len"].split(": ", 1)[-1].split(";")[0]
 
 
+def extras(model: str) -> list[list[str]]:
+    """The extra flags of each row of `model`: none; --host-memory where the preset refuses it; --frozen-base."""
+    return [[], *([["--host-memory", HOST[model]]] if model in HOST else []),
+            *([["--frozen-base"]] if model in FROZEN else [])]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("models", nargs="*", default=list(MODELS))
     ap.add_argument("--before", default=BEFORE, help="git revision to compare with (default %(default)s)")
     ap.add_argument("--no-before", action="store_true", help="do not run the command on the old trees")
+    ap.add_argument("--only", default="", help="only the rows whose model and flags contain this text "
+                    "(e.g. --only frozen); the doc is written only for every row of the five models")
     ap.add_argument("--same-as", default=SAME_AS, help="git revision whose output must be the same "
                     "(default %(default)s: the costs of issue 33, before this session's changes)")
     args = ap.parse_args()
@@ -157,8 +170,10 @@ def main() -> None:
                      *(t for t in (tree, same_tree) if t))
         rows, built = [], {}
         for model in args.models:
-            built[model] = build_seconds(model)
-            for extra in ([], ["--host-memory", HOST[model]]) if model in HOST else ([],):
+            chosen = [extra for extra in extras(model) if args.only in " ".join([model, *extra])]
+            if chosen:
+                built[model] = build_seconds(model)
+            for extra in chosen:
                 new, imp = paired(model, extra)
                 old = run(model, extra, tree) if tree else None
                 ref = run(model, extra, same_tree) if same_tree else None
@@ -171,7 +186,7 @@ def main() -> None:
     table = []
     for model, extra, new, imp, old, ref in rows:
         plan, longest = _short(new)
-        row = [model + (f" --host-memory {extra[1]}" if extra else ""), f"{new['wall']:.1f}", f"{new['cpu']:.1f}",
+        row = [" ".join([model, *extra]), f"{new['wall']:.1f}", f"{new['cpu']:.1f}",
                f"{imp:.1f}", ("yes" if new["wall"] <= 3 + imp else "NO") + f" ({new['wall'] - imp:+.1f} s)",
                f"{built[model]:.1f} ({new['wall'] - built[model]:+.1f} s)"]
         if tree:
@@ -189,6 +204,9 @@ def main() -> None:
     text = tabulate(table, headers=heads, tablefmt="github", disable_numparse=True)
     print(text)
     load = os.getloadavg()
+    print(f"load average at the end: {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f} ({os.cpu_count()} cores, shared)")
+    if args.only or args.models != list(MODELS):
+        return  # a subset: docs/bench/plan_cli.md keeps every row
     write_doc("plan_cli.md", "## plan_cli: `python -m rpcompile plan` for the paper models\n\n" + machine_line()
               + f"  \nload average at the end: {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f} "
               f"({os.cpu_count()} cores, shared)\n\n"
@@ -202,7 +220,10 @@ def main() -> None:
               f"module's imports, which `import transformers` defers, are most of it), and how much longer the "
               f"command took. qwen3-32b and qwen3-235b-a22b exceed the preset's 512 GiB of host "
               f"memory, so they are refused with the issue's exact command (before too) and planned again with "
-              f"--host-memory. No weights are allocated. Every tree was byte-compiled first, as `pip install` "
+              f"--host-memory. qwen3-235b-a22b is also planned with --frozen-base, the paper's configuration "
+              f"(only the norms train: it fits the 512 GiB; its max_seq_len comes from the eager experts loop, "
+              f"counted from its first 2-5 experts, `passes/cost/experts.py`); the partition check column is "
+              f"the model's, without --frozen-base. No weights are allocated. Every tree was byte-compiled first, as `pip install` "
               f"leaves a package (this machine sets PYTHONDONTWRITEBYTECODE=1). The command's output differs from {args.before}'s since "
               f"issue 33 priced bf16 on GeForce cards at the fp32-accumulate rate (165.2 TFLOP/s on a 4090, "
               f"not 330): other costs, so other plans and tokens/s. Whether the planner itself still gives the "
