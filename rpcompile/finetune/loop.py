@@ -14,7 +14,10 @@ later lines and runs those steps and evals again; a kill after it loses nothing.
 A step's metrics line is written once the next step has returned (or at a
 checkpoint, or at the end): its gradient norm and the runtime's counters are
 read then, from what the runtime recorded, so logging never makes a step wait
-for the staleness-1 update still running behind it.
+for the staleness-1 update still running behind it. With fp16, a line also waits for its step's
+overflow check (known one step later at staleness 1): it carries the loss scale and whether the step
+was skipped, and each skipped step prints one line on stderr as its check becomes known,
+"step 3: skipped (fp16 overflow), loss scale 32768 -> 16384" (`metrics.skip_line`).
 
 A runtime failure (an instruction that raised, or a wait past its deadline) stops the run with
 `StepFailed`: one line naming the step, the instruction, its worker and the wait, and the path of
@@ -40,6 +43,7 @@ from typing import Any, Callable
 
 import torch
 
+from rpcompile.finetune.metrics import scale_figures, skip_line
 from rpcompile.finetune.schedule import lr_at
 from rpcompile.ir.instr import Op
 from rpcompile.runtime.streams.host import seconds
@@ -169,6 +173,7 @@ class Loop:
         self.pending: list[dict[str, Any]] = []  # records of finished steps, written when the next one returns
         self.saved: int | None = c.steps or None  # the step of the checkpoint on disk (a resume starts at one)
         self.accuracy: dict[int, float | None] = {}  # step -> its eval's token accuracy
+        self.checked = c.steps  # fp16: the first 0-based iteration whose loss scale check is not yet read
 
     def run(self, evals: list, on_step: Callable | None) -> list[float]:
         """The loop; returns this call's losses; evals gets (step, eval loss) appended."""
@@ -267,12 +272,30 @@ class Loop:
         """Write the pending lines: all of them if `complete` (the runtime is quiet, or the run is stopping), else
         all but the last step's."""
         now = self.c.steps
-        ready = [r for r in self.pending if complete or r["step"] < now]
-        self.pending = [r for r in self.pending if r not in ready]
+        self._read_checks()
+        n = next((i for i, r in enumerate(self.pending)  # in step order: lines wait for the ones before them
+                  if not (complete or r["step"] < now and self._checked(r))), len(self.pending))
+        ready, self.pending = self.pending[:n], self.pending[n:]
         if self.log is None:
             return
         for r in ready:
             self.log.write(self._figures(r))
+
+    def _read_checks(self) -> None:
+        """fp16: read the dynamic loss scale checks made since the last call, in order; print a line per skipped step."""
+        if self.c.state.scaler is None:
+            return
+        from tqdm.auto import tqdm
+        known = dict(self.c.state.verdicts)  # the optimizer thread adds to it: a copy
+        while self.checked in known or known and self.checked < min(known):  # (one forgotten already: passed)
+            v = known.get(self.checked)
+            if v is not None and v.skipped and self.ranks.writes:
+                tqdm.write(skip_line(self.checked + 1, v), file=sys.stderr)
+            self.checked += 1
+
+    def _checked(self, r: dict[str, Any]) -> bool:
+        """Whether record `r` can be written: its step's loss scale check is read (fp16), or it needs none."""
+        return self.c.state.scaler is None or "loss" not in r or r["step"] - 1 < self.checked
 
     def _figures(self, r: dict[str, Any]) -> dict[str, Any]:
         """A pending record with the gradient norm, the host peak and the runtime's counters of its step."""
@@ -281,6 +304,8 @@ class Loop:
             return r
         it = r["step"] - 1  # the runtime's 0-based iteration
         r["grad_norm"] = self.c.state.norms.get(it)
+        if it in self.c.state.verdicts:  # fp16: the dynamic loss scale's check of the step
+            r.update(scale_figures(self.c.state.verdicts[it]))
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         r["peak_host_bytes"] = peak if sys.platform == "darwin" else peak * 1024  # Linux counts KiB
         try:

@@ -8,7 +8,9 @@ One JSON object per line, one line per logged step (`python -m rpcompile finetun
 writes: step, loss, lr, grad_norm, tokens (real, no padding), trained_tokens, step_s,
 tokens_per_s and trained_tokens_per_s (those over step_s), padded_tokens_per_s (every
 position of the batch), peak_host_bytes, the runtime's counters of that step, eval_loss
-and eval_token_accuracy on eval steps). A resumed run
+and eval_token_accuracy on eval steps; with `--dtype fp16`, every line also has loss_scale, the
+factor that step's loss was multiplied by, and skipped, true where an inf/nan gradient made the
+dynamic loss scale skip its update (`scale_figures`; `skip_line` is what is printed for it)). A resumed run
 (`resume_at=k`, the checkpoint's step) first drops every line of a step after k:
 those steps run again, so no step is written twice (`read_records`: a torn last line is dropped, any
 other line that is not a record refused, naming the file and the line). Lines are flushed as they are
@@ -26,8 +28,8 @@ import math
 import os
 from typing import Any
 
-__all__ = ["MetricsLog", "METRICS_FILE", "TENSORBOARD_DIR", "check_report_to", "read_metrics",
-           "read_records"]
+__all__ = ["MetricsLog", "METRICS_FILE", "TENSORBOARD_DIR", "check_report_to", "read_metrics", "read_records",
+           "scale_figures", "skip_line"]
 
 METRICS_FILE = "metrics.jsonl"  # in OUT
 TENSORBOARD_DIR = "tensorboard"  # in OUT: the event files of report_to="tensorboard"
@@ -77,6 +79,22 @@ def read_records(path: str) -> list[dict[str, Any]]:
             raise ValueError(f"the metrics file {path!r} line {n} is not a metrics record ({why}): delete that line, "
                              f"or start the run over with --overwrite")
     return out
+
+
+def scale_figures(verdict: Any) -> dict[str, Any]:
+    """A step's dynamic loss scale figures from its check (`HostState.verdicts`): the scale its loss was multiplied by,
+    and whether its update was skipped for an inf/nan gradient."""
+    return {"loss_scale": verdict.used, "skipped": verdict.skipped}
+
+
+def skip_line(step: int, verdict: Any) -> str:
+    """The line printed for a skipped 1-based `step`.
+
+    Example:
+        >>> skip_line(3, SimpleNamespace(used=32768.0, skipped=True, after=16384.0))   # doctest: +SKIP
+        'step 3: skipped (fp16 overflow), loss scale 32768 -> 16384'
+    """
+    return f"step {step}: skipped (fp16 overflow), loss scale {verdict.used:.10g} -> {verdict.after:.10g}"
 
 
 class MetricsLog:

@@ -1,11 +1,16 @@
 """`finetune --dtype fp16 [--fp16-accumulation]`: fp16 trains with dynamic loss scaling; the flag is recorded
-and priced (host workers accept it, where it changes nothing)."""
+and priced (host workers accept it, where it changes nothing). A step the loss scale skips says so, in its metrics
+line and on stderr; runs whose early steps overflow repeat bit for bit, also killed and resumed, on a loaded machine."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import os
 import re
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +19,7 @@ pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
+import rpcompile  # noqa: E402
 from rpcompile import DynamicLossScale, Hardware, checkpoint  # noqa: E402
 from rpcompile.cli.main import main  # noqa: E402
 from rpcompile.finetune.metrics import read_metrics  # noqa: E402
@@ -70,3 +76,93 @@ def test_dry_run_prices_the_fp16_accumulate_rate(files, tmp_path, monkeypatch, c
         got[bool(extra)] = _iteration(capsys.readouterr().out)
     assert got[False][1] == "float16" and got[True][1] == "float16/float16"
     assert got[True][0] < 0.8 * got[False][0]
+
+
+# -- runs whose early steps overflow: what a skipped step says, and repeatable runs --------------------------------
+# The tiny model's fp16 gradients overflow at a loss scale of 2**20, and at 2**19 once it has trained a few steps.
+# At staleness 1 each scale is used twice (iteration t takes the scale the checks of iterations <= t - 2 leave):
+# 2**20 in steps 1-2 skips, 2**19 trains in steps 3-5; two good checks grow it back to 2**20, which steps 6-7 use and
+# skip, and step 8 skips at 2**19.
+OVERFLOWS = {"init_scale": 2.0**20, "growth_interval": 2}
+SKIPPED = [1, 2, 6, 7, 8]
+EIGHT = ["--dtype", "fp16", "--steps", "8", "--memory-gib", "0.5", "--save-every", "3"]
+
+
+def _overflowing(mp) -> None:
+    mp.setattr("rpcompile.finetune.run.DynamicLossScale", lambda: DynamicLossScale(**OVERFLOWS))
+
+
+def _outcome(out) -> tuple[list[tuple], bytes]:
+    """What must repeat: each step's (step, loss, grad_norm, loss_scale, skipped), and the exported weights' bytes."""
+    lines = read_metrics(os.path.join(out, "metrics.jsonl"))
+    with open(os.path.join(out, "model.safetensors"), "rb") as f:
+        return [(r["step"], r["loss"], r["grad_norm"], r["loss_scale"], r["skipped"]) for r in lines], f.read()
+
+
+@pytest.fixture(scope="module")
+def overflowing_run(files, tmp_path_factory):
+    """An 8-step fp16 run whose early steps overflow: its OUT and what it printed on stderr."""
+    out, err = tmp_path_factory.mktemp("overflow") / "o", io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stderr(err):
+        _overflowing(mp)
+        assert run(files, out, *EIGHT) == 0
+    return SimpleNamespace(out=out, err=err.getvalue())
+
+
+def test_a_step_the_loss_scale_skips_says_so_in_its_metrics_line_and_on_stderr(overflowing_run):
+    lines = read_metrics(os.path.join(overflowing_run.out, "metrics.jsonl"))
+    assert [r["step"] for r in lines] == list(range(1, 9))
+    assert [r["step"] for r in lines if r["skipped"]] == SKIPPED
+    assert [r["loss_scale"] for r in lines] == [2.0**20, 2.0**20, 2.0**19, 2.0**19, 2.0**19, 2.0**20, 2.0**20,
+                                                2.0**19]
+    assert all(r["grad_norm"] is None for r in lines if r["skipped"])  # an inf norm
+    assert all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in lines if not r["skipped"])
+    printed = [line for line in overflowing_run.err.splitlines() if "skipped" in line]
+    assert printed == ["step 1: skipped (fp16 overflow), loss scale 1048576 -> 524288",
+                       "step 2: skipped (fp16 overflow), loss scale 1048576 -> 524288",
+                       "step 6: skipped (fp16 overflow), loss scale 1048576 -> 524288",
+                       "step 7: skipped (fp16 overflow), loss scale 1048576 -> 524288",
+                       "step 8: skipped (fp16 overflow), loss scale 524288 -> 262144"]
+
+
+@contextlib.contextmanager
+def _busy_cpus(n: int = 2):
+    """n processes spinning on the CPU for the duration of the block."""
+    spin = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for p in spin:
+            p.kill()
+            p.wait()
+
+
+def _stop_before_step(n: int):
+    """A Compiled.step that is interrupted (as Ctrl-C) instead of running 1-based step `n`."""
+    real = rpcompile.Compiled.step
+
+    def step(self, batch):
+        if self.steps == n - 1:
+            raise KeyboardInterrupt
+        return real(self, batch)
+    return step
+
+
+@pytest.mark.slow
+def test_fp16_runs_that_overflow_repeat_bit_for_bit_also_killed_and_resumed_on_a_busy_machine(
+        files, overflowing_run, tmp_path, monkeypatch):
+    """5 times, while two busy loops load the CPU: a run like `overflowing_run`, and one stopped in step 6 (after
+    step 5's work; the checkpoint of step 3 kept) and resumed, skip the same steps and end with the same bytes."""
+    _overflowing(monkeypatch)
+    want = _outcome(overflowing_run.out)
+    assert [s for s, _, _, _, skipped in want[0] if skipped] == SKIPPED
+    with _busy_cpus():
+        for rep in range(5):
+            assert run(files, tmp_path / f"again{rep}", *EIGHT) == 0
+            assert _outcome(tmp_path / f"again{rep}") == want, f"again {rep}"
+            with monkeypatch.context() as mp:
+                mp.setattr(rpcompile.Compiled, "step", _stop_before_step(6))
+                assert run(files, tmp_path / f"stopped{rep}", *EIGHT) == 130
+            assert checkpoint.load(os.path.join(tmp_path / f"stopped{rep}", CHECKPOINT))["steps"] == 3
+            assert run(files, tmp_path / f"stopped{rep}", *EIGHT, "--resume") == 0
+            assert _outcome(tmp_path / f"stopped{rep}") == want, f"stopped and resumed {rep}"
