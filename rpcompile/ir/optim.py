@@ -127,10 +127,13 @@ class SGD:
 class DynamicLossScale:
     """Dynamic loss scaling for fp16 training, with torch.amp.GradScaler's rule.
 
-    The loss is multiplied by the current scale before backward; the optimizer
+    The loss is multiplied by the scale before backward; the optimizer
     divides the gradients by it. An iteration with an inf/nan gradient anywhere
     is skipped by every layer and halves the scale; `growth_interval`
-    consecutive good iterations double it.
+    consecutive good iterations double it. The scale is as stale as the weights:
+    iteration t uses the one the checks of iterations <= t - 1 - staleness leave
+    (staleness 0: GradScaler's; staleness 1: t - 1's check counts from t + 1 on),
+    so it is a function of the run, the same in every run and after a resume.
 
     Example:
         >>> DynamicLossScale(init_scale=1024.0)

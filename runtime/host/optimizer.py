@@ -96,7 +96,7 @@ class HostState(GradStats, StateIO):
         gradient, so iteration t+1 reads the weights made from t-1's gradient.
         With staleness 1 the compute copies end one step behind the masters;
         `parameters_fp32()` returns the masters.
-        With a dynamic loss scale, call `begin_iteration()` at each iteration's start.
+        With a dynamic loss scale, call `begin_iteration(lag=staleness)` at each iteration's start.
 
     Example:
         >>> import rpcompile, torch
