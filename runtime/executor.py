@@ -67,7 +67,7 @@ from rpcompile.runtime.stage.batch import split_batch
 from rpcompile.runtime.stage.cuts import chunk_elements, stage_io
 from rpcompile.runtime.stage.routing import RoutingLog
 from rpcompile.runtime.stage.runner import LayerRunner, has_random_ops, tracked_buffers
-from rpcompile.runtime.streams.host import DEADLINE_FLOOR_S, StreamContext, wait_all
+from rpcompile.runtime.streams.host import StreamContext, duration, wait_all
 from rpcompile.runtime.transfer import RuntimeFailure, make_delay, protocol_deps
 
 __all__ = ["Runtime", "run", "RuntimeFailure", "DEP_KINDS", "check_pinned"]
@@ -91,6 +91,8 @@ class Runtime(RuntimeReports):
         timeout: seconds any wait may last before it counts as a hang (a `DeadlineExceeded`, raised as a
             RuntimeFailure naming the instruction); None: `DEADLINE_FLOOR_S` (10 minutes). `compile`
             passes one derived from the plan's costs (`rpcompile.runtime.transfer.plan_deadline`).
+        drain_timeout: the least seconds a drain (after a failure, `flush`, `close`) or a committed iteration's host
+            work waits for work in flight (`StreamContext.drain_bound`); None: `DEADLINE_FLOOR_S` (compile: the plan's).
         start_iteration: the iteration number of the first `step` (resuming a checkpoint: earlier
             iterations count as complete, so their refs are satisfied).
         poison: test mode: pool buffers are NaN when handed out, host buffers when released.
@@ -119,7 +121,7 @@ class Runtime(RuntimeReports):
     def __init__(self, graph, program, state, *, backend: str = "auto", devices=None, seed: int = 0,
                  lane_delay=None, timeout: float | None = None, start_iteration: int = 0, poison: bool = False,
                  drop: tuple[str, ...] = (), on_nonfinite: str = "raise", fp16_accumulation: bool = False,
-                 pinned: PinnedAllocator | None = None) -> None:
+                 pinned: PinnedAllocator | None = None, drain_timeout: float | None = None) -> None:
         bad = set(drop) - set(DEP_KINDS)
         if bad:
             raise ValueError(f"drop: unknown dependency kinds {sorted(bad)}; choose from {DEP_KINDS}")
@@ -128,11 +130,8 @@ class Runtime(RuntimeReports):
         if on_nonfinite not in ("raise", "skip"):
             raise ValueError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
         self.on_nonfinite = on_nonfinite
-        if timeout is None:
-            timeout = DEADLINE_FLOOR_S
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
-            raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
-        self.ctx = StreamContext(timeout=float(timeout), delay=make_delay(lane_delay))
+        self.ctx = StreamContext(timeout=duration("timeout", timeout), delay=make_delay(lane_delay),
+                                 drain=duration("drain_timeout", drain_timeout))
         self.workers = make_workers(program.gpus, self.ctx, backend, devices, poison, fp16_accumulation)
         cuda = self.workers[0].kind == "cuda"
         self.pin = pinned if pinned is not None else PinnedAllocator() if cuda else False  # exact-size host pins
@@ -192,8 +191,12 @@ class Runtime(RuntimeReports):
 
     @property
     def timeout(self) -> float:
-        """Seconds any wait may last before it fails as a hang (the deadline)."""
+        """Seconds any wait may last before it fails as a hang (the deadline); settable (for the waits from then on)."""
         return self.ctx.timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        self.ctx.timeout = self.ctx.stats.timeout = self.routes.timeout = duration("timeout", seconds)
 
     @property
     def skipped(self) -> list[int]:

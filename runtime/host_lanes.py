@@ -30,7 +30,7 @@ from rpcompile.ir.program import Op
 from rpcompile.runtime.host.pinned import pinned_zeros
 from rpcompile.runtime.streams.pool import poison
 from rpcompile.runtime.program_info import EVAL_BASE
-from rpcompile.runtime.streams.host import Abort, HostEvent, wait_all
+from rpcompile.runtime.streams.host import Abort, DeadlineExceeded, HostEvent, wait_all
 from rpcompile.runtime.transfer import LaneThread, NonFiniteError
 
 __all__ = ["HostLanes", "naming"]
@@ -284,10 +284,29 @@ class HostLanes:
                 continue
             prod = info.by_name[key[1]]
             if prod.is_host or prod.op is Op.GRAD_DOWN:
-                self.events[key].wait()
+                self._until_done(t, ins.name, self.events[key].wait)
             else:
                 device += list(self.board.get(key, t, ins.name))
-        wait_all(device, self.ctx, t)
+        self._until_done(t, ins.name, lambda timeout: wait_all(device, self.ctx, t, timeout))
+
+    def _until_done(self, t: int, name: str, wait) -> None:
+        """`wait(timeout)` with the deadline while iteration t can still fail, with `ctx.drain_bound` once committed.
+
+        A committed iteration's update cannot be undone, so its rest (later steps, copies) is waited
+        for as the drain waits; a deadline that fires first fails t, atomically with the commit
+        (as `fail_caller`), so t commits or is abandoned, never both.
+        """
+        if t < self.committed:
+            wait(self.ctx.drain_bound)
+            return
+        try:
+            wait(None)
+        except DeadlineExceeded as exc:
+            with self._lock:
+                if t >= self.committed:
+                    self.ctx.failure.fail(t, name, exc)
+                    raise
+            wait(self.ctx.drain_bound)
 
     def _run_lane(self, body, t: int) -> None:
         """Run one lane body for iteration t; a failure is recorded, an abandoned iteration skipped."""

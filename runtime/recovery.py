@@ -10,7 +10,7 @@ import threading
 from typing import Any
 
 from rpcompile.runtime.program_info import EVAL_BASE
-from rpcompile.runtime.streams.host import Abort
+from rpcompile.runtime.streams.host import Abort, seconds
 from rpcompile.runtime.transfer import NonFiniteError, RuntimeFailure
 
 __all__ = ["Recovery"]
@@ -48,25 +48,32 @@ class Recovery:
         self.recover()
 
     def drain(self) -> None:
-        """Block until the issuers, the host lanes and then every stream have run what they were given."""
+        """Block until the issuers, the host lanes and then every stream have run what they were given.
+
+        Each waits up to `ctx.drain_bound`, not the deadline of a single wait: after a failure the items
+        still running finish (every wait inside them is bounded by the deadline, or released by the
+        failure), and with a short deadline on a busy machine that takes longer than the deadline that fired.
+
+        Raises:
+            RuntimeError: a thread or stream did not finish within the bound (a hang: an item that never returns).
+        """
+        bound = self.ctx.drain_bound
         for group in self.threads:
             marks = []
             for th in group:
                 ev = threading.Event()
                 th.submit(ev.set)
-                marks.append(ev)
-            for ev in marks:
-                if not ev.wait(self.ctx.timeout * 2):
-                    raise RuntimeError("rpcompile runtime: a lane did not drain (a hang); state may be inconsistent")
+                marks.append((th, ev))
+            for th, ev in marks:
+                if not ev.wait(bound):
+                    raise RuntimeError(f"rpcompile runtime: lane {th.lane_name} did not drain within "
+                                       f"{seconds(bound)} (a hang); state may be inconsistent")
         for w in self.workers:
-            for tries in (1, 0):  # like the lanes: up to twice the deadline for a slow item still running
-                try:
-                    w.synchronize()
-                    break
-                except TimeoutError:
-                    if not tries:
-                        raise RuntimeError("rpcompile runtime: a worker's streams did not drain (a hang); state may "
-                                           "be inconsistent") from None
+            try:
+                w.synchronize(bound)
+            except TimeoutError as exc:
+                raise RuntimeError(f"rpcompile runtime: worker {w.index}'s streams did not drain within "
+                                   f"{seconds(bound)} ({exc}: a hang); state may be inconsistent") from None
 
     def prune(self) -> None:
         """Forget records no instruction can reach any more (refs reach back at most one iteration)."""

@@ -302,9 +302,9 @@ class CudaOps:
         """A backlog helper thread launches CUDA work: set its device first."""
         set_thread_device(self.device)
 
-    def synchronize(self) -> None:
-        """Block until the stream ran everything so far; TimeoutError after the context's timeout."""
-        self.record(None, f"{self.name} drain").wait()
+    def synchronize(self, timeout: float | None = None) -> None:
+        """Block until the stream ran everything so far; TimeoutError after `timeout` (default the context's)."""
+        self.record(None, f"{self.name} drain").wait(timeout)
 
     def close(self) -> None:
         """Nothing to stop (a CUDA stream has no thread)."""

@@ -27,6 +27,7 @@ makes every waiter raise `Abort` instead of hanging.
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 import traceback
@@ -37,11 +38,27 @@ from typing import Any
 from rpcompile.runtime.streams.stats import Stats
 
 __all__ = ["Abort", "Failure", "StreamContext", "HostEvent", "HostStream", "wait_all", "DeadlineExceeded",
-           "DEADLINE_FLOOR_S", "DEADLINE_MAX_S", "seconds"]
+           "DEADLINE_FLOOR_S", "DEADLINE_MAX_S", "seconds", "duration"]
 
 DEADLINE_FLOOR_S = 600.0  # the shortest default deadline of a wait (compile derives a longer one from its plan)
 DEADLINE_MAX_S = threading.TIMEOUT_MAX / 4  # the longest deadline (~73 years: none): a drain waits 2x it, and
 # every wait must stay one threading wait (a longer one raises OverflowError)
+
+
+def duration(name: str, value: Any) -> float:
+    """A duration argument as float seconds (None: `DEADLINE_FLOOR_S`; at most `DEADLINE_MAX_S`, which is no deadline).
+
+    >>> duration("timeout", 2), duration("timeout", None)
+    (2.0, 600.0)
+
+    Raises:
+        ValueError: naming it, unless a number > 0 and finite.
+    """
+    if value is None:
+        return DEADLINE_FLOOR_S
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+    return min(float(value), DEADLINE_MAX_S)
 
 
 def seconds(s: float) -> str:
@@ -123,13 +140,24 @@ class StreamContext:
             derives it from the plan (`rpcompile.runtime.transfer.plan_deadline`) unless it is given.
         delay: test hook `delay(worker, lane, label) -> seconds`, slept before each host-stream item.
         stats: per-iteration counters (host waits, bytes, busy time).
+        drain: the shortest bound of the waits that must not fail with a short deadline (`drain_bound`).
     """
 
     def __init__(self, timeout: float = DEADLINE_FLOOR_S, delay: Callable[[int, str, str], float] | None = None,
-                 stats: Stats | None = None) -> None:
-        self.timeout, self.delay = timeout, delay
+                 stats: Stats | None = None, drain: float = DEADLINE_FLOOR_S) -> None:
+        self.timeout, self.delay, self.drain = timeout, delay, drain
         self.failure = Failure()
         self.stats = stats or Stats(timeout=timeout)
+
+    @property
+    def drain_bound(self) -> float:
+        """Seconds a wait for work already running may last: the larger of `drain` and twice the deadline.
+
+        The drain after a failure (and in `flush`, `close`) waits this long for each thread and stream, and
+        an iteration past its commit point (whose update cannot be undone) this long for its own host work:
+        every wait inside that work is bounded already, so only an item that never returns exceeds it.
+        """
+        return max(self.drain, 2 * self.timeout)
 
 
 class HostEvent:
@@ -268,11 +296,14 @@ class HostStream:
             except BaseException as exc:  # noqa: BLE001 - the caller's thread re-raises it
                 self.ctx.failure.fail(it if it is not None else -1, label or self.name, exc)
 
-    def synchronize(self) -> None:
-        """Block the host until everything submitted so far has run (skipped items count as run)."""
+    def synchronize(self, timeout: float | None = None) -> None:
+        """Block the host until everything submitted so far has run (skipped items count as run).
+
+        Raises DeadlineExceeded after `timeout` seconds (default the context's deadline).
+        """
         ev = HostEvent(self.ctx, None, f"{self.name} drain")
         self._q.put(("event", ev, "", None))
-        ev.wait()
+        ev.wait(timeout)
 
     def close(self) -> None:
         """Stop the thread after its queued items."""
@@ -280,15 +311,16 @@ class HostStream:
         self._thread.join(timeout=self.ctx.timeout)
 
 
-def wait_all(events: list, ctx: StreamContext, it: int | None) -> None:
+def wait_all(events: list, ctx: StreamContext, it: int | None, timeout: float | None = None) -> None:
     """Host-block until every event completed: one host wait (counted once) if any was still running.
 
     Raises:
         Abort: an event was aborted (its iteration abandoned).
+        DeadlineExceeded: an event did not complete within `timeout` (default the context's deadline).
     """
     pending = [e for e in events if e is not None and not e.query()]
     if pending:
         ctx.stats.add(it, "host_waits")
     for e in events:
         if e is not None:
-            e.wait()
+            e.wait(timeout)

@@ -160,8 +160,8 @@ class HostOps:
     def thread_start(self) -> None:
         """Nothing to set up in a helper thread (no device)."""
 
-    def synchronize(self) -> None:
-        self.stream.synchronize()
+    def synchronize(self, timeout: float | None = None) -> None:
+        self.stream.synchronize(timeout)
 
     def close(self) -> None:
         self.stream.close()
@@ -244,12 +244,16 @@ class LaunchStream:
         finally:
             self.ctx.stats.add(it, "issue_blocked_s", time.perf_counter() - t0)
 
-    def synchronize(self) -> None:
-        """Block until the backlog is launched and the device stream has run everything (TimeoutError if not)."""
+    def synchronize(self, timeout: float | None = None) -> None:
+        """Block until the backlog is launched and the device stream has run everything.
+
+        Raises DeadlineExceeded after `timeout` seconds for each of the two (default the context's deadline).
+        """
+        t = self.ctx.timeout if timeout is None else timeout
         with self._drained:
-            if not self._drained.wait_for(lambda: self._backlog == 0, self.ctx.timeout):
-                raise DeadlineExceeded(self.ctx.timeout, f"the backlog of {self.name} to be issued")
-        self.ops.synchronize()
+            if not self._drained.wait_for(lambda: self._backlog == 0, t):
+                raise DeadlineExceeded(t, f"the backlog of {self.name} to be issued")
+        self.ops.synchronize(t)
 
     def close(self) -> None:
         """Stop the helper thread after its queued items, then the device stream."""

@@ -232,3 +232,64 @@ def test_a_failed_load_state_dict_changes_nothing_and_the_handle_works():
         assert isinstance(err, ValueError)
         assert all(torch.equal(before[n], v) for n, v in c.state.parameters_fp32().items())
         assert _within(30, lambda: c.step(batch(1))) is None
+
+
+# -- a deadline shorter than the work -----------------------------------------------------------------------------
+def _host_state(c) -> dict:
+    """The handle's weights, optimizer state and step count, read as they are (no flush)."""
+    sd = c.state.state_dict()
+    return {k: sd[k] for k in ("master", "compute", "optim", "steps")}
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_a_two_ms_deadline_on_a_busy_machine_fails_steps_cleanly_and_the_handle_trains_on():
+    """compile(timeout=0.002) while a busy thread holds the GIL in 5 ms slices: each of 30 steps trains or fails
+    with a RuntimeFailure from DeadlineExceeded that leaves the state of the last completed step (never the
+    recovery's "did not drain"); with a normal deadline the run ends as the reference's, and close() is clean."""
+    from rpcompile.runtime.streams.host import DeadlineExceeded
+    from rpcompile.runtime.transfer import RuntimeFailure
+    k = 5
+    with _compile() as ref:
+        want = [_host_state(ref)]
+        for s in range(k):
+            ref.step(_xy(s))
+            ref.flush()
+            want.append(_host_state(ref))
+    c = _compile(timeout=0.002)
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            pass
+    busy = threading.Thread(target=spin, daemon=True)
+    busy.start()
+    failures = 0
+    try:
+        for _ in range(30):
+            if c.steps == k:
+                break
+            try:
+                c.step(_xy(c.steps))
+            except RuntimeFailure as exc:
+                failures += 1
+                assert isinstance(exc.__cause__, DeadlineExceeded), str(exc)[:300]
+                assert c.steps == exc.iteration and _equal(_host_state(c), want[c.steps])
+    finally:
+        stop.set()
+        busy.join()
+    c._runtime.timeout = 30  # the handle goes on under a normal deadline
+    for s in range(c.steps, k):
+        c.step(_xy(s))
+    c.flush()
+    assert _equal(_host_state(c), want[k])
+    assert _within(30, c.close) is None
+    assert failures
