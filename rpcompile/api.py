@@ -247,7 +247,8 @@ class Compiled(Training):
         rt = Runtime(graph or self.graph, program or self.program, self.state, backend=self.options.backend,
                      seed=self.options.seed + self.rank, start_iteration=start,  # per-rank dropout
                      on_nonfinite=self.options.on_nonfinite, fp16_accumulation=self.options.fp16_accumulation,
-                     timeout=self.options.timeout or plan_deadline(self.costs, self.microbatches))
+                     timeout=self.options.timeout or plan_deadline(self.costs, self.microbatches),
+                     drain_timeout=plan_deadline(self.costs, self.microbatches))  # a short timeout fails a wait only
         if self._dist:
             self._dist.attach(rt)  # counts the gradient writes that complete each layer group
         return rt
