@@ -21,6 +21,7 @@ from typing import Any
 from rpcompile.api import compile
 from rpcompile.resume import load
 from rpcompile.cli.demo import DemoConfig, batches
+from rpcompile.finetune.config import MAX_COUNT, MAX_SEED
 from rpcompile.models.zoo import LlamaConfig, TinyLlama
 from rpcompile.ir.optim import AdamW
 
@@ -110,11 +111,13 @@ def _bad_value(key: str, value: Any, kind: str) -> str | None:
         return None if ok else "a finite number >= 0"
     if isinstance(value, bool) or not isinstance(value, int):
         return "an integer"
-    if key in _POSITIVE and value < 1:
-        return "a positive integer"
+    if key == "seed":
+        return None if 0 <= value <= MAX_SEED else f"an integer from 0 to {MAX_SEED} (2**32 - 1)"
+    if key in _POSITIVE and not 1 <= value <= MAX_COUNT:
+        return f"a positive integer (at most {MAX_COUNT:,})"
     if key == "staleness" and value not in (0, 1):
         return "0 or 1"
-    return "an integer >= 0" if value < 0 else None
+    return f"an integer >= 0 (at most {MAX_COUNT:,})" if not 0 <= value <= MAX_COUNT else None
 
 
 def config_help() -> str:

@@ -118,3 +118,16 @@ def test_a_number_that_is_not_finite_positive_or_representable_is_refused_naming
     monkeypatch.chdir(tmp_path)
     err = refused(capsys, *[small_model if a == "MODEL" else a for a in argv])
     assert argv[-2] in err and ("finite positive" in err or "at most 2,147,483,647" in err), err
+
+
+@pytest.mark.parametrize("config, words", [
+    ({"seed": 10**20}, ("'seed'", "from 0 to 4294967295")), ({"seed": -1}, ("'seed'", "from 0 to")),
+    ({"steps": 10**20}, ("'steps'", "at most 2,147,483,647")), ({"save_every": 10**20}, ("'save_every'", "at most")),
+    ({"lr": float("nan")}, ("'lr'", "finite")), ({"lr": float("inf")}, ("'lr'", "finite")),
+])
+def test_train_config_refuses_a_number_too_large_or_not_finite_naming_its_key(capsys, tmp_path, config, words):
+    (tmp_path / "corpus.txt").write_text("some text " * 200)
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"text": str(tmp_path / "corpus.txt"), "steps": 1, **config}))  # NaN, Infinity
+    err = refused(capsys, "train", "--config", str(path))
+    assert str(path) in err and all(w in err for w in words), err
