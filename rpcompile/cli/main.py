@@ -71,7 +71,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """Plan a model on meta for a target machine and compare with the baselines."""
     t = time.perf_counter()
     if args.host_memory is not None and not 1 <= args.host_memory * 2**30 < math.inf:  # NaN too
-        raise ValueError(f"--host-memory must be a finite positive number of GiB, got {args.host_memory:g}")
+        raise ValueError(f"--host-memory must be a positive number of GiB, and finite, got {args.host_memory:g}")
     limit = None if args.host_memory is None else int(args.host_memory * 2**30)
     r = plan_model(args.model, gpus=args.gpus, hardware=args.hardware, seq=args.seq,
                    microbatches=args.microbatches, staleness=args.staleness, frozen_base=args.frozen_base,

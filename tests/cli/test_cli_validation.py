@@ -117,7 +117,7 @@ def test_a_number_that_is_not_finite_positive_or_representable_is_refused_naming
                                                                                           monkeypatch, small_model, argv):
     monkeypatch.chdir(tmp_path)
     err = refused(capsys, *[small_model if a == "MODEL" else a for a in argv])
-    assert argv[-2] in err and ("finite positive" in err or "at most 2,147,483,647" in err), err
+    assert argv[-2] in err and ("positive number of GiB, and finite" in err or "at most 2,147,483,647" in err), err
 
 
 @pytest.mark.parametrize("config, words", [
