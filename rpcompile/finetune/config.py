@@ -130,7 +130,7 @@ def check_config(cfg: FinetuneConfig) -> None:
         raise ValueError("give --steps or --epochs, not both")
     for name, v in {"epochs": cfg.epochs, "memory_gib": cfg.memory_gib, "lora_alpha": cfg.lora_alpha,
                     "max_grad_norm": cfg.max_grad_norm}.items():
-        if v is not None and not _finite_positive(v):
+        if v is not None and not (_finite_positive(v) and _finite_positive(v * 2**30)):  # memory_gib in bytes too
             off = " (0 = off)" if name == "max_grad_norm" else ""
             raise ValueError(f"--{name.replace('_', '-')} must be a finite positive number{off}, got {v!r}")
     if cfg.lr is not None and not 0 <= cfg.lr < math.inf:

@@ -171,7 +171,7 @@ HUGE = str(10**20)  # past every count and seed (an int64 overflows at 9.2e18)
 
 
 @pytest.mark.parametrize("flag, value", [
-    *[("--epochs", v) for v in ("inf", "nan", "-1", "0")], *[("--memory-gib", v) for v in ("inf", "nan", "0")],
+    *[("--epochs", v) for v in ("inf", "nan", "-1", "0")], *[("--memory-gib", v) for v in ("inf", "nan", "0", "1e300")],
     *[("--lora-alpha", v) for v in ("nan", "inf", "-1")], *[("--max-grad-norm", v) for v in ("nan", "inf", "-1")],
     *[("--timeout", v) for v in ("nan", "inf", "-5")], ("--dist-timeout", "inf"), ("--dist-timeout", "nan"),
     ("--lr", "nan"), ("--lr", "inf"), ("--weight-decay", "nan"), ("--neftune-alpha", "inf"), ("--val-size", "nan"),
