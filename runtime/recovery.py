@@ -10,7 +10,7 @@ import threading
 from typing import Any
 
 from rpcompile.runtime.program_info import EVAL_BASE
-from rpcompile.runtime.streams.host import Abort, seconds
+from rpcompile.runtime.streams.host import Abort, DeadlineExceeded
 from rpcompile.runtime.transfer import NonFiniteError, RuntimeFailure
 
 __all__ = ["Recovery"]
@@ -55,7 +55,8 @@ class Recovery:
         failure), and with a short deadline on a busy machine that takes longer than the deadline that fired.
 
         Raises:
-            RuntimeError: a thread or stream did not finish within the bound (a hang: an item that never returns).
+            RuntimeFailure: a thread or stream did not finish within the bound (a hang: an item that never
+                returns), from a DeadlineExceeded naming it; `instr` is its name ("w1/compute", "h/optimizer").
         """
         bound = self.ctx.drain_bound
         for group in self.threads:
@@ -66,14 +67,18 @@ class Recovery:
                 marks.append((th, ev))
             for th, ev in marks:
                 if not ev.wait(bound):
-                    raise RuntimeError(f"rpcompile runtime: lane {th.lane_name} did not drain within "
-                                       f"{seconds(bound)} (a hang); state may be inconsistent")
+                    self._hang(th.lane_name, DeadlineExceeded(bound, f"{th.lane_name} to drain"))
         for w in self.workers:
-            try:
-                w.synchronize(bound)
-            except TimeoutError as exc:
-                raise RuntimeError(f"rpcompile runtime: worker {w.index}'s streams did not drain within "
-                                   f"{seconds(bound)} ({exc}: a hang); state may be inconsistent") from None
+            for s in w.streams.values():
+                try:
+                    s.synchronize(bound)
+                except TimeoutError as exc:
+                    self._hang(s.name, exc)
+
+    def _hang(self, name: str, exc: BaseException) -> None:
+        """Raise the RuntimeFailure of a thread or stream `name` that did not drain."""
+        raise RuntimeFailure(f"rpcompile runtime: {name} did not drain ({exc}): a hang, the state may be "
+                             f"inconsistent", name, self.its.t) from exc
 
     def prune(self) -> None:
         """Forget records no instruction can reach any more (refs reach back at most one iteration)."""

@@ -140,11 +140,10 @@ class Worker:
         self.pool = BufferPool(f"w{index}", ctx, device=self.device, store=self.store, poison=mode)
         self.generator = torch.Generator(device=self.device)  # dropout etc., seeded per layer
 
-    def synchronize(self, timeout: float | None = None) -> None:
-        """Block until every stream's queued work has run; TimeoutError after `timeout` per stream (default the
-        context's)."""
+    def synchronize(self) -> None:
+        """Block until every stream's queued work has run."""
         for s in self.streams.values():
-            s.synchronize(timeout)
+            s.synchronize()
 
     def close(self) -> None:
         """Stop the stream threads (and the CUDA event watcher)."""

@@ -335,6 +335,15 @@ def test_a_wait_past_timeout_is_one_line_naming_the_instruction_and_a_file_with_
     assert checkpoint.load(os.path.join(out, CHECKPOINT))["steps"] == 1
 
 
+def test_a_one_ms_timeout_ends_every_run_in_one_line_and_exit_1(files, tmp_path, capsys):
+    """--timeout 0.001, 10 runs: each ends with exit status 1 and one line naming the step that failed, never the
+    recovery's "did not drain" traceback (from the step, or from closing the handle after it)."""
+    for i in range(10):
+        assert run(files, tmp_path / f"o{i}", "--timeout", "0.001") == 1
+        (line,) = errors(capsys)
+        assert re.match(r"python -m rpcompile finetune: error: step \d+ failed: .* waited ", line), line
+
+
 def test_a_token_cache_overwritten_in_place_is_rebuilt_before_a_resume_trains_on_it(files, six, tmp_path,
                                                                                    monkeypatch, capsys):
     """ids.i32 rewritten with the same size and other tokens between a stop and --resume: rebuilt, same run."""

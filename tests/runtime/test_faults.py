@@ -1,6 +1,7 @@
 """Faults: an exception in a worker, lane or the optimizer reaches the caller fast, state is kept, next call works."""
 from __future__ import annotations
 
+import re
 import sys
 import time
 
@@ -268,6 +269,38 @@ def test_a_deadline_past_the_commit_point_never_leaves_half_an_update():
             rt.step(models.xy(s))
         rt.flush()
         _same(_snapshot(state), ref[3])
+
+
+def test_work_that_outlasts_the_drain_is_a_runtime_failure_naming_its_thread_and_the_next_call_recovers(tmp_path):
+    """An activation download still running past the drain's bound (drain_timeout 0.2 s, deadline 0.05 s, the
+    download 1 s): the step raises a RuntimeFailure naming the issuing thread that did not drain (finetune's one
+    line, exit 1), not a bare RuntimeError; once the download ends, the next call undoes the iteration and raises
+    its deadline failure, and the run trains on to the reference's weights."""
+    from rpcompile.finetune.loop import step_failure
+    ref = _reference(1, 2)
+    rt, state = _mlp_runtime(1, drain_timeout=0.2)
+    with rt:
+        rt.step(models.xy(0))
+        rt.flush()
+        orig = rt.handlers[Op.ACT_DOWN]
+
+        def slow(t, ins, w):
+            if t == 1 and ins.stage == 0 and ins.mb == 1:
+                time.sleep(1.0)
+            return orig(t, ins, w)
+
+        rt.handlers[Op.ACT_DOWN], rt.timeout = slow, 0.05
+        with pytest.raises(RuntimeFailure, match=r"w\d/issue did not drain .*a hang") as err:
+            rt.step(models.xy(1))
+        line = str(step_failure(err.value, 2, None, str(tmp_path)))
+        assert re.match(r"step 2 failed: the issue stream of worker \d waited 0.2 s for w\d/issue to drain", line)
+        rt.handlers[Op.ACT_DOWN], rt.timeout = orig, 20
+        with pytest.raises(RuntimeFailure) as err:
+            rt.step(models.xy(1))
+        _check_undone(rt, state, err.value, ref)
+        rt.step(models.xy(1))
+        rt.flush()
+        _same(_snapshot(state), ref[2])
 
 
 @pytest.mark.parametrize("staleness", [0, 1])
