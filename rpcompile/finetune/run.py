@@ -59,7 +59,7 @@ from rpcompile.api import compile
 from rpcompile.resume import load
 from rpcompile.checkpoint import write_text_atomic
 from rpcompile.finetune.data import CONVERSATIONAL, NothingToTrain, file_kind, prepare, read_template
-from rpcompile.finetune.config import DTYPES, FinetuneConfig, FinetuneResult, check_config
+from rpcompile.finetune.config import DTYPES, MAX_COUNT, FinetuneConfig, FinetuneResult, check_config
 from rpcompile.finetune.dist import Ranks
 from rpcompile.finetune.loop import Loop, StepFailed, StepOutOfMemory, StepPlan
 from rpcompile.finetune.out import (CHECKPOINT, RUN_FILE, TOKEN_CACHE, OutLock, check_resume_data, claim_out,
@@ -146,7 +146,7 @@ def _train(cfg: FinetuneConfig, ranks: Ranks, on_step: Callable[[int, float], No
         if cfg.resume:
             ranks.on_rank0(lambda: check_resume_data(cfg, run))
         size = cfg.micro_batch_size * micro * ranks.world  # sequences per step, every rank together
-        plan = StepPlan(total=cfg.steps or max(1, math.ceil((cfg.epochs or 1.0) * len(train) / size)), size=size,
+        plan = StepPlan(total=cfg.steps or _epoch_steps(cfg, len(train), size), size=size,
                         lr=cfg.lr if cfg.lr is not None else (2e-4 if cfg.lora else 2e-5),
                         checkpoint=os.path.join(cfg.out, CHECKPOINT))
         optimizer = AdamW(lr=plan.lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm)
@@ -228,6 +228,15 @@ def _start(cfg: FinetuneConfig, module: Any, run: dict, example: Any, ranks: Ran
                    seed=cfg.seed, optimizer=optimizer, memory_budget=budget, lm_head_shards=cfg.lm_head_shards,
                    loss_mean="tokens", dist=dist, fp16_accumulation=cfg.fp16_accumulation, timeout=cfg.timeout,
                    loss_scale=DynamicLossScale() if dtype == torch.float16 else None)  # fp16: gradients underflow
+
+
+def _epoch_steps(cfg: FinetuneConfig, sequences: int, size: int) -> int:
+    """The steps `--epochs` makes of `sequences` in steps of `size`; ValueError naming it past MAX_COUNT."""
+    steps = max(1, math.ceil((cfg.epochs or 1.0) * sequences / size))
+    if steps > MAX_COUNT:
+        raise ValueError(f"--epochs {cfg.epochs:g} makes {steps:,} steps of {size} sequences, more than "
+                         f"{MAX_COUNT:,}; give fewer epochs or --steps")
+    return steps
 
 
 def _datasets(cfg: FinetuneConfig, tokenizer: Any, ranks: Ranks) -> tuple[Any, Any]:

@@ -164,6 +164,17 @@ def test_a_run_refused_after_its_data_is_prepared_takes_back_what_it_wrote(files
     assert tree(finished.saved) == before
 
 
+def test_epochs_that_make_more_steps_than_a_count_holds_are_refused_naming_epochs(files, tmp_path, capsys):
+    """--epochs 1e12 is finite, but its steps are not countable (the run would never end): one line naming it."""
+    args = argv(files, tmp_path / "o", "1e-3")
+    i = args.index("--steps")
+    del args[i:i + 2]
+    assert main([*args, "--epochs", "1e12"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("python -m rpcompile")]
+    assert len(err) == 1 and "--epochs 1e+12 makes" in err[0], err
+    assert not (tmp_path / "o").exists()
+
+
 def test_resume_takes_the_model_folder_however_its_path_is_spelled(files, tmp_path, monkeypatch):
     """`tiny`, `tiny/`, `./tiny` and the absolute path are one folder (chat templates too); another folder is not."""
     import shutil
