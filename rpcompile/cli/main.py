@@ -36,7 +36,7 @@ from rpcompile.cli.train import RunConfig, config_help, train
 from rpcompile.ir.costs import CostTable
 from rpcompile.ir.hardware import Hardware
 from rpcompile.ir.program import Program
-from rpcompile.runtime import simulate
+from rpcompile.runtime import RuntimeFailure, simulate
 
 
 class _BadUsage(Exception):
@@ -178,7 +178,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 REFUSED = (ValueError, ImportError, OSError, FloatingPointError, MemoryError)  # printed as one line, exit 2
-FAILED = (StepFailed,)  # a run that failed in the runtime: one line (the rest in a file it names), exit 1
+FAILED = (StepFailed, RuntimeFailure)  # a run that failed in the runtime: one line (finetune: the rest in a file it
+# names; a RuntimeFailure that escapes a command, e.g. from closing a handle after a hang: its first line), exit 1
 INTERRUPTED = 130  # the exit status after Ctrl-C (128 + SIGINT), as shells report it
 TERMINATED = 143  # the exit status after SIGTERM (128 + SIGTERM), what a cluster scheduler sends to stop a job
 
@@ -233,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m rpcompile {args.command}: {why}", file=sys.stderr)
         return TERMINATED if isinstance(exc, Terminated) else INTERRUPTED
     except FAILED as exc:
-        print(f"python -m rpcompile {args.command}: error: {exc}", file=sys.stderr)
+        print(f"python -m rpcompile {args.command}: error: {str(exc).strip().splitlines()[0]}", file=sys.stderr)
         return 1
     except REFUSED as exc:
         line = str(exc).strip().split("\n")[0].strip() or type(exc).__name__

@@ -122,6 +122,22 @@ def test_every_command_turns_os_and_floating_point_errors_into_one_line(capsys, 
     assert "Is a directory" in one_line(capsys, "train", "--config", str(tmp_path / "run.json"))
 
 
+def test_a_runtime_failure_that_escapes_a_command_is_its_first_line_and_exit_1(capsys, tmp_path, monkeypatch):
+    """A RuntimeFailure outside a finetune step (closing a handle after a hang, a train step): one line, exit 1."""
+    import rpcompile.cli.main as main_mod
+    from rpcompile.runtime import RuntimeFailure
+
+    def hang(cfg):
+        raise RuntimeFailure("rpcompile runtime: w1/compute did not drain (waited 600 s): a hang\n  w0 | F1.m0 ...",
+                             "w1 F1.m0", 3)
+    monkeypatch.setattr(main_mod, "train", hang)
+    (tmp_path / "run.json").write_text(json.dumps({"text": "corpus.txt"}))
+    assert main(["train", "--config", str(tmp_path / "run.json")]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["python -m rpcompile train: error: rpcompile runtime: w1/compute did not drain (waited 600 s): "
+                   "a hang"], err
+
+
 # item 2: no packed sequence without a token to predict
 
 def test_one_token_tail_trains_and_evaluates_finite(files, tmp_path):
