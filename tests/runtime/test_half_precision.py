@@ -187,3 +187,36 @@ def test_the_dynamic_loss_scale_of_each_step_does_not_depend_on_when_the_optimiz
     assert all(torch.equal(held[2][n], w) for n, w in weights.items())
     assert (skipped, scales) == ([0, 1, 4, 5], [2.0**30, 2.0**30, 2.0**14, 2.0**14, 2.0**30, 2.0**46]), \
         "at staleness 1, iteration t uses the scale the checks of iterations <= t - 2 leave"
+
+
+def test_a_step_waiting_for_an_overflow_check_that_fails_raises_at_once_and_the_run_goes_on():
+    """Step 3 waits for iteration 0's overflow check; iteration 0 fails at its commit point meanwhile: step 3 raises
+    that failure (the wait is aborted, not left to a deadline), and the run goes on from iteration 0."""
+    import threading
+    import time
+    from rpcompile.runtime.transfer import RuntimeFailure
+    batch = _lm_batch()
+    with rpcompile.compile(_zoo(), gpus=2, example=batch, microbatches=MICROBATCHES, optimizer=OPT,
+                           dtype=torch.float16, loss_scale=DynamicLossScale(), lm_head_shards=1, backend="host") as c:
+        rt, waiting = c._runtime, threading.Event()
+        check, fix_scale = rt.host._check_finite, rt.iterations.fix_scale
+
+        def failing_check(t):
+            if t == 0 and not waiting.is_set():
+                assert waiting.wait(30)
+                raise RuntimeError("injected commit fault")
+            return check(t)
+
+        def fix(t, new):  # iteration 2's scale: the caller is about to wait for iteration 0's check
+            if t == 2:
+                waiting.set()
+            return fix_scale(t, new)
+        rt.host._check_finite, rt.iterations.fix_scale = failing_check, fix
+        c.step(batch), c.step(batch)
+        start = time.perf_counter()
+        with pytest.raises(RuntimeFailure, match="injected commit fault"):
+            c.step(batch)
+        assert time.perf_counter() - start < 10 and c.steps == 0
+        assert [math.isfinite(c.step(batch)) for _ in range(3)] == [True] * 3
+        c.flush()
+        assert sorted(c.state.verdicts) == [0, 1, 2]
