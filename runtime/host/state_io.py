@@ -26,7 +26,8 @@ class StateIO:
                 for n, c in self.compute.items()}
 
     def state_dict(self) -> dict[str, Any]:
-        """A snapshot (cloned tensors) of compute copies, masters, optimizer state, step counts and loss scale.
+        """A snapshot (cloned tensors) of compute copies, masters, optimizer state, step counts and loss scale (with
+        the last two overflow checks, which fix the dynamic scale of the next two iterations).
 
         Take it between iterations (no gradient partially accumulated); with
         staleness 1 the masters are one step ahead of the compute copies and
