@@ -154,18 +154,22 @@ class _Model:
         self.cols = {f: [fns[e] for e in getattr(sc, f)] for _, f in _COLUMNS}
         self.plan = StagePlan.from_sizes([1] * (n - 1), 1, [1] * (n - 1))
         self.host_state = dict(sc.host_state)
+        self.tables: dict[int, CostTable] = {}  # length -> its memory columns (`table`)
 
-    def table(self, s: int, only: str | None = None) -> CostTable:
-        """The memory columns at length s (all, or only one, the others zero)."""
-        n, at = len(self.sc.names), {}
+    def table(self, s: int) -> CostTable:
+        """The memory columns at length s (built once per length: the search asks for each several times)."""
+        if s not in self.tables:
+            at: dict[Any, int] = {}
 
-        def value(fn) -> int:  # each distinct function evaluated once at s
-            if fn not in at:
-                at[fn] = fn(s)
-            return at[fn]
+            def value(fn) -> int:  # each distinct function evaluated once at s
+                if fn not in at:
+                    at[fn] = fn(s)
+                return at[fn]
 
-        cols = {f: [value(fn) if only in (None, f) else 0 for fn in fns] for f, fns in self.cols.items()}
-        return CostTable.from_lists(fwd=[0.0] * n, bwd=[0.0] * n, names=self.sc.names, **cols)
+            n = len(self.sc.names)
+            cols = {f: [value(fn) for fn in fns] for f, fns in self.cols.items()}
+            self.tables[s] = CostTable.from_lists(fwd=[0.0] * n, bwd=[0.0] * n, names=self.sc.names, **cols)
+        return self.tables[s]
 
     def device(self, s: int) -> tuple[int, int]:
         """(bytes of the largest stage, its index) at length s."""
@@ -203,7 +207,7 @@ class _Model:
     def host(self, s: int, cap: int) -> tuple[int, str]:
         """(host bytes at length s with the widest backward stages that fit `cap`, what the activations are)."""
         plan = self.windows(s, cap)
-        saved = self.table(s, "saved_bytes").saved_bytes
+        saved = self.table(s).saved_bytes
         acts, r = round_saved_bytes(list(saved), plan, self.gpus, self.microbatches)
         what = f"saved inputs of {len(plan.bwd)} backward stages x {r} microbatches per round (+ the last round's tail)"
         return sum(self.host_state.values()) + acts, what

@@ -263,6 +263,12 @@ def _time_expr(fitter: _Fitter, per_shape: list[Sequence], hw: Hardware, where: 
     return expr
 
 
+def _flops_expr(fitter: _Fitter, per_shape: list[Sequence]) -> sympy.Expr | None:
+    """One phase's FLOPs (a fused region counted once) fitted over the shapes; None if not polynomial."""
+    tot = [sum(o.flops for o in ops if o.form != "fused") for ops in per_shape]
+    return fitter.fit(tot[:-1], tot[-1])
+
+
 def _max(*args: sympy.Expr) -> sympy.Expr:
     """`sympy.Max` of polynomials without sympy's search for arguments it can prove smaller.
 
@@ -338,8 +344,7 @@ def symbolic_costs(graph: LayerGraph, inputs: dict[str, torch.Tensor], hardware:
             ops = [getattr(c, f"{ph}_ops") for c in per]
             cols[ph].append(once((ph, *map(id, ops)),
                                  lambda: _time_expr(fitter, ops, hardware, f"{where} {ph}", fp16_accumulation)))
-            tot = [sum(o.flops for o in o_ if o.form != "fused") for o_ in ops]
-            cols[f"{ph}_flops"].append(fitter.fit(tot[:-1], tot[-1]))
+            cols[f"{ph}_flops"].append(once((f"{ph}_flops", *map(id, ops)), lambda: _flops_expr(fitter, ops)))
     state = host_bytes(graph, microbatches=1)
     numel = sum(v.bytes // max(v.dtype.itemsize, 1) for v in graph.params.values())
     return SymbolicCosts(names=tuple(layer.name for layer in graph.layers), **{k: tuple(v) for k, v in cols.items()},

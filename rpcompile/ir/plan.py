@@ -168,6 +168,9 @@ class StagePlan:
         stages = self.stages
         own = [sum(costs.param_bytes[i] for i in s.layers) for s in stages]
         cuts = {r.start for r in self.bwd if r.start > 0}
+        at_cuts = [0]  # at_cuts[j + 1]: the saved inputs of the backward cut points at layers <= j
+        for j, b in enumerate(costs.saved_bytes):
+            at_cuts.append(at_cuts[-1] + (b if j in cuts else 0))
         top = sorted(range(len(own)), key=own.__getitem__)[-2:]  # the two largest: the largest other is one
         out = []
         for s in stages:
@@ -179,7 +182,7 @@ class StagePlan:
             inp = costs.saved_bytes[lo] if s.kind is StageKind.B or lo == 0 else costs.act_bytes[lo - 1]
             mem = own[s.index] + nxt + 2 * inp + costs.act_bytes[hi]
             if s.kind is StageKind.F:
-                mem += sum(costs.saved_bytes[j] for j in cuts if lo < j <= hi)
+                mem += at_cuts[hi + 1] - at_cuts[lo + 1]
             else:
                 mem += sum(costs.grad_bytes[i] + costs.peak_bytes[i] for i in s.layers)
                 mem += (costs.act_bytes[lo - 1] if lo > 0 else 0)

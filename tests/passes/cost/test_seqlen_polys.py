@@ -7,8 +7,9 @@ import random
 
 import sympy
 
-from rpcompile.passes.cost.seqlen import _at_b, _Polys
-from rpcompile.passes.cost.symbolic import B, S
+from rpcompile.ir.hardware import Hardware
+from rpcompile.passes.cost.seqlen import _at_b, _Model, _Polys
+from rpcompile.passes.cost.symbolic import B, S, SymbolicCosts
 
 
 def exact(e, b: int, s: int) -> int:
@@ -54,3 +55,18 @@ def test_another_form_falls_back_to_sympy():
         assert not isinstance(fn, _Polys) and fn(1001) == int(other.subs({B: 3, S: 1001})), other
     assert not isinstance(_at_b(sympy.Symbol("X") * S, 3), _Polys)  # another symbol is not a column's
     assert _at_b(B ** 2 * S + 7, 3)(10) == 97  # any power of B is a number once B is fixed
+
+
+def test_the_search_builds_each_lengths_memory_columns_once_and_each_length_gets_its_own():
+    cols = dict(param_bytes=(100, 200, 300), grad_bytes=(0, 0, 300), act_bytes=(B * S, 2 * B * S, 4 * B),
+                saved_bytes=(B * S, B * S, 3 * B * S), peak_bytes=(B * S ** 2, B * S * 5, 7 * B * S))
+    zero = (sympy.Integer(0),) * 3
+    sc = SymbolicCosts(names=("a", "b", "c"), fwd=zero, bwd=zero, fwd_flops=zero, bwd_flops=zero, param_numel=0,
+                       hardware=Hardware.preset("rtx4090"), **cols)
+    model = _Model(sc, 2, gpus=2, microbatches=2)
+    first = model.table(10)
+    assert model.table(10) is first  # built once
+    for s in (10, 11, 1000):  # every length its own columns, whatever was asked before
+        t = model.table(s)
+        for f, exprs in cols.items():
+            assert list(getattr(t, f)) == [exact(e, 2, s) for e in exprs], (s, f)
