@@ -58,7 +58,7 @@ def transfer_bytes(graph: Any, program: Any, dtype: torch.dtype | None = None) -
     Returns:
         A TransferBytes.
     """
-    io, m = stage_io(graph, program.plan), program.microbatches
+    io = stage_io(graph, program.plan)
     readers, owners = count_readers(program, io), graph.param_owners()
     staging = 0
     for stage in sorted({i.stage for i in program.instrs if i.op.value == "G"}):
@@ -69,7 +69,8 @@ def transfer_bytes(graph: Any, program: Any, dtype: torch.dtype | None = None) -
                 d = dtype or v.dtype
                 ends[d] = aligned(ends.get(d, 0), d) + v.bytes // v.dtype.itemsize
         staging += sum(k * d.itemsize for d, k in ends.items())
-    return TransferBytes(staging, sum(nbytes(*b) for b in pool_buffers(graph, program, dtype).values()))
+    pool = _pool_buffers(graph, program, dtype, io, readers)  # the stages' values and readers counted once
+    return TransferBytes(staging, sum(nbytes(*b) for b in pool.values()))
 
 
 def pool_buffers(graph: Any, program: Any, dtype: torch.dtype | None = None) -> dict[tuple, tuple[tuple, torch.dtype]]:
@@ -90,8 +91,13 @@ def pool_buffers(graph: Any, program: Any, dtype: torch.dtype | None = None) -> 
     Returns:
         pool key -> (shape, dtype); `nbytes(shape, dtype)` is what a buffer holds.
     """
-    io, m = stage_io(graph, program.plan), program.microbatches
-    readers = count_readers(program, io)
+    io = stage_io(graph, program.plan)
+    return _pool_buffers(graph, program, dtype, io, count_readers(program, io))
+
+
+def _pool_buffers(graph: Any, program: Any, dtype: torch.dtype | None, io: list, readers: dict) -> dict:
+    """`pool_buffers`, given the program's `stage_io` and `count_readers`."""
+    m = program.microbatches
     out: dict[tuple, tuple[tuple, torch.dtype]] = {}
     for i in program.instrs:
         if i.op.value != "D":

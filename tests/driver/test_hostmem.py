@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import rpcompile
-from rpcompile import CostTable, StagePlan
+from rpcompile import CostTable, StagePlan, pipeline
 from rpcompile.ir.hardware import Hardware
 from rpcompile.hostmem import check_host_memory, host_bytes
 from rpcompile.passes import trace
@@ -187,3 +187,18 @@ def test_with_a_hardware_target_the_round_size_is_chosen_among_those_the_host_ho
         assert c.program.round_size == 2
     with pytest.raises(ValueError, match=r"host memory: the run needs .* bytes"):
         rpcompile.compile(TinyLlama(CFG), hardware=roomy.replace(host_memory=half - 1), **kw)
+
+
+def test_with_a_hardware_target_each_emitted_programs_host_memory_is_counted_once(monkeypatch):
+    # both round sizes are checked before one is simulated; the chosen one is not counted again
+    seen = []
+    real = pipeline.check_host_memory
+
+    def counted(graph, costs, plan, *, round_size, program, **kw):
+        seen.append(id(program))
+        return real(graph, costs, plan, round_size=round_size, program=program, **kw)
+    monkeypatch.setattr(pipeline, "check_host_memory", counted)
+    roomy = Hardware.preset("cpu").replace(host_memory=2**34)
+    with rpcompile.compile(TinyLlama(CFG), hardware=roomy, gpus=2, example=batch(), microbatches=4,
+                           memory_budget=2**18, backend="host") as c:
+        assert len(seen) == 2 and len(set(seen)) == 2 and id(c.program) in seen
