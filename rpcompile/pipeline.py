@@ -193,12 +193,13 @@ def _layers_and_costs(model, example, opts: Options, m: int, mode: str, layers, 
         raise ValueError(f"{type(model).__name__} has no trainable parameter (requires_grad is False for all "
                          f"{len(graph.params)}): nothing to train; unfreeze some (e.g. LoRA adapters)")
     # 2. per-layer FLOPs and bytes (counted on meta: the same numbers as a measurement's) and predicted times
+    counted: dict = {}  # the layers the sharded graph shares with this one are not counted again in step 3
     with warnings.catch_warnings():
         if mode == "measure":  # a layer meta cannot run is counted on the CPU: the measurement says so once
             warnings.simplefilter("ignore", UserWarning)
         probe = passes.estimate_costs(graph, example, mode="predict", microbatches=m,
                                       hardware=opts.hardware or Hardware.preset("cpu"),
-                                      fp16_accumulation=opts.fp16_accumulation)
+                                      fp16_accumulation=opts.fp16_accumulation, counted=counted)
     # 3. cut the LM head + loss into vocabulary shards (run in token chunks sized by the budget), cost them;
     #    "auto" shards by FLOPs, or by predicted times: a measured time never changes the layer graph, so
     #    only the final graph is measured (the unsharded head's full logits never run here)
@@ -208,7 +209,7 @@ def _layers_and_costs(model, example, opts: Options, m: int, mode: str, layers, 
         return graph, probe
     graph = sharded
     return graph, passes.estimate_costs(graph, example, mode=mode, hardware=opts.hardware, microbatches=m,
-                                        fp16_accumulation=opts.fp16_accumulation)
+                                        fp16_accumulation=opts.fp16_accumulation, counted=counted)
 
 
 def _refusal(costs: CostTable, budget: int | None) -> str | None:

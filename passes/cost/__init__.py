@@ -114,12 +114,17 @@ def _flops(ops: Sequence[OpCount]) -> int:
 
 
 def _predict(graph: LayerGraph, inputs: dict, hardware: Hardware, progress: bool,
-             fp16_accumulation: bool = False) -> CostTable:
-    """CostTable from counted ops priced on `hardware`."""
-    counts = count_layers(graph, inputs, progress=progress)
+             fp16_accumulation: bool = False, counted: dict | None = None) -> CostTable:
+    """CostTable from counted ops priced on `hardware` (`counted`: as `count_layers`)."""
+    counts = count_layers(graph, inputs, progress=progress, counted=counted)
+    priced: dict[int, float] = {}  # id of an ops tuple -> its time: layers counted once share theirs
+
+    def times(ops: Sequence[OpCount]) -> float:
+        if id(ops) not in priced:
+            priced[id(ops)] = layer_times(ops, hardware, fp16_accumulation)
+        return priced[id(ops)]
     return CostTable.from_lists(
-        fwd=[layer_times(c.fwd_ops, hardware, fp16_accumulation) for c in counts],
-        bwd=[layer_times(c.bwd_ops, hardware, fp16_accumulation) for c in counts],
+        fwd=[times(c.fwd_ops) for c in counts], bwd=[times(c.bwd_ops) for c in counts],
         param_bytes=[c.param_bytes for c in counts], grad_bytes=[c.grad_bytes for c in counts],
         act_bytes=[c.act_bytes for c in counts], saved_bytes=[c.saved_bytes for c in counts],
         peak_bytes=[c.peak_bytes for c in counts], names=[layer.name for layer in graph.layers],
@@ -283,7 +288,7 @@ def _measure(graph: LayerGraph, inputs: dict, dev: torch.device, warmup: int, re
 def estimate_costs(graph: LayerGraph, example: Any, *, mode: str = "measure", device: str | torch.device | None = None,
                    hardware: Hardware | None = None, microbatches: int = 1, symbolic: bool = False,
                    warmup: int = 1, repeats: int = 5, progress: bool = True, memory_budget: int | None = None,
-                   cpu_threads: int | None = 1, fp16_accumulation: bool = False):
+                   cpu_threads: int | None = 1, fp16_accumulation: bool = False, counted: dict | None = None):
     """Per-layer, per-microbatch costs of a traced model.
 
     Args:
@@ -305,6 +310,8 @@ def estimate_costs(graph: LayerGraph, example: Any, *, mode: str = "measure", de
             counted; None: torch's setting and the wall clock).
         fp16_accumulation: the run accumulates fp16 GEMMs in fp16: predict mode prices them at the
             hardware's "float16/float16" rate, measure mode on CUDA times them with the flag on.
+        counted: predict mode (not symbolic): the layers counted so far, as `count_layers`'s (one dict
+            across calls on graphs of the same model and batch runs each distinct layer once).
     Returns:
         A CostTable (or a SymbolicCosts if `symbolic`).
     Raises:
@@ -335,7 +342,7 @@ def estimate_costs(graph: LayerGraph, example: Any, *, mode: str = "measure", de
             raise ValueError("symbolic=True needs mode='predict'")
         return symbolic_costs(graph, inputs, hardware, progress=progress, fp16_accumulation=fp16_accumulation)
     if mode == "predict":
-        table = _predict(graph, inputs, hardware, progress, fp16_accumulation)
+        table = _predict(graph, inputs, hardware, progress, fp16_accumulation, counted)
     else:
         dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
         with fp16_gemms(dev.type == "cuda" and fp16_accumulation):

@@ -221,20 +221,23 @@ def _random_cpu(t: torch.Tensor) -> torch.Tensor:
 
 
 def count_layers(graph: LayerGraph, inputs: dict[str, torch.Tensor], *, progress: bool = True,
-                 fallback_param_bytes: int = 256 * 2 ** 20) -> list[LayerCount]:
+                 fallback_param_bytes: int = 256 * 2 ** 20, counted: dict | None = None) -> list[LayerCount]:
     """Per-layer op counts and memory for one microbatch, executed layer by layer on `meta`.
 
     Args:
         graph: the traced model (its weights may be on `meta`).
         inputs: the microbatch's named model inputs (real or meta tensors).
         fallback_param_bytes: largest layer that may be run for real on the CPU when `meta` fails.
+        counted: the layers counted so far, filled in here: pass the same dict to count another graph of
+            the same model (e.g. after `shard_lm_head`) and a layer equal to one counted before (code up to
+            module indices, parameter and input shapes: `_layer_key`) is not run again. Default: a new one.
     Returns:
         One LayerCount per layer.
     """
     env: dict[str, Any] = {k: _to_meta(v) for k, v in inputs.items()}
     later = _later_inputs(graph)
     counts, start = [], time.perf_counter()
-    seen: dict[tuple, tuple[LayerCount, tuple]] = {}  # identical decoder layers are counted once
+    seen: dict[tuple, tuple[LayerCount, tuple]] = {} if counted is None else counted  # equal layers: counted once
     for layer in graph.layers:
         _progress(progress, layer.index, len(graph.layers), start, "counting")
         args = [env[n] for n in layer.inputs]

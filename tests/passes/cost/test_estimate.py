@@ -9,8 +9,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import models as M  # noqa: E402
 from rpcompile import CostTable, Hardware, StagePlan, max_seq_len
-from rpcompile.passes import estimate_costs, trace
-from rpcompile.passes.cost import count_layers, split_microbatch
+from rpcompile.passes import estimate_costs, shard_lm_head, trace
+from rpcompile.passes.cost import count_layers, layer_times, split_microbatch
 from rpcompile.passes.cost.symbolic import B, S, SymbolicCosts
 
 MEMORY = ("param_bytes", "grad_bytes", "act_bytes", "saved_bytes", "peak_bytes")
@@ -165,3 +165,31 @@ def test_symbolic_max_keeps_distinct_arguments_and_returns_a_lone_one():
     m = _max(p, q, p)
     assert m.args == (p, q) or set(m.args) == {p, q}
     assert m.subs({B: 1, S: 2}) == 13 and m.subs({B: 2, S: 10}) == 200
+
+
+def test_a_counted_dict_shared_across_graphs_and_batches_gives_each_its_own_costs():
+    pytest.importorskip("transformers")
+    hw = Hardware.preset("rtx4090")
+    batch, other = M.lm_batch(batch=2, seq=16), M.lm_batch(batch=2, seq=24)
+    g = trace(M.llama(), batch)
+    runs = ((g, batch), (shard_lm_head(g, shards=2), batch), (g, other))  # the same layers, then other shapes
+    counted: dict = {}
+    got = [estimate_costs(graph, b, mode="predict", hardware=hw, progress=False, counted=counted)
+           for graph, b in runs]
+    alone = [{} for _ in runs]
+    fresh = [estimate_costs(graph, b, mode="predict", hardware=hw, progress=False, counted=d)
+             for (graph, b), d in zip(runs, alone)]
+    assert got == fresh and got[0] != got[2]
+    assert 0 < len(counted) < sum(map(len, alone))  # the sharded graph's decoder layers were not run again
+
+
+def test_each_layers_predicted_time_is_its_own_ops_priced():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 4))
+    batch = M.regression_batch(batch=8, width=16)
+    g = trace(model, batch, loss_fn=M.mse_loss)
+    hw = Hardware.preset("rtx4090")
+    t = estimate_costs(g, batch, mode="predict", hardware=hw, progress=False)
+    counts = count_layers(g, split_microbatch(g, batch, 1), progress=False)
+    assert list(t.fwd) == [layer_times(c.fwd_ops, hw) for c in counts]
+    assert list(t.bwd) == [layer_times(c.bwd_ops, hw) for c in counts] and len(set(t.fwd)) == len(counts) > 1
