@@ -73,7 +73,9 @@ def emit(plan: StagePlan, *, gpus: int, microbatches: int, round_size: int | Non
     sr = ns * rounds
     chunks = tuple(c for s in stages for c in pack_chunks(
         s.index, s.layers, None if costs is None else costs.param_bytes, rr))
-    by_stage = {s.index: [c for c in chunks if c.stage == s.index] for s in stages}
+    by_stage: dict[int, list[Chunk]] = {s.index: [] for s in stages}
+    for c in chunks:
+        by_stage[c.stage].append(c)
     producer = saved_input_producer(plan)
     tied = tuple(sorted((int(l), tuple(sorted({int(l), *map(int, rs)}))) for l, rs in (readers or {}).items()
                         if set(rs) - {l}))
