@@ -223,7 +223,8 @@ def match_units(model: torch.nn.Module, patterns: Sequence[str]) -> list[str]:
         if not any(hit(n, pat) for n in names):
             raise ValueError(f"layers pattern {pat!r} matches no module of {type(model).__name__}")
     found = [n for n in names if any(hit(n, p) for p in patterns)]
-    return [n for n in found if not any(n.startswith(o + ".") for o in found)]
+    inside = set(found)  # a match inside another: one of its dotted prefixes matched too
+    return [n for n in found if not any(".".join(n.split(".")[:k]) in inside for k in range(1, n.count(".") + 1))]
 
 
 def _make_body(model: torch.nn.Module, example: Any, kind: str, names: tuple[str, ...],

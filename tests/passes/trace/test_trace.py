@@ -12,6 +12,7 @@ from torch import nn
 
 import models as M  # noqa: E402
 from rpcompile.passes import trace  # noqa: E402
+from rpcompile.passes.trace import match_units  # noqa: E402
 from rpcompile.passes.trace.tracer import UntraceableError  # noqa: E402
 
 pytest.importorskip("transformers")
@@ -251,3 +252,11 @@ def test_attention_masks_are_rebuilt_in_each_layer(attn: str, pad: int) -> None:
         assert torch.equal(graph.run(example), model(**example).loss), (seed, other)
     plain = trace(model, M.lm_batch(batch=b, seq=t))  # no mask input: causal only, rebuilt as well
     assert all(v.shape[-2:] != (t, t) for i in range(len(plain.layers) - 1) for v in plain.live_at(i))
+
+
+def test_layer_patterns_keep_the_outermost_match_of_each_branch():
+    block = lambda: nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2)))  # noqa: E731
+    model = nn.ModuleDict({"layer1": block(), "layer10": block(), "layer1x": nn.Linear(2, 2)})
+    # layer10.* and layer1x are not inside layer1 (a name prefix, not a dotted one); 1.0 is inside 1
+    assert match_units(model, ["*", "*.*", "*.*.*"]) == ["layer1", "layer10", "layer1x"]
+    assert match_units(model, ["layer10.*", "layer10.1.0", "layer1"]) == ["layer1", "layer10.0", "layer10.1"]
