@@ -122,7 +122,7 @@ def test_a_meta_model_is_refused_at_compile_before_any_batch():
     with torch.device("meta"):
         meta = _MLP()
     with pytest.raises(ValueError, match="meta device"):
-        rpcompile.compile(meta, gpus=2)
+        rpcompile.compile(meta, gpus=2, backend="host")
 
 
 def test_a_first_batch_that_cannot_be_planned_leaves_the_handle_waiting_for_one():
