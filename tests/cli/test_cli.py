@@ -78,6 +78,20 @@ def test_plan_host_memory_overrides_the_preset(capsys):
     assert rc == 2 and "--host-memory must be a positive number of GiB" in err, err
 
 
+def test_plan_ends_with_its_output_written_and_without_the_interpreters_teardown():
+    # the process ends once its output is flushed (os._exit): an atexit handler, as the teardown, never runs
+    pytest.importorskip("transformers")
+    code = ("import atexit, runpy, sys\n"
+            "atexit.register(lambda: print('teardown ran', file=sys.stderr))\n"
+            "sys.argv = ['rpcompile', 'plan', '--model', 'qwen3-1.7b', '--gpus', '4', '--seq', '256',"
+            " '--microbatches', '4']\n"
+            "runpy.run_module('rpcompile', run_name='__main__')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode == 0 and r.stdout.rstrip().splitlines()[-1].startswith("planned in"), r.stderr[-2000:]
+    assert "teardown ran" not in r.stderr
+
+
 @pytest.mark.parametrize("command, collects", [("plan", False), ("simulate", False), ("train", True),
                                                ("finetune", True)])
 def test_only_the_short_commands_run_without_cyclic_garbage_collection(command, collects):
