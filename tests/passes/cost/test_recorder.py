@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from rpcompile.passes.cost.recorder import Recorder
+from torch.utils._pytree import tree_flatten
+
+from rpcompile.passes.cost.recorder import Recorder, tensors_in
 from rpcompile.passes.meta.regions import fused_region
 
 
@@ -45,3 +47,11 @@ def test_a_fused_region_costs_what_it_reads_from_outside_and_leaves_alive():
         assert (fused.name, fused.form, fused.flops) == ("fused_elementwise", "fused", 0)
         assert fused.bytes == 512 + 512 + (512 if keep else 0), keep
         assert z.shape == x.shape
+
+
+def test_the_tensors_of_an_ops_arguments_are_pytrees_tensors_in_its_order():
+    t = [torch.zeros(k) for k in range(7)]
+    ret = torch.return_types.max((t[5], t[6]))  # a tuple subclass, as ops return
+    value = ((t[0], 2, [t[1], None, (t[2],)]), {"b": t[3], "a": [1.5, t[4]]}, ret, "x")
+    want = [x for x in tree_flatten(value)[0] if isinstance(x, torch.Tensor)]
+    assert [id(x) for x in tensors_in(value)] == [id(x) for x in want] and len(want) == 7
