@@ -219,6 +219,19 @@ def _check_undone(rt: Runtime, state: HostState, err: RuntimeFailure, ref: list[
     _same(_snapshot(state), ref[rt.t])
 
 
+def _slow_download(rt, seconds: float):
+    """Iteration 1's activation download of stage 0, microbatch 1 takes `seconds`, under a 0.05 s deadline;
+    returns the real handler."""
+    orig = rt.handlers[Op.ACT_DOWN]
+
+    def slow(t, ins, w):
+        if t == 1 and ins.stage == 0 and ins.mb == 1:
+            time.sleep(seconds)
+        return orig(t, ins, w)
+    rt.handlers[Op.ACT_DOWN], rt.timeout = slow, 0.05
+    return orig
+
+
 def test_a_deadline_shorter_than_running_work_fails_the_step_and_the_drain_waits_for_that_work():
     """Under a 0.05 s deadline an activation download takes 0.4 s: a wait for it fails the step with a
     RuntimeFailure from DeadlineExceeded, while the drain waits for the download (not "did not drain"); the
@@ -228,14 +241,7 @@ def test_a_deadline_shorter_than_running_work_fails_the_step_and_the_drain_waits
     with rt:
         rt.step(models.xy(0))
         rt.flush()
-        orig = rt.handlers[Op.ACT_DOWN]
-
-        def slow(t, ins, w):
-            if t == 1 and ins.stage == 0 and ins.mb == 1:
-                time.sleep(0.4)
-            return orig(t, ins, w)
-
-        rt.handlers[Op.ACT_DOWN], rt.timeout = slow, 0.05
+        orig = _slow_download(rt, 0.4)
         with pytest.raises(RuntimeFailure) as err:
             rt.step(models.xy(1))
             rt.flush()
@@ -282,14 +288,7 @@ def test_work_that_outlasts_the_drain_is_a_runtime_failure_naming_its_thread_and
     with rt:
         rt.step(models.xy(0))
         rt.flush()
-        orig = rt.handlers[Op.ACT_DOWN]
-
-        def slow(t, ins, w):
-            if t == 1 and ins.stage == 0 and ins.mb == 1:
-                time.sleep(1.0)
-            return orig(t, ins, w)
-
-        rt.handlers[Op.ACT_DOWN], rt.timeout = slow, 0.05
+        orig = _slow_download(rt, 1.0)
         with pytest.raises(RuntimeFailure, match=r"w\d/issue did not drain .*a hang") as err:
             rt.step(models.xy(1))
         line = str(step_failure(err.value, 2, None, str(tmp_path)))
