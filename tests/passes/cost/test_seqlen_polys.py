@@ -9,7 +9,7 @@ import sympy
 
 from rpcompile.ir.hardware import Hardware
 from rpcompile.passes.cost.seqlen import _at_b, _Model, _Polys
-from rpcompile.passes.cost.symbolic import B, S, SymbolicCosts
+from rpcompile.passes.cost.symbolic import B, S, SymbolicCosts, _Fitter, _points
 
 
 def exact(e, b: int, s: int) -> int:
@@ -70,3 +70,16 @@ def test_the_search_builds_each_lengths_memory_columns_once_and_each_length_gets
         t = model.table(s)
         for f, exprs in cols.items():
             assert list(getattr(t, f)) == [exact(e, 2, s) for e in exprs], (s, f)
+
+
+def test_a_fit_gives_the_exact_coefficients_and_refuses_a_check_value_off_the_polynomial():
+    rng = random.Random(5)
+    for s0, unit in ((2048, None), (300, 64), (None, None)):
+        pts, check = _points(s0, unit)
+        fitter = _Fitter(pts, check, s0 is not None)
+        for _ in range(20):
+            e = random_poly(rng) * 8 * 3 if s0 is not None else sympy.Integer(rng.randint(0, 99)) + 7 * B
+            at = [int(e.subs({B: b, S: s})) for b, s in [*pts, check]]
+            assert fitter.fit(at[:-1], at[-1]) == sympy.expand(e)
+            assert fitter.fit(at[:-1], at[-1] + 1) is None  # only the check shape tells this from a polynomial
+            assert fitter.fit([at[0] + 1, *at[1:-1]], at[-1]) is None
