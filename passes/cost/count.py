@@ -221,7 +221,8 @@ def _random_cpu(t: torch.Tensor) -> torch.Tensor:
 
 
 def count_layers(graph: LayerGraph, inputs: dict[str, torch.Tensor], *, progress: bool = True,
-                 fallback_param_bytes: int = 256 * 2 ** 20, counted: dict | None = None) -> list[LayerCount]:
+                 fallback_param_bytes: int = 256 * 2 ** 20, counted: dict | None = None,
+                 codes: dict | None = None) -> list[LayerCount]:
     """Per-layer op counts and memory for one microbatch, executed layer by layer on `meta`.
 
     Args:
@@ -231,6 +232,8 @@ def count_layers(graph: LayerGraph, inputs: dict[str, torch.Tensor], *, progress
         counted: the layers counted so far, filled in here: pass the same dict to count another graph of
             the same model (e.g. after `shard_lm_head`) and a layer equal to one counted before (code up to
             module indices, parameter and input shapes: `_layer_key`) is not run again. Default: a new one.
+        codes: layer index -> the part of its `_layer_key` that does not depend on the inputs (code,
+            parameters), filled in here: pass the same dict to count the same graph at other shapes.
     Returns:
         One LayerCount per layer.
     """
@@ -241,7 +244,7 @@ def count_layers(graph: LayerGraph, inputs: dict[str, torch.Tensor], *, progress
     for layer in graph.layers:
         _progress(progress, layer.index, len(graph.layers), start, "counting")
         args = [env[n] for n in layer.inputs]
-        key = _layer_key(graph, layer, args)
+        key = _layer_key(graph, layer, args, codes)
         if key in seen:
             first, outs = seen[key]
             count = replace(first, **dict(zip(("param_bytes", "grad_bytes", "act_bytes", "saved_bytes"),
@@ -256,15 +259,27 @@ def count_layers(graph: LayerGraph, inputs: dict[str, torch.Tensor], *, progress
     return counts
 
 
-def _layer_key(graph: LayerGraph, layer: Layer, args: list) -> tuple:
-    """Layers equal in code (up to module indices), parameter shapes and input shapes count the same."""
+def _layer_key(graph: LayerGraph, layer: Layer, args: list, codes: dict | None = None) -> tuple:
+    """Layers equal in code (up to module indices), parameter shapes and input shapes count the same.
+
+    `codes` (layer index -> `_code_key`) keeps the part that does not depend on `args` between calls."""
+    code = codes.get(layer.index) if codes is not None else None
+    if code is None:
+        code = _code_key(layer)
+        if codes is not None:
+            codes[layer.index] = code
+    ins = tuple((tuple(t.shape), t.dtype, graph.values[n].requires_grad if n in graph.values else False)
+                if isinstance(t, torch.Tensor) else repr(t) for n, t in zip(layer.inputs, args))
+    return code[0], code[1], ins, code[2]
+
+
+def _code_key(layer: Layer) -> tuple:
+    """(code, parameters, parameter slices) of `_layer_key`, module indices replaced by '#'."""
     def norm(text: str) -> str:
         return re.sub(r"\d+", "#", text)
     params = tuple((norm(n), tuple(p.shape), p.dtype, p.requires_grad) for n, p in layer.module.named_parameters())
-    ins = tuple((tuple(t.shape), t.dtype, graph.values[n].requires_grad if n in graph.values else False)
-                if isinstance(t, torch.Tensor) else repr(t) for n, t in zip(layer.inputs, args))
     slices = tuple((norm(n), d, b - a) for n, d, a, b in layer.param_slices)  # a slice costs by its width
-    return norm(layer.module.code), params, ins, slices
+    return norm(layer.module.code), params, slices
 
 
 def _progress(enabled: bool, i: int, n: int, start: float, what: str) -> None:

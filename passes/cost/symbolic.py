@@ -31,6 +31,7 @@ solves the memory constraints for the largest S.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Callable, Sequence
@@ -215,11 +216,11 @@ class _Fitter:
         key = (*samples, check_value)
         if key not in self.cache:
             ys = [int(y) for y in samples[: len(self.basis)]]
-            num = [sum(r * y for r, y in zip(row, ys)) for row in self.inv]  # the coefficients x den
+            num = [sum(map(operator.mul, row, ys)) for row in self.inv]  # the coefficients x den
             den, n = self.den, len(self.basis)
             # the fit goes through its own n points exactly (`inv` is the exact inverse x den): only the
             # points after them (the check, and in B alone the fitting points past the first two) test it
-            ok = all(sum(c * m for c, m in zip(num, monos)) == int(y) * den
+            ok = all(sum(map(operator.mul, num, monos)) == int(y) * den
                      for monos, y in zip(self.at[n:], [*samples, check_value][n:]))
             self.cache[key] = tuple(Fraction(c, den) for c in num) if ok else None
         return self.cache[key]
@@ -319,7 +320,9 @@ def symbolic_costs(graph: LayerGraph, inputs: dict[str, torch.Tensor], hardware:
     pts, check = _points(s0, chunk_unit(graph) if s0 is not None else None)
     fitter = _Fitter(pts, check, s0 is not None)
     make = make_inputs or (lambda b, s: resize_inputs(graph, inputs, b, s if s0 is not None else None))
-    runs: list[list[LayerCount]] = [count_layers(graph, make(b, s), progress=progress) for b, s in [*pts, check]]
+    codes: dict[int, tuple] = {}  # the layers' code and parameters, the same at every shape
+    runs: list[list[LayerCount]] = [count_layers(graph, make(b, s), progress=progress, codes=codes)
+                                    for b, s in [*pts, check]]
     cols: dict[str, list] = {k: [] for k in ("fwd", "bwd", "fwd_flops", "bwd_flops", *_MEMORY)}
     # layers counted once (`count_layers`: identical up to module indices) share their op and live tuples:
     # their expressions are built once, keyed by those tuples' identities (all alive in `runs`)

@@ -183,6 +183,16 @@ def test_a_counted_dict_shared_across_graphs_and_batches_gives_each_its_own_cost
     assert 0 < len(counted) < sum(map(len, alone))  # the sharded graph's decoder layers were not run again
 
 
+def test_the_layers_code_kept_between_counts_at_other_shapes_gives_the_same_counts():
+    pytest.importorskip("transformers")
+    batch, other = M.lm_batch(batch=2, seq=16), M.lm_batch(batch=3, seq=24)
+    g = trace(M.llama(), batch)
+    codes: dict = {}
+    kept = [count_layers(g, g.flatten_inputs(b), progress=False, codes=codes) for b in (batch, other)]
+    assert kept == [count_layers(g, g.flatten_inputs(b), progress=False) for b in (batch, other)]
+    assert sorted(codes) == [layer.index for layer in g.layers]
+
+
 def test_each_layers_predicted_time_is_its_own_ops_priced():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 4))
