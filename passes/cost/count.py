@@ -4,7 +4,7 @@ Each layer runs forward and backward on meta copies of its parameters and
 inputs under the `Recorder` (`recorder.py`): every op's FLOPs and bytes, and
 the live bytes after every op. SDPA runs as the fused flash kernel
 (`meta.attention.FlashOnMeta`), MoE experts route evenly (`balanced_experts`; a layer of
-more than five experts is counted from its first two to five where those give its count: `experts.py`),
+more than five experts is counted from its first three to five where those give its count: `experts.py`),
 attention masks are built as the data would have them (`meta_masks`).
 Layers identical up to module indices are counted once.
 """

@@ -1,4 +1,4 @@
-"""A balanced-experts layer's count at E experts, from counts of its first 2, 3, 4 and 5 experts.
+"""A balanced-experts layer's count at E experts, from counts of its first 3, 4 and 5 experts.
 
 `meta.moe.balanced_experts` runs transformers' eager experts loop one expert after the other, every
 expert on the same number of tokens, and autograd records each expert's ops for the backward: counting
@@ -14,9 +14,15 @@ seven counts `symbolic_costs` makes of a frozen-base model). The counts follow t
   change by the same amount per expert.
 
 So a count with k experts is `head(k) + block(k - 1) + ... + block(2) + tail` with `head` and `block`
-affine in k. `extrapolate` finds the head, the block and the tail from the counts at 2, 3 and 4
-experts, predicts the counts at 4 and 5 and checks them against the real ones, element for element;
-only then does it give the count at E (else None: the caller counts all E experts).
+affine in k. `extrapolate` finds the head (a line through its values at 3 and 4 experts), the block (a
+line through the blocks of experts 2 and 3: the one of 3 experts and the first of 4) and the tail from
+the counts at 3 and 4 experts, predicts the counts at 3, 4 and 5 and checks them against the real ones,
+element for element; only then does it give the count at E (else None: the caller counts all E
+experts). The counts at 3 and 4 experts agree with the model by construction (the block and the tail
+are the common end of the two); the count at 5 checks every part beyond the points that fix it: the
+head (a third point of its line), the blocks' line (a third block: expert 4's, the first of 5), the
+block of expert 2 and the tail (a third time). A count at 2 experts would add a fourth point of the
+head's line only (it has no block), at the cost of one more run of the layer per shape.
 """
 from __future__ import annotations
 
@@ -25,7 +31,7 @@ from typing import Any, Callable, Sequence
 
 __all__ = ["RUNS", "extrapolate", "series_at"]
 
-RUNS = (2, 3, 4, 5)  # the expert counts run: the first three fit the model, the last two check it
+RUNS = (3, 4, 5)  # the expert counts run: the first two fit the model, the last two check it
 
 
 def _line(a: Any, b: Any, t: int) -> Any:
@@ -49,15 +55,15 @@ def _common_suffix(a: Sequence, b: Sequence) -> int:
 def series_at(seqs: dict[int, Sequence], k: int) -> list | None:
     """The sequence at `k` experts from those at `RUNS` (module docstring), or None where they do not
     follow the model (lengths, ops or values that the prediction at 4 and 5 experts misses)."""
-    a2, a3, a4 = seqs[2], seqs[3], seqs[4]
-    d = len(a3) - len(a2)
-    if d < 0 or any(len(seqs[r]) != len(a2) + (r - 2) * d for r in RUNS):
+    a3, a4 = seqs[3], seqs[4]
+    d = len(a4) - len(a3)
+    if d < 0 or any(len(seqs[r]) != len(a3) + (r - 3) * d for r in RUNS):
         return None
-    h = len(a2) - _common_suffix(a2, a3)  # the head: what changes from 2 to 3 experts before the new block
-    head, block, tail = (a2[:h], a3[:h]), (a3[h:h + d], a4[h:h + d]), list(a2[h:])
+    h = len(a3) - _common_suffix(a3, a4)  # the head: what changes from 3 to 4 experts before the new block
+    head, block, tail = (a3[:h], a4[:h]), (a3[h:h + d], a4[h:h + d]), list(a3[h + d:])
 
     def at(n: int) -> list:
-        out = [_line(x, y, n - 2) for x, y in zip(*head)]
+        out = [_line(x, y, n - 3) for x, y in zip(*head)]
         for j in range(n - 1, 1, -1):  # the blocks of experts n - 1 ... 2 in front of the tail's
             out += [_line(x, y, j - 2) for x, y in zip(*block)]
         return out + tail

@@ -1,4 +1,4 @@
-"""A layer of balanced MoE experts is counted from its first 2 to 5 experts (`passes.cost.experts`): the
+"""A layer of balanced MoE experts is counted from its first 3 to 5 experts (`passes.cost.experts`): the
 counts equal those of running every expert, frozen or trainable; sequences that do not follow the model
 are counted in full."""
 from __future__ import annotations
@@ -70,15 +70,22 @@ def test_a_count_of_the_model_form_is_extrapolated_exactly():
     assert series_at(seqs, RUNS[-1] + 1) == _model_counts(RUNS[-1] + 1)
 
 
-@pytest.mark.parametrize("broken", ["quadratic head", "op renamed", "value off at 5", "length off at 5"])
+@pytest.mark.parametrize("broken", ["quadratic head", "op renamed", "value off at 5", "length off at 5",
+                                    "block not affine in the expert", "head off at 5", "block of expert 2 off at 4"])
 def test_counts_that_leave_the_model_are_not_extrapolated(broken):
     seqs = {r: _model_counts(r) for r in RUNS}
-    if broken == "quadratic head":  # 2, 3, 4 fix a line that 5 misses
+    if broken == "quadratic head":  # 3, 4 fix a line that 5 misses
         seqs = {r: [r * r] for r in RUNS}
     elif broken == "op renamed":  # the head's op is another one with more experts
         seqs[3][0] = OpCount("bmm", 30, 12, "float32", 3)
     elif broken == "value off at 5":
         seqs[5][-1] += 1
+    elif broken == "block not affine in the expert":  # the first block of 5 experts is expert 4's
+        seqs[5][3] += 1
+    elif broken == "head off at 5":
+        seqs[5][1] += 1
+    elif broken == "block of expert 2 off at 4":  # 4 experts: head, block 3, block 2, tail
+        seqs[4][5] += 1
     else:
         seqs[5] = seqs[5][:-1]
     assert series_at(seqs, 40) is None
