@@ -60,7 +60,7 @@ def _model_counts(k: int) -> list:
     head = [OpCount("mm", 10 * k, 4 * k, "float32", k), 100 + 7 * k]
     blocks = []
     for j in range(k - 1, 1, -1):
-        blocks += [OpCount("mul", 3, 5 + j, "float32"), 50 + 2 * j]
+        blocks += [OpCount("mul", 3, 5 + j, "float32"), 50 + 2 * j, OpCount("sum", 2, 2, "float32")]
     return head + blocks + [OpCount("add", 1, 1, "float32"), 9]
 
 
@@ -71,7 +71,8 @@ def test_a_count_of_the_model_form_is_extrapolated_exactly():
 
 
 @pytest.mark.parametrize("broken", ["quadratic head", "op renamed", "value off at 5", "length off at 5",
-                                    "block not affine in the expert", "head off at 5", "block of expert 2 off at 4"])
+                                    "block not affine in the expert", "head off at 5", "block of expert 2 off at 4",
+                                    "op of a block off at 5"])
 def test_counts_that_leave_the_model_are_not_extrapolated(broken):
     seqs = {r: _model_counts(r) for r in RUNS}
     if broken == "quadratic head":  # 3, 4 fix a line that 5 misses
@@ -85,7 +86,9 @@ def test_counts_that_leave_the_model_are_not_extrapolated(broken):
     elif broken == "head off at 5":
         seqs[5][1] += 1
     elif broken == "block of expert 2 off at 4":  # 4 experts: head, block 3, block 2, tail
-        seqs[4][5] += 1
+        seqs[4][6] += 1
+    elif broken == "op of a block off at 5":  # the same op in every block but expert 4's
+        seqs[5][4] = OpCount("sum", 2, 3, "float32")
     else:
         seqs[5] = seqs[5][:-1]
     assert series_at(seqs, 40) is None
