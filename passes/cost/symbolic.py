@@ -208,11 +208,16 @@ class _Fitter:
         self.inv = [[int(x * self.den) for x in row] for row in inv]
         self.at = [[f(b, s) for f in self.basis] for b, s in [*pts, check]]  # the monomials at every shape
         self.monos = [sympy.Integer(1), S, S ** 2, B, B * S, B * S ** 2] if with_s else [sympy.Integer(1), B]
-        self.cache: dict[tuple, tuple[Fraction, ...] | None] = {}
+        self.cache: dict[tuple, tuple[int, ...] | None] = {}
         self.exprs: dict[tuple[Fraction, ...], sympy.Expr] = {}
 
     def coefficients(self, samples: Sequence[int], check_value: int) -> tuple[Fraction, ...] | None:
         """The exact coefficients (on `self.monos`) through `samples`, or None if they miss `check_value`."""
+        num = self.numerators(samples, check_value)
+        return None if num is None else tuple(Fraction(c, self.den) for c in num)
+
+    def numerators(self, samples: Sequence[int], check_value: int) -> tuple[int, ...] | None:
+        """`coefficients` x `self.den` (whole numbers), or None if they miss `check_value`."""
         key = (*samples, check_value)
         if key not in self.cache:
             ys = [int(y) for y in samples[: len(self.basis)]]
@@ -222,7 +227,7 @@ class _Fitter:
             # points after them (the check, and in B alone the fitting points past the first two) test it
             ok = all(sum(map(operator.mul, num, monos)) == int(y) * den
                      for monos, y in zip(self.at[n:], [*samples, check_value][n:]))
-            self.cache[key] = tuple(Fraction(c, den) for c in num) if ok else None
+            self.cache[key] = tuple(num) if ok else None
         return self.cache[key]
 
     def expr(self, coef: Sequence[Fraction]) -> sympy.Expr:
@@ -287,17 +292,17 @@ def _peak_expr(fitter: _Fitter, lives: list[tuple[int, ...]], where: str) -> sym
     """Max over the exactly fitted live bytes after each op, coefficient-wise dominated ones dropped."""
     if len({len(live) for live in lives}) != 1:
         raise ValueError(f"{where}: the ops change with the shape; cannot fit its peak memory symbolically")
-    polys: set[tuple[Fraction, ...]] = set()
+    polys: set[tuple[int, ...]] = set()  # numerators over `fitter.den` (> 0): they order as the coefficients
     for k, col in enumerate(dict.fromkeys(zip(*lives))):
-        coef = fitter.coefficients(col[:-1], col[-1])
+        coef = fitter.numerators(col[:-1], col[-1])
         if coef is None:
             raise ValueError(f"{where}: the live bytes after op {k} are not polynomial in B, S of degree <= (1, 2)")
         polys.add(coef)
-    keep: list[tuple[Fraction, ...]] = []
+    keep: list[tuple[int, ...]] = []
     for p in sorted(polys, key=lambda c: -sum(c)):  # a dominating polynomial has the larger coefficient sum
         if not any(all(a >= b for a, b in zip(q, p)) for q in keep):
             keep.append(p)
-    return _max(*(fitter.expr(p) for p in keep)) if keep else sympy.Integer(0)
+    return _max(*(fitter.expr([Fraction(c, fitter.den) for c in p]) for p in keep)) if keep else sympy.Integer(0)
 
 
 def symbolic_costs(graph: LayerGraph, inputs: dict[str, torch.Tensor], hardware: Hardware, *,

@@ -81,5 +81,7 @@ def test_a_fit_gives_the_exact_coefficients_and_refuses_a_check_value_off_the_po
             e = random_poly(rng) * 8 * 3 if s0 is not None else sympy.Integer(rng.randint(0, 99)) + 7 * B
             at = [int(e.subs({B: b, S: s})) for b, s in [*pts, check]]
             assert fitter.fit(at[:-1], at[-1]) == sympy.expand(e)
+            coef = fitter.coefficients(at[:-1], at[-1])
+            assert fitter.numerators(at[:-1], at[-1]) == tuple(c * fitter.den for c in coef)
             assert fitter.fit(at[:-1], at[-1] + 1) is None  # only the check shape tells this from a polynomial
             assert fitter.fit([at[0] + 1, *at[1:-1]], at[-1]) is None
