@@ -15,7 +15,8 @@ nothing else for them; for a traced graph the copies count as the blocks
 that hold them are allocated (`compute_blocks`: 16-byte aligned views, pinned
 at exactly that size with CUDA, `runtime.host.pinned`). A trainable parameter (requires_grad, used by some
 layer) adds an fp32 master, an fp32 gradient buffer and the optimizer state:
-AdamW two fp32 moments, SGD one fp32 momentum buffer when momentum > 0. For a
+AdamW two moments of its `state_dtype` (fp32: 8 bytes a parameter, bf16: 4), SGD
+one fp32 momentum buffer when momentum > 0. For a
 traced LayerGraph the count is the host layout's (`rpcompile.ir.host_layout`): the
 flat per-group buffers and compute blocks as HostState allocates them, alignment
 gaps included; for an nn.Module (no layer groups yet) the elements alone. The
@@ -44,7 +45,7 @@ from rpcompile.passes.partition.timing import default_round_size
 
 __all__ = ["HostBytes", "host_bytes", "round_saved_bytes", "compute_blocks"]
 
-_ADAM_MOMENTS = 2  # fp32 moments per trainable element (exp_avg, exp_avg_sq)
+_ADAM_MOMENTS = 2  # moments per trainable element (exp_avg, exp_avg_sq), of AdamW's state_dtype
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +59,30 @@ class HostBytes:
     activations: int   # saved inputs of the backward stages for the microbatches in flight (0 before a plan)
     in_flight: int     # microbatches per round R whose saved inputs are on the host (0 before a plan)
     buffers: int = 0   # the runtime's transfer buffers: gradient staging, host pool (`rpcompile.hostmem`, with a program)
+    trainable: int = 0  # trainable parameters (elements; 0: none)
+    trainable_weights: int = 0  # bytes of the trainable parameters' compute copies (part of `weights`)
+
+    @property
+    def state_per_param(self) -> float:
+        """Parameter state in bytes per trainable parameter: its compute copy, master, gradient and optimizer
+        state (alignment gaps included; 0.0 with nothing trainable).
+
+        >>> HostBytes(0, 40, 40, 80, 0, 0, trainable=10, trainable_weights=20).state_per_param
+        18.0
+        """
+        own = self.trainable_weights + self.masters + self.grads + self.optimizer
+        return own / self.trainable if self.trainable else 0.0
+
+    def per_param_line(self) -> str:
+        """`state_per_param` and its parts, in words (what `plan` prints beside the host memory line).
+
+        >>> HostBytes(0, 40, 40, 40, 0, 0, trainable=10, trainable_weights=20).per_param_line()
+        'parameter state: 14.0 B per trainable parameter (compute copy 2.0, master 4.0, gradient 4.0, optimizer state 4.0)'
+        """
+        t = self.trainable or 1
+        return (f"parameter state: {self.state_per_param:.1f} B per trainable parameter (compute copy "
+                f"{self.trainable_weights / t:.1f}, master {self.masters / t:.1f}, gradient {self.grads / t:.1f}, "
+                f"optimizer state {self.optimizer / t:.1f})")
 
     @property
     def total(self) -> int:
@@ -86,7 +111,7 @@ def host_bytes(model: Any, costs: Any = None, plan: Any = None, *, microbatches:
         costs, plan: the CostTable and StagePlan; without them the activations count 0.
         microbatches: M per iteration.
         staleness: 0 or 1 (the rule above holds for both; kept for the callers' symmetry).
-        optimizer: `rpcompile.AdamW` (default) or `rpcompile.SGD`.
+        optimizer: `rpcompile.AdamW` (default; its `state_dtype` sets the moments' bytes) or `rpcompile.SGD`.
         dtype: training dtype of the compute copies; None keeps each parameter's own.
         gpus: workers N; needed with a plan.
         round_size: microbatches per round R (default `default_round_size(N, M)`).
@@ -100,20 +125,23 @@ def host_bytes(model: Any, costs: Any = None, plan: Any = None, *, microbatches:
     """
     state = 0 if isinstance(optimizer, SGD) and optimizer.momentum == 0 else 1 if isinstance(optimizer, SGD) \
         else _ADAM_MOMENTS
-    weights = trainable = 0
+    state_size = getattr(optimizer, "state_dtype", torch.float32).itemsize  # SGD's momentum: fp32
+    weights = trainable = params = own_weights = 0
     for numel, own, train in _parameters(model):
         weights += numel * (dtype or own).itemsize
         trainable += numel if train else 0
-    fp32 = torch.float32.itemsize
+        own_weights += numel * (dtype or own).itemsize if train else 0
+    params, fp32 = trainable, torch.float32.itemsize
     if hasattr(model, "param_owners"):  # the exact layout HostState allocates
-        exact = _layout(model, dtype).bytes(state)
-        weights, trainable = exact["weights"], exact["masters"] // fp32
+        exact = _layout(model, dtype).bytes(state, state_size)
+        weights, trainable, own_weights = exact["weights"], exact["masters"] // fp32, exact["trainable_weights"]
     saved = in_flight = 0
     if plan is not None:
         if gpus is None:
             raise ValueError("host_bytes: gpus is needed with a plan (the rounds' saved inputs depend on it)")
         saved, in_flight = round_saved_bytes(list(costs.saved_bytes), plan, gpus, microbatches, round_size)
-    return HostBytes(weights, trainable * fp32, trainable * fp32, trainable * fp32 * state, saved, in_flight)
+    return HostBytes(weights, trainable * fp32, trainable * fp32, trainable * state_size * state, saved, in_flight,
+                     trainable=params, trainable_weights=own_weights)
 
 
 def round_saved_bytes(saved: list[int], plan: StagePlan, gpus: int, microbatches: int,

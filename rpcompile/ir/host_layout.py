@@ -4,9 +4,9 @@ The host state (`rpcompile.runtime.host.optimizer.HostState`) allocates what thi
 host-memory pass (`passes/cost/host_bytes.py`) counts it, so the admission check counts exactly
 what is allocated.
 
-- Per layer group, the trainable parameters' fp32 masters, gradients and optimizer moments are each
-  one flat buffer of `HostLayout.flat[group]` elements, parameters at the same offsets in all of
-  them, so one kernel call covers a group.
+- Per layer group, the trainable parameters' fp32 masters, gradients and optimizer moments (fp32, or
+  bf16 with `AdamW(state_dtype=torch.bfloat16)`) are each one flat buffer of `HostLayout.flat[group]`
+  elements, parameters at the same offsets in all of them, so one kernel call covers a group.
 - A group's parameters are ordered by compute dtype (the model's order within one): each run of
   one dtype is a `Segment`, starting at a multiple of `SEGMENT` elements.
 - Compute copies (every parameter, in the training dtype) are one block per (lowest owner layer,
@@ -81,11 +81,14 @@ class HostLayout:
     where: dict[str, tuple[tuple, int]]  # every name -> ((layer, dtype), element offset) of its compute copy
     blocks: dict[tuple, int]  # (layer, dtype) -> elements of that compute block
 
-    def bytes(self, moments: int) -> dict[str, int]:
-        """Bytes of the buffers: compute blocks, fp32 masters, fp32 gradients, `moments` fp32 moment buffers."""
+    def bytes(self, moments: int, state_itemsize: int = 4) -> dict[str, int]:
+        """Bytes of the buffers: compute blocks, fp32 masters, fp32 gradients, `moments` moment buffers of
+        `state_itemsize` bytes an element (4: fp32, 2: bf16), and the compute copies of the trainable
+        parameters (`trainable_weights`, within `weights`: each segment's elements, gaps included)."""
         fp32 = 4 * sum(self.flat)
         return {"weights": sum(n * key[1].itemsize for key, n in self.blocks.items()), "masters": fp32,
-                "grads": fp32, "optimizer": moments * fp32}
+                "grads": fp32, "optimizer": moments * state_itemsize * sum(self.flat),
+                "trainable_weights": sum((s.stop - s.start) * s.dtype.itemsize for g in self.segments for s in g)}
 
 
 def host_layout(params: Sequence[tuple[str, int, torch.dtype, int, bool]], groups: int) -> HostLayout:

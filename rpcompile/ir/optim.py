@@ -15,6 +15,17 @@ Note:
     loop; the foreach kernel gives the same bits). For SGD "foreach" and
     "single" give eager's bits; "fused" can differ from them by an ulp on
     some CPUs (its vectorised tail uses FMA where the loop does not).
+
+Note:
+    `AdamW(state_dtype=torch.bfloat16)` stores both moments in bf16 (4 bytes per parameter instead
+    of 8). The update stays float32: each step reads the moments, widens them, computes the new ones
+    and the weight in float32 as the fp32 mode does, and stores the moments rounded stochastically to
+    bf16 (`rpcompile.runtime.host.lean`: 16 random bits added below the kept ones, then truncated, so
+    the stored value is unbiased; round to nearest would freeze `exp_avg_sq`, whose relative change
+    per step, 1 - beta2 = 0.001, is below half a bf16 ulp, 2**-9). The random bits are a counter-based
+    hash of (the run's seed, the layer group, the step count, the element), so the kernels and the
+    torch fallback draw the same bits and a checkpoint (seed and step counts) resumes them bit for bit.
+    The default, float32, is the same arithmetic and bits as before the option existed.
 """
 from __future__ import annotations
 
@@ -22,11 +33,24 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Union
 
-__all__ = ["AdamW", "SGD", "DynamicLossScale", "IMPLS", "Decay", "decay_names", "make_torch_optimizer"]
+import torch
+
+__all__ = ["AdamW", "SGD", "DynamicLossScale", "IMPLS", "STATE_DTYPES", "Decay", "decay_names",
+           "make_torch_optimizer", "dtype_name"]
 
 Decay = Union[None, frozenset, Callable[[str], bool]]  # which parameters weight decay applies to (see the Note)
 
 IMPLS = ("fused", "foreach", "single")  # accepted values of `impl`
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # AdamW's `state_dtype`, by its command-line name
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The command-line name of a state dtype ("fp32", "bf16"), else str(dtype).
+
+    >>> dtype_name(torch.bfloat16)
+    'bf16'
+    """
+    return next((k for k, v in STATE_DTYPES.items() if v == dtype), str(dtype))
 
 
 def _check(cfg: AdamW | SGD) -> None:
@@ -74,7 +98,9 @@ class AdamW:
     Example:
         >>> import rpcompile
         >>> rpcompile.AdamW(lr=3e-4, max_grad_norm=1.0)
-        AdamW(lr=0.0003, betas=(0.9, 0.999), eps=1e-08, weight_decay=0.01, max_grad_norm=1.0, impl='fused', decay=None)
+        AdamW(lr=0.0003, betas=(0.9, 0.999), eps=1e-08, weight_decay=0.01, max_grad_norm=1.0, impl='fused', decay=None, state_dtype=torch.float32)
+        >>> rpcompile.AdamW(state_dtype=torch.bfloat16).state_dtype   # bf16 moments (module Note)
+        torch.bfloat16
     """
 
     lr: float = 1e-4  # learning rate, as torch.optim.AdamW
@@ -84,11 +110,15 @@ class AdamW:
     max_grad_norm: float | None = None  # clip by the global L2 norm over all trainable grads; None = off
     impl: str = "fused"  # CPU kernel: "fused" (rpcompile's, ~1 ulp from eager), "foreach"/"single" (torch: eager bits)
     decay: Decay = None  # parameters weight_decay applies to: None = all, names, or name -> bool (module Note)
+    state_dtype: torch.dtype = torch.float32  # dtype of both moments: float32, or bfloat16 (stochastically
+    # rounded, the math float32; module Note). Last: a checkpoint's older config keeps this default
 
     __setstate__ = _setstate
 
     def __post_init__(self) -> None:
         _check(self)
+        if self.state_dtype not in STATE_DTYPES.values():
+            raise ValueError(f"AdamW: state_dtype must be torch.float32 or torch.bfloat16, got {self.state_dtype!r}")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"AdamW: betas must be two values in [0, 1), got {self.betas}")
         if not self.eps > 0:
@@ -200,8 +230,9 @@ def make_torch_optimizer(config: AdamW | SGD, params: Sequence[Any], decayed: Se
         >>> make_torch_optimizer(AdamW(lr=1e-3, impl="foreach"), [torch.zeros(3)]).defaults["foreach"]
         True
     """
-    import torch  # the configs themselves are plain data
-
+    if getattr(config, "state_dtype", torch.float32) != torch.float32:
+        raise ValueError(f"{type(config).__name__}(state_dtype={config.state_dtype}): torch's optimizers keep "
+                         f"float32 moments; the host state steps bf16 moments itself (rpcompile.runtime.host.lean)")
     kernel = {"fused": {"fused": True}, "foreach": {"foreach": True}, "single": {"foreach": False}}[config.impl]
     flags = [True] * len(params) if decayed is None else list(decayed)
     groups = [g for g in ({"params": [p for p, d in zip(params, flags) if d]},

@@ -1,5 +1,8 @@
 """Flat per-group optimizer buffers: masters, gradients and moments, one buffer each per layer group.
 
+The moments are float32, or bf16 with `AdamW(state_dtype=torch.bfloat16)` (rounded stochastically
+with the keys of `rpcompile.runtime.host.lean`: `FlatGroups.seed`, the group and the step count).
+
 Each trainable parameter's fp32 master, gradient and moments are views into its group's flat
 buffers, at the offsets `rpcompile.ir.host_layout.host_layout` gives, so one kernel call steps a whole
 group and one more writes its compute copies (`FlatGroups.step`, `FlatGroups.cast`). The torch
@@ -22,8 +25,14 @@ from torch import Tensor
 from rpcompile.ir.host_layout import HostLayout
 from rpcompile.ir.optim import SGD, AdamW
 from rpcompile.runtime.host.kernels import Kernels
+from rpcompile.runtime.host.lean import TorchLean, rounding_key
 
-__all__ = ["FlatGroups", "moment_names"]
+__all__ = ["FlatGroups", "moment_names", "state_dtype"]
+
+
+def state_dtype(config: AdamW | SGD) -> torch.dtype:
+    """The dtype of `config`'s optimizer state buffers (SGD's momentum: float32)."""
+    return getattr(config, "state_dtype", torch.float32)
 
 
 def moment_names(config: AdamW | SGD) -> tuple[str, ...]:
@@ -34,19 +43,24 @@ def moment_names(config: AdamW | SGD) -> tuple[str, ...]:
 
 
 class FlatGroups:
-    """The flat fp32 buffers of every layer group, and views of them per parameter.
+    """The flat buffers of every layer group (fp32 masters and gradients, moments), and views of them per parameter.
 
     Args:
         layout: the run's HostLayout (offsets and sizes).
         params: trainable name -> its initial value (any shape; copied in as fp32).
         moments: the optimizer state buffer names (`moment_names`).
+        dtype: the moments' dtype (`state_dtype`): float32, or bfloat16 (AdamW only).
+        seed: the stochastic rounding's seed (bf16 moments; part of the checkpointed state).
     """
 
-    def __init__(self, layout: HostLayout, params: Mapping[str, Tensor], moments: Sequence[str]) -> None:
+    def __init__(self, layout: HostLayout, params: Mapping[str, Tensor], moments: Sequence[str],
+                 dtype: torch.dtype = torch.float32, seed: int = 0) -> None:
         self.layout = layout
+        self.seed = seed  # the stochastic rounding's seed (runtime/host/lean.py)
         self.masters = [torch.zeros(n) for n in layout.flat]  # group -> flat fp32 masters (gaps: zeros)
         self.grads = [torch.zeros(n) for n in layout.flat]  # group -> flat fp32 gradients
-        self.moments = [{k: torch.zeros(n) for k in moments} for n in layout.flat]  # group -> name -> flat buffer
+        self.moments = [{k: torch.zeros(n, dtype=dtype) for k in moments}  # group -> name -> flat buffer
+                        for n in layout.flat]
         self.order = [[(layout.master[n], n, next(i for i, s in enumerate(segs) if s.start <= layout.master[n] < s.stop))
                        for n in names] for names, segs in zip(layout.members, layout.segments)]  # group -> (offset,
         # name, segment index) in offset order
@@ -83,11 +97,13 @@ class FlatGroups:
             prev = (seg, key[n])
         return out
 
-    def step(self, kernels: Kernels, config: AdamW | SGD, group: int, names: Sequence[str], counts: dict[str, int],
-             decayed: frozenset[str], *, factor: float, lr: float, out: Mapping[torch.dtype, Tensor] | None) -> None:
+    def step(self, kernels: Kernels | TorchLean, config: AdamW | SGD, group: int, names: Sequence[str],
+             counts: dict[str, int], decayed: frozenset[str], *, factor: float, lr: float,
+             out: Mapping[torch.dtype, Tensor] | None) -> None:
         """One kernel call per run of `names`: the update with gradient * factor; counts += 1 for each name.
 
         Args:
+            kernels: the C++ kernels, or `TorchLean` (bf16 moments without them: AdamW only).
             decayed: the names weight decay applies to (`config.decay` resolved).
             out: compute dtype -> the group's compute block to write the new masters into (None: no copy).
         """
@@ -98,7 +114,8 @@ class FlatGroups:
             wd = config.weight_decay if decay else 0.0
             if isinstance(config, AdamW):
                 kernels.adamw(p[lo:hi], g[lo:hi], mom["exp_avg"][lo:hi], mom["exp_avg_sq"][lo:hi], o, factor=factor,
-                              lr=lr, betas=config.betas, eps=config.eps, weight_decay=wd, step=done + 1)
+                              lr=lr, betas=config.betas, eps=config.eps, weight_decay=wd, step=done + 1,
+                              key=rounding_key(self.seed, group, done + 1), offset=lo)
             else:
                 buf = mom["momentum_buffer"][lo:hi] if "momentum_buffer" in mom else None
                 kernels.sgd(p[lo:hi], g[lo:hi], buf, o, factor=factor, lr=lr, momentum=config.momentum,

@@ -11,6 +11,10 @@
 //       statistics of the result, in the same pass. dst == src: in place (data parallel: the average).
 //   adamw(p, g, m, v, out, out_kind, n, threads, factor, decay, w1, beta2, w2, eps, neg_step, bc2_sqrt)
 //       torch.optim.AdamW's single-tensor update of p, m, v with g * factor; out = cast(new p).
+//   adamw_bf16(p, g, m, v, out, out_kind, n, threads, factor, ..., bc2_sqrt, key, offset)
+//       the same update with bf16 m, v (runtime/host/lean.py): read and widened, the update in float32,
+//       stored rounded stochastically with the bits hash32((offset + i) mod 2^32 ^ key): low 16 for m,
+//       high 16 for v.
 //   sgd(p, g, buf, out, out_kind, n, threads, factor, wd, momentum, damp, nesterov, first, neg_lr)
 //       torch.optim.SGD's update (buf = 0 for no momentum); out = cast(new p).
 //   cast(src, out, out_kind, n, threads)
@@ -67,6 +71,19 @@ template <> inline bf16 from_float<bf16>(float x) {  // c10::BFloat16's round_to
     uint32_t u = float_to_bits(x);
     uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
     return (u & 0x7FFFFFFFu) > 0x7F800000u ? bf16(0x7FC0) : static_cast<bf16>(rounded);
+}
+
+inline uint32_t hash32(uint32_t x) {  // Wellons' lowbias32 (runtime/host/lean.py's hash32)
+    x ^= x >> 16;
+    x *= 0x7FEB352Du;
+    x ^= x >> 15;
+    x *= 0x846CA68Bu;
+    return x ^ (x >> 16);
+}
+
+inline bf16 round_stochastic(float x, uint32_t r16) {  // add r16 below the kept bits, cut them; NaN stays NaN
+    const uint32_t u = float_to_bits(x);
+    return (u & 0x7FFFFFFFu) > 0x7F800000u ? bf16(0x7FC0) : static_cast<bf16>((u + r16) >> 16);
 }
 
 struct NoOut {};  // out_kind 0: the update writes no compute copy
@@ -155,6 +172,32 @@ void adamw_t(float* p, const float* g, float* m, float* v, O* out, int64_t n, in
     });
 }
 
+// ---- adamw with bf16 moments: the same float32 update, the moments rounded stochastically -----------
+template <typename O, bool SCALE>
+void adamw_bf16_t(float* p, const float* g, bf16* m, bf16* v, O* out, int64_t n, int threads, AdamArgs args,
+                  uint32_t key, uint64_t offset) {
+    for_blocks(n, threads, [=](int64_t, int64_t lo, int64_t hi) {
+        const AdamArgs a = args;  // a local copy: the loop vectorizes (see for_blocks)
+        const uint32_t k = key;
+        const uint32_t base = static_cast<uint32_t>(offset);  // the element's offset mod 2^32
+#pragma omp simd
+        for (int64_t i = lo; i < hi; ++i) {
+            const float gi = SCALE ? g[i] * a.factor : g[i];
+            const float m0 = to_float(m[i]), v0 = to_float(v[i]);
+            float pi = p[i] * a.decay;
+            const float mi = std::fma(a.w1, gi - m0, m0);
+            const float vi = std::fma(a.w2 * gi, gi, v0 * a.beta2);
+            const float denom = std::sqrt(vi) / a.bc2_sqrt + a.eps;
+            pi = pi + a.neg_step * mi / denom;
+            const uint32_t r = hash32((base + static_cast<uint32_t>(i)) ^ k);
+            m[i] = round_stochastic(mi, r & 0xFFFFu);
+            v[i] = round_stochastic(vi, r >> 16);
+            p[i] = pi;
+            store(out, i, pi);
+        }
+    });
+}
+
 // ---- sgd: torch.optim.SGD (single tensor), one pass ------------------------------------------------
 struct SgdArgs {
     float factor, wd, momentum, damp, neg_lr;
@@ -205,6 +248,13 @@ bool by_kind(int kind, void* out, Args... args) {  // dispatch on the output kin
 template <typename O> struct AdamF {
     static void run(O* out, float* p, const float* g, float* m, float* v, int64_t n, int t, AdamArgs a) {
         a.factor != 1.0f ? adamw_t<O, true>(p, g, m, v, out, n, t, a) : adamw_t<O, false>(p, g, m, v, out, n, t, a);
+    }
+};
+template <typename O> struct AdamBf16F {
+    static void run(O* out, float* p, const float* g, bf16* m, bf16* v, int64_t n, int t, AdamArgs a, uint32_t key,
+                    uint64_t off) {
+        a.factor != 1.0f ? adamw_bf16_t<O, true>(p, g, m, v, out, n, t, a, key, off)
+                         : adamw_bf16_t<O, false>(p, g, m, v, out, n, t, a, key, off);
     }
 };
 template <typename O> struct SgdF {
@@ -269,6 +319,22 @@ PyObject* adamw(PyObject*, PyObject* args) {
                            reinterpret_cast<float*>(m), reinterpret_cast<float*>(v), int64_t(n), threads, a);
 }
 
+PyObject* adamw_bf16(PyObject*, PyObject* args) {
+    unsigned long long p, g, m, v, out, offset;
+    unsigned int key;
+    int kind, threads;
+    long long n;
+    double factor, decay, w1, beta2, w2, eps, neg_step, bc2_sqrt;
+    if (!PyArg_ParseTuple(args, "KKKKKiLiddddddddIK", &p, &g, &m, &v, &out, &kind, &n, &threads, &factor, &decay,
+                          &w1, &beta2, &w2, &eps, &neg_step, &bc2_sqrt, &key, &offset))
+        return nullptr;
+    AdamArgs a{float(factor), float(decay), float(w1), float(beta2), float(w2), float(eps), float(neg_step),
+               float(bc2_sqrt)};
+    return released<AdamBf16F>(kind, out, reinterpret_cast<float*>(p), reinterpret_cast<const float*>(g),
+                               reinterpret_cast<bf16*>(m), reinterpret_cast<bf16*>(v), int64_t(n), threads, a,
+                               uint32_t(key), uint64_t(offset));
+}
+
 PyObject* sgd(PyObject*, PyObject* args) {
     unsigned long long p, g, buf, out;
     int kind, threads, nesterov, first, has_momentum;
@@ -295,6 +361,8 @@ PyMethodDef methods[] = {
     {"land", land, METH_VARARGS, "land(dst, src, kind, n, add, threads, divisor) -> (sum of squares, non-finite)"},
     {"adamw", adamw, METH_VARARGS, "adamw(p, g, m, v, out, kind, n, threads, factor, decay, w1, beta2, w2, eps, "
                                    "neg_step, bc2_sqrt)"},
+    {"adamw_bf16", adamw_bf16, METH_VARARGS, "adamw_bf16(p, g, m, v, out, kind, n, threads, factor, decay, w1, "
+                                             "beta2, w2, eps, neg_step, bc2_sqrt, key, offset)"},
     {"sgd", sgd, METH_VARARGS, "sgd(p, g, buf, out, kind, n, threads, factor, wd, momentum, damp, neg_lr, "
                                "nesterov, first, has_momentum)"},
     {"cast", cast, METH_VARARGS, "cast(src, out, kind, n, threads)"},

@@ -69,20 +69,30 @@ class Kernels:
                                 float(divisor))
 
     def adamw(self, p: Tensor, g: Tensor, m: Tensor, v: Tensor, out: Tensor | None, *, factor: float, lr: float,
-              betas: tuple[float, float], eps: float, weight_decay: float, step: int) -> None:
+              betas: tuple[float, float], eps: float, weight_decay: float, step: int, key: int = 0,
+              offset: int = 0) -> None:
         """AdamW step `step` (1-based) of p, m, v with the gradient g * factor; out (if given) = cast(new p).
 
-        The scalars are formed as torch.optim.AdamW forms them (Python floats, then float32).
+        The scalars are formed as torch.optim.AdamW forms them (Python floats, then float32). m and v
+        are both float32, or both bf16 (`AdamW(state_dtype=torch.bfloat16)`): then the update is the
+        same float32 arithmetic and the new moments are rounded stochastically with the bits that `key`
+        and `offset` (p's first element's offset in its group's buffers) choose (runtime/host/lean.py).
         """
-        for t in (p, g, m, v):
+        for t in (p, g):
             _check("adamw", t, torch.float32, p.numel())
+        state = m.dtype if m.dtype == torch.bfloat16 else torch.float32
+        for t in (m, v):
+            _check("adamw", t, state, p.numel())
         if out is not None:
             _check("adamw", out, out.dtype, p.numel())
         b1, b2 = betas
         bc1, bc2 = 1 - b1 ** step, 1 - b2 ** step
-        self.module.adamw(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), _ptr(out), _kind(out),
-                          p.numel(), _threads(), factor, 1 - lr * weight_decay, 1 - b1, b2, 1 - b2, eps,
-                          -(lr / bc1), bc2 ** 0.5)
+        scalars = (factor, 1 - lr * weight_decay, 1 - b1, b2, 1 - b2, eps, -(lr / bc1), bc2 ** 0.5)
+        args = (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), _ptr(out), _kind(out), p.numel(), _threads())
+        if state == torch.bfloat16:
+            self.module.adamw_bf16(*args, *scalars, key & 0xFFFFFFFF, offset)
+        else:
+            self.module.adamw(*args, *scalars)
 
     def sgd(self, p: Tensor, g: Tensor, buf: Tensor | None, out: Tensor | None, *, factor: float, lr: float,
             momentum: float, weight_decay: float, nesterov: bool, first: bool) -> None:

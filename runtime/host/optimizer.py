@@ -52,10 +52,11 @@ from torch import Tensor
 
 from rpcompile.ir.host_layout import host_layout
 from rpcompile.ir.optim import SGD, AdamW, DynamicLossScale, decay_names, make_torch_optimizer
-from rpcompile.runtime.host.flat import FlatGroups, moment_names
+from rpcompile.runtime.host.flat import FlatGroups, moment_names, state_dtype
 from rpcompile.runtime.host.grad_stats import GradStats, ScaleVerdict, _IterStats
 from rpcompile.runtime.host.kernels import load_kernels
 from rpcompile.runtime.host.layout import host_blocks, view
+from rpcompile.runtime.host.lean import TorchLean
 from rpcompile.runtime.host.pinned import pinning
 from rpcompile.runtime.stage.runner import tracked_buffers
 from rpcompile.runtime.host.state_io import StateIO
@@ -86,6 +87,8 @@ class HostState(GradStats, StateIO):
         timeout_s: how long `step` waits for the global statistics before raising.
         buffers: name -> tensor of the buffers the forward updates (BatchNorm running statistics);
             the runtime applies each microbatch's update to these host copies, in microbatch order.
+        seed: the seed of the stochastic rounding of bf16 moments (`AdamW(state_dtype=torch.bfloat16)`,
+            runtime/host/lean.py); saved in `state_dict()` with the step counts that, with it, fix the bits.
 
     Note:
         The per-layer order that gives DESIGN.md idea 7's semantics (what
@@ -112,7 +115,7 @@ class HostState(GradStats, StateIO):
     def __init__(self, params: Mapping[str, Tensor], owners: Mapping[str, Sequence[int]], num_layers: int, *,
                  optimizer: AdamW | SGD, dtype: torch.dtype | None = None, tied: Mapping[str, str] | None = None,
                  loss_scale: float | DynamicLossScale | None = None, pin_memory: bool = False,
-                 timeout_s: float = 600.0, buffers: Mapping[str, Tensor] | None = None) -> None:
+                 timeout_s: float = 600.0, buffers: Mapping[str, Tensor] | None = None, seed: int = 0) -> None:
         self.config = optimizer  # the optimizer config
         pin_b = pin_memory and torch.cuda.is_available()
         # buffers the forward updates (running statistics): the canonical host copies, changed once per microbatch
@@ -131,7 +134,8 @@ class HostState(GradStats, StateIO):
         layer_of = {n: self.owners[n][0] if self.owners[n] else 0 for n in params}  # group of its compute copy
         self.layout = host_layout([(n, p.numel(), dtype or p.dtype, layer_of[n], n in trainable)
                                    for n, p in params.items()], num_layers)  # offsets of every host buffer
-        self.flat = FlatGroups(self.layout, trainable, moment_names(optimizer))  # masters, grads, moments per group
+        self.flat = FlatGroups(self.layout, trainable, moment_names(optimizer), state_dtype(optimizer),
+                               seed)  # masters, grads, moments per group
         self.master: dict[str, Tensor] = self.flat.master  # trainable canonical -> fp32 master (a view)
         self.grad: dict[str, Tensor] = self.flat.grad  # trainable canonical -> fp32 buffer (valid if written
         # this iteration; a view)
@@ -152,8 +156,10 @@ class HostState(GradStats, StateIO):
         self.counts = {n: 0 for n in self.master}  # updates applied to each parameter (AdamW's step)
         # the C++ kernels (built here, at compile time, never in a step); None: torch's optimizers on the views
         self.kernels = load_kernels() if optimizer.impl == "fused" else None
-        self._optims = [None if self.kernels is not None or not g else self._torch_optimizer(g)
-                        for g in self.groups]
+        # bf16 moments without the kernels: the same update in torch operations over the flat buffers
+        self._lean = TorchLean() if self.kernels is None and state_dtype(optimizer) != torch.float32 else None
+        self._optims = [None if self.kernels is not None or self._lean is not None or not g
+                        else self._torch_optimizer(g) for g in self.groups]
         self._copied = [False] * num_layers  # the compute copies hold the masters (a step wrote them)
         self._unscale: list[float | None] = [None] * num_layers  # kernels: loss scale of the grads to step
         self._locks = [threading.Lock() for _ in range(num_layers)]  # one per group
@@ -260,6 +266,10 @@ class HostState(GradStats, StateIO):
                 self.flat.step(self.kernels, self.config, layer, [n for n in group if n in fresh], self.counts,
                                self.decay, factor=float(factor), lr=self.lr, out=out if copy else None)
                 self._copied[layer] = copy and len(fresh) == len(group)  # else `copy` casts the group's others
+            elif apply and self._lean is not None:  # unscaled in grads_complete; the clip coefficient here
+                factor = 1.0 if st is None or st.coef is None else float(st.coef.float())
+                self.flat.step(self._lean, self.config, layer, [n for n in group if n in fresh], self.counts,
+                               self.decay, factor=factor, lr=self.lr, out=None)  # `copy` casts (no kernels)
             elif apply:
                 for n in group:
                     self.master[n].grad = self.grad[n] if n in fresh else None

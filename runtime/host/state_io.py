@@ -1,4 +1,9 @@
-"""HostState's snapshots: fp32 weights, and a state_dict that resumes a run bit for bit."""
+"""HostState's snapshots: fp32 weights, and a state_dict that resumes a run bit for bit.
+
+The optimizer's moments are saved in their own dtype (bf16 moments as bf16, not widened), with the
+stochastic rounding's seed (`"rounding"`); a state dict whose moments have another dtype than this
+state's `AdamW(state_dtype=...)` is refused in one line naming both.
+"""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -7,6 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rpcompile.ir.optim import STATE_DTYPES, dtype_name
 from rpcompile.runtime.host.grad_stats import ScaleVerdict
 
 __all__ = ["StateIO"]
@@ -17,8 +23,25 @@ def _clone(v: Any) -> Any:
     return v.detach().clone() if isinstance(v, Tensor) else v
 
 
+def _saved_state_dtype(sd: Mapping[str, Any]) -> torch.dtype | None:
+    """The dtype of a state dict's optimizer moments: as recorded, else as saved (None: no record and no moments)."""
+    name = sd.get("rounding", {}).get("state_dtype")
+    if name in STATE_DTYPES:
+        return STATE_DTYPES[name]
+    for saved in sd["optim"].values():
+        for k, t in saved.items():
+            if k != "step" and isinstance(t, torch.Tensor):
+                return t.dtype
+    return None
+
+
 class StateIO:
     """`parameters_fp32`, `state_dict` and `load_state_dict` of `HostState` (a mixin; see runtime/host/optimizer.py)."""
+
+    def _state_dtype(self) -> torch.dtype:
+        """The dtype of this state's optimizer moments."""
+        return next((t.dtype for m in self.flat.moments for t in m.values()), getattr(
+            self.config, "state_dtype", torch.float32))
 
     def parameters_fp32(self) -> dict[str, Tensor]:
         """Current weights in fp32: masters, or compute copies for frozen parameters (fresh tensors)."""
@@ -26,8 +49,9 @@ class StateIO:
                 for n, c in self.compute.items()}
 
     def state_dict(self) -> dict[str, Any]:
-        """A snapshot (cloned tensors) of compute copies, masters, optimizer state, step counts and loss scale (with
-        the last two overflow checks, which fix the dynamic scale of the next two iterations).
+        """A snapshot (cloned tensors) of compute copies, masters, optimizer state (in its dtype), step counts, the
+        rounding seed and loss scale (with the last two overflow checks, which fix the dynamic scale of the next
+        two iterations).
 
         Take it between iterations (no gradient partially accumulated); with
         staleness 1 the masters are one step ahead of the compute copies and
@@ -40,6 +64,7 @@ class StateIO:
                 "master": {n: clone(t) for n, t in self.master.items()},
                 "buffers": {n: clone(t) for n, t in self.buffers.items()},
                 "optim": optim, "steps": list(self._stepped),
+                "rounding": {"seed": self.flat.seed, "state_dtype": dtype_name(self._state_dtype())},
                 "loss_scale": {"scale": self.loss_scale, "good": self._good, "skipped": list(self.skipped),
                                "verdicts": [[u, v.used, v.skipped, v.after] for u, v in sorted(self.verdicts.items())
                                             if u >= min(self._stepped, default=0) - 2]}}  # what the next two use
@@ -63,13 +88,21 @@ class StateIO:
         if set(sd.get("buffers", {})) != set(self.buffers):
             raise ValueError(f"load_state_dict: buffer names differ: {sorted(set(sd.get('buffers', {})))} vs "
                              f"{sorted(self.buffers)}")
+        ours, theirs = self._state_dtype(), _saved_state_dtype(sd)
+        if theirs is not None and theirs != ours:
+            raise ValueError(f"load_state_dict: the checkpoint's optimizer moments are {dtype_name(theirs)} "
+                             f"(state_dtype={theirs}) but this run's are {dtype_name(ours)} (state_dtype={ours}); "
+                             f"resume with AdamW(state_dtype={theirs}) (finetune/plan: --state-dtype "
+                             f"{dtype_name(theirs)})")
         unknown = set(sd["optim"]) - set(self.master)
         if unknown:
             raise ValueError(f"load_state_dict: optimizer state for unknown parameters {sorted(unknown)[:5]}")
         for n, saved in sd["optim"].items():
             for k, t in self.flat.moment[n].items():
-                if k in saved and (not isinstance(saved[k], torch.Tensor) or saved[k].shape != t.shape):
-                    raise ValueError(f"load_state_dict: optim[{n!r}][{k!r}] is not a tensor of shape {tuple(t.shape)}")
+                if k in saved and (not isinstance(saved[k], torch.Tensor) or saved[k].shape != t.shape
+                                   or saved[k].dtype != t.dtype):
+                    raise ValueError(f"load_state_dict: optim[{n!r}][{k!r}] is not a {t.dtype} tensor of shape "
+                                     f"{tuple(t.shape)}")
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
         """Restore a `state_dict()` in place (same names, shapes and groups), between iterations.
@@ -82,6 +115,7 @@ class StateIO:
                 ours[n].copy_(t)
         for n, t in sd.get("buffers", {}).items():
             self.buffers[n].copy_(t)
+        self.flat.seed = sd.get("rounding", {}).get("seed", self.flat.seed)  # absent before bf16 moments
         for n, moments in self.flat.moment.items():  # torch's state names; a parameter not in it never stepped
             saved = sd["optim"].get(n, {})
             for k, t in moments.items():

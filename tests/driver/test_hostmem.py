@@ -38,8 +38,9 @@ def allocated(state: HostState) -> dict[str, int]:
                 optimizer=sum(t.nbytes for m in flat.moments for t in m.values()))
 
 
-@pytest.mark.parametrize("optimizer", [rpcompile.AdamW(lr=1e-3), rpcompile.SGD(lr=0.1),
-                                       rpcompile.SGD(lr=0.1, momentum=0.9)], ids=["adamw", "sgd", "momentum"])
+@pytest.mark.parametrize("optimizer", [rpcompile.AdamW(lr=1e-3), rpcompile.AdamW(lr=1e-3, state_dtype=torch.bfloat16),
+                                       rpcompile.SGD(lr=0.1), rpcompile.SGD(lr=0.1, momentum=0.9)],
+                         ids=["adamw", "adamw-bf16", "sgd", "momentum"])
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16])
 @pytest.mark.parametrize("frozen", [False, True])
 def test_bytes_match_what_host_state_allocates(optimizer, dtype, frozen):
@@ -54,6 +55,16 @@ def test_bytes_match_what_host_state_allocates(optimizer, dtype, frozen):
                                     optimizer=need.optimizer)
     assert need.activations == 0 and need.in_flight == 0  # no plan given
     assert host_bytes(model, microbatches=2, optimizer=optimizer, dtype=dtype).weights >= need.weights  # tied: once
+
+
+@pytest.mark.parametrize("state_dtype, per_param", [(torch.float32, 18.0), (torch.bfloat16, 14.0)])
+def test_parameter_state_per_trainable_parameter_follows_the_state_dtype(state_dtype, per_param):
+    model = torch.nn.Linear(1024, 1024)  # multiples of 16: no alignment gaps
+    need = host_bytes(model, microbatches=1, optimizer=rpcompile.AdamW(state_dtype=state_dtype), dtype=torch.bfloat16)
+    assert need.trainable == 1024 * 1024 + 1024 and need.state_per_param == per_param
+    assert need.per_param_line().startswith(f"parameter state: {per_param:.1f} B per trainable parameter")
+    frozen = host_bytes(model.requires_grad_(False), microbatches=1, dtype=torch.bfloat16)
+    assert frozen.trainable == 0 and frozen.state_per_param == 0.0
 
 
 def test_frozen_parameters_cost_only_their_copy():
@@ -153,14 +164,17 @@ def test_load_checks_the_host_memory_of_the_checkpoints_run(tmp_path, monkeypatc
     rpcompile.load(tmp_path / "ckpt", TinyLlama(CFG)).close()
 
 
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16])
-def test_bytes_count_the_alignment_gaps_of_odd_shapes(dtype):
+def test_bytes_count_the_alignment_gaps_of_odd_shapes(dtype, state_dtype):
     cfg = LlamaConfig(vocab=37, dim=18, layers=1, heads=3, kv_heads=1, ffn=30, max_seq=32)  # 18: gaps
     model = TinyLlama(cfg)
     ids = torch.randint(0, 37, (2, 8), generator=torch.Generator().manual_seed(0))
     graph = trace(model, {"input_ids": ids, "labels": ids})
-    need = host_bytes(graph, microbatches=2, optimizer=rpcompile.AdamW(lr=1e-3), dtype=dtype)
-    state = HostState.from_graph(graph, optimizer=rpcompile.AdamW(lr=1e-3), dtype=dtype)
+    opt = rpcompile.AdamW(lr=1e-3, state_dtype=state_dtype)
+    need = host_bytes(graph, microbatches=2, optimizer=opt, dtype=dtype)
+    state = HostState.from_graph(graph, optimizer=opt, dtype=dtype)
+    assert need.optimizer == 2 * state_dtype.itemsize * need.masters // 4  # two moments of the state dtype
     views = sum(t.nbytes for t in state.master.values())
     assert allocated(state)["masters"] == need.masters > views  # the gaps are real and counted
     assert allocated(state) == dict(weights=need.weights, masters=need.masters, grads=need.grads,

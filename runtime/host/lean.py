@@ -1,0 +1,115 @@
+"""bf16 AdamW moments (`rpcompile.AdamW(state_dtype=torch.bfloat16)`): the rounding, and torch's update.
+
+The moments are stored in bf16; each step widens them to float32, updates them and the weight in
+float32 (torch.optim.AdamW's formulas, as the fp32 kernels), and stores them rounded stochastically:
+16 random bits are added to the float32 bits below the 16 that bf16 keeps, then those low bits are
+cut (a NaN stays a NaN; the result is x rounded up with probability equal to the fraction of the ulp
+it lies above the lower neighbour, so it is unbiased). Round to nearest would freeze `exp_avg_sq`:
+its relative change per step (1 - beta2 = 0.001) is below half a bf16 ulp (2**-9).
+
+The random bits are a counter-based hash, so any implementation and any thread count draw the same:
+
+- `rounding_key(seed, group, step)`: one 32-bit key per (run seed, layer group, 1-based step count);
+- element i of the group's flat buffers (its offset in them, modulo 2**32) takes
+  `hash32(i ^ key)`: the low 16 bits round `exp_avg`, the high 16 `exp_avg_sq`.
+
+`hash32` is Wellons' lowbias32 (two multiply-xorshift rounds, a bijection of 32-bit integers). The
+"generator state" a resume needs is the seed and the per-parameter step counts, both in the host
+state's checkpoint. runtime/host/kernels.cpp does the same in its one pass (`adamw` with bf16 moments);
+`TorchLean` here is the torch fallback (`impl="foreach"/"single"`, or no C++ compiler), with the
+same float32 operations in the same order, so it takes the same rounding decisions.
+
+    >>> x = torch.tensor([1.0 + 2**-9])   # halfway between two bf16 values
+    >>> sorted({stochastic_round(x, torch.tensor([r])).item() for r in (0, 0x7FFF, 0x8000, 0xFFFF)})
+    [1.0, 1.0078125]
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["hash32", "rounding_key", "random_bits", "stochastic_round", "TorchLean", "M32"]
+
+M32 = 0xFFFFFFFF  # 32-bit mask
+_C1, _C2 = 0x7FEB352D, 0x846CA68B  # lowbias32's multipliers
+CHUNK = 1 << 20  # elements per torch pass of the fallback (bounds its float32 temporaries)
+
+
+def hash32(x: int) -> int:
+    """Wellons' lowbias32 of a 32-bit integer (Python ints).
+
+    >>> hash32(0), hash32(1)
+    (0, 1753845952)
+    """
+    x &= M32
+    x ^= x >> 16
+    x = (x * _C1) & M32
+    x ^= x >> 15
+    x = (x * _C2) & M32
+    return x ^ (x >> 16)
+
+
+def rounding_key(seed: int, group: int, step: int) -> int:
+    """The 32-bit key of one update: the run's seed (any int, 64 bits used), the layer group, the 1-based step.
+
+    >>> rounding_key(0, 3, 1) != rounding_key(0, 3, 2) != rounding_key(0, 4, 1)
+    True
+    """
+    k = hash32((seed & M32) ^ hash32((seed >> 32) & M32))
+    k = hash32(k ^ (group & M32))
+    return hash32(k ^ (step & M32))
+
+
+def _mul32(x: Tensor, c: int) -> Tensor:
+    """(x * c) mod 2**32 for int64 x in [0, 2**32), without int64 overflow (16-bit halves)."""
+    return (((x >> 16) * c & 0xFFFF) << 16) + (x & 0xFFFF) * c & M32
+
+
+def random_bits(offset: int, n: int, key: int) -> Tensor:
+    """`hash32((offset + i) mod 2**32 ^ key)` for i in [0, n), as int64 (torch: the kernels' bits).
+
+    >>> random_bits(5, 2, 0).tolist() == [hash32(5), hash32(6)]
+    True
+    """
+    x = (torch.arange(offset, offset + n, dtype=torch.int64) & M32) ^ key
+    x ^= x >> 16
+    x = _mul32(x, _C1)
+    x ^= x >> 15
+    x = _mul32(x, _C2)
+    return x ^ (x >> 16)
+
+
+def stochastic_round(x: Tensor, r16: Tensor) -> Tensor:
+    """float32 `x` to bf16: add the 16-bit integers `r16` (int64) below the kept bits and cut them; NaN stays NaN."""
+    bits = x.view(torch.int32).to(torch.int64) & M32
+    out = (bits + r16) >> 16
+    out = torch.where(x.isnan(), 0x7FC0, out)
+    return (out - (out >= 0x8000).to(torch.int64) * 0x10000).to(torch.int16).view(torch.bfloat16)
+
+
+class TorchLean:
+    """AdamW with bf16 moments in torch operations: the fallback of the kernels' `adamw` (same signature)."""
+
+    def adamw(self, p: Tensor, g: Tensor, m: Tensor, v: Tensor, out: Tensor | None, *, factor: float, lr: float,
+              betas: tuple[float, float], eps: float, weight_decay: float, step: int, key: int, offset: int) -> None:
+        """AdamW step `step` (1-based) of fp32 p and bf16 m, v with g * factor; out (if given) = cast(new p).
+
+        torch.optim.AdamW's float32 operations (which kernels.cpp's update follows, within a float32 ulp of
+        the weight), chunk by chunk; `key` and `offset` (p's first element's offset in its group's
+        buffers) choose the random bits (module docstring).
+        """
+        b1, b2 = betas
+        bc1, bc2 = 1 - b1 ** step, 1 - b2 ** step
+        for lo in range(0, p.numel(), CHUNK):  # torch.optim.AdamW's single-tensor operations, in its order
+            hi = min(lo + CHUNK, p.numel())
+            gi = g[lo:hi] * factor if factor != 1.0 else g[lo:hi]
+            mi, vi, pi = m[lo:hi].float(), v[lo:hi].float(), p[lo:hi]
+            pi.mul_(1 - lr * weight_decay)
+            mi.lerp_(gi, 1 - b1)
+            vi.mul_(b2).addcmul_(gi, gi, value=1 - b2)
+            pi.addcdiv_(mi, (vi.sqrt() / bc2 ** 0.5).add_(eps), value=-(lr / bc1))
+            if out is not None:
+                out[lo:hi] = pi.to(out.dtype)
+            r = random_bits(offset + lo, hi - lo, key)
+            m[lo:hi] = stochastic_round(mi, r & 0xFFFF)
+            v[lo:hi] = stochastic_round(vi, r >> 16)
