@@ -195,7 +195,7 @@ class Compiled(Training):
             self._signature, self._variants = signature(example), Variants()  # one program per batch signature
             self._variants.put(self._signature, self._variant())
             self.state = HostState.from_graph(self.graph, optimizer=opts.optimizer, dtype=opts.dtype,
-                                              loss_scale=opts.loss_scale,
+                                              loss_scale=opts.loss_scale, seed=opts.seed,  # bf16 moments' rounding
                                               pin_memory=opts.backend != "host")  # pinned only where CUDA is
             self.options = dataclasses.replace(opts, optimizer=self.state.config)  # decay resolved to names
             if resume is not None:  # a checkpoint of another model or plan is refused before any thread starts

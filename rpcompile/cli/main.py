@@ -3,6 +3,7 @@
     python -m rpcompile demo
     python -m rpcompile plan --model llama3.1-8b --gpus 8 --hardware rtx4090 --seq 2048 --microbatches 16
     python -m rpcompile plan --model qwen3-32b --host-memory 1024 --micro-batch-size 2
+    python -m rpcompile plan --model qwen3-32b --state-dtype bf16   # bf16 AdamW moments: 14 B/param, not 18
     python -m rpcompile simulate --program program.csv [--costs costs.json] --hardware rtx4090
     python -m rpcompile train --config run.json          # train --help lists the config keys
     python -m rpcompile finetune --model DIR --data train.jsonl --out DIR [--lora 8] [--save-every 100]
@@ -35,6 +36,7 @@ from rpcompile.models.presets import MODELS
 from rpcompile.cli.train import RunConfig, config_help, train
 from rpcompile.ir.costs import CostTable
 from rpcompile.ir.hardware import Hardware
+from rpcompile.ir.optim import STATE_DTYPES
 from rpcompile.ir.program import Program
 from rpcompile.runtime import RuntimeFailure, simulate
 
@@ -75,7 +77,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     limit = None if args.host_memory is None else int(args.host_memory * 2**30)
     r = plan_model(args.model, gpus=args.gpus, hardware=args.hardware, seq=args.seq,
                    microbatches=args.microbatches, staleness=args.staleness, frozen_base=args.frozen_base,
-                   host_memory=limit, microbatch_size=args.micro_batch_size)  # raises (exit 2) over the host
+                   host_memory=limit, microbatch_size=args.micro_batch_size,
+                   state_dtype=STATE_DTYPES[args.state_dtype])  # raises (exit 2) over the host
     n = args.micro_batch_size
     size = f"{r.params / 1e9:.2f}B" if r.params >= 1e8 else f"{r.params / 1e6:.2f}M"
     print(f"{args.model}: {size} parameters, {len(r.costs)} layers, "
@@ -84,6 +87,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(r.plan, "", r.table(), "", sep="\n")
     source = "--host-memory" if limit is not None else f"{args.hardware} preset"
     print(f"host memory: {r.host} needed of {r.host_memory / 2**30:,.1f} GiB ({source}): fits")
+    print(f"{r.host.per_param_line()}, {args.state_dtype} moments (--state-dtype)")
     where = f"{args.gpus}x {args.hardware}, {n} sequence{'s' if n > 1 else ''} per microbatch"
     if r.max_seq is not None:  # the length, then what stops a longer one (SeqLenLimit's str)
         print(f"max_seq_len on {where}: {r.max_seq}")
@@ -151,6 +155,9 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--staleness", type=int, default=1, choices=(0, 1))
     pl.add_argument("--frozen-base", action="store_true",
                     help="LoRA-style: freeze every matrix (no grads, masters or optimizer state for them)")
+    pl.add_argument("--state-dtype", choices=tuple(STATE_DTYPES), default="fp32",
+                    help="AdamW's moments: fp32 (default, 18 B per trainable parameter) or bf16 (14 B: stochastically "
+                    "rounded, the update in fp32)")
     pl.add_argument("--host-memory", type=float, metavar="GiB",
                     help="host memory of the target machine in GiB (default: the hardware preset's)")
     pl.add_argument("--save-program", help="write the program (CSV) and costs (JSON) here")

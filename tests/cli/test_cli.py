@@ -69,6 +69,23 @@ def test_plan_refuses_a_run_over_the_host_memory(capsys):
         assert part in err, part
 
 
+def test_plan_prints_the_parameter_state_per_trainable_parameter_beside_the_host_memory_line(capsys):
+    pytest.importorskip("transformers")
+    small = ("--model", "qwen3-1.7b", "--gpus", "4", "--seq", "256", "--microbatches", "4")
+    outs = {}
+    for dtype, per in (("fp32", "18.0"), ("bf16", "14.0")):
+        rc, out, err = run_plan(capsys, *small, *(("--state-dtype", dtype) if dtype == "bf16" else ()))
+        lines = out.splitlines()
+        at = next(i for i, line in enumerate(lines) if line.startswith("host memory:"))
+        assert rc == 0 and lines[at + 1] == (
+            f"parameter state: {per} B per trainable parameter (compute copy 2.0, master 4.0, gradient 4.0, "
+            f"optimizer state {'8.0' if dtype == 'fp32' else '4.0'}), {dtype} moments (--state-dtype)"), out
+        outs[dtype] = [line for i, line in enumerate(lines) if i not in (at, at + 1) and "planned in" not in line]
+    assert outs["fp32"] == outs["bf16"]  # the rest of the output is the same
+    rc, _, err = run_plan(capsys, *small, "--state-dtype", "fp16")
+    assert rc == 2 and "--state-dtype" in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_plan_host_memory_overrides_the_preset(capsys):
     pytest.importorskip("transformers")
     small = ("--model", "qwen3-1.7b", "--gpus", "4", "--seq", "256", "--microbatches", "4")
