@@ -20,6 +20,7 @@ from rpcompile.finetune.data import PACKINGS, TRAIN_ON
 from rpcompile.finetune.config import DTYPES, REPORT_TO, FinetuneConfig
 from rpcompile.finetune.config_file import read_config
 from rpcompile.finetune.schedule import SCHEDULES
+from rpcompile.ir.optim import STATE_DTYPES
 
 __all__ = ["add_arguments", "config_from_args", "settings_from_args", "REQUIRED"]
 
@@ -101,6 +102,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
          "in eval); 5 is usual (default 0: off)")
     _add(o, "--max-grad-norm", type=float, help=f"clip by the global gradient norm (default {d.max_grad_norm:g}; "
          f"0 = off)")
+    _add(o, "--state-dtype", choices=tuple(STATE_DTYPES),
+         help=f"AdamW's moments: fp32 (default {d.state_dtype}: 18 B per trainable parameter) or bf16 (14 B: "
+         "rounded stochastically, the update in fp32)")
     _add(o, "--seed", type=int, help=f"data order, adapter init, dropout (default {d.seed})")
     lo = p.add_argument_group("LoRA (needs peft)")
     _add(lo, "--lora", type=int, metavar="R", help="train rank-R adapters, base frozen (default 0: full fine-tuning)")

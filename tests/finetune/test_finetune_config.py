@@ -228,3 +228,14 @@ def test_a_model_folder_whose_config_cannot_build_the_model_is_refused_naming_th
     data = write(tmp_path / "d.jsonl", '{"text": "a document"}\n')
     err = one_line(capsys, "--model", folder, "--data", data, "--out", tmp_path / "out", "--seq", 32, "--steps", 1)
     assert f"{folder / 'config.json'}: {words}" in err and not (tmp_path / "out").exists(), err
+
+
+def test_state_dtype_is_a_flag_and_a_key_checked_by_name(tmp_path, capsys):
+    assert config(*sum((["--" + k, v] for k, v in PATHS.items()), [])).state_dtype == "fp32"  # the default
+    assert config(*sum((["--" + k, v] for k, v in PATHS.items()), []), "--state-dtype", "bf16").state_dtype == "bf16"
+    rec = write(tmp_path / "run.json", {**PATHS, "state_dtype": "bf16"})
+    assert config("--config", rec).state_dtype == "bf16"
+    bad = write(tmp_path / "bad.json", {**PATHS, "state_dtype": "fp16", "steps": 1})
+    assert "--state-dtype must be one of ('fp32', 'bf16'), got 'fp16'" in one_line(capsys, "--config", bad)
+    assert "--state-dtype" in one_line(capsys, *sum((["--" + k, v] for k, v in PATHS.items()), []),
+                                       "--state-dtype", "int8")

@@ -47,6 +47,18 @@ def test_dry_run_prints_the_plan_and_memory_and_writes_nothing(files, tmp_path, 
     assert os.listdir(out) == []
 
 
+def test_dry_run_prints_the_parameter_state_of_the_state_dtype(files, tmp_path, monkeypatch, capsys):
+    _no_weights(monkeypatch)
+    per = {}
+    for dtype in ("fp32", "bf16"):
+        assert run(files, tmp_path / "o", "--dry-run", "--state-dtype", dtype) == 0
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("parameter state: "))
+        assert line.endswith(f", {dtype} moments (--state-dtype)"), line
+        per[dtype] = float(line.split()[2])
+    assert per["fp32"] - per["bf16"] == 4.0  # two moments of 2 bytes instead of 4
+    assert not (tmp_path / "o").exists()
+
+
 def test_a_host_too_small_is_refused_before_the_weights_load(files, tmp_path, monkeypatch, capsys):
     _no_weights(monkeypatch)
     monkeypatch.setattr("rpcompile.ir.hardware._host_memory", lambda: 2**18)
