@@ -25,6 +25,7 @@ from rpcompile.passes.meta.masks import meta_masks
 from rpcompile.passes.meta.moe import balanced_experts, expert_count
 from rpcompile.passes.cost.recorder import OpCount, Recorder, Tracker, storage_id, tensor_bytes
 from rpcompile.passes.cost.experts import RUNS, extrapolate
+from rpcompile.passes.trace.split import structure_key
 
 __all__ = ["OpCount", "LayerCount", "count_layers", "split_microbatch", "run_once"]
 
@@ -274,12 +275,13 @@ def _layer_key(graph: LayerGraph, layer: Layer, args: list, codes: dict | None =
 
 
 def _code_key(layer: Layer) -> tuple:
-    """(code, parameters, parameter slices) of `_layer_key`, module indices replaced by '#'."""
+    """(code, parameters, parameter slices) of `_layer_key`, module indices replaced by '#' (the code as
+    `trace.split.structure_key`: its Python text is not generated for the layers that are not run)."""
     def norm(text: str) -> str:
         return re.sub(r"\d+", "#", text)
     params = tuple((norm(n), tuple(p.shape), p.dtype, p.requires_grad) for n, p in layer.module.named_parameters())
     slices = tuple((norm(n), d, b - a) for n, d, a, b in layer.param_slices)  # a slice costs by its width
-    return norm(layer.module.code), params, slices
+    return structure_key(layer.module), params, slices
 
 
 def _progress(enabled: bool, i: int, n: int, start: float, what: str) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import keyword
 import operator
+import re
 from typing import Any
 
 import torch
@@ -25,7 +26,12 @@ from rpcompile.passes.trace.props import TMeta
 from rpcompile.passes.trace.remat import is_mask_call, position, rebuild_in_consumers
 from rpcompile.passes.trace.tracer import UntraceableError
 
-__all__ = ["fix_crossings", "eliminate_dead_code", "build_layer_module", "layer_io"]
+try:  # generates a module's Python code when it is first called or read, not when it is built
+    from torch.fx._lazy_graph_module import _LazyGraphModule as _LayerModule
+except ImportError:  # pragma: no cover - a torch without it: code generated at once
+    _LayerModule = fx.GraphModule
+
+__all__ = ["fix_crossings", "eliminate_dead_code", "build_layer_module", "layer_io", "structure_key"]
 
 _META_METHODS = frozenset({"size", "dim", "numel", "ndimension", "get_device", "element_size"})
 _META_ATTRS = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad"})
@@ -232,4 +238,52 @@ def build_layer_module(root: torch.nn.Module, nodes: list[fx.Node], inputs: list
     for node in nodes:
         env[node] = g.node_copy(node, arg)
     g.output(tuple(env[x] for x in outputs))
-    return fx.GraphModule(root, g, class_name=f"Layer{index}")
+    # most layers of a large model are never called while planning (cost counting runs one of each kind,
+    # `structure_key`): their Python code is generated on first use (a call, `.code`, pickling)
+    return _LayerModule(root, g, class_name=f"Layer{index}")
+
+
+def structure_key(module: fx.GraphModule) -> tuple:
+    """What `module.code` computes, with every number in a module path replaced by '#': equal for layers
+    whose code is the same up to block indices (`layers.3.mlp` and `layers.7.mlp`), without generating it.
+
+    Per node, in order: its kind, its target (a module or attribute path normalised, a function itself;
+    none for an input, whose name changes nothing) and its arguments (a node by its position, constants as
+    they are). As in the code's text, a called module is its path only, not its class or weights.
+
+    >>> a = fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()))
+    >>> b = fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(), torch.nn.ReLU()))
+    >>> structure_key(a) == structure_key(fx.symbolic_trace(a)), structure_key(a) == structure_key(b)
+    (True, False)
+    """
+    index: dict[fx.Node, int] = {}
+    out = []
+    for node in module.graph.nodes:
+        index[node] = len(index)
+        target = (_path(node.target) if node.op in ("call_module", "get_attr")
+                  else None if node.op == "placeholder" else _constant(node.target))
+        out.append((node.op, target, _constant(node.args, index), _constant(node.kwargs, index)))
+    return tuple(out)
+
+
+def _path(target: str) -> str:
+    """A module or attribute path with its numbers (block indices) as '#'."""
+    return re.sub(r"\d+", "#", target)
+
+
+def _constant(v: Any, index: dict[fx.Node, int] | None = None) -> Any:
+    """An argument as a hashable key: a node by its position, containers item by item, a hashable value as
+    itself (with its type: 1, 1.0 and True differ), anything else by its repr."""
+    if isinstance(v, fx.Node):
+        return ("node", index[v] if index is not None else v.name)
+    if isinstance(v, (tuple, list)):
+        return (type(v).__name__, *(_constant(x, index) for x in v))
+    if isinstance(v, dict):
+        return ("dict", *((k, _constant(x, index)) for k, x in v.items()))
+    if isinstance(v, slice):
+        return ("slice", _constant(v.start, index), _constant(v.stop, index), _constant(v.step, index))
+    try:
+        hash(v)
+    except TypeError:
+        return ("repr", type(v), repr(v))
+    return (type(v), v)

@@ -260,3 +260,24 @@ def test_layer_patterns_keep_the_outermost_match_of_each_branch():
     # layer10.* and layer1x are not inside layer1 (a name prefix, not a dotted one); 1.0 is inside 1
     assert match_units(model, ["*", "*.*", "*.*.*"]) == ["layer1", "layer10", "layer1x"]
     assert match_units(model, ["layer10.*", "layer10.1.0", "layer1"]) == ["layer1", "layer10.0", "layer10.1"]
+
+
+def test_layer_code_is_made_on_first_use_and_repeated_blocks_share_a_structure_key_as_their_code(monkeypatch):
+    """Tracing makes no layer's Python code (a 94-block model plans with few of them ever run); layers get
+    the same `structure_key` exactly when their code is the same up to block indices, and run as before."""
+    import re
+
+    import torch.fx as fx
+
+    from rpcompile.passes.trace.split import structure_key
+    made = []
+    original = fx.Graph.python_code
+    monkeypatch.setattr(fx.Graph, "python_code", lambda self, *a, **k: made.append(1) or original(self, *a, **k))
+    example = M.lm_batch()
+    graph = trace(M.qwen3(), example)
+    assert len(graph.layers) > 3 and not made
+    keys = [structure_key(layer.module) for layer in graph.layers]
+    codes = [re.sub(r"\d+", "#", layer.module.code) for layer in graph.layers]
+    assert made and len(set(codes)) < len(codes)  # the blocks repeat
+    assert all((keys[i] == keys[j]) == (codes[i] == codes[j]) for i in range(len(keys)) for j in range(len(keys)))
+    assert torch.equal(graph.run(example), M.qwen3()(**example).loss)
