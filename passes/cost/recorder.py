@@ -220,6 +220,42 @@ class Tracker:
         return [max(per_step[s] for s in g) for g in self.groups]
 
 
+_aten = torch.ops.aten
+# pointwise ops whose output, for contiguous floating inputs, is a new contiguous tensor of the broadcast
+# shape at `torch.result_type` of its operands (numbers included; `alpha` changes neither)
+_POINTWISE = frozenset({_aten.add.Tensor, _aten.sub.Tensor, _aten.mul.Tensor, _aten.div.Tensor,
+                        _aten.add.Scalar, _aten.sub.Scalar, _aten.mul.Scalar, _aten.div.Scalar,
+                        _aten.neg.default, _aten.rsqrt.default, _aten.pow.Tensor_Scalar})
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _pointwise_on_meta(func, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The result of a `_POINTWISE` op on contiguous floating meta tensors (and numbers), made directly; None
+    for anything else (the op itself runs).
+
+    What the op's own meta kernel gives (TensorIterator's rules: broadcast shape, the operands' promoted
+    dtype, and for contiguous operands a contiguous result), without its Python reference implementation:
+    that took most of the time of counting a layer on meta (about 0.3-1 ms per `mul` against a few us).
+    """
+    if func not in _POINTWISE or (kwargs and set(kwargs) != {"alpha"}) or not 1 <= len(args) <= 2:
+        return None
+    shape: Any = None
+    for a in args:
+        if type(a) in _PLAIN_TENSORS:
+            if not (a.is_meta and a.is_floating_point() and a.is_contiguous()):
+                return None
+            try:
+                shape = a.shape if shape is None else torch._C._infer_size(shape, a.shape)
+            except RuntimeError:  # not broadcastable: the op says so itself
+                return None
+        elif type(a) not in (int, float):
+            return None
+    if shape is None:
+        return None
+    dtype = torch.result_type(*args) if len(args) == 2 else args[0].dtype
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
 class Recorder(TorchDispatchMode, Folding, Regions):
     """Dispatch mode appending an OpCount per op to `self.ops` and feeding the Tracker (module docstring).
 
@@ -246,7 +282,9 @@ class Recorder(TorchDispatchMode, Folding, Regions):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = _pointwise_on_meta(func, args, kwargs)
+        if out is None:
+            out = func(*args, **kwargs)
         flat_out = tensors_in(out)
         if self.tracker is not None:
             self.tracker.observe(flat_out)

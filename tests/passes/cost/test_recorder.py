@@ -5,6 +5,7 @@ import torch
 
 from torch.utils._pytree import tree_flatten
 
+from rpcompile.passes.cost import recorder
 from rpcompile.passes.cost.recorder import Recorder, tensors_in
 from rpcompile.passes.meta.regions import fused_region
 
@@ -55,3 +56,30 @@ def test_the_tensors_of_an_ops_arguments_are_pytrees_tensors_in_its_order():
     value = ((t[0], 2, [t[1], None, (t[2],)]), {"b": t[3], "a": [1.5, t[4]]}, ret, "x")
     want = [x for x in tree_flatten(value)[0] if isinstance(x, torch.Tensor)]
     assert [id(x) for x in tensors_in(value)] == [id(x) for x in want] and len(want) == 7
+
+
+def test_pointwise_ops_on_meta_are_recorded_as_their_own_meta_kernels_give_them_without_running_those(monkeypatch):
+    """Contiguous floating operands (broadcast, promoted, with numbers): the same result tensors and ops as
+    the ops themselves give, made without their Python reference (which took most of a count's time);
+    a transposed operand still runs the op."""
+    import torch._prims_common as prims_common
+    m = lambda *s, dtype=torch.float32: torch.empty(s, device="meta", dtype=dtype)  # noqa: E731
+    x, h, s = m(4, 8, dtype=torch.bfloat16), m(8), m(dtype=torch.float32)
+    cases = [lambda: x * h, lambda: x + s, lambda: x - 2, lambda: h / 3, lambda: x * 0.5, lambda: -x,
+             lambda: torch.rsqrt(h), lambda: x ** 2, lambda: torch.add(x, x, alpha=2), lambda: m(3, 1, 8) * h]
+    want = [(tuple(t.shape), t.stride(), t.dtype) for t in (f() for f in cases)]
+    with monkeypatch.context() as patch:
+        patch.setattr(recorder, "_pointwise_on_meta", lambda *args: None)  # every op runs itself
+        with Recorder() as plain:
+            for f in cases:
+                f()
+    ran = []
+    original = prims_common.compute_elementwise_output_logical_to_physical_perm
+    monkeypatch.setattr(prims_common, "compute_elementwise_output_logical_to_physical_perm",
+                        lambda *a, **k: ran.append(1) or original(*a, **k))
+    with Recorder() as rec:
+        got = [(tuple(t.shape), t.stride(), t.dtype) for t in (f() for f in cases)]
+    assert got == want and rec.ops == plain.ops and not ran
+    with Recorder():
+        y = x.t() * x.t()  # a transposed operand: its layout decides the result's, so the op itself runs
+    assert ran and y.stride() == (x.t() * x.t()).stride()
