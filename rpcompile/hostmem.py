@@ -22,9 +22,15 @@ from rpcompile.runtime.host.buffers import transfer_bytes
 __all__ = ["check_host_memory", "HostBytes", "host_bytes"]
 
 
-def host_bytes(model: Any, costs: Any = None, plan: Any = None, *, program: Any = None, **kw: Any) -> HostBytes:
+def host_bytes(model: Any, costs: Any = None, plan: Any = None, *, program: Any = None, assignment: Any = None,
+               **kw: Any) -> HostBytes:
     """`passes.cost.host_bytes.host_bytes` (its arguments), plus with a traced graph and its `program` the
     runtime's transfer buffers (`HostBytes.buffers`: `runtime.host.buffers.transfer_bytes`, pinned with CUDA).
+
+    With a program the saved stage inputs are those the runtime holds: buffers of the host arena, placed
+    by the program's buffer assignment (`assignment`, or `runtime.host.assign.assign_buffers`), counted
+    in `buffers` and `arena`; `activations` (the estimate without one) is then 0. What is counted is
+    what the runtime allocates for that program.
 
     >>> import torch
     >>> host_bytes(torch.nn.Linear(2, 2), microbatches=1).buffers   # no program: none counted
@@ -33,18 +39,19 @@ def host_bytes(model: Any, costs: Any = None, plan: Any = None, *, program: Any 
     need = _pass.host_bytes(model, costs, plan, **kw)
     if program is None or not hasattr(model, "param_owners"):
         return need
-    return dataclasses.replace(need, buffers=transfer_bytes(model, program, kw.get("dtype")).total)
+    moved = transfer_bytes(model, program, kw.get("dtype"), assignment)
+    return dataclasses.replace(need, activations=0, buffers=moved.total, arena=moved.arena)
 
 
 def check_host_memory(model: Any, costs: Any = None, plan: Any = None, *, microbatches: int, staleness: int = 1,
                       optimizer: Any = None, dtype: Any = None, hardware: Any = None,
                       limit: int | None = None, gpus: int | None = None,
-                      round_size: int | None = None, program: Any = None) -> HostBytes:
+                      round_size: int | None = None, program: Any = None, assignment: Any = None) -> HostBytes:
     """`host_bytes` of the run, raising unless it fits the host; returns it when it does.
 
     Args:
-        model, costs, plan, microbatches, staleness, optimizer, dtype, gpus, round_size, program: as for
-            `host_bytes` (with `program`, the runtime's transfer buffers count too).
+        model, costs, plan, microbatches, staleness, optimizer, dtype, gpus, round_size, program, assignment:
+            as for `host_bytes` (with `program`, the runtime's transfer buffers count too).
         hardware: the target `Hardware`; its `host_memory` is the limit.
         limit: host bytes available, overriding the hardware's; with neither, this machine's physical RAM.
     Raises:
@@ -55,7 +62,7 @@ def check_host_memory(model: Any, costs: Any = None, plan: Any = None, *, microb
     120
     """
     need = host_bytes(model, costs, plan, microbatches=microbatches, staleness=staleness, optimizer=optimizer,
-                      dtype=dtype, gpus=gpus, round_size=round_size, program=program)
+                      dtype=dtype, gpus=gpus, round_size=round_size, program=program, assignment=assignment)
     if limit is not None:
         name = "the host memory limit"
     elif hardware is not None:

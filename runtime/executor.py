@@ -49,6 +49,8 @@ import math
 import weakref
 from typing import Any
 
+import torch
+
 from rpcompile.ir.program import Op
 from rpcompile.runtime.board import IssueBoard
 from rpcompile.runtime.streams.devices import make_workers
@@ -56,9 +58,10 @@ from rpcompile.runtime.handlers import IssueHandlers
 from rpcompile.runtime.host_lanes import HostLanes
 from rpcompile.runtime.issuer import Issuer
 from rpcompile.runtime.iterations import Iterations
-from rpcompile.runtime.host.buffers import pool_buffers
+from rpcompile.runtime.host.assign import assign_buffers, check_assignment
+from rpcompile.runtime.host.buffers import arena_key, pool_buffers
 from rpcompile.runtime.host.layout import slot_capacities, stage_layouts
-from rpcompile.runtime.host.pinned import PinnedAllocator
+from rpcompile.runtime.host.pinned import PinnedAllocator, pinned_zeros
 from rpcompile.runtime.streams.pool import BufferPool
 from rpcompile.runtime.program_info import EVAL_BASE, ProgramInfo, forward_only
 from rpcompile.runtime.recovery import Recovery
@@ -110,6 +113,9 @@ class Runtime(RuntimeReports):
             with CUDA workers and no pinning with host workers; or a PinnedAllocator to use (a test's,
             with a registrar that records the bytes), on either backend. `close` unregisters them all;
             `runtime.host.buffers.transfer_bytes` counts them before the run.
+        assignment: the program's host `BufferAssignment` (`runtime.host.assign`), checked against it;
+            None: made here. Its arena is allocated once, at its exact size (pinned as above), and each
+            downloaded value's host buffer is a view of it.
 
     Note: what it owns. The pieces derived once from the program and the graph (workers, host
     pool, stage layouts, runners, ...) are built here and handed to the parts, which own the
@@ -121,7 +127,8 @@ class Runtime(RuntimeReports):
     def __init__(self, graph, program, state, *, backend: str = "auto", devices=None, seed: int = 0,
                  lane_delay=None, timeout: float | None = None, start_iteration: int = 0, poison: bool = False,
                  drop: tuple[str, ...] = (), on_nonfinite: str = "raise", fp16_accumulation: bool = False,
-                 pinned: PinnedAllocator | None = None, drain_timeout: float | None = None) -> None:
+                 pinned: PinnedAllocator | None = None, drain_timeout: float | None = None,
+                 assignment: Any = None) -> None:
         bad = set(drop) - set(DEP_KINDS)
         if bad:
             raise ValueError(f"drop: unknown dependency kinds {sorted(bad)}; choose from {DEP_KINDS}")
@@ -136,8 +143,14 @@ class Runtime(RuntimeReports):
         cuda = self.workers[0].kind == "cuda"
         self.pin = pinned if pinned is not None else PinnedAllocator() if cuda else False  # exact-size host pins
         check_pinned(state, self.workers[0].kind)
+        dtype = getattr(state, "dtype", None)
+        self.assignment = check_assignment(assignment, graph, program, dtype) if assignment is not None \
+            else assign_buffers(graph, program, dtype)
+        self.arena = pinned_zeros(self.assignment.arena, torch.uint8, self.pin)  # once, at its exact size
+        self.ctx.stats.add(None, "host_allocations")
+        planned = pool_buffers(graph, program, dtype)
         self.host_pool = BufferPool("host", self.ctx, pin=self.pin, poison="release" if poison else None,
-                                    counter="host_allocations")
+                                    counter="host_allocations", views=self._arena_views(planned))
         self.io = stage_io(graph, program.plan)
         self.tracked = {l: {n: state.buffers[n] for n in bufs}  # layer -> host copies of its running statistics
                         for l, bufs in tracked_buffers(graph).items()}
@@ -162,7 +175,8 @@ class Runtime(RuntimeReports):
                                    tracked=self.tracked, runners=self.runners, workers=self.workers,
                                    host_pool=self.host_pool, state=state, ctx=self.ctx, drop=self.drop,
                                    board=self.board, its=self.iterations, host=self.host,
-                                   planned=pool_buffers(graph, program, getattr(state, "dtype", None)))
+                                   planned=planned, poison=poison,
+                                   arena_readers={b.key: len(b.readers) for b in self.assignment.buffers})
         self.issuer = Issuer(ctx=self.ctx, workers=self.workers, drop=self.drop, board=self.board,
                              its=self.iterations, host=self.host, table=self.issue.table())
         self.handlers, self.issuers, self.lanes = self.issuer.handlers, self.issuer.threads, self.host.lanes
@@ -294,6 +308,16 @@ class Runtime(RuntimeReports):
         self.recovery.drain()
         if self.ctx.failure.error is not None:
             self.recovery.recover()
+
+    def _arena_views(self, planned: dict) -> dict:
+        """Host pool key -> its buffer as a view of the arena, for every planned key the assignment places."""
+        placed = self.assignment.by_key()
+        out = {}
+        for k in planned:
+            b = placed.get(arena_key(k))
+            if b is not None:
+                out[k] = self.arena[b.offset:b.end].view(b.dtype).view(b.shape)
+        return out
 
     def _stock_pools(self, t: int) -> None:
         """Stock each worker's pool with as many buffers of each shape as any worker's holds (`BufferPool.stock`).

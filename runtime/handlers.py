@@ -16,6 +16,7 @@ B) are its mixin `ComputeHandlers` (`runtime/compute_handlers.py`).
 """
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from rpcompile.ir.program import Op
 from rpcompile.runtime.compute_handlers import ComputeHandlers
 from rpcompile.runtime.streams.devices import tensor_bytes
 from rpcompile.runtime.stage.cuts import up_keys
+from rpcompile.runtime.streams.pool import poison
 from rpcompile.runtime.streams.values import CallerSide, Cell, HostVal, ParamSlot, keep_for
 
 __all__ = ["IssueHandlers", "HANDLER_NAMES"]
@@ -51,7 +53,10 @@ class IssueHandlers(ComputeHandlers):
         host copies of its running statistics), runners (a LayerRunner per worker), workers, host_pool,
         state (the compute-copy blocks P reads), ctx (StreamContext: stats), drop (test switch),
         board (IssueBoard), its (Iterations), host (HostLanes: the pinned gradient staging G fills),
-        planned (`runtime.host.buffers.pool_buffers`: host pool key -> (shape, dtype), the buffers D binds).
+        planned (`runtime.host.buffers.pool_buffers`: host pool key -> (shape, dtype), the buffers D binds),
+        arena_readers (the host arena's buffers, `runtime.host.assign`: key -> the reads its live range
+        covers), poison (test mode: on host workers an arena buffer is poisoned in the stream of the read
+        that ends its live range, so a read past it sees NaN; the pool poisons the other buffers).
 
     Note: the host pool holds exactly the planned buffers when the batches are shaped as traced (the
     driver traces each batch shape apart; the first batch staged decides). A download binds its key's
@@ -67,11 +72,14 @@ class IssueHandlers(ComputeHandlers):
 
     def __init__(self, *, graph: Any, io: Any, layouts: Any, capacity: Any, tracked: dict, runners: list,
                  workers: list, host_pool: Any, state: Any, ctx: Any, drop: frozenset, board: Any, its: Any,
-                 host: Any, planned: dict) -> None:
+                 host: Any, planned: dict, arena_readers: dict | None = None, poison: bool = False) -> None:
         self.graph, self.io, self.layouts, self.capacity = graph, io, layouts, capacity
         self.tracked, self.runners, self.workers, self.host_pool = tracked, runners, workers, host_pool
         self.state, self.ctx, self.drop, self.board, self.its, self.host = state, ctx, drop, board, its, host
         self.planned: dict | None = planned  # None: learn the shapes (see the Note)
+        self.arena_readers = arena_readers or {}
+        self.poison = poison
+        self._reads = threading.Lock()  # the arena buffers' read counts (poison mode), across act_up streams
         self._checked = False  # whether the first batch staged was compared with the plan
         self.slots: dict[tuple, ParamSlot] = {}
         self.inputs: dict[tuple, dict] = {}
@@ -205,6 +213,8 @@ class IssueHandlers(ComputeHandlers):
                     pool.bind(dst[n], tuple(src.shape), src.dtype, au, t)
                 dst[n].get().copy_(src, non_blocking=True)
                 self.ctx.stats.add(t, "bytes_to_device", tensor_bytes(src))
+                if hv.unread is not None:
+                    self._read(hv)
         label = self.its.label(t, ins, w)
         au.submit(run, label, t)
         ev = au.record(t, label)
@@ -234,8 +244,8 @@ class IssueHandlers(ComputeHandlers):
             dst[("loss", ins.mb)] = pool.handle()
         for k, h in dst.items():  # one persistent host buffer per value (see the class Note)
             known = self.shapes.get(k) if self.planned is None else self.planned[("t",) + k]
-            if known is not None:
-                pool.bind(h, *known, ad, t, key=("t",) + k)
+            if known is not None:  # learned shapes are not the arena's: their buffers are the pool's own
+                pool.bind(h, *known, ad, t, key=("t" if self.planned is not None else "learned",) + k)
 
         def run() -> None:
             out = cell.get()
@@ -260,11 +270,23 @@ class IssueHandlers(ComputeHandlers):
         label = self.its.label(t, ins, w)
         ad.submit(run, label, t)
         ev = ad.record(t, label)
+        track = self.poison and worker.kind == "host" and not info.forward_only
         for k in keys.values():
-            self.hostvals[(t,) + k] = HostVal(handle=dst[k], event=ev, readers=info.readers[k])
+            self.hostvals[(t,) + k] = HostVal(handle=dst[k], event=ev, readers=info.readers[k],
+                                              unread=self.arena_readers.get(k) if track else None)
         if loss:
             self.its.set_loss(t, ins.mb, (dst[("loss", ins.mb)], ev))
         return (ev,)
+
+    def _read(self, hv: HostVal) -> None:
+        """Poison mode: count one read of an arena buffer, in its upload's stream after the copy; the read
+        that ends its live range (the assignment's last) poisons it before that upload's event completes,
+        so the next buffer placed on its bytes, written after that event, is never hit by the fill."""
+        with self._reads:
+            hv.unread -= 1
+            last = hv.unread == 0
+        if last:
+            poison(hv.handle.get())
 
     def _grad_down(self, t: int, ins, w: int) -> tuple:
         """G: download a chunk of the slot's gradient buffers into the stage's pinned staging buffers."""

@@ -61,6 +61,8 @@ class HostBytes:
     buffers: int = 0   # the runtime's transfer buffers: gradient staging, host pool (`rpcompile.hostmem`, with a program)
     trainable: int = 0  # trainable parameters (elements; 0: none)
     trainable_weights: int = 0  # bytes of the trainable parameters' compute copies (part of `weights`)
+    arena: int = 0     # of `buffers`: the host arena holding the values that cross cuts, the saved stage inputs
+                       # among them (`runtime.host.assign`); with it, `activations` is 0 (they are in the arena)
 
     @property
     def state_per_param(self) -> float:
@@ -92,10 +94,13 @@ class HostBytes:
     def __str__(self) -> str:
         parts = [f"weights {_gib(self.weights)}", f"fp32 masters {_gib(self.masters)}",
                  f"gradients {_gib(self.grads)}", f"optimizer state {_gib(self.optimizer)}"]
-        if self.in_flight:
+        if self.in_flight and not self.arena:
             parts.append(f"saved activations {_gib(self.activations)} for {self.in_flight} microbatches per round "
                          f"(+ the previous round's last stages)")
-        if self.buffers:
+        if self.arena:
+            parts.append(f"transfer buffers {_gib(self.buffers)} (the saved inputs and values crossing cuts in an "
+                         f"arena of {_gib(self.arena)}, packed by live range; gradient staging, batch inputs, losses)")
+        elif self.buffers:
             parts.append(f"transfer buffers {_gib(self.buffers)}")
         return f"{_gib(self.total)} ({self.total} bytes: {', '.join(parts)})"
 

@@ -20,6 +20,18 @@ what is allocated.
     ...                    ("f", 2, torch.bfloat16, 0, False)], groups=1)
     >>> lay.master, lay.flat, lay.blocks
     ({'w': 0, 'b': 8}, (11,), {(0, torch.bfloat16): 18})
+
+The per-microbatch host buffers of the values that cross cuts live in one byte arena, placed by
+the buffer assignment (`runtime.host.assign`): a `BufferAssignment` holds one `HostBuffer` per
+(value, microbatch) with its byte offset and live range; buffers whose lives never overlap share
+bytes. It prints as a table:
+
+    >>> b = HostBuffer(("a", 0, "h1"), (2, 8), torch.bfloat16, 0, "w0 D0.m0", ("w1 U1.m0",))
+    >>> print(BufferAssignment("p1", (b,), arena=64, peak=32))
+    host arena 64 B for 1 buffers of 32 B (32 B live at once in program order), program p1
+    value    mb    offset    bytes    live range
+    -------  ----  --------  -------  --------------------
+    h1       0     0         32       w0 D0.m0 -> w1 U1.m0
 """
 from __future__ import annotations
 
@@ -27,8 +39,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+from tabulate import tabulate
 
-__all__ = ["ALIGN", "SEGMENT", "aligned", "block_offsets", "Segment", "HostLayout", "host_layout"]
+__all__ = ["ALIGN", "SEGMENT", "aligned", "block_offsets", "Segment", "HostLayout", "host_layout", "ARENA_ALIGN",
+           "HostBuffer", "BufferAssignment", "per_mb", "nbytes"]
 
 ALIGN = 16  # bytes: every view's offset in its flat buffer is a multiple of this
 SEGMENT = 16  # elements: a segment of a group's fp32 buffers starts at a multiple of this (64 bytes)
@@ -127,3 +141,108 @@ def host_layout(params: Sequence[tuple[str, int, torch.dtype, int, bool]], group
     order += [name for name, *_ in params if name not in master]  # trainable first: at their segment offsets
     where, blocks = block_offsets((n, (info[n][2], info[n][1]), info[n][0]) for n in order)
     return HostLayout(master, tuple(names), tuple(flat), tuple(segments), where, blocks)
+
+
+ARENA_ALIGN = 64  # bytes: every buffer starts on a cache line (and a DMA-friendly boundary) of the arena
+
+
+@dataclass(frozen=True, slots=True)
+class HostBuffer:
+    """One per-microbatch host buffer: its runtime key, shape, dtype, place in the arena and live range."""
+
+    key: tuple                 # the runtime's host key: ("a", mb, value) or ("g", mb, cut layer, value)
+    shape: tuple[int, ...]     # as planned (per microbatch)
+    dtype: torch.dtype
+    offset: int                # byte offset in the arena, a multiple of ARENA_ALIGN
+    writer: str                # the download (D) that fills it, e.g. "w0 D1.m3"
+    readers: tuple[str, ...]   # the uploads (U) that read it; its life ends when all of them have run
+
+    @property
+    def bytes(self) -> int:
+        """Bytes it holds (its extent in the arena)."""
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def end(self) -> int:
+        """One past its last byte in the arena."""
+        return self.offset + self.bytes
+
+    @property
+    def mb(self) -> int:
+        """Its microbatch."""
+        return self.key[1]
+
+    @property
+    def value(self) -> str:
+        """The value's name (a gradient's is the value it is the gradient of)."""
+        return self.key[-1]
+
+
+@dataclass(frozen=True, slots=True)
+class BufferAssignment:
+    """Every per-microbatch host buffer of one program, placed in one byte arena (see module docstring)."""
+
+    program: str                      # fingerprint of the program it was built for (`runtime.host.assign`)
+    buffers: tuple[HostBuffer, ...]   # by writer in program order, then value
+    arena: int                        # bytes of the arena: the end of the furthest buffer, aligned
+    peak: int                         # bytes live at once at the worst point of a sweep in program order (one
+                                      # legal interleaving: no assignment needs less)
+
+    def by_key(self) -> dict[tuple, HostBuffer]:
+        """{runtime key: HostBuffer}."""
+        return {b.key: b for b in self.buffers}
+
+    @property
+    def total(self) -> int:
+        """Bytes the buffers would hold unshared (one each)."""
+        return sum(b.bytes for b in self.buffers)
+
+    def table(self, limit: int | None = None) -> str:
+        """The buffers as a table: value, microbatch, offset, bytes, live range (the first `limit` rows)."""
+        rows = [(("grad " if b.key[0] == "g" else "") + b.value, b.mb, b.offset, b.bytes,
+                 f"{b.writer} -> {','.join(b.readers)}") for b in self.buffers[:limit]]
+        return tabulate(rows, headers=["value", "mb", "offset", "bytes", "live range"], disable_numparse=True)
+
+    def __str__(self) -> str:
+        head = (f"host arena {_size(self.arena)} for {len(self.buffers)} buffers of {_size(self.total)} "
+                f"({_size(self.peak)} live at once in program order), program {self.program}")
+        return head + "\n" + self.table()
+
+
+def _size(n: int) -> str:
+    """Bytes, human-sized."""
+    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= k:
+            return f"{n / k:,.1f} {unit}"
+    return f"{n} B"
+
+
+def per_mb(v: Any, microbatches: int, dtype: torch.dtype | None = None) -> tuple[tuple[int, ...], torch.dtype]:
+    """(shape, dtype) of value `v` in one microbatch: its batch dimension split M ways, as `split_batch` cuts it;
+    a floating `v` at `dtype` if that is wider than its own.
+
+    >>> from rpcompile.ir.graph import Value
+    >>> h1 = Value("h1", (8, 4, 32), torch.bfloat16, 2048, True, "activation", 0)
+    >>> per_mb(h1, 4), per_mb(h1, 4, torch.float32)
+    (((2, 4, 32), torch.bfloat16), ((2, 4, 32), torch.float32))
+    """
+    shape = list(v.shape)
+    if v.batch_dim is not None and shape:
+        shape[v.batch_dim] //= microbatches
+    wide = dtype is not None and v.dtype.is_floating_point and dtype.itemsize > v.dtype.itemsize
+    return tuple(shape), dtype if wide else v.dtype
+
+
+def nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes of a contiguous tensor of `shape` and `dtype`.
+
+    >>> nbytes((2, 3), torch.bfloat16)
+    12
+    """
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    return n

@@ -6,21 +6,24 @@ transfers, pinned at their exact size with CUDA workers (`runtime.host.pinned`):
 - gradient staging (`HostLanes.staging_for`): per stage that downloads gradients, one flat
   buffer per training dtype holding its trainable parameters' gradients, 16-byte aligned as in
   the stage's device layout (`layout.stage_layouts`);
-- the host pool (`IssueHandlers`): one persistent buffer per downloaded value and microbatch (an F
-  stage's outputs that later stages read, a backward stage's input gradients, the loss) and two
-  per batch input and microbatch that an upload reads (by iteration parity).
+- the host arena (`runtime.host.assign`): one buffer per downloaded value and microbatch (an F
+  stage's outputs that later stages read, the saved inputs of backward stages among them, a
+  backward stage's input gradients), placed by the buffer assignment so that buffers never live at
+  once share bytes; the runtime allocates the arena once and binds each buffer as a view of it;
+- the host pool (`IssueHandlers`): the losses, one scalar per microbatch, and two buffers per batch
+  input and microbatch that an upload reads (by iteration parity), for the whole run.
 
-`pool_buffers` lists the pool's buffers with their shapes and dtypes, and the runtime allocates
-exactly those, each bound to its key from the first iteration on (evaluations reuse them);
-`transfer_bytes` sums them. So what admission counts is what is allocated, in every plan and
-however the threads interleave. Shapes are the traced ones per microbatch; a computed floating
+`pool_buffers` lists every keyed host buffer with its shape and dtype, and the runtime binds
+exactly those, each to its key from the first iteration on (evaluations reuse them);
+`transfer_bytes` counts the staging, the arena and the pool's own buffers. So what admission
+counts is what is allocated, in every plan and however the threads interleave. Shapes are the traced ones per microbatch; a computed floating
 value is planned at the wider of its traced dtype and the training dtype, which is what it is
 at run time or holds it (a model kept in fp32 for a bf16 run: its activations run in bf16 inside
 fp32-sized buffers, which admission counts).
 
     >>> need = transfer_bytes(graph, program)                        # doctest: +SKIP
-    >>> need.staging, need.pool                                      # doctest: +SKIP
-    (107136, 23824)
+    >>> need.staging, need.arena, need.pool                          # doctest: +SKIP
+    (107136, 16384, 1168)
 """
 from __future__ import annotations
 
@@ -29,10 +32,12 @@ from typing import Any
 
 import torch
 
+from rpcompile.ir.host_layout import nbytes, per_mb
+from rpcompile.runtime.host.assign import assign_buffers
 from rpcompile.runtime.host.layout import aligned
 from rpcompile.runtime.stage.cuts import count_readers, stage_io
 
-__all__ = ["TransferBytes", "transfer_bytes", "pool_buffers", "per_mb", "nbytes"]
+__all__ = ["TransferBytes", "transfer_bytes", "pool_buffers", "arena_key", "per_mb", "nbytes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,21 +45,25 @@ class TransferBytes:
     """Host bytes of the runtime's transfer buffers (see the module docstring)."""
 
     staging: int  # gradient staging of every stage that downloads gradients
-    pool: int  # the host pool's downloads, batch inputs and losses
+    pool: int  # the host pool's own buffers: batch inputs and losses
+    arena: int = 0  # the host arena of the values crossing cuts (`runtime.host.assign`)
+    unshared: int = 0  # what the arena's buffers would hold one each (before the assignment: all of them)
 
     @property
     def total(self) -> int:
-        """Both, in bytes."""
-        return self.staging + self.pool
+        """All of them, in bytes."""
+        return self.staging + self.pool + self.arena
 
 
-def transfer_bytes(graph: Any, program: Any, dtype: torch.dtype | None = None) -> TransferBytes:
+def transfer_bytes(graph: Any, program: Any, dtype: torch.dtype | None = None,
+                   assignment: Any = None) -> TransferBytes:
     """Host bytes of a training run's transfer buffers, as the runtime allocates them.
 
     Args:
         graph: the traced LayerGraph the program's plan covers.
         program: the Program (`rpcompile.passes.emit`).
         dtype: training dtype of the compute copies (None: each parameter's own).
+        assignment: the program's `BufferAssignment` (None: `runtime.host.assign.assign_buffers` makes it).
     Returns:
         A TransferBytes.
     """
@@ -70,7 +79,16 @@ def transfer_bytes(graph: Any, program: Any, dtype: torch.dtype | None = None) -
                 ends[d] = aligned(ends.get(d, 0), d) + v.bytes // v.dtype.itemsize
         staging += sum(k * d.itemsize for d, k in ends.items())
     pool = _pool_buffers(graph, program, dtype, io, readers)  # the stages' values and readers counted once
-    return TransferBytes(staging, sum(nbytes(*b) for b in pool.values()))
+    own = sum(nbytes(*b) for k, b in pool.items() if arena_key(k) is None)
+    if assignment is None:
+        assignment = assign_buffers(graph, program, dtype)
+    return TransferBytes(staging, own, assignment.arena, assignment.total)
+
+
+def arena_key(key: tuple) -> tuple | None:
+    """The assignment's key (`HostBuffer.key`) of a host pool key that lives in the arena, else None."""
+    return key[1:] if key[0] == "t" and key[1] != "loss" else None
+
 
 
 def pool_buffers(graph: Any, program: Any, dtype: torch.dtype | None = None) -> dict[tuple, tuple[tuple, torch.dtype]]:
@@ -116,31 +134,3 @@ def _pool_buffers(graph: Any, program: Any, dtype: torch.dtype | None, io: list,
                 shape, dtype = per_mb(graph.values[n], m)
                 out.update({("in", parity, j, n, shape, dtype): (shape, dtype) for parity in (0, 1)})
     return out
-
-
-def per_mb(v: Any, microbatches: int, dtype: torch.dtype | None = None) -> tuple[tuple[int, ...], torch.dtype]:
-    """(shape, dtype) of value `v` in one microbatch: its batch dimension split M ways, as `split_batch` cuts it;
-    a floating `v` at `dtype` if that is wider than its own.
-
-    >>> from rpcompile.ir.graph import Value
-    >>> h1 = Value("h1", (8, 4, 32), torch.bfloat16, 2048, True, "activation", 0)
-    >>> per_mb(h1, 4), per_mb(h1, 4, torch.float32)
-    (((2, 4, 32), torch.bfloat16), ((2, 4, 32), torch.float32))
-    """
-    shape = list(v.shape)
-    if v.batch_dim is not None and shape:
-        shape[v.batch_dim] //= microbatches
-    wide = dtype is not None and v.dtype.is_floating_point and dtype.itemsize > v.dtype.itemsize
-    return tuple(shape), dtype if wide else v.dtype
-
-
-def nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    """Bytes of a contiguous tensor of `shape` and `dtype`.
-
-    >>> nbytes((2, 3), torch.bfloat16)
-    12
-    """
-    n = dtype.itemsize
-    for d in shape:
-        n *= d
-    return n

@@ -84,6 +84,10 @@ class BufferPool:
         store: a `Store` that accounts the bytes in use (bound, and not yet free after its last users).
         poison: None, "take" (fill when handed out) or "release" (fill when the last user is done).
         counter: the Stats counter a new buffer increments ("device_allocations" or "host_allocations").
+        views: key -> the tensor that key's one buffer is (the host arena's views, `runtime.host.assign`):
+            bound there instead of allocated, not counted in `reserved` (the arena is), and not poisoned
+            when released (buffers of other keys may share its bytes: the runtime poisons a view at the
+            end of its live range, in the stream of its last reader).
 
     Note:
         Accounting is what is in use, like `torch.cuda.memory_allocated`: a flat buffer counts the
@@ -92,8 +96,11 @@ class BufferPool:
     """
 
     def __init__(self, name: str, ctx: StreamContext, *, device: Any = "cpu", pin: Any = False,
-                 store: Any = None, poison: str | None = None, counter: str = "device_allocations") -> None:
+                 store: Any = None, poison: str | None = None, counter: str = "device_allocations",
+                 views: dict | None = None) -> None:
         self.name, self.ctx, self.device, self.pin = name, ctx, torch.device(device), pin
+        self.views = dict(views or {})
+        self._viewed = {id(v) for v in self.views.values()}
         self.store, self.poison, self.counter = store, poison, counter
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)  # a keyed buffer was given back
@@ -164,6 +171,8 @@ class BufferPool:
             if self.store is not None:
                 self.store.add(-gone)
             del small
+        if buf is None and key in self.views:
+            buf = self.views[key]
         if buf is None:
             counted = plain if not flat and key is None else None  # `made` counts the plain shaped buffers
             buf = self._new((max(n, capacity),) if flat else shape, dtype, it, counted)
@@ -286,7 +295,7 @@ class BufferPool:
                 h = self._held.pop(fkey, None)
                 if h is not None:
                     h.lost = True
-                    self.reserved -= _nbytes(h.base)
+                    self.reserved -= 0 if id(h.base) in self._viewed else _nbytes(h.base)
                     gone += self._live.pop(id(h.base), 0)
             self._out.clear()
         if self.store is not None:
@@ -309,7 +318,7 @@ class BufferPool:
             if self._gen.get(id(buf)) != gen or id(buf) not in self._live:
                 return
             used = self._live.pop(id(buf))
-            if self.poison == "release":
+            if self.poison == "release" and id(buf) not in self._viewed:
                 poison(buf)
         if self.store is not None:
             self.store.add(-used)

@@ -39,11 +39,12 @@ class Cell:
 class HostVal:
     """A value on the host that uploads read: a batch tensor, or a pool handle a download fills."""
 
-    __slots__ = ("tensor", "handle", "event", "left", "events")
+    __slots__ = ("tensor", "handle", "event", "left", "events", "unread")
 
-    def __init__(self, tensor=None, handle=None, event=None, readers: int = 0) -> None:
+    def __init__(self, tensor=None, handle=None, event=None, readers: int = 0, unread: int | None = None) -> None:
         self.tensor, self.handle, self.event = tensor, handle, event
         self.left, self.events = readers, []  # uploads still to issue; their events
+        self.unread = unread  # poison mode: reads until its live range ends (then it is poisoned); None: not tracked
 
     def get(self) -> torch.Tensor:
         return self.tensor if self.tensor is not None else self.handle.get()

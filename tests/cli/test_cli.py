@@ -39,7 +39,8 @@ def test_plan_then_simulate_the_saved_program(tmp_path):
     assert limit.startswith("max_seq_len on 4x rtx4090, 1 sequence per microbatch: ") and " tokens; at " in limit
     assert "the host: " in limit or "the device: " in limit, limit  # the binding term is named
     host = next(line for line in out.splitlines() if line.startswith("host memory:"))
-    assert "saved activations" in host and "needed of 8.0 GiB (--host-memory): fits" in host, host
+    assert "the saved inputs and values crossing cuts in an arena of" in host, host  # the packed activations
+    assert "needed of 8.0 GiB (--host-memory): fits" in host, host
     out = cli("simulate", "--program", "p.csv", "--iterations", "2", "--trace", "t.json", cwd=tmp_path)
     assert out.startswith("Timeline(gpus=4, iterations=2)")
     assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]

@@ -15,7 +15,7 @@ from rpcompile.ir.hardware import Hardware
 from rpcompile.passes import emit, estimate_costs, shard_lm_head, trace
 from rpcompile.passes.cost.host_bytes import compute_blocks
 from rpcompile.runtime.executor import Runtime, RuntimeFailure
-from rpcompile.runtime.host.buffers import nbytes, pool_buffers, transfer_bytes
+from rpcompile.runtime.host.buffers import arena_key, nbytes, pool_buffers, transfer_bytes
 from rpcompile.runtime.host.optimizer import HostState
 from rpcompile.runtime.host.pinned import PAGE, PinnedAllocator
 from rpcompile.runtime.streams.pool import BufferPool
@@ -97,8 +97,8 @@ def _run(graph, program, batches, pinned=None):
 
 
 def test_the_runtimes_transfer_buffers_are_registered_at_exactly_their_size_and_admission_counts_them():
-    """Gradient staging and the host pool (downloads, step inputs, losses) go through the registrar at their
-    exact bytes; admission counts both exactly; close unregisters all."""
+    """Gradient staging, the host arena (downloads) and the host pool (step inputs, losses) go through the
+    registrar at their exact bytes, the arena once; admission counts them exactly; close unregisters all."""
     graph = trace(M.llama(), M.lm_batch(batch=4, seq=8))
     costs = estimate_costs(graph, M.lm_batch(batch=4, seq=8), mode="predict", hardware=Hardware.preset("cpu"),
                            microbatches=4, progress=False)
@@ -110,7 +110,9 @@ def test_the_runtimes_transfer_buffers_are_registered_at_exactly_their_size_and_
     need = transfer_bytes(graph, program)
     assert staging and all(live[b.data_ptr()] == b.nbytes for b in staging)  # each at its exact size
     assert sum(b.nbytes for b in staging) == need.staging
-    pool = sum(live.values()) - need.staging
+    assert live[rt.arena.data_ptr()] == need.arena > 0  # the arena: registered once, at its exact size
+    assert need.arena < need.unshared  # buffers that are never live at once share its bytes
+    pool = sum(live.values()) - need.staging - need.arena
     assert pool == rt.host_pool.reserved == need.pool > 0  # nothing rounded, nothing learned in a warm-up
     host = host_bytes(graph, costs, plan, program=program, microbatches=4, gpus=2, round_size=program.round_size,
                       optimizer=rpcompile.AdamW())
@@ -150,8 +152,9 @@ _PLANS = {(False, 1): "2,2|1|1,3", (False, 2): "2,2|1|1,3", (False, 4): "1,1,1,1
 @pytest.mark.parametrize("staleness", [0, 1])
 @pytest.mark.parametrize("gpus", [1, 2, 4])
 def test_the_host_pool_registers_exactly_the_buffers_admission_counts(gpus, staleness, microbatches, sharded):
-    """Every configuration, however the threads interleave (random lane delays): the pool registers one
-    buffer per counted download, loss and step input, each at its counted bytes; an evaluation adds none."""
+    """Every configuration, however the threads interleave (random lane delays): the arena of the downloads is
+    registered once, and the pool one buffer per counted loss and step input, each at its counted bytes; an
+    evaluation adds none."""
     example = M.lm_batch(batch=8, seq=8)
     graph = trace(M.llama(), example)
     costs = estimate_costs(graph, example, mode="predict", hardware=Hardware.preset("cpu"),
@@ -169,10 +172,12 @@ def test_the_host_pool_registers_exactly_the_buffers_admission_counts(gpus, stal
         rt.evaluate(M.lm_batch(batch=8, seq=8, seed=9))
         rt.flush()
         staging = {b.data_ptr() for bufs in rt.host.staging.values() for b in bufs.values()}
-        pool = sorted(n for p, n in reg.live.items() if p not in staging)
+        pool = sorted(n for p, n in reg.live.items() if p not in staging and p != rt.arena.data_ptr())
         need = transfer_bytes(graph, program)
+        assert reg.live[rt.arena.data_ptr()] == need.arena  # the downloads: views of the arena, made once
         assert sum(pool) == need.pool == rt.host_pool.reserved
-        assert pool == sorted(nbytes(*b) for b in pool_buffers(graph, program).values())  # one per key, its bytes
+        own = [b for k, b in pool_buffers(graph, program).items() if arena_key(k) is None]
+        assert pool == sorted(nbytes(*b) for b in own)  # one per key, its bytes
     assert reg.live == {}  # unregistered at close
 
 
@@ -201,7 +206,7 @@ def test_a_value_of_another_dtype_than_traced_fills_its_planned_buffer(traced, r
             rt.flush()
             if reg is not None:
                 need = transfer_bytes(graph, program, run)
-                assert sum(reg.live.values()) == need.total == rt.host_pool.reserved + need.staging
+                assert sum(reg.live.values()) == need.total == rt.host_pool.reserved + need.staging + need.arena
     assert losses[0] == losses[1]
     assert set(recast_to) == ({run} if run.itemsize < traced.itemsize else set())  # narrower values only
 
