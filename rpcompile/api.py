@@ -43,7 +43,7 @@ __all__ = ["compile", "Compiled", "Options", "default_microbatches", "plan_pipel
 
 # What only a plan makes: on a handle compiled without `example`, reading one before its first step or evaluate
 # raises "nothing is planned yet" (`Compiled.__getattr__`)
-PLANNED = frozenset({"graph", "costs", "plan", "program", "microbatches", "state", "rank", "world_size",
+PLANNED = frozenset({"graph", "costs", "plan", "program", "assignment", "microbatches", "state", "rank", "world_size",
                      "_example", "_units", "_signature", "_variants", "_dist", "_runtime"})
 
 
@@ -188,8 +188,8 @@ class Compiled(Training):
         pending, opts = self._pending, self.options
         try:
             self._example = example
-            (self.graph, self.costs, self.plan, self.program, self.microbatches,
-             self._units, _) = compile_passes(self._model, example, opts, frozen=frozen)  # units: sub-blocks, if cut
+            (self.graph, self.costs, self.plan, self.program, self.microbatches, self._units, _,
+             self.assignment) = compile_passes(self._model, example, opts, frozen=frozen)  # units: sub-blocks, if cut
             if opts.loss_mean == "tokens":
                 trained_tokens(self.graph, example, self.microbatches)  # no `labels`: refused before any thread
             self._signature, self._variants = signature(example), Variants()  # one program per batch signature
@@ -248,7 +248,8 @@ class Compiled(Training):
                      seed=self.options.seed + self.rank, start_iteration=start,  # per-rank dropout
                      on_nonfinite=self.options.on_nonfinite, fp16_accumulation=self.options.fp16_accumulation,
                      timeout=self.options.timeout or plan_deadline(self.costs, self.microbatches),
-                     drain_timeout=plan_deadline(self.costs, self.microbatches))  # a short timeout fails a wait only
+                     drain_timeout=plan_deadline(self.costs, self.microbatches),  # a short timeout fails a wait only
+                     assignment=self.assignment if program is None else None)
         if self._dist:
             self._dist.attach(rt)  # counts the gradient writes that complete each layer group
         return rt
@@ -258,7 +259,8 @@ class Compiled(Training):
             raise RuntimeError("this Compiled handle is closed (close() or leaving `with`); compile again")
 
     def _variant(self) -> Variant:
-        return Variant(self.graph, self.costs, self.plan, self.program, self.microbatches, self._example)
+        return Variant(self.graph, self.costs, self.plan, self.program, self.microbatches, self._example,
+                       self.assignment)
 
     def _prepare(self, batch: Any) -> None:
         """Check `batch`; plan with it if nothing is planned yet; if its signature (inputs present, shapes)
@@ -285,6 +287,7 @@ class Compiled(Training):
             start = self._runtime.t
             self._runtime.close()
             self.graph, self.costs, self.plan, self.program = v.graph, v.costs, v.plan, v.program
+            self.assignment = v.assignment
             self.microbatches, self._example = v.microbatches, v.example
             self._signature = sig
             self._runtime = self._new_runtime(start)

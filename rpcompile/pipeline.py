@@ -27,6 +27,7 @@ from rpcompile.passes.cost.stage_memory import memory_refusal
 from rpcompile.passes.partition.timing import default_round_size
 from rpcompile.passes.trace import sublayer_units
 from rpcompile.runtime import simulate, steady_iterations
+from rpcompile.runtime.host.assign import assign_buffers, unshared
 
 __all__ = ["plan_pipeline", "compile_passes", "Frozen", "frozen_of", "MEASURED_TIE", "HOST_MEASURED_TIE",
            "measured_tie"]
@@ -105,8 +106,9 @@ def _rebuild(model: torch.nn.Module, example: Any, opts: Options, frozen: Frozen
     program = passes.emit(plan, gpus=opts.gpus, microbatches=frozen.microbatches, round_size=frozen.round_size,
                           staleness=opts.staleness, costs=costs, readers=_shared_readers(graph))
     passes.verify(program, costs=costs, memory_budget=_budget(opts))
-    _check_host(graph, costs, plan, opts, frozen.microbatches, frozen.round_size, program)
-    return graph, costs, plan, program, frozen.microbatches, frozen.layers, None
+    assignment = assign_buffers(graph, program, opts.dtype)
+    _check_host(graph, costs, plan, opts, frozen.microbatches, frozen.round_size, program, assignment)
+    return graph, costs, plan, program, frozen.microbatches, frozen.layers, None, assignment
 
 
 def _budget(opts: Options) -> int | None:
@@ -135,8 +137,9 @@ def plan_pipeline(model: torch.nn.Module, example: Any, opts: Options, *, mode: 
 
 def compile_passes(model: torch.nn.Module, example: Any, opts: Options, *, mode: str = "measure",
                    frozen: Frozen | None = None):
-    """`plan_pipeline`, also returning the layer units it traced with (None: the default detection) and the
-    simulated Timeline that chose the round size (None without a hardware target or when rebuilt)."""
+    """`plan_pipeline`, also returning the layer units it traced with (None: the default detection), the
+    simulated Timeline that chose the round size (None without a hardware target or when rebuilt) and the
+    program's host `BufferAssignment` (`runtime.host.assign`: what the runtime allocates for it)."""
     m = frozen.microbatches if frozen else opts.microbatches or default_microbatches(batch_size(example), opts.gpus)
     check_batch(example, m)
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}  # measuring runs the layers: keep
@@ -178,11 +181,13 @@ def _passes(model: torch.nn.Module, example: Any, opts: Options, m: int, mode: s
     # (measured costs: on the device `estimate_costs` measured them on, CUDA if there is one, else the CPU)
     tie = measured_tie("cuda" if torch.cuda.is_available() else "cpu") if mode == "measure" else 0.0
     plan, program, timeline = _plan_and_emit(graph, costs, opts, m, budget, tie=tie)
-    # 6. check it: dependencies, coverage, the per-layer rules R1-R5, device memory; then host memory
+    # 6. check it: dependencies, coverage, the per-layer rules R1-R5, device memory
     passes.verify(program, costs=costs, memory_budget=budget)
+    # 7. place the host buffers of the values crossing cuts in one arena by their live ranges; then host memory
+    assignment = assign_buffers(graph, program, opts.dtype)
     if timeline is None:  # a simulated program was chosen among those whose run fits the host: checked already
-        _check_host(graph, costs, plan, opts, m, program.round_size, program)
-    return graph, costs, plan, program, m, units, timeline
+        _check_host(graph, costs, plan, opts, m, program.round_size, program, assignment)
+    return graph, costs, plan, program, m, units, timeline, assignment
 
 
 def _layers_and_costs(model, example, opts: Options, m: int, mode: str, layers, budget: int | None):
@@ -265,19 +270,25 @@ def _plan_and_emit(graph: LayerGraph, costs: CostTable, opts: Options, m: int, b
 
 
 def _check_host(graph: LayerGraph, costs: CostTable, plan, opts: Options, m: int, round_size: int,
-                program: Any = None) -> None:
-    """`check_host_memory` of the run at `round_size`, its transfer buffers counted from `program` (raises
-    ValueError naming the bytes when it does not fit)."""
+                program: Any = None, assignment: Any = None) -> None:
+    """`check_host_memory` of the run at `round_size`, its transfer buffers counted from `program` and its
+    buffer `assignment` (raises ValueError naming the bytes when it does not fit)."""
     check_host_memory(graph, costs, plan, microbatches=m, staleness=opts.staleness, optimizer=opts.optimizer,
                       dtype=opts.dtype, hardware=opts.hardware, gpus=opts.gpus, round_size=round_size,
-                      program=program)
+                      program=program, assignment=assignment)
 
 
 def _fits_host(graph: LayerGraph, costs: CostTable, plan, opts: Options, m: int, round_size: int,
-               program: Any = None) -> bool:
-    """Whether the run fits the host memory at `round_size`."""
+               program: Any) -> bool:
+    """Whether the run fits the host memory at `round_size`: at once if it fits with one buffer per value
+    crossing a cut (`unshared`, an upper bound), else with the buffers assigned."""
+    try:  # no arena is larger than one buffer each: fitting with that is fitting
+        _check_host(graph, costs, plan, opts, m, round_size, program, unshared(graph, program, opts.dtype))
+        return True
+    except ValueError:
+        pass
     try:
-        _check_host(graph, costs, plan, opts, m, round_size, program)
+        _check_host(graph, costs, plan, opts, m, round_size, program, assign_buffers(graph, program, opts.dtype))
     except ValueError:
         return False
     return True

@@ -24,7 +24,7 @@ import torch
 
 from rpcompile.batch import describe_change, signature
 from rpcompile.options import Options
-from rpcompile.pipeline import frozen_of, plan_pipeline
+from rpcompile.pipeline import compile_passes, frozen_of
 
 __all__ = ["Variant", "Variants", "plan_for"]
 
@@ -39,6 +39,7 @@ class Variant:
     program: Any       # Program
     microbatches: int
     example: Any       # the batch it was planned for (costed by `simulate`, saved by `state_dict`)
+    assignment: Any    # BufferAssignment: the program's host buffers (`runtime.host.assign`)
 
 
 class Variants:
@@ -75,7 +76,7 @@ def plan_for(model: torch.nn.Module, opts: Options, current: Variant, units: Any
     opts = dataclasses.replace(opts, lm_head_shards=head["shards"] if head else 1, layers=units or opts.layers)
     old, new = signature(current.example), signature(batch)
     try:
-        graph, costs, plan, program, m = plan_pipeline(model, batch, opts)
+        graph, costs, plan, program, m, _, _, assignment = compile_passes(model, batch, opts)
     except Exception as exc:  # noqa: BLE001 - re-raised with the key that changed
         why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         present = dict(new)
@@ -90,4 +91,4 @@ def plan_for(model: torch.nn.Module, opts: Options, current: Variant, units: Any
     if len(graph.layers) != len(current.graph.layers):
         raise ValueError(f"re-planning for the batch ({describe_change(old, new)}) split the model into "
                          f"{len(graph.layers)} layers instead of {len(current.graph.layers)}; compile again")
-    return Variant(graph, costs, plan, program, m, batch)
+    return Variant(graph, costs, plan, program, m, batch, assignment)

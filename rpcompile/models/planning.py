@@ -119,9 +119,9 @@ def _plan(net, model: str, hw: Hardware, state: dict, longest: Background, *, gp
                    optimizer=None, dtype=dtype, loss_fn=None, layers=None,
                    lm_head_shards=lm_head_shards, hardware=hw, memory_budget=None, backend="host", seed=0,
                    fp16_accumulation=fp16_accumulation, fused_head=fused_head)
-    graph, costs, plan, program, m, _, chosen = compile_passes(net, example, opts, mode="predict")
+    graph, costs, plan, program, m, _, chosen, assignment = compile_passes(net, example, opts, mode="predict")
     host = check_host_memory(graph, costs, plan, microbatches=m, gpus=gpus, round_size=program.round_size,
-                             program=program, **state)
+                             program=program, assignment=assignment, **state)
     tokens = microbatches * microbatch_size * seq
     rows = []
     ours_sync = simulate(passes.emit(plan, gpus=gpus, microbatches=m, round_size=program.round_size,

@@ -7,7 +7,8 @@ import rpcompile
 from rpcompile import CostTable, StagePlan, pipeline
 from rpcompile.ir.hardware import Hardware
 from rpcompile.hostmem import check_host_memory, host_bytes
-from rpcompile.passes import trace
+from rpcompile.passes import emit, trace
+from rpcompile.runtime.host.assign import assign_buffers
 from rpcompile.runtime.host.optimizer import HostState
 from rpcompile.models.zoo import LlamaConfig, TinyLlama
 
@@ -140,8 +141,9 @@ def test_one_worker_takes_one_round_of_all_microbatches_when_the_host_holds_it(m
     with rpcompile.compile(TinyLlama(CFG), **kw) as c:
         assert c.program.round_size == 4
         run = dict(microbatches=4, gpus=1, optimizer=c.options.optimizer)
-        whole, single = (host_bytes(c.graph, c.costs, c.plan, round_size=r, program=c.program, **run).total
-                         for r in (4, 1))  # the transfer buffers are one per microbatch at either round size
+        whole, single = (host_bytes(c.graph, c.costs, c.plan, round_size=r, **run, program=emit(
+            c.plan, gpus=1, microbatches=4, round_size=r, staleness=c.options.staleness)).total
+                         for r in (4, 1))  # a round of one microbatch holds one's saved inputs in the arena
     assert single < whole
     monkeypatch.setattr("rpcompile.ir.hardware._host_memory", lambda: (single + whole) // 2)
     with rpcompile.compile(TinyLlama(CFG), **kw) as c:
@@ -204,7 +206,8 @@ def test_with_a_hardware_target_the_round_size_is_chosen_among_those_the_host_ho
 
 
 def test_with_a_hardware_target_each_emitted_programs_host_memory_is_counted_once(monkeypatch):
-    # both round sizes are checked before one is simulated; the chosen one is not counted again
+    # both round sizes are checked before one is simulated; the chosen one is not counted again, and its
+    # buffers are the only ones assigned
     seen = []
     real = pipeline.check_host_memory
 
@@ -212,7 +215,10 @@ def test_with_a_hardware_target_each_emitted_programs_host_memory_is_counted_onc
         seen.append(id(program))
         return real(graph, costs, plan, round_size=round_size, program=program, **kw)
     monkeypatch.setattr(pipeline, "check_host_memory", counted)
+    assigned = []
+    monkeypatch.setattr(pipeline, "assign_buffers", lambda *a: assigned.append(a[1]) or assign_buffers(*a))
     roomy = Hardware.preset("cpu").replace(host_memory=2**34)
     with rpcompile.compile(TinyLlama(CFG), hardware=roomy, gpus=2, example=batch(), microbatches=4,
                            memory_budget=2**18, backend="host") as c:
         assert len(seen) == 2 and len(set(seen)) == 2 and id(c.program) in seen
+        assert assigned == [c.program]  # both fit with one buffer per value: only the chosen one is packed
