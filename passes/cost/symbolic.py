@@ -46,7 +46,7 @@ from rpcompile.ir.hardware import Hardware
 from rpcompile.passes.shard_head.chunked import chunked_lse
 from rpcompile.passes.shard_head.fused import fused_ce
 from rpcompile.passes.cost.count import LayerCount, count_layers
-from rpcompile.passes.cost.recorder import op_rate, priced
+from rpcompile.passes.cost.recorder import OpCount, op_rate, priced
 from rpcompile.passes.cost.host_bytes import host_bytes
 
 __all__ = ["SymbolicCosts", "symbolic_costs", "B", "S"]  # max_seq_len, which solves them: seqlen.py
@@ -246,7 +246,7 @@ class _Fitter:
 def _time_expr(fitter: _Fitter, per_shape: list[Sequence], hw: Hardware, where: str,
                fp16_accumulation: bool = False) -> sympy.Expr:
     """Memory-bound ops' bytes / bw + launches * op_latency + sum of Max(flops/(peak*eff), bytes/bw) of FLOP ops."""
-    per_shape = [[replace(o, dtype=op_rate(o, fp16_accumulation)) for o in priced(ops, hw)] for ops in per_shape]
+    per_shape = [[_at_rate(o, fp16_accumulation) for o in priced(ops, hw)] for ops in per_shape]
     flop_ops = [[o for o in ops if o.flops] for ops in per_shape]
     if any([o.name for o in ops] != [o.name for o in flop_ops[0]] for ops in flop_ops):
         raise ValueError(f"{where}: the FLOP-counted ops change with the shape; cannot fit it symbolically")
@@ -269,6 +269,12 @@ def _time_expr(fitter: _Fitter, per_shape: list[Sequence], hw: Hardware, where: 
     for (fl, by, dt), n in groups.items():
         expr += n * _max(fl / sympy.Float(hw.flops(dt) * hw.efficiency), by / bw)
     return expr
+
+
+def _at_rate(op: OpCount, fp16_accumulation: bool) -> OpCount:
+    """`op` with the rate it is priced at as its dtype (`recorder.op_rate`; the op itself where that is its own)."""
+    rate = op_rate(op, fp16_accumulation)
+    return op if rate == op.dtype else replace(op, dtype=rate)
 
 
 def _flops_expr(fitter: _Fitter, per_shape: list[Sequence]) -> sympy.Expr | None:

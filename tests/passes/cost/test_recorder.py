@@ -83,3 +83,49 @@ def test_pointwise_ops_on_meta_are_recorded_as_their_own_meta_kernels_give_them_
     with Recorder():
         y = x.t() * x.t()  # a transposed operand: its layout decides the result's, so the op itself runs
     assert ran and y.stride() == (x.t() * x.t()).stride()
+
+
+def test_a_pointwise_result_made_on_meta_is_the_ops_own_for_operands_of_any_layout():
+    """Random shapes, dtypes and layouts (transposed, sliced, expanded, broadcast, odd strides on size-1
+    dimensions, numbers): where the recorder makes the result itself, it has the op's own shape, strides
+    and dtype; most are made (the others run the op)."""
+    import random
+    aten, rng = torch.ops.aten, random.Random(0)
+
+    def operand(shape: list[int]) -> torch.Tensor:
+        dt = rng.choice([torch.float32, torch.bfloat16, torch.float16])
+        kind, d = rng.choice(["plain", "permuted", "sliced", "expanded"]), rng.randrange(max(len(shape), 1))
+        if kind == "permuted" and len(shape) > 1:
+            p = rng.sample(range(len(shape)), len(shape))
+            t = torch.empty([shape[i] for i in p], device="meta", dtype=dt).permute([p.index(i) for i in range(len(shape))])
+        elif kind == "sliced" and shape:
+            wide = [*shape[:d], 2 * shape[d], *shape[d + 1:]]
+            t = torch.empty(wide, device="meta", dtype=dt).narrow(d, rng.choice([0, shape[d]]), shape[d])
+        elif kind == "expanded" and shape:
+            t = torch.empty([*shape[:d], 1, *shape[d + 1:]], device="meta", dtype=dt).expand(shape)
+        else:
+            t = torch.empty(shape, device="meta", dtype=dt)
+        if 1 in shape and rng.random() < 0.3:  # a size-1 dimension at an odd stride
+            strides = list(t.stride())
+            strides[shape.index(1)] = rng.choice([1, 2, 7])
+            t = torch.empty_strided(shape, strides, device="meta", dtype=dt)
+        return t
+
+    binary = [aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor]
+    made = 0
+    for _ in range(1500):
+        shape = [rng.choice([1, 1, 2, 3, 5]) for _ in range(rng.randint(0, 4))]
+        op = rng.choice([*binary, aten.neg.default, aten.rsqrt.default, aten.pow.Tensor_Scalar, aten.mul.Scalar])
+        a = operand(shape)
+        if op in binary:
+            tail = [1 if rng.random() < 0.3 else n for n in shape[rng.randint(0, len(shape)):]]
+            b = rng.choice([2, 0.5, operand(tail), operand(tail)])
+            args = (a, b) if rng.random() < 0.7 or not isinstance(b, torch.Tensor) else (b, a)
+        else:
+            args = (a, 2) if op in (aten.pow.Tensor_Scalar, aten.mul.Scalar) else (a,)
+        got = recorder._pointwise_on_meta(op, args, {})
+        if got is not None:
+            made += 1
+            want = op(*args)
+            assert (got.shape, got.stride(), got.dtype) == (want.shape, want.stride(), want.dtype), (op, args)
+    assert made > 1000
