@@ -17,9 +17,12 @@ Note:
     indices) on inputs with the same metadata gives that unit's output again, since
     only metadata is recorded. A decoder of 94 identical blocks runs one block, not
     94 (`propagate(..., memo=False)` runs every one; tests/passes/trace checks they agree).
+    So does arithmetic glue (`+`, `-`, `*`, `/`, unary `-`) on meta values: a residual add
+    between sub-block units runs once per distinct metadata, not once per block.
 """
 from __future__ import annotations
 
+import operator
 import re
 import types
 from dataclasses import dataclass
@@ -34,6 +37,9 @@ __all__ = ["TMeta", "propagate", "PropagationError", "unit_signature"]
 # attributes that number a block among its peers (Hugging Face's `layer_idx`): not part of a unit's signature
 INDEX_ATTRS = frozenset({"layer_idx", "layer_index", "layer_id", "block_idx"})
 _PLAIN = (int, float, str, bool, type(None), torch.dtype, torch.device)
+# glue ops whose result on meta values depends on their metadata only (no in-place variant): run once per
+# distinct metadata, as repeated units are (a decoder's residual adds)
+_ARITHMETIC = frozenset({operator.add, operator.sub, operator.mul, operator.truediv, operator.neg})
 
 
 class PropagationError(ValueError):
@@ -103,8 +109,14 @@ class _Prop(fx.Interpreter):
         return value
 
     def _run_mixed(self, n: fx.Node, args: Any, kwargs: Any) -> Any:
-        """`_run_fresh`, or for a module call equal to one already run (the module Note), that one's output."""
-        key = self._unit_key(n, args, kwargs) if n.op == "call_module" and self.memo is not None else None
+        """`_run_fresh`, or for a module call equal to one already run (the module Note), or an arithmetic
+        glue op (a residual add) on meta values equal to one already run, that one's output."""
+        key = None
+        if self.memo is not None and n.op == "call_module":
+            key = self._unit_key(n, args, kwargs)
+        elif self.memo is not None and n.op == "call_function" and n.target in _ARITHMETIC and all(
+                t.is_meta for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)):
+            key = (n.target, _hashable((args, kwargs)))  # on meta values it reads only their metadata
         if key is not None and key in self.memo:
             return self.memo[key][0]
         value = self._run_fresh(n, args, kwargs)

@@ -129,3 +129,18 @@ def test_experts_patched_for_meta_keep_the_signature_of_their_peers():
         assert props.unit_signature(first) == props.unit_signature(second)
         second.experts.forward = (lambda self, *a: None).__get__(second.experts)
         assert props.unit_signature(first) != props.unit_signature(second)
+
+
+def test_residual_adds_between_sub_block_units_on_meta_run_once_per_distinct_metadata(monkeypatch):
+    """Cut into sub-blocks, a decoder's residual adds are glue between units: on meta each distinct one
+    (inputs' shapes, dtypes, requires_grad) runs once, and the traced graph is the one every add run gives."""
+    import operator
+    from rpcompile.models.presets import build_meta, example_batch
+    net = build_meta("qwen3-1.7b")
+    net.model.layers = net.model.layers[:4]
+    net.config.num_hidden_layers = 4
+    ex = example_batch(net.config.vocab_size, 1, 64)
+    fresh, all_calls = _traced(net, ex, None, False, monkeypatch, layers=sublayer_units(net))
+    memo, calls = _traced(net, ex, None, True, monkeypatch, layers=sublayer_units(net))
+    _same(memo, fresh)
+    assert all_calls.count(operator.add) == 9 and calls.count(operator.add) <= 3  # 8 residuals, 1 on positions
