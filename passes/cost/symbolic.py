@@ -209,7 +209,7 @@ class _Fitter:
         self.at = [[f(b, s) for f in self.basis] for b, s in [*pts, check]]  # the monomials at every shape
         self.monos = [sympy.Integer(1), S, S ** 2, B, B * S, B * S ** 2] if with_s else [sympy.Integer(1), B]
         self.cache: dict[tuple, tuple[int, ...] | None] = {}
-        self.exprs: dict[tuple[Fraction, ...], sympy.Expr] = {}
+        self.exprs: dict[tuple[int, ...], sympy.Expr] = {}  # numerators -> polynomial
 
     def coefficients(self, samples: Sequence[int], check_value: int) -> tuple[Fraction, ...] | None:
         """The exact coefficients (on `self.monos`) through `samples`, or None if they miss `check_value`."""
@@ -230,17 +230,18 @@ class _Fitter:
             self.cache[key] = tuple(num) if ok else None
         return self.cache[key]
 
-    def expr(self, coef: Sequence[Fraction]) -> sympy.Expr:
-        """The polynomial with these coefficients (built once per distinct coefficients)."""
-        key = tuple(coef)
+    def expr(self, num: Sequence[int]) -> sympy.Expr:
+        """The polynomial with coefficients `num` / `self.den` (built once per distinct numerators: a model's
+        repeated blocks give the same ones, looked up as whole numbers, not Fractions)."""
+        key = tuple(num)
         if key not in self.exprs:
-            self.exprs[key] = sum(sympy.Rational(c.numerator, c.denominator) * m for c, m in zip(coef, self.monos))
+            self.exprs[key] = sum(sympy.Rational(c, self.den) * m for c, m in zip(key, self.monos))
         return self.exprs[key]
 
     def fit(self, samples: Sequence[int], check_value: int) -> sympy.Expr | None:
         """The polynomial through `samples`, or None if it misses `check_value`."""
-        coef = self.coefficients(samples, check_value)
-        return None if coef is None else self.expr(coef)
+        num = self.numerators(samples, check_value)
+        return None if num is None else self.expr(num)
 
 
 def _time_expr(fitter: _Fitter, per_shape: list[Sequence], hw: Hardware, where: str,
@@ -308,7 +309,7 @@ def _peak_expr(fitter: _Fitter, lives: list[tuple[int, ...]], where: str) -> sym
     for p in sorted(polys, key=lambda c: -sum(c)):  # a dominating polynomial has the larger coefficient sum
         if not any(all(a >= b for a, b in zip(q, p)) for q in keep):
             keep.append(p)
-    return _max(*(fitter.expr([Fraction(c, fitter.den) for c in p]) for p in keep)) if keep else sympy.Integer(0)
+    return _max(*(fitter.expr(p) for p in keep)) if keep else sympy.Integer(0)
 
 
 def symbolic_costs(graph: LayerGraph, inputs: dict[str, torch.Tensor], hardware: Hardware, *,
