@@ -55,7 +55,10 @@ class StateIO:
 
         Take it between iterations (no gradient partially accumulated); with
         staleness 1 the masters are one step ahead of the compute copies and
-        both are saved, so a resumed run continues bit for bit.
+        both are saved, so a resumed run continues bit for bit. Under a runtime that means after
+        `Runtime.flush()` (`Compiled.state_dict` and `save` flush first): at either staleness an
+        iteration's updates may still be running on the optimizer lane when its `step` has returned,
+        and nothing here waits for them.
         """
         clone = _clone
         optim = {n: {**self._step_entry(n), **{k: clone(v) for k, v in self.flat.moment[n].items()}}

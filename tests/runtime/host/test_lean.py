@@ -3,6 +3,8 @@ reference (float32 math, then stochastic rounding with the documented hash), the
 checkpoints (bf16 as it is, bit for bit on resume, a mismatch refused) and the config check."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -209,8 +211,19 @@ def test_default_state_dtype_is_float32_and_other_dtypes_are_refused_naming_the_
 
 
 @pytest.mark.parametrize("staleness", [0, 1])
-def test_compile_trains_with_bf16_moments_and_resumes_bit_for_bit(tmp_path, staleness):
+def test_compile_trains_with_bf16_moments_and_resumes_bit_for_bit(tmp_path, monkeypatch, staleness):
     from rpcompile.models.zoo import LlamaConfig, TinyLlama
+    # `step` returns once the loss is known; the optimizer lane may still be applying the iteration's updates
+    # (staleness 1: always, after the copies). Slowing the last iteration's updates makes a snapshot that does
+    # not wait for them (HostState.state_dict, unflushed) miss some every time; Compiled.state_dict flushes first
+    last, step = 4, HostState.step
+
+    def slow_last_step(self, layer, copy=False):
+        if self._stepped[layer] == last:
+            time.sleep(0.05)
+        step(self, layer, copy=copy)
+
+    monkeypatch.setattr(HostState, "step", slow_last_step)
     cfg = LlamaConfig(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, ffn=64, max_seq=32)
     ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "labels": ids.clone()}
@@ -221,11 +234,15 @@ def test_compile_trains_with_bf16_moments_and_resumes_bit_for_bit(tmp_path, stal
         first = [c.step(batch) for _ in range(3)]
         c.save(tmp_path / "ckpt")
         rest = [c.step(batch) for _ in range(2)]
-        final = c.state.state_dict()
+        final = c.state_dict()["host"]  # flushed: every update of the 5 iterations applied
     assert rest[-1] < first[-1] < first[0]  # it trains
+    assert set(final["steps"]) == {last + 1}, final["steps"]
     with rpcompile.load(tmp_path / "ckpt", TinyLlama(cfg)) as r:
         assert r.options.optimizer.state_dtype == BF16
         assert [r.step(batch) for _ in range(2)] == rest
-        again = r.state.state_dict()
+        again = r.state_dict()["host"]
+    assert again["steps"] == final["steps"]
+    for key in ("master", "compute"):
+        assert all(torch.equal(t, again[key][n]) for n, t in final[key].items()), key
     for n, o in final["optim"].items():
         assert all(torch.equal(o[k], again["optim"][n][k]) for k in o), n
