@@ -213,8 +213,8 @@ def test_default_state_dtype_is_float32_and_other_dtypes_are_refused_naming_the_
 @pytest.mark.parametrize("staleness", [0, 1])
 def test_compile_trains_with_bf16_moments_and_resumes_bit_for_bit(tmp_path, monkeypatch, staleness):
     from rpcompile.models.zoo import LlamaConfig, TinyLlama
-    # `step` returns once the loss is known; the optimizer lane may still be applying the iteration's updates
-    # (staleness 1: always, after the copies). Slowing the last iteration's updates makes a snapshot that does
+    # `step` returns once the loss is known, at either staleness while the optimizer lane may still be applying
+    # the iteration's updates. Slowing the last iteration's updates makes a snapshot that does
     # not wait for them (HostState.state_dict, unflushed) miss some every time; Compiled.state_dict flushes first
     last, step = 4, HostState.step
 
