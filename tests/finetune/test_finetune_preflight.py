@@ -156,3 +156,19 @@ def test_resident_bytes_is_this_process_rss_now_and_follows_an_allocation():
     assert grown - before > 60 * 2**20
     del block
     assert grown - resident_bytes() > 60 * 2**20
+
+
+def test_resident_bytes_without_proc_is_the_peak_rss_in_bytes(monkeypatch):
+    """Where /proc/self/statm cannot be read, the check reads the peak RSS, converted to bytes (Linux counts
+    it in KiB, macOS in bytes): at least what the process holds now, never a thousandth of it."""
+    from rpcompile.finetune import preflight
+    if sys.platform != "linux":
+        pytest.skip("the KiB peak is Linux's")
+    now = preflight.resident_bytes()
+
+    def unreadable(path, *args, **kwargs):
+        raise OSError(f"{path}: no /proc here")
+    monkeypatch.setattr(preflight, "open", unreadable, raising=False)  # the module's `open`, not the builtin
+    peak = preflight.resident_bytes()
+    import resource
+    assert peak == resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 and peak >= now
