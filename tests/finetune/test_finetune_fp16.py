@@ -180,3 +180,16 @@ def test_fp16_runs_that_overflow_repeat_bit_for_bit_also_killed_and_resumed_on_a
             assert checkpoint.load(os.path.join(tmp_path / f"stopped{rep}", CHECKPOINT))["steps"] == 3
             assert run(files, tmp_path / f"stopped{rep}", *EIGHT, "--resume") == 0
             assert _outcome(tmp_path / f"stopped{rep}") == want, f"stopped and resumed {rep}"
+
+
+def test_a_metrics_line_waits_until_its_steps_loss_scale_check_is_read():
+    """fp16: the line of step t (0-based iteration t - 1) is written only once that iteration's overflow check
+    is read (else it could be written as not skipped); a line without a loss, or a run without a loss scale,
+    waits for nothing."""
+    from rpcompile.finetune.loop import Loop
+    loop = Loop.__new__(Loop)
+    loop.c, loop.checked = SimpleNamespace(state=SimpleNamespace(scaler=object())), 3  # iterations 0-2 read
+    assert loop._checked({"step": 3, "loss": 1.0}) and not loop._checked({"step": 4, "loss": 1.0})
+    assert loop._checked({"step": 9})
+    loop.c = SimpleNamespace(state=SimpleNamespace(scaler=None))
+    assert loop._checked({"step": 9, "loss": 1.0})
