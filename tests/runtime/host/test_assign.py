@@ -166,6 +166,8 @@ def test_the_verifier_rejects_two_buffers_that_can_be_live_at_once_on_common_byt
     cut = dataclasses.replace(a.buffers[x], readers=a.buffers[x].readers[:-1] or ("w0 U0.m0",))
     with pytest.raises(ProgramError, match="the program gives"):  # a live range that is not the program's
         A.check_assignment(dataclasses.replace(a, buffers=a.buffers[:x] + (cut,) + a.buffers[x + 1:]), graph, program)
+    with pytest.raises(ProgramError, match=r"\[BUFFERS\].*buffer .* is missing from"):  # one the program has, dropped
+        A.check_assignment(dataclasses.replace(a, buffers=a.buffers[:x] + a.buffers[x + 1:]), graph, program)
 
 
 def test_an_assignment_built_for_one_program_is_refused_for_another():
