@@ -222,3 +222,13 @@ def test_with_a_hardware_target_each_emitted_programs_host_memory_is_counted_onc
                            memory_budget=2**18, backend="host") as c:
         assert len(seen) == 2 and len(set(seen)) == 2 and id(c.program) in seen
         assert assigned == [c.program]  # both fit with one buffer per value: only the chosen one is packed
+
+
+def test_the_host_line_names_the_saved_activations_only_where_no_arena_holds_them():
+    """Without a buffer assignment the saved inputs are their own term; with one they are in the arena, which
+    the line names instead (the total is the same sum either way)."""
+    from rpcompile.passes.cost.host_bytes import HostBytes
+    kw = dict(weights=2**30, masters=0, grads=0, optimizer=0, activations=2**29, in_flight=8)
+    alone, arena = str(HostBytes(**kw, buffers=2**28)), str(HostBytes(**kw, buffers=2**28, arena=2**27))
+    assert "saved activations 512.0 MiB for 8 microbatches" in alone and "arena" not in alone
+    assert "saved activations" not in arena and "arena of 128.0 MiB" in arena
