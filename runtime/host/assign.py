@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from rpcompile.ir.host_layout import ARENA_ALIGN, BufferAssignment, HostBuffer, per_mb
-from rpcompile.ir.program import Op, Program, ProgramError
+from rpcompile.ir.program import Lane, Op, Program, ProgramError
 from rpcompile.passes.order import HappensBefore
 from rpcompile.runtime.program_info import forward_only
 from rpcompile.runtime.stage.cuts import stage_io, up_keys
@@ -110,19 +110,32 @@ def apart(buffers: list[HostBuffer], program: Program) -> torch.Tensor:
 def _alternate(buffers: list[HostBuffer], program: Program, window: int) -> torch.Tensor:
     """[n, n] bool: b's readers happen before c's writer in logical iteration 0 and (with a window of two
     iterations) c's readers before b's writer of iteration 1 (the module docstring says why that is enough)."""
-    hb = HappensBefore(program, first=0, iterations=window)
+    hb = HappensBefore(program, first=0, iterations=window, track=frozenset({Lane.ACT_UP}))  # the readers' lanes
     n = len(buffers)
-    owner = torch.tensor([k for k, b in enumerate(buffers) for _ in b.readers], dtype=torch.long)
-    names = [r for b in buffers for r in b.readers]
+    readers = sorted({r for b in buffers for r in b.readers})  # distinct uploads (one reads several values)
+    at = {r: k for k, r in enumerate(readers)}
+    few = 4  # the first readers of every buffer go row-wise, the rest of a widely read one buffer by buffer
+    slots = [(torch.tensor([len(b.readers) > j for b in buffers]),
+              torch.tensor([at[b.readers[j]] for b in buffers if len(b.readers) > j], dtype=torch.long))
+             for j in range(min(few, max((len(b.readers) for b in buffers), default=0)))]
+    many = [(k, torch.tensor([at[r] for r in b.readers[few:]], dtype=torch.long))
+            for k, b in enumerate(buffers) if len(b.readers) > few]
 
     def first(tr: int, tw: int) -> torch.Tensor:
         """[b, c]: every reader of b in window iteration tr happens before c's writer in iteration tw."""
-        r = torch.tensor([hb.node(tr, x) for x in names], dtype=torch.long)
+        r = torch.tensor([hb.node(tr, x) for x in readers], dtype=torch.long)
         w = torch.tensor([hb.node(tw, b.writer) for b in buffers], dtype=torch.long)
         lanes = hb.clock[w].T.contiguous()  # [lane, c]: the latest node of each lane before c's writer
         before = lanes[hb.lane[r]] >= hb.step[r].unsqueeze(1)  # [reader, c]
-        every = torch.ones(n, n, dtype=torch.uint8)  # the minimum over each buffer's readers
-        return every.scatter_reduce_(0, owner.unsqueeze(1).expand(-1, n), before.to(torch.uint8), "amin").bool()
+        ok = torch.ones(n, n, dtype=torch.bool)
+        for mask, rows in slots:  # the j-th reader of every buffer that has one
+            if len(rows) == n:
+                ok &= before[rows]
+            else:
+                ok[mask] &= before[rows]
+        for k, rows in many:
+            ok[k] &= before[rows].all(0)
+        return ok
 
     ok = first(0, 0)
     if window > 1:  # and c(0)'s readers before b(1)'s writer
