@@ -336,8 +336,8 @@ def test_cuda_compute_copies_are_registered_at_exact_size():
 
 
 def test_cuda_transfer_buffers_are_registered_at_exact_size_and_unregistered_at_close():
-    """With CUDA workers the gradient staging and the host pool's buffers are page-locked by cudaHostRegister
-    at their exact bytes (both what admission counts; none from torch's caching host allocator), the run
+    """With CUDA workers the gradient staging, the host arena (registered once) and the host pool's buffers are
+    page-locked by cudaHostRegister at their exact bytes (both what admission counts; none from torch's caching host allocator), the run
     matches the host backend, and close unregisters every one of them."""
     from rpcompile.runtime.host.buffers import transfer_bytes
     from rpcompile.runtime.host.pinned import CudaRegistrar, PinnedAllocator
@@ -370,7 +370,8 @@ def test_cuda_transfer_buffers_are_registered_at_exact_size_and_unregistered_at_
         assert staging and all(b.is_pinned() and reg.live[b.data_ptr()] == b.nbytes for b in staging)
         assert sum(b.nbytes for b in staging) == transfer_bytes(graph, program).staging
         need = transfer_bytes(graph, program)
-        assert sum(reg.live.values()) - need.staging == rt.host_pool.reserved == need.pool > 0
+        assert reg.live[rt.arena.data_ptr()] == need.arena > 0 and rt.arena.is_pinned()  # the arena: once
+        assert sum(reg.live.values()) - need.staging - need.arena == rt.host_pool.reserved == need.pool > 0
         assert host_allocated() == before  # nothing from the caching host allocator
     assert reg.live == {}  # all unregistered at close
     lh, _, _ = _train(graph, "host", 2, 4, 1, batches)
