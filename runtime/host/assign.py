@@ -34,6 +34,7 @@ live for the whole run (`runtime.host.buffers.pool_buffers`).
 from __future__ import annotations
 
 import hashlib
+import heapq
 from typing import Any
 
 import torch
@@ -86,10 +87,15 @@ def live_buffers(graph: Any, program: Program, dtype: torch.dtype | None = None)
     return out
 
 
-def apart(buffers: list[HostBuffer], program: Program) -> torch.Tensor:
+def _order(program: Program, iterations: int = 2) -> HappensBefore:
+    """The happens-before the live ranges are read from: logical iterations from 0, clocks of the uploads' lanes."""
+    return HappensBefore(program, first=0, iterations=iterations, track=frozenset({Lane.ACT_UP}))
+
+
+def apart(buffers: list[HostBuffer], program: Program, hb: HappensBefore | None = None) -> torch.Tensor:
     """[n, n] bool: whether buffers i and j are never live at once (may share bytes); see the module docstring."""
     n = len(buffers)
-    ok = _alternate(buffers, program, 2)
+    ok = _alternate(buffers, hb or _order(program))
     ok = ok | ok.T  # b then c, or c then b
     ev = forward_only(program)
     names = {i.name for i in ev.instrs}
@@ -97,7 +103,7 @@ def apart(buffers: list[HostBuffer], program: Program) -> torch.Tensor:
     if kept:  # an evaluation downloads these: they must be apart in its one iteration too
         sub = [HostBuffer(b.key, b.shape, b.dtype, 0, b.writer, tuple(r for r in b.readers if r in names))
                for b in (buffers[k] for k in kept)]
-        once = _alternate(sub, ev, 1)
+        once = _alternate(sub, _order(ev, 1))
         once = once | once.T
         idx = torch.tensor(kept)
         block = ok[idx][:, idx] & once
@@ -107,10 +113,9 @@ def apart(buffers: list[HostBuffer], program: Program) -> torch.Tensor:
     return ok
 
 
-def _alternate(buffers: list[HostBuffer], program: Program, window: int) -> torch.Tensor:
+def _alternate(buffers: list[HostBuffer], hb: HappensBefore) -> torch.Tensor:
     """[n, n] bool: b's readers happen before c's writer in logical iteration 0 and (with a window of two
     iterations) c's readers before b's writer of iteration 1 (the module docstring says why that is enough)."""
-    hb = HappensBefore(program, first=0, iterations=window, track=frozenset({Lane.ACT_UP}))  # the readers' lanes
     n = len(buffers)
     readers = sorted({r for b in buffers for r in b.readers})  # distinct uploads (one reads several values)
     at = {r: k for k, r in enumerate(readers)}
@@ -138,7 +143,7 @@ def _alternate(buffers: list[HostBuffer], program: Program, window: int) -> torc
         return ok
 
     ok = first(0, 0)
-    if window > 1:  # and c(0)'s readers before b(1)'s writer
+    if hb.iterations > 1:  # and c(0)'s readers before b(1)'s writer
         ok &= first(0, 1).T
     return ok
 
@@ -154,7 +159,8 @@ def assign_buffers(graph: Any, program: Program, dtype: torch.dtype | None = Non
         A BufferAssignment whose arena is what the runtime allocates.
     """
     bufs = live_buffers(graph, program, dtype)
-    ok = apart(bufs, program) if bufs else torch.zeros(0, 0, dtype=torch.bool)
+    hb = _order(program)
+    ok = apart(bufs, program, hb) if bufs else torch.zeros(0, 0, dtype=torch.bool)
     size = [_up(b.bytes) for b in bufs]
     pos = {i.name: k for k, i in enumerate(program.instrs)}
     order = sorted(range(len(bufs)), key=lambda k: (-size[k], pos[bufs[k].writer], k))
@@ -170,7 +176,7 @@ def assign_buffers(graph: Any, program: Program, dtype: torch.dtype | None = Non
     at = offset.tolist()
     out = tuple(HostBuffer(b.key, b.shape, b.dtype, at[k], b.writer, b.readers) for k, b in enumerate(bufs))
     arena = max((at[k] + size[k] for k in range(len(bufs))), default=0)
-    return BufferAssignment(fingerprint(program), out, arena, _peak(out, pos))
+    return BufferAssignment(fingerprint(program), out, arena, _peak(out, hb))
 
 
 def unshared(graph: Any, program: Program, dtype: torch.dtype | None = None) -> BufferAssignment:
@@ -180,8 +186,7 @@ def unshared(graph: Any, program: Program, dtype: torch.dtype | None = None) -> 
     for b in live_buffers(graph, program, dtype):
         bufs.append(HostBuffer(b.key, b.shape, b.dtype, top, b.writer, b.readers))
         top += _up(b.bytes)
-    pos = {i.name: k for k, i in enumerate(program.instrs)}
-    return BufferAssignment(fingerprint(program), tuple(bufs), top, _peak(tuple(bufs), pos))
+    return BufferAssignment(fingerprint(program), tuple(bufs), top, _peak(tuple(bufs), _order(program)))
 
 
 def _best_fit(starts: torch.Tensor, ends: torch.Tensor, n: int) -> int:
@@ -198,13 +203,33 @@ def _best_fit(starts: torch.Tensor, ends: torch.Tensor, n: int) -> int:
     return int(below[torch.argmin(torch.where(fits, gap, gap.new_full((), 2**62)))])
 
 
-def _peak(buffers: tuple[HostBuffer, ...], pos: dict[str, int]) -> int:
-    """Bytes live at once at the worst point of a sweep over the program in its own (topological) order."""
+def _peak(buffers: tuple[HostBuffer, ...], hb: HappensBefore) -> int:
+    """Bytes live at once at the worst point of one legal interleaving of the window's iterations: every
+    instruction as soon as the program's order allows, the uploads (the buffers' readers) last among those
+    ready. Buffers live at once there can never share bytes, so no assignment needs less."""
+    n = len(hb.preds)
+    late = {hb.pos[i.name] for i in hb.program.instrs if i.op is Op.ACT_UP}
+    waiting, after = [len(p) for p in hb.preds], [[] for _ in range(n)]
+    for v, mine in enumerate(hb.preds):
+        for u in mine:
+            after[u].append(v)
+    ready = [((v % hb.size) in late, v) for v in range(n) if not waiting[v]]
+    heapq.heapify(ready)
+    at = [0] * n
+    for k in range(n):
+        _, v = heapq.heappop(ready)
+        at[v] = k
+        for u in after[v]:
+            waiting[u] -= 1
+            if not waiting[u]:
+                heapq.heappush(ready, ((u % hb.size) in late, u))
     events = []
-    for b in buffers:
-        events += [(pos[b.writer], 1, b.bytes), (max(pos[r] for r in b.readers), 2, -b.bytes)]
+    for t in range(hb.iterations):
+        for b in buffers:
+            events += [(at[hb.node(t, b.writer)], 0, b.bytes),
+                       (max(at[hb.node(t, r)] for r in b.readers), 1, -b.bytes)]
     live = peak = 0
-    for _, _, d in sorted(events):  # at one instruction the writes come before the reads end
+    for _, _, d in sorted(events):  # at one position the write comes before a read ends
         live += d
         peak = max(peak, live)
     return peak

@@ -113,7 +113,8 @@ def _heaviest_clique(weights: list[int], together: list[set]) -> int:
 def test_the_arena_is_at_most_1_1x_the_peak_of_live_bytes_on_random_plans(seed):
     """Random stage plans, worker counts and microbatches: the arena is at least the heaviest set of buffers
     that can be live at once on some interleaving (by the independent happens-before over three iterations),
-    and at most 1.1x it; the pass's own `peak` (a sweep in program order) is no more than that."""
+    and at most 1.1x it; the live bytes of a sweep in program order and the pass's own `peak` (one adversarial
+    interleaving) are no more than that."""
     rng = random.Random(seed)
     graph = _graph(sub=seed % 2 == 1)
     layers = len(graph.layers)
@@ -137,7 +138,7 @@ def test_the_arena_is_at_most_1_1x_the_peak_of_live_bytes_on_random_plans(seed):
 
     together = [{j for j in range(len(bufs)) if j != k and at_once(bufs[k], bufs[j])} for k in range(len(bufs))]
     peak = _heaviest_clique([-(-b.bytes // ARENA_ALIGN) * ARENA_ALIGN for b in bufs], together)
-    assert a.peak == _sweep_peak(a, [i.name for i in program.instrs]) <= peak
+    assert _sweep_peak(a, [i.name for i in program.instrs]) <= peak and a.peak <= peak
     assert peak <= a.arena <= 1.1 * peak, (a.arena, peak)
 
 
