@@ -5,8 +5,9 @@ of a CPU run.
    qwen3-1.7b at 65,536, on today's tree and on the tree before the pass (`--before`, loaded from git
    with `_common.tree_at`), side by side in the same run: the transfer buffers and the whole host need
    as `plan` prints them. After the pass the downloads live in one arena: the table gives its size next
-   to the most bytes live at once in a sweep of the program in program order (`BufferAssignment.peak`,
-   a lower bound of any assignment), and what they would hold one buffer each.
+   to the heaviest set of buffers found that can be live at once (`BufferAssignment.peak`: the worst
+   point of the program in its own order, or a greedy clique of the live ranges that overlap; a lower
+   bound of any assignment), and what they would hold one buffer each.
 2. A CPU run of a small Llama cut into sub-blocks (host workers, at a sequence length where the transfer
    buffers are most of the host memory), each tree in a fresh process: peak RSS (`ru_maxrss`) before and
    after, against the difference the two trees' own counts predict.
@@ -122,7 +123,7 @@ def plan_table(before: str) -> str:
     finally:
         shutil.rmtree(tree, ignore_errors=True)
     return tabulate(rows, headers=["model", "seq", "transfer buffers before GiB", "after GiB", "after/before",
-                                   "downloads one each GiB", "arena GiB", "peak live GiB (program order)",
+                                   "downloads one each GiB", "arena GiB", "live at once GiB (at least)",
                                    "arena/peak", "R", "host need before GiB", "after GiB", "after/before"],
                     tablefmt="github", disable_numparse=True)
 

@@ -86,7 +86,6 @@ class HappensBefore:
                 row[col[v]] = step[v]
             rows.append(row)
         self._col, self._step, self._rows, self._k = col, step, rows, k
-        self.preds = preds  # node -> the nodes it waits for directly (deps and its lane predecessor)
 
     @cached_property
     def clock(self) -> torch.Tensor:

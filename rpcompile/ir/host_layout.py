@@ -28,7 +28,7 @@ bytes. It prints as a table:
 
     >>> b = HostBuffer(("a", 0, "h1"), (2, 8), torch.bfloat16, 0, "w0 D0.m0", ("w1 U1.m0",))
     >>> print(BufferAssignment("p1", (b,), arena=64, peak=32))
-    host arena 64 B for 1 buffers of 32 B (32 B live at once on one interleaving), program p1
+    host arena 64 B for 1 buffers of 32 B (at least 32 B live at once), program p1
     value    mb    offset    bytes    live range
     -------  ----  --------  -------  --------------------
     h1       0     0         32       w0 D0.m0 -> w1 U1.m0
@@ -188,8 +188,9 @@ class BufferAssignment:
     program: str                      # fingerprint of the program it was built for (`runtime.host.assign`)
     buffers: tuple[HostBuffer, ...]   # by writer in program order, then value
     arena: int                        # bytes of the arena: the end of the furthest buffer, aligned
-    peak: int                         # bytes live at once at the worst point of one legal interleaving (downloads
-                                      # early, uploads late: `runtime.host.assign`); no assignment needs less
+    peak: int                         # bytes of the heaviest set of buffers found that can all be live at once,
+                                      # pair by pair (`runtime.host.assign`): no assignment needs less (0: not
+                                      # computed, `runtime.host.assign.unshared`)
 
     def by_key(self) -> dict[tuple, HostBuffer]:
         """{runtime key: HostBuffer}."""
@@ -208,7 +209,7 @@ class BufferAssignment:
 
     def __str__(self) -> str:
         head = (f"host arena {_size(self.arena)} for {len(self.buffers)} buffers of {_size(self.total)} "
-                f"({_size(self.peak)} live at once on one interleaving), program {self.program}")
+                f"(at least {_size(self.peak)} live at once), program {self.program}")
         return head + "\n" + self.table()
 
 

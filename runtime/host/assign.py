@@ -34,7 +34,6 @@ live for the whole run (`runtime.host.buffers.pool_buffers`).
 from __future__ import annotations
 
 import hashlib
-import heapq
 from typing import Any
 
 import torch
@@ -92,10 +91,10 @@ def _order(program: Program, iterations: int = 2) -> HappensBefore:
     return HappensBefore(program, first=0, iterations=iterations, track=frozenset({Lane.ACT_UP}))
 
 
-def apart(buffers: list[HostBuffer], program: Program, hb: HappensBefore | None = None) -> torch.Tensor:
+def apart(buffers: list[HostBuffer], program: Program) -> torch.Tensor:
     """[n, n] bool: whether buffers i and j are never live at once (may share bytes); see the module docstring."""
     n = len(buffers)
-    ok = _alternate(buffers, hb or _order(program))
+    ok = _alternate(buffers, _order(program))
     ok = ok | ok.T  # b then c, or c then b
     ev = forward_only(program)
     names = {i.name for i in ev.instrs}
@@ -159,8 +158,7 @@ def assign_buffers(graph: Any, program: Program, dtype: torch.dtype | None = Non
         A BufferAssignment whose arena is what the runtime allocates.
     """
     bufs = live_buffers(graph, program, dtype)
-    hb = _order(program)
-    ok = apart(bufs, program, hb) if bufs else torch.zeros(0, 0, dtype=torch.bool)
+    ok = apart(bufs, program) if bufs else torch.zeros(0, 0, dtype=torch.bool)
     size = [_up(b.bytes) for b in bufs]
     pos = {i.name: k for k, i in enumerate(program.instrs)}
     order = sorted(range(len(bufs)), key=lambda k: (-size[k], pos[bufs[k].writer], k))
@@ -176,17 +174,18 @@ def assign_buffers(graph: Any, program: Program, dtype: torch.dtype | None = Non
     at = offset.tolist()
     out = tuple(HostBuffer(b.key, b.shape, b.dtype, at[k], b.writer, b.readers) for k, b in enumerate(bufs))
     arena = max((at[k] + size[k] for k in range(len(bufs))), default=0)
-    return BufferAssignment(fingerprint(program), out, arena, _peak(out, hb))
+    return BufferAssignment(fingerprint(program), out, arena, _peak(bufs, size, ok, pos))
 
 
 def unshared(graph: Any, program: Program, dtype: torch.dtype | None = None) -> BufferAssignment:
     """The assignment that shares nothing: every buffer on its own bytes, one after another (one buffer per
-    value and microbatch, as before the pass). Valid for any program; its arena bounds every other's."""
+    value and microbatch, as before the pass). Valid for any program; its arena bounds every other's. Its
+    `peak` is 0: no live ranges are compared (that is what makes it cheap)."""
     bufs, top = [], 0
     for b in live_buffers(graph, program, dtype):
         bufs.append(HostBuffer(b.key, b.shape, b.dtype, top, b.writer, b.readers))
         top += _up(b.bytes)
-    return BufferAssignment(fingerprint(program), tuple(bufs), top, _peak(tuple(bufs), _order(program)))
+    return BufferAssignment(fingerprint(program), tuple(bufs), top, 0)  # peak 0: not computed
 
 
 def _best_fit(starts: torch.Tensor, ends: torch.Tensor, n: int) -> int:
@@ -203,36 +202,32 @@ def _best_fit(starts: torch.Tensor, ends: torch.Tensor, n: int) -> int:
     return int(below[torch.argmin(torch.where(fits, gap, gap.new_full((), 2**62)))])
 
 
-def _peak(buffers: tuple[HostBuffer, ...], hb: HappensBefore) -> int:
-    """Bytes live at once at the worst point of one legal interleaving of the window's iterations: every
-    instruction as soon as the program's order allows, the uploads (the buffers' readers) last among those
-    ready. Buffers live at once there can never share bytes, so no assignment needs less."""
-    n = len(hb.preds)
-    late = {hb.pos[i.name] for i in hb.program.instrs if i.op is Op.ACT_UP}
-    waiting, after = [len(p) for p in hb.preds], [[] for _ in range(n)]
-    for v, mine in enumerate(hb.preds):
-        for u in mine:
-            after[u].append(v)
-    ready = [((v % hb.size) in late, v) for v in range(n) if not waiting[v]]
-    heapq.heapify(ready)
-    at = [0] * n
-    for k in range(n):
-        _, v = heapq.heappop(ready)
-        at[v] = k
-        for u in after[v]:
-            waiting[u] -= 1
-            if not waiting[u]:
-                heapq.heappush(ready, ((u % hb.size) in late, u))
-    events = []
-    for t in range(hb.iterations):
-        for b in buffers:
-            events += [(at[hb.node(t, b.writer)], 0, b.bytes),
-                       (max(at[hb.node(t, r)] for r in b.readers), 1, -b.bytes)]
-    live = peak = 0
-    for _, _, d in sorted(events):  # at one position the write comes before a read ends
-        live += d
-        peak = max(peak, live)
-    return peak
+def _peak(buffers: list[HostBuffer], size: list[int], ok: torch.Tensor, pos: dict[str, int],
+          starts: int = 8) -> int:
+    """The heaviest set of buffers found that can all be live at once: those live together at the worst point
+    of the program in its own order (a legal interleaving), or a greedy clique of the `apart` complement
+    from one of the `starts` largest buffers, whichever is heavier. They need distinct bytes, so no
+    assignment of these live ranges needs less."""
+    if not size:
+        return 0
+    events = sorted([(pos[b.writer], 0, k) for k, b in enumerate(buffers)]
+                    + [(max(pos[r] for r in b.readers), 1, k) for k, b in enumerate(buffers)])
+    live = swept = 0
+    for _, end, k in events:  # at one instruction the write comes before a read ends
+        live += -size[k] if end else size[k]
+        swept = max(swept, live)
+    weight = torch.tensor(size, dtype=torch.float64)
+    together = ~ok
+    together.fill_diagonal_(False)
+    best = 0
+    for first in torch.argsort(weight, descending=True)[:starts].tolist():
+        mask, total = together[first].clone(), size[first]
+        while bool(mask.any()):
+            j = int(torch.argmax(torch.where(mask, weight, -1.0)))  # the heaviest left (empty ones too)
+            total += size[j]
+            mask &= together[j]
+        best = max(best, total)
+    return max(best, swept)
 
 
 def _up(n: int) -> int:
