@@ -14,7 +14,9 @@ Note: what counts. Every parameter has a compute copy in the training dtype
 nothing else for them; for a traced graph the copies count as the blocks
 that hold them are allocated (`compute_blocks`: 16-byte aligned views, pinned
 at exactly that size with CUDA, `runtime.host.pinned`). A trainable parameter (requires_grad, used by some
-layer) adds an fp32 master, an fp32 gradient buffer and the optimizer state:
+layer) adds a master of the optimizer's `master_dtype` (fp32: 4 bytes, bf16: 2; a bf16
+master is a buffer of its own beside the compute copy, which staleness 1 still uploads while the
+master is updated), an fp32 gradient buffer and the optimizer state:
 AdamW two moments of its `state_dtype` (fp32: 8 bytes a parameter, bf16: 4), SGD
 one fp32 momentum buffer when momentum > 0. For a
 traced LayerGraph the count is the host layout's (`rpcompile.ir.host_layout`): the
@@ -39,7 +41,7 @@ from typing import Any
 import torch
 
 from rpcompile.ir.host_layout import host_layout
-from rpcompile.ir.optim import SGD
+from rpcompile.ir.optim import SGD, master_dtype
 from rpcompile.ir.plan import StagePlan
 from rpcompile.passes.partition.timing import default_round_size
 
@@ -53,7 +55,7 @@ class HostBytes:
     """Host bytes of a run, by category (see the module Note)."""
 
     weights: int       # compute copies of every parameter (training dtype)
-    masters: int       # fp32 masters of the trainable parameters
+    masters: int       # masters of the trainable parameters (fp32, or bf16: `master_size`)
     grads: int         # fp32 gradient buffers of the trainable parameters
     optimizer: int     # optimizer state of the trainable parameters
     activations: int   # saved inputs of the backward stages for the microbatches in flight (0 before a plan)
@@ -63,6 +65,7 @@ class HostBytes:
     trainable_weights: int = 0  # bytes of the trainable parameters' compute copies (part of `weights`)
     arena: int = 0     # of `buffers`: the host arena holding the values that cross cuts, the saved stage inputs
                        # among them (`runtime.host.assign`); with it, `activations` is 0 (they are in the arena)
+    master_size: int = 4  # bytes of one master element: 4 (fp32), 2 (bf16, `master_dtype=torch.bfloat16`)
 
     @property
     def state_per_param(self) -> float:
@@ -92,7 +95,8 @@ class HostBytes:
         return self.weights + self.masters + self.grads + self.optimizer + self.activations + self.buffers
 
     def __str__(self) -> str:
-        parts = [f"weights {_gib(self.weights)}", f"fp32 masters {_gib(self.masters)}",
+        kind = "fp32" if self.master_size == 4 else "bf16"
+        parts = [f"weights {_gib(self.weights)}", f"{kind} masters {_gib(self.masters)}",
                  f"gradients {_gib(self.grads)}", f"optimizer state {_gib(self.optimizer)}"]
         if self.in_flight and not self.arena:
             parts.append(f"saved activations {_gib(self.activations)} for {self.in_flight} microbatches per round "
@@ -116,7 +120,8 @@ def host_bytes(model: Any, costs: Any = None, plan: Any = None, *, microbatches:
         costs, plan: the CostTable and StagePlan; without them the activations count 0.
         microbatches: M per iteration.
         staleness: 0 or 1 (the rule above holds for both; kept for the callers' symmetry).
-        optimizer: `rpcompile.AdamW` (default; its `state_dtype` sets the moments' bytes) or `rpcompile.SGD`.
+        optimizer: `rpcompile.AdamW` (default; its `state_dtype` sets the moments' bytes, `master_dtype` the
+            masters') or `rpcompile.SGD` (its `master_dtype`).
         dtype: training dtype of the compute copies; None keeps each parameter's own.
         gpus: workers N; needed with a plan.
         round_size: microbatches per round R (default `default_round_size(N, M)`).
@@ -131,6 +136,7 @@ def host_bytes(model: Any, costs: Any = None, plan: Any = None, *, microbatches:
     state = 0 if isinstance(optimizer, SGD) and optimizer.momentum == 0 else 1 if isinstance(optimizer, SGD) \
         else _ADAM_MOMENTS
     state_size = getattr(optimizer, "state_dtype", torch.float32).itemsize  # SGD's momentum: fp32
+    master_size = master_dtype(optimizer).itemsize
     weights = trainable = params = own_weights = 0
     for numel, own, train in _parameters(model):
         weights += numel * (dtype or own).itemsize
@@ -139,14 +145,14 @@ def host_bytes(model: Any, costs: Any = None, plan: Any = None, *, microbatches:
     params, fp32 = trainable, torch.float32.itemsize
     if hasattr(model, "param_owners"):  # the exact layout HostState allocates
         exact = _layout(model, dtype).bytes(state, state_size)
-        weights, trainable, own_weights = exact["weights"], exact["masters"] // fp32, exact["trainable_weights"]
+        weights, trainable, own_weights = exact["weights"], exact["grads"] // fp32, exact["trainable_weights"]
     saved = in_flight = 0
     if plan is not None:
         if gpus is None:
             raise ValueError("host_bytes: gpus is needed with a plan (the rounds' saved inputs depend on it)")
         saved, in_flight = round_saved_bytes(list(costs.saved_bytes), plan, gpus, microbatches, round_size)
-    return HostBytes(weights, trainable * fp32, trainable * fp32, trainable * state_size * state, saved, in_flight,
-                     trainable=params, trainable_weights=own_weights)
+    return HostBytes(weights, trainable * master_size, trainable * fp32, trainable * state_size * state, saved,
+                     in_flight, trainable=params, trainable_weights=own_weights, master_size=master_size)
 
 
 def round_saved_bytes(saved: list[int], plan: StagePlan, gpus: int, microbatches: int,

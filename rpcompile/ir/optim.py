@@ -26,6 +26,17 @@ Note:
     hash of (the run's seed, the layer group, the step count, the element), so the kernels and the
     torch fallback draw the same bits and a checkpoint (seed and step counts) resumes them bit for bit.
     The default, float32, is the same arithmetic and bits as before the option existed.
+
+Note:
+    `master_dtype=torch.bfloat16` (AdamW and SGD) keeps no fp32 master: the weight the optimizer
+    updates is stored in bf16 (2 bytes per parameter instead of 4). Each step widens it, computes the
+    update in float32 exactly as the fp32 mode does, and stores the new weight rounded stochastically
+    to bf16 with its own random bits (`rpcompile.runtime.host.lean.master_key`: the same hash, another
+    key), so an update below half a bf16 ulp moves the weight by one ulp with the matching
+    probability instead of rounding away. The bf16 master is a buffer of its own beside the compute
+    copy (2 more bytes): at staleness 1 the compute copy that iteration t+1 still uploads is the
+    previous version, written only by `copy(l)` once those uploads are done (rule R1), while the
+    step writes the master. With a bf16 compute dtype the copy is then the master's bits.
 """
 from __future__ import annotations
 
@@ -35,13 +46,14 @@ from typing import Any, Union
 
 import torch
 
-__all__ = ["AdamW", "SGD", "DynamicLossScale", "IMPLS", "STATE_DTYPES", "Decay", "decay_names",
-           "make_torch_optimizer", "dtype_name"]
+__all__ = ["AdamW", "SGD", "DynamicLossScale", "IMPLS", "STATE_DTYPES", "MASTER_DTYPES", "Decay", "decay_names",
+           "make_torch_optimizer", "dtype_name", "master_dtype"]
 
 Decay = Union[None, frozenset, Callable[[str], bool]]  # which parameters weight decay applies to (see the Note)
 
 IMPLS = ("fused", "foreach", "single")  # accepted values of `impl`
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # AdamW's `state_dtype`, by its command-line name
+MASTER_DTYPES = STATE_DTYPES  # `master_dtype` (AdamW, SGD), by its command-line name
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -51,6 +63,22 @@ def dtype_name(dtype: torch.dtype) -> str:
     'bf16'
     """
     return next((k for k, v in STATE_DTYPES.items() if v == dtype), str(dtype))
+
+
+def master_dtype(config: Any) -> torch.dtype:
+    """The dtype of `config`'s master weights (float32 unless `master_dtype=torch.bfloat16`).
+
+    >>> master_dtype(SGD(lr=0.1, master_dtype=torch.bfloat16))
+    torch.bfloat16
+    """
+    return getattr(config, "master_dtype", torch.float32)
+
+
+def _check_master(cfg: Any) -> None:
+    """Refuse a master dtype other than float32 and bfloat16, naming the field."""
+    if cfg.master_dtype not in MASTER_DTYPES.values():
+        raise ValueError(f"{type(cfg).__name__}: master_dtype must be torch.float32 or torch.bfloat16, got "
+                         f"{cfg.master_dtype!r}")
 
 
 def _check(cfg: AdamW | SGD) -> None:
@@ -93,13 +121,15 @@ def _setstate(cfg: AdamW | SGD, state: Sequence[Any]) -> None:
 
 @dataclass(frozen=True, slots=True)
 class AdamW:
-    """AdamW with decoupled weight decay, applied on the CPU to fp32 masters.
+    """AdamW with decoupled weight decay, applied on the CPU to the masters (fp32 by default).
 
     Example:
         >>> import rpcompile
         >>> rpcompile.AdamW(lr=3e-4, max_grad_norm=1.0)
-        AdamW(lr=0.0003, betas=(0.9, 0.999), eps=1e-08, weight_decay=0.01, max_grad_norm=1.0, impl='fused', decay=None, state_dtype=torch.float32)
+        AdamW(lr=0.0003, betas=(0.9, 0.999), eps=1e-08, weight_decay=0.01, max_grad_norm=1.0, impl='fused', decay=None, state_dtype=torch.float32, master_dtype=torch.float32)
         >>> rpcompile.AdamW(state_dtype=torch.bfloat16).state_dtype   # bf16 moments (module Note)
+        torch.bfloat16
+        >>> rpcompile.AdamW(master_dtype=torch.bfloat16).master_dtype   # a bf16 master, no fp32 one (module Note)
         torch.bfloat16
     """
 
@@ -112,11 +142,14 @@ class AdamW:
     decay: Decay = None  # parameters weight_decay applies to: None = all, names, or name -> bool (module Note)
     state_dtype: torch.dtype = torch.float32  # dtype of both moments: float32, or bfloat16 (stochastically
     # rounded, the math float32; module Note). Last: a checkpoint's older config keeps this default
+    master_dtype: torch.dtype = torch.float32  # dtype of the master weights: float32, or bfloat16 (updated with
+    # stochastic rounding, the math float32; module Note)
 
     __setstate__ = _setstate
 
     def __post_init__(self) -> None:
         _check(self)
+        _check_master(self)
         if self.state_dtype not in STATE_DTYPES.values():
             raise ValueError(f"AdamW: state_dtype must be torch.float32 or torch.bfloat16, got {self.state_dtype!r}")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
@@ -127,12 +160,12 @@ class AdamW:
 
 @dataclass(frozen=True, slots=True)
 class SGD:
-    """SGD with optional (Nesterov) momentum, applied on the CPU to fp32 masters.
+    """SGD with optional (Nesterov) momentum, applied on the CPU to the masters (fp32 by default).
 
     Example:
         >>> import rpcompile
         >>> rpcompile.SGD(lr=0.1, momentum=0.9)
-        SGD(lr=0.1, momentum=0.9, weight_decay=0.0, nesterov=False, max_grad_norm=None, impl='fused', decay=None)
+        SGD(lr=0.1, momentum=0.9, weight_decay=0.0, nesterov=False, max_grad_norm=None, impl='fused', decay=None, master_dtype=torch.float32)
     """
 
     lr: float  # learning rate, as torch.optim.SGD
@@ -142,11 +175,14 @@ class SGD:
     max_grad_norm: float | None = None  # clip by the global L2 norm over all trainable grads; None = off
     impl: str = "fused"  # CPU kernel: "fused" (rpcompile's, within float32 ulps of eager), "foreach"/"single" (torch's)
     decay: Decay = None  # parameters weight_decay applies to: None = all, names, or name -> bool (module Note)
+    master_dtype: torch.dtype = torch.float32  # the master weights: float32, or bfloat16 (stochastic rounding,
+    # module Note); the momentum buffer stays float32. Last: a checkpoint's older config keeps this default
 
     __setstate__ = _setstate
 
     def __post_init__(self) -> None:
         _check(self)
+        _check_master(self)
         if self.momentum < 0:
             raise ValueError(f"SGD: momentum must be >= 0, got {self.momentum}")
         if self.nesterov and self.momentum <= 0:
@@ -233,6 +269,10 @@ def make_torch_optimizer(config: AdamW | SGD, params: Sequence[Any], decayed: Se
     if getattr(config, "state_dtype", torch.float32) != torch.float32:
         raise ValueError(f"{type(config).__name__}(state_dtype={config.state_dtype}): torch's optimizers keep "
                          f"float32 moments; the host state steps bf16 moments itself (rpcompile.runtime.host.lean)")
+    if master_dtype(config) != torch.float32:
+        raise ValueError(f"{type(config).__name__}(master_dtype={config.master_dtype}): torch's optimizers update "
+                         f"the weights they are given; the host state steps a bf16 master itself "
+                         f"(rpcompile.runtime.host.lean)")
     kernel = {"fused": {"fused": True}, "foreach": {"foreach": True}, "single": {"foreach": False}}[config.impl]
     flags = [True] * len(params) if decayed is None else list(decayed)
     groups = [g for g in ({"params": [p for p, d in zip(params, flags) if d]},

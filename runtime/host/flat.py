@@ -1,9 +1,10 @@
 """Flat per-group optimizer buffers: masters, gradients and moments, one buffer each per layer group.
 
-The moments are float32, or bf16 with `AdamW(state_dtype=torch.bfloat16)` (rounded stochastically
-with the keys of `rpcompile.runtime.host.lean`: `FlatGroups.seed`, the group and the step count).
+The moments are float32, or bf16 with `AdamW(state_dtype=torch.bfloat16)`; the masters float32, or bf16
+with `master_dtype=torch.bfloat16` (both rounded stochastically with the keys of
+`rpcompile.runtime.host.lean`: `FlatGroups.seed`, the group and the step count).
 
-Each trainable parameter's fp32 master, gradient and moments are views into its group's flat
+Each trainable parameter's master, fp32 gradient and moments are views into its group's flat
 buffers, at the offsets `rpcompile.ir.host_layout.host_layout` gives, so one kernel call steps a whole
 group and one more writes its compute copies (`FlatGroups.step`, `FlatGroups.cast`). The torch
 optimizers of `impl="foreach"/"single"` (and the fallback without a C++ compiler) step the same views.
@@ -23,11 +24,11 @@ import torch
 from torch import Tensor
 
 from rpcompile.ir.host_layout import HostLayout
-from rpcompile.ir.optim import SGD, AdamW
+from rpcompile.ir.optim import SGD, AdamW, master_dtype
 from rpcompile.runtime.host.kernels import Kernels
 from rpcompile.runtime.host.lean import TorchLean, rounding_key
 
-__all__ = ["FlatGroups", "moment_names", "state_dtype"]
+__all__ = ["FlatGroups", "moment_names", "state_dtype", "master_dtype"]
 
 
 def state_dtype(config: AdamW | SGD) -> torch.dtype:
@@ -43,21 +44,22 @@ def moment_names(config: AdamW | SGD) -> tuple[str, ...]:
 
 
 class FlatGroups:
-    """The flat buffers of every layer group (fp32 masters and gradients, moments), and views of them per parameter.
+    """The flat buffers of every layer group (masters, fp32 gradients, moments), and views of them per parameter.
 
     Args:
         layout: the run's HostLayout (offsets and sizes).
-        params: trainable name -> its initial value (any shape; copied in as fp32).
+        params: trainable name -> its initial value (any shape; copied in as the master dtype, to nearest).
         moments: the optimizer state buffer names (`moment_names`).
         dtype: the moments' dtype (`state_dtype`): float32, or bfloat16 (AdamW only).
-        seed: the stochastic rounding's seed (bf16 moments; part of the checkpointed state).
+        seed: the stochastic rounding's seed (bf16 moments or masters; part of the checkpointed state).
+        master: the masters' dtype (`master_dtype`): float32, or bfloat16.
     """
 
     def __init__(self, layout: HostLayout, params: Mapping[str, Tensor], moments: Sequence[str],
-                 dtype: torch.dtype = torch.float32, seed: int = 0) -> None:
+                 dtype: torch.dtype = torch.float32, seed: int = 0, master: torch.dtype = torch.float32) -> None:
         self.layout = layout
         self.seed = seed  # the stochastic rounding's seed (runtime/host/lean.py)
-        self.masters = [torch.zeros(n) for n in layout.flat]  # group -> flat fp32 masters (gaps: zeros)
+        self.masters = [torch.zeros(n, dtype=master) for n in layout.flat]  # group -> flat masters (gaps: zeros)
         self.grads = [torch.zeros(n) for n in layout.flat]  # group -> flat fp32 gradients
         self.moments = [{k: torch.zeros(n, dtype=dtype) for k in moments}  # group -> name -> flat buffer
                         for n in layout.flat]
@@ -65,7 +67,7 @@ class FlatGroups:
                        for n in names] for names, segs in zip(layout.members, layout.segments)]  # group -> (offset,
         # name, segment index) in offset order
         self.group = {n: g for g, names in enumerate(layout.members) for n in names}  # trainable name -> group
-        self.master = {n: self._view(self.masters, n, p.shape) for n, p in params.items()}  # name -> fp32 view
+        self.master = {n: self._view(self.masters, n, p.shape) for n, p in params.items()}  # name -> master view
         self.grad = {n: self._view(self.grads, n, p.shape) for n, p in params.items()}
         self.moment = {n: {k: self._view([m[k] for m in self.moments], n, p.shape) for k in moments}
                        for n, p in params.items()}
@@ -103,7 +105,7 @@ class FlatGroups:
         """One kernel call per run of `names`: the update with gradient * factor; counts += 1 for each name.
 
         Args:
-            kernels: the C++ kernels, or `TorchLean` (bf16 moments without them: AdamW only).
+            kernels: the C++ kernels, or `TorchLean` (bf16 moments or masters without them).
             decayed: the names weight decay applies to (`config.decay` resolved).
             out: compute dtype -> the group's compute block to write the new masters into (None: no copy).
         """
@@ -112,18 +114,21 @@ class FlatGroups:
             s = self.layout.segments[group][seg]
             o = None if out is None else out[s.dtype][lo - s.start:hi - s.start]
             wd = config.weight_decay if decay else 0.0
+            key = rounding_key(self.seed, group, done + 1)
             if isinstance(config, AdamW):
                 kernels.adamw(p[lo:hi], g[lo:hi], mom["exp_avg"][lo:hi], mom["exp_avg_sq"][lo:hi], o, factor=factor,
                               lr=lr, betas=config.betas, eps=config.eps, weight_decay=wd, step=done + 1,
-                              key=rounding_key(self.seed, group, done + 1), offset=lo)
+                              key=key, offset=lo)
             else:
                 buf = mom["momentum_buffer"][lo:hi] if "momentum_buffer" in mom else None
                 kernels.sgd(p[lo:hi], g[lo:hi], buf, o, factor=factor, lr=lr, momentum=config.momentum,
-                            weight_decay=wd, nesterov=config.nesterov, first=done == 0)
+                            weight_decay=wd, nesterov=config.nesterov, first=done == 0, key=key, offset=lo)
         for n in names:
             counts[n] += 1
 
     def cast(self, kernels: Kernels, group: int, out: Mapping[torch.dtype, Tensor]) -> None:
-        """Write every master of `group` into its compute copy (`out`: dtype -> the group's block), one call a segment."""
+        """Write every master of `group` into its compute copy (`out`: dtype -> the group's block), one call a
+        segment (bf16 masters: torch's copy, a plain copy into bf16 and exact into float32)."""
         for s in self.layout.segments[group]:
-            kernels.cast(self.masters[group][s.start:s.stop], out[s.dtype][:s.stop - s.start])
+            src, dst = self.masters[group][s.start:s.stop], out[s.dtype][:s.stop - s.start]
+            kernels.cast(src, dst) if src.dtype == torch.float32 else dst.copy_(src)

@@ -11,12 +11,15 @@
 //       statistics of the result, in the same pass. dst == src: in place (data parallel: the average).
 //   adamw(p, g, m, v, out, out_kind, n, threads, factor, decay, w1, beta2, w2, eps, neg_step, bc2_sqrt)
 //       torch.optim.AdamW's single-tensor update of p, m, v with g * factor; out = cast(new p).
-//   adamw_bf16(p, g, m, v, out, out_kind, n, threads, factor, ..., bc2_sqrt, key, offset)
-//       the same update with bf16 m, v (runtime/host/lean.py): read and widened, the update in float32,
-//       stored rounded stochastically with the bits hash32((offset + i) mod 2^32 ^ key): low 16 for m,
-//       high 16 for v.
-//   sgd(p, g, buf, out, out_kind, n, threads, factor, wd, momentum, damp, nesterov, first, neg_lr)
-//       torch.optim.SGD's update (buf = 0 for no momentum); out = cast(new p).
+//   adamw_lean(p, g, m, v, out, out_kind, n, threads, factor, ..., bc2_sqrt, key, mkey, offset, m_kind, p_kind)
+//       the same update with bf16 m, v and/or a bf16 master p (runtime/host/lean.py): read and widened, the
+//       update in float32, stored rounded stochastically with the bits hash32((offset + i) mod 2^32 ^ key):
+//       low 16 for m, high 16 for v, and the low 16 of hash32((offset + i) mod 2^32 ^ mkey) for p;
+//       out = cast(the stored p).
+//   sgd(p, g, buf, out, out_kind, n, threads, factor, wd, momentum, damp, nesterov, first, neg_lr, mkey, offset,
+//       p_kind)
+//       torch.optim.SGD's update (buf = 0 for no momentum) of an fp32 or a bf16 master p (rounded as above);
+//       out = cast(the stored p).
 //   cast(src, out, out_kind, n, threads)
 //       out = cast(src): fp32 -> fp32, bf16 or fp16, round to nearest even (as Tensor.to).
 //
@@ -27,6 +30,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -172,28 +176,37 @@ void adamw_t(float* p, const float* g, float* m, float* v, O* out, int64_t n, in
     });
 }
 
-// ---- adamw with bf16 moments: the same float32 update, the moments rounded stochastically -----------
-template <typename O, bool SCALE>
-void adamw_bf16_t(float* p, const float* g, bf16* m, bf16* v, O* out, int64_t n, int threads, AdamArgs args,
-                  uint32_t key, uint64_t offset) {
+// ---- adamw with bf16 moments and/or a bf16 master: the same float32 update, bf16 values rounded stochastically
+template <typename T> inline T keep(float x, uint32_t r16);  // a lean value's store: fp32 as is, bf16 rounded
+template <> inline float keep<float>(float x, uint32_t) { return x; }
+template <> inline bf16 keep<bf16>(float x, uint32_t r16) { return round_stochastic(x, r16); }
+
+template <typename T> inline uint32_t master_bits(uint32_t, uint32_t) { return 0; }  // fp32 master: none drawn
+template <> inline uint32_t master_bits<bf16>(uint32_t i, uint32_t mkey) { return hash32(i ^ mkey) & 0xFFFFu; }
+
+template <typename O, bool SCALE, typename S, typename P>
+void adamw_lean_t(P* p, const float* g, S* m, S* v, O* out, int64_t n, int threads, AdamArgs args,
+                  uint32_t key, uint32_t mkey, uint64_t offset) {
     for_blocks(n, threads, [=](int64_t, int64_t lo, int64_t hi) {
         const AdamArgs a = args;  // a local copy: the loop vectorizes (see for_blocks)
-        const uint32_t k = key;
+        const uint32_t k = key, mk = mkey;
         const uint32_t base = static_cast<uint32_t>(offset);  // the element's offset mod 2^32
 #pragma omp simd
         for (int64_t i = lo; i < hi; ++i) {
             const float gi = SCALE ? g[i] * a.factor : g[i];
             const float m0 = to_float(m[i]), v0 = to_float(v[i]);
-            float pi = p[i] * a.decay;
+            float pi = to_float(p[i]) * a.decay;
             const float mi = std::fma(a.w1, gi - m0, m0);
             const float vi = std::fma(a.w2 * gi, gi, v0 * a.beta2);
             const float denom = std::sqrt(vi) / a.bc2_sqrt + a.eps;
             pi = pi + a.neg_step * mi / denom;
-            const uint32_t r = hash32((base + static_cast<uint32_t>(i)) ^ k);
-            m[i] = round_stochastic(mi, r & 0xFFFFu);
-            v[i] = round_stochastic(vi, r >> 16);
-            p[i] = pi;
-            store(out, i, pi);
+            const uint32_t at = base + static_cast<uint32_t>(i);
+            const uint32_t r = std::is_same<S, bf16>::value ? hash32(at ^ k) : 0u;
+            m[i] = keep<S>(mi, r & 0xFFFFu);
+            v[i] = keep<S>(vi, r >> 16);
+            const P stored = keep<P>(pi, master_bits<P>(at, mk));
+            p[i] = stored;
+            store(out, i, to_float(stored));
         }
     });
 }
@@ -204,14 +217,16 @@ struct SgdArgs {
     bool nesterov, first, has_momentum;
 };
 
-template <typename O>
-void sgd_t(float* p, const float* g, float* buf, O* out, int64_t n, int threads, SgdArgs args) {
+template <typename O, typename P>
+void sgd_t(P* p, const float* g, float* buf, O* out, int64_t n, int threads, SgdArgs args, uint32_t mkey,
+           uint64_t offset) {
     for_blocks(n, threads, [=](int64_t, int64_t lo, int64_t hi) {
         const SgdArgs a = args;  // a local copy: the loop vectorizes (see for_blocks)
+        const uint32_t mk = mkey, base = static_cast<uint32_t>(offset);
 #pragma omp simd
         for (int64_t i = lo; i < hi; ++i) {
             float gi = a.factor != 1.0f ? g[i] * a.factor : g[i];
-            float pi = p[i];
+            float pi = to_float(p[i]);
             if (a.wd != 0.0f) gi = std::fma(pi, a.wd, gi);             // grad.add(param, alpha=wd)
             if (a.has_momentum) {
                 const float bi = a.first ? gi : std::fma(gi, a.damp, buf[i] * a.momentum);  // buf.mul_(mom).add_(g)
@@ -219,8 +234,9 @@ void sgd_t(float* p, const float* g, float* buf, O* out, int64_t n, int threads,
                 gi = a.nesterov ? std::fma(bi, a.momentum, gi) : bi;    // grad.add(buf, alpha=momentum)
             }
             pi = std::fma(gi, a.neg_lr, pi);                            // param.add_(grad, alpha=-lr)
-            p[i] = pi;
-            store(out, i, pi);
+            const P stored = keep<P>(pi, master_bits<P>(base + static_cast<uint32_t>(i), mk));
+            p[i] = stored;
+            store(out, i, to_float(stored));
         }
     });
 }
@@ -250,16 +266,27 @@ template <typename O> struct AdamF {
         a.factor != 1.0f ? adamw_t<O, true>(p, g, m, v, out, n, t, a) : adamw_t<O, false>(p, g, m, v, out, n, t, a);
     }
 };
-template <typename O> struct AdamBf16F {
-    static void run(O* out, float* p, const float* g, bf16* m, bf16* v, int64_t n, int t, AdamArgs a, uint32_t key,
-                    uint64_t off) {
-        a.factor != 1.0f ? adamw_bf16_t<O, true>(p, g, m, v, out, n, t, a, key, off)
-                         : adamw_bf16_t<O, false>(p, g, m, v, out, n, t, a, key, off);
+template <typename O, typename S, typename P>
+void adamw_lean_s(O* out, void* p, const float* g, void* m, void* v, int64_t n, int t, AdamArgs a, uint32_t key,
+                  uint32_t mkey, uint64_t off) {
+    auto pp = static_cast<P*>(p);
+    auto mm = static_cast<S*>(m), vv = static_cast<S*>(v);
+    a.factor != 1.0f ? adamw_lean_t<O, true, S, P>(pp, g, mm, vv, out, n, t, a, key, mkey, off)
+                     : adamw_lean_t<O, false, S, P>(pp, g, mm, vv, out, n, t, a, key, mkey, off);
+}
+template <typename O> struct AdamLeanF {  // lean: 0 bf16 moments, 1 a bf16 master, 2 both (Python checks)
+    static void run(O* out, void* p, const float* g, void* m, void* v, int64_t n, int t, AdamArgs a, uint32_t key,
+                    uint32_t mkey, uint64_t off, int lean) {
+        if (lean == 0) adamw_lean_s<O, bf16, float>(out, p, g, m, v, n, t, a, key, mkey, off);
+        else if (lean == 1) adamw_lean_s<O, float, bf16>(out, p, g, m, v, n, t, a, key, mkey, off);
+        else adamw_lean_s<O, bf16, bf16>(out, p, g, m, v, n, t, a, key, mkey, off);
     }
 };
 template <typename O> struct SgdF {
-    static void run(O* out, float* p, const float* g, float* buf, int64_t n, int t, SgdArgs a) {
-        sgd_t<O>(p, g, buf, out, n, t, a);
+    static void run(O* out, void* p, const float* g, float* buf, int64_t n, int t, SgdArgs a, uint32_t mkey,
+                    uint64_t off, bool bf16_master) {
+        bf16_master ? sgd_t<O, bf16>(static_cast<bf16*>(p), g, buf, out, n, t, a, mkey, off)
+                    : sgd_t<O, float>(static_cast<float*>(p), g, buf, out, n, t, a, mkey, off);
     }
 };
 template <typename O> struct CastF {
@@ -319,34 +346,40 @@ PyObject* adamw(PyObject*, PyObject* args) {
                            reinterpret_cast<float*>(m), reinterpret_cast<float*>(v), int64_t(n), threads, a);
 }
 
-PyObject* adamw_bf16(PyObject*, PyObject* args) {
+PyObject* adamw_lean(PyObject*, PyObject* args) {
     unsigned long long p, g, m, v, out, offset;
-    unsigned int key;
-    int kind, threads;
+    unsigned int key, mkey;
+    int kind, threads, lean;
     long long n;
     double factor, decay, w1, beta2, w2, eps, neg_step, bc2_sqrt;
-    if (!PyArg_ParseTuple(args, "KKKKKiLiddddddddIK", &p, &g, &m, &v, &out, &kind, &n, &threads, &factor, &decay,
-                          &w1, &beta2, &w2, &eps, &neg_step, &bc2_sqrt, &key, &offset))
+    if (!PyArg_ParseTuple(args, "KKKKKiLiddddddddIIKi", &p, &g, &m, &v, &out, &kind, &n, &threads, &factor, &decay,
+                          &w1, &beta2, &w2, &eps, &neg_step, &bc2_sqrt, &key, &mkey, &offset, &lean))
         return nullptr;
+    if (lean < 0 || lean > 2) {
+        PyErr_Format(PyExc_ValueError, "adamw_lean: unknown lean mode %d", lean);
+        return nullptr;
+    }
     AdamArgs a{float(factor), float(decay), float(w1), float(beta2), float(w2), float(eps), float(neg_step),
                float(bc2_sqrt)};
-    return released<AdamBf16F>(kind, out, reinterpret_cast<float*>(p), reinterpret_cast<const float*>(g),
-                               reinterpret_cast<bf16*>(m), reinterpret_cast<bf16*>(v), int64_t(n), threads, a,
-                               uint32_t(key), uint64_t(offset));
+    return released<AdamLeanF>(kind, out, reinterpret_cast<void*>(p), reinterpret_cast<const float*>(g),
+                               reinterpret_cast<void*>(m), reinterpret_cast<void*>(v), int64_t(n), threads, a,
+                               uint32_t(key), uint32_t(mkey), uint64_t(offset), lean);
 }
 
 PyObject* sgd(PyObject*, PyObject* args) {
-    unsigned long long p, g, buf, out;
-    int kind, threads, nesterov, first, has_momentum;
+    unsigned long long p, g, buf, out, offset;
+    unsigned int mkey;
+    int kind, threads, nesterov, first, has_momentum, bf16_master;
     long long n;
     double factor, wd, momentum, damp, neg_lr;
-    if (!PyArg_ParseTuple(args, "KKKKiLidddddppp", &p, &g, &buf, &out, &kind, &n, &threads, &factor, &wd,
-                          &momentum, &damp, &neg_lr, &nesterov, &first, &has_momentum))
+    if (!PyArg_ParseTuple(args, "KKKKiLidddddpppIKp", &p, &g, &buf, &out, &kind, &n, &threads, &factor, &wd,
+                          &momentum, &damp, &neg_lr, &nesterov, &first, &has_momentum, &mkey, &offset, &bf16_master))
         return nullptr;
     SgdArgs a{float(factor), float(wd), float(momentum), float(damp), float(neg_lr), bool(nesterov), bool(first),
               bool(has_momentum)};
-    return released<SgdF>(kind, out, reinterpret_cast<float*>(p), reinterpret_cast<const float*>(g),
-                          reinterpret_cast<float*>(buf), int64_t(n), threads, a);
+    return released<SgdF>(kind, out, reinterpret_cast<void*>(p), reinterpret_cast<const float*>(g),
+                          reinterpret_cast<float*>(buf), int64_t(n), threads, a, uint32_t(mkey), uint64_t(offset),
+                          bool(bf16_master));
 }
 
 PyObject* cast(PyObject*, PyObject* args) {
@@ -361,10 +394,10 @@ PyMethodDef methods[] = {
     {"land", land, METH_VARARGS, "land(dst, src, kind, n, add, threads, divisor) -> (sum of squares, non-finite)"},
     {"adamw", adamw, METH_VARARGS, "adamw(p, g, m, v, out, kind, n, threads, factor, decay, w1, beta2, w2, eps, "
                                    "neg_step, bc2_sqrt)"},
-    {"adamw_bf16", adamw_bf16, METH_VARARGS, "adamw_bf16(p, g, m, v, out, kind, n, threads, factor, decay, w1, "
-                                             "beta2, w2, eps, neg_step, bc2_sqrt, key, offset)"},
+    {"adamw_lean", adamw_lean, METH_VARARGS, "adamw_lean(p, g, m, v, out, kind, n, threads, factor, decay, w1, "
+                                             "beta2, w2, eps, neg_step, bc2_sqrt, key, mkey, offset, lean)"},
     {"sgd", sgd, METH_VARARGS, "sgd(p, g, buf, out, kind, n, threads, factor, wd, momentum, damp, neg_lr, "
-                               "nesterov, first, has_momentum)"},
+                               "nesterov, first, has_momentum, mkey, offset, bf16_master)"},
     {"cast", cast, METH_VARARGS, "cast(src, out, kind, n, threads)"},
     {nullptr, nullptr, 0, nullptr}};
 

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from rpcompile.ir.cache import build_once, cache_dir
+from rpcompile.runtime.host.lean import M32, master_key
 
 __all__ = ["Kernels", "load_kernels", "cache_dir", "optimizer_rate", "KINDS"]
 
@@ -74,13 +75,15 @@ class Kernels:
         """AdamW step `step` (1-based) of p, m, v with the gradient g * factor; out (if given) = cast(new p).
 
         The scalars are formed as torch.optim.AdamW forms them (Python floats, then float32). m and v
-        are both float32, or both bf16 (`AdamW(state_dtype=torch.bfloat16)`): then the update is the
-        same float32 arithmetic and the new moments are rounded stochastically with the bits that `key`
-        and `offset` (p's first element's offset in its group's buffers) choose (runtime/host/lean.py).
+        are both float32, or both bf16 (`AdamW(state_dtype=torch.bfloat16)`); p, the master, is float32
+        or bf16 (`AdamW(master_dtype=torch.bfloat16)`). A bf16 value is read and widened, the update is
+        the same float32 arithmetic, and the new value is rounded stochastically with the bits that `key`
+        and `offset` (p's first element's offset in its group's buffers) choose (runtime/host/lean.py);
+        out is then cast from the stored bf16 weight.
         """
-        for t in (p, g):
-            _check("adamw", t, torch.float32, p.numel())
-        state = m.dtype if m.dtype == torch.bfloat16 else torch.float32
+        master = _lean_dtype("adamw", p)
+        _check("adamw", g, torch.float32, p.numel())
+        state = _lean_dtype("adamw", m)
         for t in (m, v):
             _check("adamw", t, state, p.numel())
         if out is not None:
@@ -89,23 +92,28 @@ class Kernels:
         bc1, bc2 = 1 - b1 ** step, 1 - b2 ** step
         scalars = (factor, 1 - lr * weight_decay, 1 - b1, b2, 1 - b2, eps, -(lr / bc1), bc2 ** 0.5)
         args = (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), _ptr(out), _kind(out), p.numel(), _threads())
-        if state == torch.bfloat16:
-            self.module.adamw_bf16(*args, *scalars, key & 0xFFFFFFFF, offset)
-        else:
+        if state == master == torch.float32:
             self.module.adamw(*args, *scalars)
+        else:  # lean mode: 0 bf16 moments, 1 a bf16 master, 2 both
+            lean = 2 if state == master else 1 if master == torch.bfloat16 else 0
+            self.module.adamw_lean(*args, *scalars, key & M32, master_key(key), offset, lean)
 
     def sgd(self, p: Tensor, g: Tensor, buf: Tensor | None, out: Tensor | None, *, factor: float, lr: float,
-            momentum: float, weight_decay: float, nesterov: bool, first: bool) -> None:
+            momentum: float, weight_decay: float, nesterov: bool, first: bool, key: int = 0, offset: int = 0) -> None:
         """SGD step of p (and the momentum buffer `buf`, None without momentum) with g * factor; out = cast(new p).
 
-        `first`: the buffer's first step (it becomes the gradient, as torch's clone).
+        `first`: the buffer's first step (it becomes the gradient, as torch's clone). p is the float32 or
+        bf16 master (`SGD(master_dtype=torch.bfloat16)`: rounded stochastically as in `adamw`, `key` and
+        `offset` choosing the bits); g and buf are float32.
         """
-        for t in (p, g) + ((buf,) if buf is not None else ()):
+        master = _lean_dtype("sgd", p)
+        for t in (g,) + ((buf,) if buf is not None else ()):
             _check("sgd", t, torch.float32, p.numel())
         if out is not None:
             _check("sgd", out, out.dtype, p.numel())
         self.module.sgd(p.data_ptr(), g.data_ptr(), _ptr(buf), _ptr(out), _kind(out), p.numel(), _threads(),
-                        factor, weight_decay, momentum, 1.0, -lr, nesterov, first, buf is not None)
+                        factor, weight_decay, momentum, 1.0, -lr, nesterov, first, buf is not None,
+                        master_key(key), offset, master == torch.bfloat16)
 
     def cast(self, src: Tensor, out: Tensor) -> None:
         """out = src.to(out.dtype) (fp32 src; fp32, bf16 or fp16 out; round to nearest even), in one pass."""
@@ -119,6 +127,13 @@ def _check(op: str, t: Tensor, dtype: torch.dtype, n: int) -> None:
     if t.device.type != "cpu" or not t.is_contiguous() or t.dtype != dtype or t.numel() != n or t.dtype not in KINDS:
         raise ValueError(f"host kernel {op}: needs contiguous CPU {dtype} of {n} elements (fp32/bf16/fp16), got "
                          f"{t.dtype} {tuple(t.shape)} on {t.device}{'' if t.is_contiguous() else ', not contiguous'}")
+
+
+def _lean_dtype(op: str, t: Tensor) -> torch.dtype:
+    """t's dtype, float32 or bf16 (a master or moment buffer), after `_check`."""
+    dtype = t.dtype if t.dtype == torch.bfloat16 else torch.float32
+    _check(op, t, dtype, t.numel())
+    return dtype
 
 
 def _kind(t: Tensor | None) -> int:

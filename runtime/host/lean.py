@@ -1,4 +1,5 @@
-"""bf16 AdamW moments (`rpcompile.AdamW(state_dtype=torch.bfloat16)`): the rounding, and torch's update.
+"""Lean host state: bf16 AdamW moments (`state_dtype=torch.bfloat16`) and bf16 masters (`master_dtype=
+torch.bfloat16`, AdamW and SGD): the stochastic rounding, and the update in torch operations.
 
 The moments are stored in bf16; each step widens them to float32, updates them and the weight in
 float32 (torch.optim.AdamW's formulas, as the fp32 kernels), and stores them rounded stochastically:
@@ -11,13 +12,17 @@ The random bits are a counter-based hash, so any implementation and any thread c
 
 - `rounding_key(seed, group, step)`: one 32-bit key per (run seed, layer group, 1-based step count);
 - element i of the group's flat buffers (its offset in them, modulo 2**32) takes
-  `hash32(i ^ key)`: the low 16 bits round `exp_avg`, the high 16 `exp_avg_sq`.
+  `hash32(i ^ key)`: the low 16 bits round `exp_avg`, the high 16 `exp_avg_sq`;
+- a bf16 master rounds the new weight (computed in float32 from the widened bf16 one) with the low
+  16 bits of `hash32(i ^ master_key(key))`, bits of their own.
 
 `hash32` is Wellons' lowbias32 (two multiply-xorshift rounds, a bijection of 32-bit integers). The
 "generator state" a resume needs is the seed and the per-parameter step counts, both in the host
-state's checkpoint. runtime/host/kernels.cpp does the same in its one pass (`adamw` with bf16 moments);
+state's checkpoint. runtime/host/kernels.cpp does the same in its one pass (`adamw_lean`, `sgd`);
 `TorchLean` here is the torch fallback (`impl="foreach"/"single"`, or no C++ compiler), with the
-same float32 operations in the same order, so it takes the same rounding decisions.
+same float32 operations in the same order and a correctly rounded square root (`sqrt_rn`; torch's
+vectorised float32 sqrt is not always), so it computes the same float32 values and takes the same
+rounding decisions: the same bits.
 
     >>> x = torch.tensor([1.0 + 2**-9])   # halfway between two bf16 values
     >>> sorted({stochastic_round(x, torch.tensor([r])).item() for r in (0, 0x7FFF, 0x8000, 0xFFFF)})
@@ -28,10 +33,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["hash32", "rounding_key", "random_bits", "stochastic_round", "TorchLean", "M32"]
+__all__ = ["hash32", "rounding_key", "master_key", "random_bits", "stochastic_round", "sqrt_rn", "TorchLean", "M32"]
 
 M32 = 0xFFFFFFFF  # 32-bit mask
 _C1, _C2 = 0x7FEB352D, 0x846CA68B  # lowbias32's multipliers
+MASTER_SALT = 0x9E3779B9  # master_key's constant (2**32 / the golden ratio)
 CHUNK = 1 << 20  # elements per torch pass of the fallback (bounds its float32 temporaries)
 
 
@@ -58,6 +64,15 @@ def rounding_key(seed: int, group: int, step: int) -> int:
     k = hash32((seed & M32) ^ hash32((seed >> 32) & M32))
     k = hash32(k ^ (group & M32))
     return hash32(k ^ (step & M32))
+
+
+def master_key(key: int) -> int:
+    """The key of a bf16 master's rounding in the update keyed `key` (`hash32(key ^ 0x9E3779B9)`).
+
+    >>> master_key(rounding_key(0, 3, 1)) != rounding_key(0, 3, 1)
+    True
+    """
+    return hash32(key ^ MASTER_SALT)
 
 
 def _mul32(x: Tensor, c: int) -> Tensor:
@@ -87,29 +102,68 @@ def stochastic_round(x: Tensor, r16: Tensor) -> Tensor:
     return (out - (out >= 0x8000).to(torch.int64) * 0x10000).to(torch.int16).view(torch.bfloat16)
 
 
+def sqrt_rn(x: Tensor) -> Tensor:
+    """The correctly rounded float32 square root of float32 `x` (as C++'s std::sqrt): taken in float64, whose
+    53 bits make the one rounding to float32 exact; torch's vectorised float32 sqrt can be an ulp off."""
+    return x.double().sqrt_().float()
+
+
 class TorchLean:
-    """AdamW with bf16 moments in torch operations: the fallback of the kernels' `adamw` (same signature)."""
+    """The lean update in torch operations: the fallback of the kernels' `adamw` and `sgd` (same signatures)."""
 
     def adamw(self, p: Tensor, g: Tensor, m: Tensor, v: Tensor, out: Tensor | None, *, factor: float, lr: float,
               betas: tuple[float, float], eps: float, weight_decay: float, step: int, key: int, offset: int) -> None:
-        """AdamW step `step` (1-based) of fp32 p and bf16 m, v with g * factor; out (if given) = cast(new p).
+        """AdamW step `step` (1-based) of p and m, v with g * factor; out (if given) = cast(new p).
 
-        torch.optim.AdamW's float32 operations (which kernels.cpp's update follows, within a float32 ulp of
-        the weight), chunk by chunk; `key` and `offset` (p's first element's offset in its group's
-        buffers) choose the random bits (module docstring).
+        p is an fp32 or bf16 master, m and v both fp32 or both bf16 (one of them lean). torch.optim.AdamW's
+        float32 operations (which kernels.cpp's update follows), chunk by chunk, the square root correctly
+        rounded; `key` and `offset` (p's first element's offset in its group's buffers) choose the random
+        bits of the bf16 values (module docstring).
         """
         b1, b2 = betas
         bc1, bc2 = 1 - b1 ** step, 1 - b2 ** step
+        lean_m, lean_p, mkey = m.dtype == torch.bfloat16, p.dtype == torch.bfloat16, master_key(key)
         for lo in range(0, p.numel(), CHUNK):  # torch.optim.AdamW's single-tensor operations, in its order
             hi = min(lo + CHUNK, p.numel())
             gi = g[lo:hi] * factor if factor != 1.0 else g[lo:hi]
-            mi, vi, pi = m[lo:hi].float(), v[lo:hi].float(), p[lo:hi]
+            mi, vi = (m[lo:hi].float(), v[lo:hi].float()) if lean_m else (m[lo:hi], v[lo:hi])  # fp32: in place
+            pi = p[lo:hi].float() if lean_p else p[lo:hi]
             pi.mul_(1 - lr * weight_decay)
             mi.lerp_(gi, 1 - b1)
             vi.mul_(b2).addcmul_(gi, gi, value=1 - b2)
-            pi.addcdiv_(mi, (vi.sqrt() / bc2 ** 0.5).add_(eps), value=-(lr / bc1))
-            if out is not None:
-                out[lo:hi] = pi.to(out.dtype)
-            r = random_bits(offset + lo, hi - lo, key)
-            m[lo:hi] = stochastic_round(mi, r & 0xFFFF)
-            v[lo:hi] = stochastic_round(vi, r >> 16)
+            pi.addcdiv_(mi, (sqrt_rn(vi) / bc2 ** 0.5).add_(eps), value=-(lr / bc1))
+            _store(p, pi, lo, hi, offset, mkey, out)
+            if lean_m:
+                r = random_bits(offset + lo, hi - lo, key)
+                m[lo:hi] = stochastic_round(mi, r & 0xFFFF)
+                v[lo:hi] = stochastic_round(vi, r >> 16)
+
+    def sgd(self, p: Tensor, g: Tensor, buf: Tensor | None, out: Tensor | None, *, factor: float, lr: float,
+            momentum: float, weight_decay: float, nesterov: bool, first: bool, key: int, offset: int) -> None:
+        """SGD step of a bf16 master p (fp32 momentum `buf`, None without momentum) with g * factor, as
+        torch.optim.SGD's float32 operations (kernels.cpp's `sgd`); the new weight rounded stochastically.
+
+        `first`: the buffer's first step (it becomes the gradient, as torch's clone).
+        """
+        mkey = master_key(key)
+        for lo in range(0, p.numel(), CHUNK):
+            hi = min(lo + CHUNK, p.numel())
+            gi = g[lo:hi] * factor if factor != 1.0 else g[lo:hi]
+            pi = p[lo:hi].float()
+            if weight_decay != 0.0:
+                gi = gi.add(pi, alpha=weight_decay)  # grad.add(param, alpha=wd)
+            if buf is not None:
+                b = buf[lo:hi]
+                b.copy_(gi) if first else b.mul_(momentum).add_(gi)  # buf.mul_(momentum).add_(grad)
+                gi = gi.add(b, alpha=momentum) if nesterov else b
+            pi.add_(gi, alpha=-lr)
+            _store(p, pi, lo, hi, offset, mkey, out)
+
+
+def _store(p: Tensor, pi: Tensor, lo: int, hi: int, offset: int, mkey: int, out: Tensor | None) -> None:
+    """The new weight `pi` (float32) into p[lo:hi]: as is (fp32 p, then pi is p's view) or rounded stochastically
+    with the bits of `mkey` (bf16 p); out[lo:hi] (if given) = cast(the stored weight)."""
+    if p.dtype == torch.bfloat16:
+        p[lo:hi] = stochastic_round(pi, random_bits(offset + lo, hi - lo, mkey) & 0xFFFF)
+    if out is not None:
+        out[lo:hi] = p[lo:hi].to(out.dtype)

@@ -52,7 +52,7 @@ from torch import Tensor
 
 from rpcompile.ir.host_layout import host_layout
 from rpcompile.ir.optim import SGD, AdamW, DynamicLossScale, decay_names, make_torch_optimizer
-from rpcompile.runtime.host.flat import FlatGroups, moment_names, state_dtype
+from rpcompile.runtime.host.flat import FlatGroups, master_dtype, moment_names, state_dtype
 from rpcompile.runtime.host.grad_stats import GradStats, ScaleVerdict, _IterStats
 from rpcompile.runtime.host.kernels import load_kernels
 from rpcompile.runtime.host.layout import host_blocks, view
@@ -87,8 +87,11 @@ class HostState(GradStats, StateIO):
         timeout_s: how long `step` waits for the global statistics before raising.
         buffers: name -> tensor of the buffers the forward updates (BatchNorm running statistics);
             the runtime applies each microbatch's update to these host copies, in microbatch order.
-        seed: the seed of the stochastic rounding of bf16 moments (`AdamW(state_dtype=torch.bfloat16)`,
-            runtime/host/lean.py); saved in `state_dict()` with the step counts that, with it, fix the bits.
+        seed: the seed of the stochastic rounding of bf16 moments and masters (`AdamW(state_dtype=torch.bfloat16)`,
+            `master_dtype=torch.bfloat16`, runtime/host/lean.py); saved in `state_dict()` with the step counts
+            that, with it, fix the bits. A bf16 master is a buffer of its own beside the compute copy (R1 at
+            staleness 1: `copy(l)` writes the compute copy, `step(l)` the master), and the trainable
+            parameters' compute copies start as the master's value (rounded to nearest once).
 
     Note:
         The per-layer order that gives DESIGN.md idea 7's semantics (what
@@ -135,14 +138,15 @@ class HostState(GradStats, StateIO):
         self.layout = host_layout([(n, p.numel(), dtype or p.dtype, layer_of[n], n in trainable)
                                    for n, p in params.items()], num_layers)  # offsets of every host buffer
         self.flat = FlatGroups(self.layout, trainable, moment_names(optimizer), state_dtype(optimizer),
-                               seed)  # masters, grads, moments per group
-        self.master: dict[str, Tensor] = self.flat.master  # trainable canonical -> fp32 master (a view)
+                               seed, master_dtype(optimizer))  # masters, grads, moments per group
+        self.master: dict[str, Tensor] = self.flat.master  # trainable canonical -> master (fp32 or bf16; a view)
         self.grad: dict[str, Tensor] = self.flat.grad  # trainable canonical -> fp32 buffer (valid if written
         # this iteration; a view)
         # compute copies: views into one block per (lowest owner layer, dtype), pinned with CUDA (uploads read them);
         # a group's trainable parameters first, at their offsets in the group's flat buffers
-        order = self.layout.where
-        self.blocks, self.where = host_blocks({n: params[n].detach().to(dtype or params[n].dtype) for n in order},
+        order, lean = self.layout.where, master_dtype(optimizer) != torch.float32  # lean: copies start as masters
+        first = {n: self.master[n] if lean and n in self.master else params[n].detach() for n in order}
+        self.blocks, self.where = host_blocks({n: first[n].to(dtype or params[n].dtype) for n in order},
                                               layer_of, pin=pin)
         self.compute: dict[str, Tensor] = {n: view(self.blocks, self.where[n], tuple(p.shape))  # training dtype
                                            for n, p in params.items()}
@@ -156,8 +160,9 @@ class HostState(GradStats, StateIO):
         self.counts = {n: 0 for n in self.master}  # updates applied to each parameter (AdamW's step)
         # the C++ kernels (built here, at compile time, never in a step); None: torch's optimizers on the views
         self.kernels = load_kernels() if optimizer.impl == "fused" else None
-        # bf16 moments without the kernels: the same update in torch operations over the flat buffers
-        self._lean = TorchLean() if self.kernels is None and state_dtype(optimizer) != torch.float32 else None
+        # bf16 moments or masters without the kernels: the same update in torch operations over the flat buffers
+        self._lean = TorchLean() if self.kernels is None and torch.bfloat16 in (
+            state_dtype(optimizer), master_dtype(optimizer)) else None
         self._optims = [None if self.kernels is not None or self._lean is not None or not g
                         else self._torch_optimizer(g) for g in self.groups]
         self._copied = [False] * num_layers  # the compute copies hold the masters (a step wrote them)

@@ -1,8 +1,8 @@
 """HostState's snapshots: fp32 weights, and a state_dict that resumes a run bit for bit.
 
-The optimizer's moments are saved in their own dtype (bf16 moments as bf16, not widened), with the
-stochastic rounding's seed (`"rounding"`); a state dict whose moments have another dtype than this
-state's `AdamW(state_dtype=...)` is refused in one line naming both.
+The optimizer's moments and the masters are saved in their own dtype (bf16 as bf16, not widened), with
+the stochastic rounding's seed (`"rounding"`); a state dict whose moments (masters) have another dtype than
+this state's `state_dtype=...` (`master_dtype=...`) is refused in one line naming both.
 """
 from __future__ import annotations
 
@@ -35,6 +35,18 @@ def _saved_state_dtype(sd: Mapping[str, Any]) -> torch.dtype | None:
     return None
 
 
+def _saved_master_dtype(sd: Mapping[str, Any]) -> torch.dtype | None:
+    """The dtype of a state dict's masters, as saved (they always are, in their own dtype; None: no masters)."""
+    return next((t.dtype for t in sd["master"].values() if isinstance(t, torch.Tensor)), None)
+
+
+def _refuse_other(what: str, field: str, flag: str, theirs: torch.dtype, ours: torch.dtype) -> None:
+    """Raise the one-line refusal of a checkpoint whose `what` have dtype `theirs`, not this run's `ours`."""
+    raise ValueError(f"load_state_dict: the checkpoint's {what} are {dtype_name(theirs)} ({field}={theirs}) but "
+                     f"this run's are {dtype_name(ours)} ({field}={ours}); resume with {field}={theirs} "
+                     f"(finetune/plan: {flag} {dtype_name(theirs)})")
+
+
 class StateIO:
     """`parameters_fp32`, `state_dict` and `load_state_dict` of `HostState` (a mixin; see runtime/host/optimizer.py)."""
 
@@ -43,10 +55,15 @@ class StateIO:
         return next((t.dtype for m in self.flat.moments for t in m.values()), getattr(
             self.config, "state_dtype", torch.float32))
 
+    def _master_dtype(self) -> torch.dtype:
+        """The dtype of this state's masters."""
+        return self.flat.masters[0].dtype if self.flat.masters else getattr(self.config, "master_dtype",
+                                                                             torch.float32)
+
     def parameters_fp32(self) -> dict[str, Tensor]:
-        """Current weights in fp32: masters, or compute copies for frozen parameters (fresh tensors)."""
-        return {n: self.master[n].detach().clone() if n in self.master else c.to(torch.float32, copy=True)
-                for n, c in self.compute.items()}
+        """Current weights in fp32: masters (bf16 ones widened), or compute copies for frozen parameters (fresh
+        tensors)."""
+        return {n: (self.master.get(n, c)).to(torch.float32, copy=True) for n, c in self.compute.items()}
 
     def state_dict(self) -> dict[str, Any]:
         """A snapshot (cloned tensors) of compute copies, masters, optimizer state (in its dtype), step counts, the
@@ -93,10 +110,10 @@ class StateIO:
                              f"{sorted(self.buffers)}")
         ours, theirs = self._state_dtype(), _saved_state_dtype(sd)
         if theirs is not None and theirs != ours:
-            raise ValueError(f"load_state_dict: the checkpoint's optimizer moments are {dtype_name(theirs)} "
-                             f"(state_dtype={theirs}) but this run's are {dtype_name(ours)} (state_dtype={ours}); "
-                             f"resume with AdamW(state_dtype={theirs}) (finetune/plan: --state-dtype "
-                             f"{dtype_name(theirs)})")
+            _refuse_other("optimizer moments", "state_dtype", "--state-dtype", theirs, ours)
+        ours, theirs = self._master_dtype(), _saved_master_dtype(sd)
+        if theirs is not None and theirs != ours:
+            _refuse_other("masters", "master_dtype", "--master-dtype", theirs, ours)
         unknown = set(sd["optim"]) - set(self.master)
         if unknown:
             raise ValueError(f"load_state_dict: optimizer state for unknown parameters {sorted(unknown)[:5]}")
