@@ -16,10 +16,14 @@ every lane: for its many single queries that is faster.)
 """
 from __future__ import annotations
 
+import array
+import ctypes
+import os
 from functools import cached_property
 
 import torch
 
+from rpcompile.ir.clib import CLibrary
 from rpcompile.ir.program import HOST_OPS, LANE_OF, Lane, Op, Program
 
 __all__ = ["HappensBefore"]
@@ -46,61 +50,64 @@ class HappensBefore:
     def __init__(self, program: Program, first: int = 0, iterations: int = 2,
                  track: frozenset[Lane] | None = None) -> None:
         self.program, self.first, self.iterations = program, first, iterations
-        self.size = len(program.instrs)
+        self.size = n = len(program.instrs)
         self.pos = {i.name: k for k, i in enumerate(program.instrs)}
-        lanes: dict[tuple, int] = {}
-        kind = {id(op): (op in HOST_OPS, LANE_OF[op]) for op in Op}  # Op's hash is Python code: look up once
-        # per template instruction, once: (its lane's worker or -1, lane, [(dep position, back, since)])
-        shape = []
-        for i in program.instrs:
-            host, ln = kind[id(i.op)]
-            shape.append((-1 if host else i.worker, ln, [(self.pos[d.name], d.back, d.since) for d in i.deps]))
         self.tracked = frozenset(LANE_OF.values()) if track is None else frozenset(track)
-        lane, step, preds = [], [], []
-        last: dict[int, int] = {}  # lane -> its latest node
-        for t in range(iterations):
-            shift = t * program.shift
-            for w, kind, deps in shape:
-                ln = lanes.setdefault((w if w < 0 else (w + shift) % program.gpus, kind), len(lanes))
-                mine = [(t - back) * self.size + at for at, back, since in deps if back <= t and first + t >= since]
-                if ln in last:
-                    v = last[ln]
-                    mine.append(v)
-                    step.append(step[v] + 1)
-                else:
-                    step.append(0)
-                last[ln] = len(lane)
-                lane.append(ln)
-                preds.append(mine)
-        kept = [ln for key, ln in lanes.items() if key[1] in self.tracked]
-        column = {ln: c for c, ln in enumerate(kept)}  # lane -> its column in the clocks
-        k = max(len(column), 1)
-        col = [column.get(ln, -1) for ln in lane]  # the node's own column, -1 for an untracked lane
-        rows: list[list[int]] = []
-        blank = [-1] * k
-        for v, mine in enumerate(preds):  # node order is topological: its predecessors' rows are made
-            row = list(rows[mine[0]]) if mine else list(blank)
-            for u in mine[1:]:
-                row = list(map(max, row, rows[u]))
-            if col[v] >= 0:
-                row[col[v]] = step[v]
-            rows.append(row)
-        self._col, self._step, self._rows, self._k = col, step, rows, k
+        kinds = {kind: c for c, kind in enumerate(dict.fromkeys(LANE_OF.values()))}
+        of = {id(op): (op in HOST_OPS, kinds[LANE_OF[op]]) for op in Op}  # Op's hash is Python code: look up once
+        # per template instruction, once: its worker (-1: the host), its lane kind, its Refs (dep position, back, since)
+        ops = [of[id(i.op)] for i in program.instrs]
+        worker = torch.tensor([-1 if host else i.worker for (host, _), i in zip(ops, program.instrs)], dtype=torch.long)
+        kind = torch.tensor([c for _, c in ops], dtype=torch.long)
+        refs = [(k, self.pos[d.name], d.back, d.since) for k, i in enumerate(program.instrs) for d in i.deps]
+        dst, src, back, since = torch.tensor(refs, dtype=torch.long).reshape(-1, 4).T
+        # the window's nodes: t * n + position; node order is topological
+        t = torch.arange(iterations).repeat_interleave(n)
+        w = worker.repeat(iterations)
+        on = (w + t * program.shift) % program.gpus  # the physical worker (lanes rotate with `shift`)
+        key = torch.where(w < 0, program.gpus, on) * len(kinds) + kind.repeat(iterations)  # the physical lane
+        # lane order: each lane a chain, in node order
+        by = torch.argsort(key, stable=True)
+        same = torch.zeros_like(by, dtype=torch.bool)
+        same[1:] = key[by[1:]] == key[by[:-1]]
+        start = torch.cummax(torch.where(same, 0, torch.arange(len(by))), 0).values  # where each lane's run begins
+        step = torch.empty_like(by)
+        step[by] = torch.arange(len(by)) - start
+        edges_to, edges_from = [by[1:][same[1:]]], [by[:-1][same[1:]]]  # each node after its lane's previous one
+        for it in range(iterations):  # Refs that apply in logical iteration first + it
+            live = (back <= it) & (since <= first + it)
+            edges_to.append(dst[live] + it * n)
+            edges_from.append(src[live] + (it - back[live]) * n)
+        to, frm = torch.cat(edges_to), torch.cat(edges_from)
+        order = torch.argsort(to, stable=True)
+        ptr = torch.zeros(iterations * n + 1, dtype=torch.long)
+        ptr[1:] = torch.cumsum(torch.bincount(to, minlength=iterations * n), 0)
+        # tracked lanes get a column each, in the order of their first node
+        lanes, first_node = torch.unique(key, return_inverse=False), None
+        heads = by[~same]  # each lane's first node, lanes in key order
+        keep = [int(h) for h in heads.sort().values if list(kinds)[int(key[h]) % len(kinds)] in self.tracked]
+        column = torch.full((int(key.max()) + 1 if len(key) else 1,), -1, dtype=torch.long)
+        for c, h in enumerate(keep):
+            column[key[h]] = c
+        self._k = k = max(len(keep), 1)
+        self._col = _ints(column[key] if len(key) else key)  # the node's own column, -1 for an untracked lane
+        self._step = _ints(step)
+        self._rows = _clocks(iterations * n, k, _ints(ptr), _ints(frm[order]), self._col, self._step)
 
     @cached_property
     def clock(self) -> torch.Tensor:
         """[node, column] int32: position of the latest node of that lane at or before the node (-1: none)."""
-        return torch.tensor(self._rows, dtype=torch.int32).reshape(len(self._rows), self._k)
+        return _tensor(self._rows, torch.int32).reshape(-1, self._k)
 
     @cached_property
     def lane(self) -> torch.Tensor:
         """[node] long: the column of the node's own lane (-1: a lane not tracked)."""
-        return torch.tensor(self._col, dtype=torch.long)
+        return _tensor(self._col, torch.int32).long()
 
     @cached_property
     def step(self) -> torch.Tensor:
         """[node] int32: the node's position in its lane."""
-        return torch.tensor(self._step, dtype=torch.int32)
+        return _tensor(self._step, torch.int32)
 
     def node(self, t: int, name: str) -> int:
         """Node id of the instance of `name` in window iteration t."""
@@ -112,4 +119,42 @@ class HappensBefore:
         c = self._col[x]
         if c < 0:
             raise ValueError(f"{a[1]} runs on a lane this HappensBefore does not track")
-        return x != y and self._step[x] <= self._rows[y][c]
+        return x != y and self._step[x] <= self._rows[y * self._k + c]
+
+
+def _ints(values: torch.Tensor) -> array.array:
+    """An int array copy of an integer tensor."""
+    return array.array("i", values.to(torch.int32).numpy().tobytes())
+
+
+def _tensor(values: array.array, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor copy of an int array."""
+    return torch.frombuffer(values, dtype=dtype).clone() if len(values) else torch.zeros(0, dtype=dtype)
+
+
+LIBRARY = CLibrary("rpcompile_order", sources=(os.path.join(os.path.dirname(os.path.abspath(__file__)), "order.c"),),
+                   switch="RPCOMPILE_ORDER_KERNEL")
+
+
+def _clocks(n: int, k: int, ptr: array.array, idx: array.array, col: array.array, step: array.array) -> array.array:
+    """The clock rows, flat ([node * k + column]): each node's the elementwise max of its predecessors', its own
+    column set to its step. In C (order.c) where it builds; else the same integer operations in Python."""
+    rows = array.array("i", bytes(4 * n * k))
+    lib = LIBRARY.load()
+    if lib is not None and n:
+        p = ctypes.c_void_p
+        lib.rp_clocks.restype = None
+        lib.rp_clocks.argtypes = [ctypes.c_int, ctypes.c_int, p, p, p, p, p]
+        lib.rp_clocks(n, k, *(a.buffer_info()[0] for a in (ptr, idx or array.array("i", [0]), col, step, rows)))
+        return rows
+    blank = [-1] * k
+    for v in range(n):  # node order is topological: its predecessors' rows are made
+        a, b = ptr[v], ptr[v + 1]
+        row = rows[idx[a] * k:idx[a] * k + k].tolist() if a < b else list(blank)
+        for e in range(a + 1, b):
+            u = idx[e] * k
+            row = list(map(max, row, rows[u:u + k]))
+        if col[v] >= 0:
+            row[col[v]] = step[v]
+        rows[v * k:v * k + k] = array.array("i", row)
+    return rows

@@ -33,11 +33,14 @@ live for the whole run (`runtime.host.buffers.pool_buffers`).
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import os
 from typing import Any
 
 import torch
 
+from rpcompile.ir.clib import CLibrary
 from rpcompile.ir.host_layout import ARENA_ALIGN, BufferAssignment, HostBuffer, per_mb
 from rpcompile.ir.program import Lane, Op, Program, ProgramError
 from rpcompile.passes.order import HappensBefore
@@ -114,37 +117,44 @@ def apart(buffers: list[HostBuffer], program: Program) -> torch.Tensor:
 
 def _alternate(buffers: list[HostBuffer], hb: HappensBefore) -> torch.Tensor:
     """[n, n] bool: b's readers happen before c's writer in logical iteration 0 and (with a window of two
-    iterations) c's readers before b's writer of iteration 1 (the module docstring says why that is enough)."""
-    n = len(buffers)
-    readers = sorted({r for b in buffers for r in b.readers})  # distinct uploads (one reads several values)
-    at = {r: k for k, r in enumerate(readers)}
-    few = 4  # the first readers of every buffer go row-wise, the rest of a widely read one buffer by buffer
-    slots = [(torch.tensor([len(b.readers) > j for b in buffers]),
-              torch.tensor([at[b.readers[j]] for b in buffers if len(b.readers) > j], dtype=torch.long))
-             for j in range(min(few, max((len(b.readers) for b in buffers), default=0)))]
-    many = [(k, torch.tensor([at[r] for r in b.readers[few:]], dtype=torch.long))
-            for k, b in enumerate(buffers) if len(b.readers) > few]
+    iterations) c's readers before b's writer of iteration 1 (the module docstring says why that is enough).
 
-    def first(tr: int, tw: int) -> torch.Tensor:
-        """[b, c]: every reader of b in window iteration tr happens before c's writer in iteration tw."""
-        r = torch.tensor([hb.node(tr, x) for x in readers], dtype=torch.long)
-        w = torch.tensor([hb.node(tw, b.writer) for b in buffers], dtype=torch.long)
-        lanes = hb.clock[w].T.contiguous()  # [lane, c]: the latest node of each lane before c's writer
-        before = lanes[hb.lane[r]] >= hb.step[r].unsqueeze(1)  # [reader, c]
-        ok = torch.ones(n, n, dtype=torch.bool)
-        for mask, rows in slots:  # the j-th reader of every buffer that has one
-            if len(rows) == n:
-                ok &= before[rows]
-            else:
-                ok[mask] &= before[rows]
-        for k, rows in many:
-            ok[k] &= before[rows].all(0)
-        return ok
+    Every reader is an upload, on a lane the clocks track, and a lane runs its instructions in order: so all
+    of b's readers happen before c's writer exactly when, lane by lane, the latest of them there is at or
+    before the position c's writer's clock holds for that lane.
+    """
+    owner = torch.tensor([k for k, b in enumerate(buffers) for _ in b.readers], dtype=torch.long)
+    reads = torch.tensor([hb.pos[r] for b in buffers for r in b.readers], dtype=torch.long)
+    writes = torch.tensor([hb.pos[b.writer] for b in buffers], dtype=torch.long)
+    k = hb.clock.shape[1]
 
-    ok = first(0, 0)
+    def latest(t: int) -> torch.Tensor:
+        """[b, lane]: the latest position on each lane of b's readers in window iteration t (-1: none)."""
+        lane = hb.lane[reads + t * hb.size]
+        if bool((lane < 0).any()):
+            raise ValueError("a buffer's reader runs on a lane the happens-before does not track")
+        out = torch.full((len(buffers) * k,), -1, dtype=torch.int32)
+        out.scatter_reduce_(0, owner * k + lane, hb.step[reads + t * hb.size], "amax")
+        return out.view(len(buffers), k)
+
+    readers = latest(0)
+    ok = _dominated(readers, hb.clock[writes])
     if hb.iterations > 1:  # and c(0)'s readers before b(1)'s writer
-        ok &= first(0, 1).T
+        ok &= _dominated(readers, hb.clock[writes + hb.size]).T
     return ok
+
+
+def _dominated(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """[b, c] bool: every entry of rows[b] is <= the same entry of cols[c] (int32 rows, in C where it builds)."""
+    lib = _library()
+    rows, cols = rows.contiguous(), cols.contiguous()
+    out = torch.zeros(len(rows), len(cols), dtype=torch.bool)
+    if lib is not None and out.numel():
+        lib.rp_dominated(len(rows), len(cols), rows.shape[1], rows.data_ptr(), cols.data_ptr(), out.data_ptr())
+        return out
+    for lo in range(0, len(rows), 256):  # [256, c, lanes] at a time
+        out[lo:lo + 256] = (rows[lo:lo + 256, None, :] <= cols[None, :, :]).all(-1)
+    return out
 
 
 def assign_buffers(graph: Any, program: Program, dtype: torch.dtype | None = None) -> BufferAssignment:
@@ -162,15 +172,7 @@ def assign_buffers(graph: Any, program: Program, dtype: torch.dtype | None = Non
     size = [_up(b.bytes) for b in bufs]
     pos = {i.name: k for k, i in enumerate(program.instrs)}
     order = sorted(range(len(bufs)), key=lambda k: (-size[k], pos[bufs[k].writer], k))
-    offset = torch.zeros(len(bufs), dtype=torch.long)
-    sizes = torch.tensor(size, dtype=torch.long)
-    placed = torch.zeros(len(bufs), dtype=torch.bool)
-    for k in order:
-        clash = (placed & ~ok[k]).nonzero().flatten()
-        lo = offset[clash]
-        by = torch.argsort(lo)
-        offset[k] = _best_fit(lo[by], (lo + sizes[clash])[by], size[k])
-        placed[k] = True
+    offset = _pack(order, size, ok)
     at = offset.tolist()
     out = tuple(HostBuffer(b.key, b.shape, b.dtype, at[k], b.writer, b.readers) for k, b in enumerate(bufs))
     arena = max((at[k] + size[k] for k in range(len(bufs))), default=0)
@@ -188,6 +190,31 @@ def unshared(graph: Any, program: Program, dtype: torch.dtype | None = None) -> 
     return BufferAssignment(fingerprint(program), tuple(bufs), top, 0)  # peak 0: not computed
 
 
+def _pack(order: list[int], size: list[int], ok: torch.Tensor) -> torch.Tensor:
+    """[n] offsets: best-fit placement in `order` (in C where it builds): each buffer goes into the smallest
+    gap between the placed buffers it may not share with (`ok` False), the first such gap in (start, end)
+    order, or on top of them."""
+    n = len(size)
+    offset = torch.zeros(n, dtype=torch.long)
+    sizes = torch.tensor(size, dtype=torch.long)
+    lib = _library()
+    if lib is not None and n:
+        at, ok = torch.tensor(order, dtype=torch.int32), ok.contiguous()  # held while C reads them
+        rc = lib.rp_pack(n, at.data_ptr(), sizes.data_ptr(), ok.data_ptr(), offset.data_ptr())
+        if rc != 0:
+            raise MemoryError(f"the buffer packing kernel could not allocate its work space for {n} buffers")
+        return offset
+    placed = torch.zeros(n, dtype=torch.bool)
+    for k in order:
+        clash = (placed & ~ok[k]).nonzero().flatten()
+        lo, hi = offset[clash], offset[clash] + sizes[clash]
+        by = torch.argsort(hi, stable=True)
+        by = by[torch.argsort(lo[by], stable=True)]  # by start, then end
+        offset[k] = _best_fit(lo[by], hi[by], size[k])
+        placed[k] = True
+    return offset
+
+
 def _best_fit(starts: torch.Tensor, ends: torch.Tensor, n: int) -> int:
     """The start of the smallest gap of at least n bytes between the taken intervals [starts, ends) (sorted by
     start; the first such gap on a tie), or the top of them."""
@@ -203,31 +230,71 @@ def _best_fit(starts: torch.Tensor, ends: torch.Tensor, n: int) -> int:
 
 
 def _peak(buffers: list[HostBuffer], size: list[int], ok: torch.Tensor, pos: dict[str, int],
-          starts: int = 8) -> int:
-    """The heaviest set of buffers found that can all be live at once: those live together at the worst point
-    of the program in its own order (a legal interleaving), or a greedy clique of the `apart` complement
-    from one of the `starts` largest buffers, whichever is heavier. They need distinct bytes, so no
-    assignment of these live ranges needs less."""
+          starts: int = 8, every: int = 512) -> int:
+    """The heaviest set of buffers found that can all be live at once: a greedy clique of the `apart`
+    complement grown from the buffers live together at the worst point of the program in its own order (a
+    legal interleaving), or from any one buffer (up to `every` buffers; beyond, from one of the `starts`
+    largest, the lowest index on a tie). They need distinct bytes, so no assignment of these live ranges
+    needs less."""
     if not size:
         return 0
     events = sorted([(pos[b.writer], 0, k) for k, b in enumerate(buffers)]
                     + [(max(pos[r] for r in b.readers), 1, k) for k, b in enumerate(buffers)])
-    live = swept = 0
+    live, now, worst = 0, set(), (0, [])
     for _, end, k in events:  # at one instruction the write comes before a read ends
         live += -size[k] if end else size[k]
-        swept = max(swept, live)
+        (now.discard if end else now.add)(k)
+        if live > worst[0]:
+            worst = (live, sorted(now))
+    firsts = range(len(size)) if len(size) <= every else sorted(range(len(size)), key=lambda k: -size[k])[:starts]
+    return _clique([worst[1]] + [[k] for k in firsts], size, ok)
+
+
+def _clique(seeds: list[list[int]], size: list[int], ok: torch.Tensor) -> int:
+    """The heaviest greedy clique of buffers that can be live together (`ok` False), grown from each seed (buffers
+    that can all be live at once) by the heaviest one left (the lowest index on a tie); in C where it builds."""
+    lib = _library()
+    if lib is not None:
+        ptr = torch.tensor([0] + [len(s) for s in seeds], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        held = (ptr, torch.tensor([k for s in seeds for k in s] or [0], dtype=torch.int32),
+                torch.tensor(size, dtype=torch.long), ok.contiguous())  # held while C reads them
+        got = lib.rp_clique(len(size), len(seeds), *(h.data_ptr() for h in held))
+        if got < 0:
+            raise MemoryError(f"the clique kernel could not allocate its work space for {len(size)} buffers")
+        return got
     weight = torch.tensor(size, dtype=torch.float64)
     together = ~ok
     together.fill_diagonal_(False)
     best = 0
-    for first in torch.argsort(weight, descending=True)[:starts].tolist():
-        mask, total = together[first].clone(), size[first]
+    for seed in seeds:
+        mask, total = torch.ones(len(size), dtype=torch.bool), 0
+        for k in seed:
+            mask &= together[k]
+            total += size[k]
         while bool(mask.any()):
             j = int(torch.argmax(torch.where(mask, weight, -1.0)))  # the heaviest left (empty ones too)
             total += size[j]
             mask &= together[j]
         best = max(best, total)
-    return max(best, swept)
+    return best
+
+
+LIBRARY = CLibrary("rpcompile_assign", sources=(os.path.join(os.path.dirname(os.path.abspath(__file__)), "assign.c"),),
+                   switch="RPCOMPILE_ASSIGN_KERNEL")
+
+
+def _library() -> ctypes.CDLL | None:
+    """assign.c, built once per machine (None without a C compiler or with RPCOMPILE_ASSIGN_KERNEL=0)."""
+    lib = LIBRARY.load()
+    if lib is not None:
+        p, i32 = ctypes.c_void_p, ctypes.c_int
+        lib.rp_dominated.restype = None
+        lib.rp_dominated.argtypes = [i32, i32, i32, p, p, p]
+        lib.rp_pack.restype = i32
+        lib.rp_pack.argtypes = [i32, p, p, p, p]
+        lib.rp_clique.restype = ctypes.c_longlong
+        lib.rp_clique.argtypes = [i32, i32, p, p, p, p]
+    return lib
 
 
 def _up(n: int) -> int:

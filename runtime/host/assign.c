@@ -1,0 +1,113 @@
+/* The host buffer assignment's loops (runtime/host/assign.py), each the same integer operations as its
+   Python/torch version there, so the results are equal.
+
+   rp_dominated: out[b * nc + c] = 1 when every column of R's row b is <= that of W's row c (buffer b's
+       readers, their latest position per lane, all happen before c's writer, whose vector clock is W[c]).
+   rp_pack: best-fit placement, buffers in the given order, each into the smallest gap between the placed
+       buffers it may not share with (ok[k * n + j] == 0), the first such gap by (start, end) order, else
+       on top of them.
+   rp_clique: the heaviest of the greedy cliques grown from each seed (a set of buffers that can all be live at
+       once): add the heaviest buffer (the lowest index on a tie) that can be live with every one taken so far
+       (ok == 0, itself excluded). */
+#include <stdlib.h>
+
+void rp_dominated(int nb, int nc, int k, const int *R, const int *W, unsigned char *out)
+{
+    for (int b = 0; b < nb; b++) {
+        const int *r = R + (long)b * k;
+        unsigned char *o = out + (long)b * nc;
+        for (int c = 0; c < nc; c++) {
+            const int *w = W + (long)c * k;
+            int all = 1;
+            for (int l = 0; l < k; l++)
+                if (r[l] > w[l]) {
+                    all = 0;
+                    break;
+                }
+            o[c] = (unsigned char)all;
+        }
+    }
+}
+
+typedef struct { long long start, end; } span;
+
+static int by_start(const void *a, const void *b)
+{
+    const span *x = a, *y = b;
+    if (x->start != y->start)
+        return x->start < y->start ? -1 : 1;
+    if (x->end != y->end)
+        return x->end < y->end ? -1 : 1;
+    return 0;
+}
+
+int rp_pack(int n, const int *order, const long long *size, const unsigned char *ok, long long *offset)
+{
+    span *taken = malloc(sizeof(span) * (n ? n : 1));
+    unsigned char *placed = calloc(n ? n : 1, 1);
+    if (!taken || !placed) {
+        free(taken);
+        free(placed);
+        return -1;
+    }
+    for (int x = 0; x < n; x++) {
+        int k = order[x], m = 0;
+        for (int j = 0; j < n; j++)
+            if (placed[j] && !ok[(long)k * n + j]) {
+                taken[m].start = offset[j];
+                taken[m].end = offset[j] + size[j];
+                m++;
+            }
+        qsort(taken, m, sizeof(span), by_start);
+        long long top = 0, best_gap = -1, at = -1;
+        for (int i = 0; i < m; i++) {
+            long long gap = taken[i].start - top;  /* top: the highest end of the spans before this one */
+            if (gap >= size[k] && (best_gap < 0 || gap < best_gap)) {
+                best_gap = gap;
+                at = top;
+            }
+            if (taken[i].end > top)
+                top = taken[i].end;
+        }
+        offset[k] = at >= 0 ? at : top;
+        placed[k] = 1;
+    }
+    free(taken);
+    free(placed);
+    return 0;
+}
+
+long long rp_clique(int n, int nseeds, const int *seed_ptr, const int *seed_idx, const long long *size,
+                    const unsigned char *ok)
+{
+    unsigned char *mask = malloc(n ? n : 1);
+    if (!mask)
+        return -1;
+    long long best = 0;
+    for (int f = 0; f < nseeds; f++) {
+        long long total = 0;
+        for (int j = 0; j < n; j++)
+            mask[j] = 1;
+        for (int e = seed_ptr[f]; e < seed_ptr[f + 1]; e++) {  /* the seed: buffers live together already */
+            int s = seed_idx[e];
+            total += size[s];
+            for (int j = 0; j < n; j++)
+                mask[j] = mask[j] && j != s && !ok[(long)s * n + j];
+        }
+        for (;;) {
+            int pick = -1;
+            for (int j = 0; j < n; j++)
+                if (mask[j] && (pick < 0 || size[j] > size[pick]))
+                    pick = j;
+            if (pick < 0)
+                break;
+            total += size[pick];
+            for (int j = 0; j < n; j++)
+                mask[j] = mask[j] && j != pick && !ok[(long)pick * n + j];
+        }
+        if (total > best)
+            best = total;
+    }
+    free(mask);
+    return best;
+}
