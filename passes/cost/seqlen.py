@@ -78,7 +78,7 @@ class SeqLenLimit:
 
 
 def seq_len_costs(graph: LayerGraph, hardware: Hardware, *, memory_budget: int | None = None,
-                  usable: float = 0.9, example: Any = None) -> SymbolicCosts:
+                  usable: float = 0.9, example: Any = None, optimizer: Any = None) -> SymbolicCosts:
     """The symbolic costs `max_seq_len` solves: `graph` with its LM head sharded and chunked first, as compile does.
 
     Args:
@@ -88,6 +88,8 @@ def seq_len_costs(graph: LayerGraph, hardware: Hardware, *, memory_budget: int |
         hardware: prices the ops; its device memory sets the default budget.
         memory_budget: device bytes per worker (default `usable * hardware.device_memory`).
         example: a batch to fit at (default zeros shaped like the trace's).
+        optimizer: the run's optimizer (default AdamW()): its state and master dtypes set the parameter
+            state's host bytes.
     Returns:
         A SymbolicCosts; pass it to `max_seq_len` as often as needed (it is the slow part).
 
@@ -102,7 +104,7 @@ def seq_len_costs(graph: LayerGraph, hardware: Hardware, *, memory_budget: int |
         except ValueError:  # no supported LM head: nothing to shard
             pass
     inputs = graph.flatten_inputs(example) if example is not None else _default_inputs(graph)
-    return symbolic_costs(graph, inputs, hardware)
+    return symbolic_costs(graph, inputs, hardware, optimizer=optimizer)
 
 
 class _Polys:
@@ -229,7 +231,7 @@ class _Model:
 def max_seq_len(graph_or_costs: LayerGraph | SymbolicCosts, hardware: Hardware, *, gpus: int | None = None,
                 example: Any = None, microbatch_size: int = 1, microbatches: int | None = None,
                 memory_budget: int | None = None, host_memory: int | None = None, usable: float = 0.9,
-                limit: int = 1 << 24) -> SeqLenLimit:
+                limit: int = 1 << 24, optimizer: Any = None) -> SeqLenLimit:
     """Largest sequence length S whose training fits the device and host memory, and what binds.
 
     Args:
@@ -245,6 +247,9 @@ def max_seq_len(graph_or_costs: LayerGraph | SymbolicCosts, hardware: Hardware, 
             `compile` checks the run against (`rpcompile.hostmem`), so a length this admits compiles.
         usable: the share of the device memory a worker may use (the default budget), as `compile`'s.
         limit: the largest S tried.
+        optimizer: for a LayerGraph, the run's `rpcompile.AdamW` / `SGD` (default AdamW()): its state and
+            master dtypes set the parameter state's host bytes (a SymbolicCosts has them already:
+            `seq_len_costs(..., optimizer=)`).
     Returns:
         A SeqLenLimit: `.length` (0 if even S = 1 does not fit), `.binding` (the constraint the
         next length breaks and its largest term), `.bytes`, `.capacity`, `.terms`; `str()` reads well.
@@ -257,7 +262,10 @@ def max_seq_len(graph_or_costs: LayerGraph | SymbolicCosts, hardware: Hardware, 
     host_cap = host_memory if host_memory is not None else hardware.host_memory
     sc = graph_or_costs
     if isinstance(sc, LayerGraph):
-        sc = seq_len_costs(sc, hardware, memory_budget=device_cap, example=example)
+        sc = seq_len_costs(sc, hardware, memory_budget=device_cap, example=example, optimizer=optimizer)
+    elif optimizer is not None:
+        raise ValueError("max_seq_len: optimizer= is for a LayerGraph; a SymbolicCosts has the parameter state "
+                         "of the optimizer it was fitted for (seq_len_costs(..., optimizer=))")
     if not isinstance(sc, SymbolicCosts):
         raise TypeError(f"max_seq_len needs a LayerGraph or SymbolicCosts, got {type(sc).__name__}")
     if microbatch_size < 1 or n_gpu < 1:

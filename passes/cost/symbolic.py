@@ -34,7 +34,7 @@ import math
 import operator
 from dataclasses import dataclass, replace
 from fractions import Fraction
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import sympy
 import torch
@@ -314,7 +314,7 @@ def _peak_expr(fitter: _Fitter, lives: list[tuple[int, ...]], where: str) -> sym
 
 def symbolic_costs(graph: LayerGraph, inputs: dict[str, torch.Tensor], hardware: Hardware, *,
                    make_inputs: Callable[[int, int], dict] | None = None, progress: bool = False,
-                   fp16_accumulation: bool = False) -> SymbolicCosts:
+                   fp16_accumulation: bool = False, optimizer: Any = None) -> SymbolicCosts:
     """Fit every layer's predicted costs as exact expressions in B and S.
 
     Args:
@@ -323,6 +323,8 @@ def symbolic_costs(graph: LayerGraph, inputs: dict[str, torch.Tensor], hardware:
         hardware: prices the ops (times are Max-sums of rooflines).
         make_inputs: optional (B, S) -> named inputs; default tiles/crops `inputs`.
         fp16_accumulation: fp16 GEMMs priced at the fp16-accumulate rate (`recorder.op_rate`).
+        optimizer: the run's `rpcompile.AdamW` / `SGD` (default AdamW()): its state and master dtypes set the
+            parameter state's bytes (`host_state`, `passes.cost.host_bytes.host_bytes`).
     Returns:
         A SymbolicCosts; `.at(B, S)` equals predict mode at that shape (FLOPs/bytes exactly).
     Raises:
@@ -362,12 +364,16 @@ def symbolic_costs(graph: LayerGraph, inputs: dict[str, torch.Tensor], hardware:
             cols[ph].append(once((ph, *map(id, ops)),
                                  lambda: _time_expr(fitter, ops, hardware, f"{where} {ph}", fp16_accumulation)))
             cols[f"{ph}_flops"].append(once((f"{ph}_flops", *map(id, ops)), lambda: _flops_expr(fitter, ops)))
-    state = host_bytes(graph, microbatches=1)
+    state = host_bytes(graph, microbatches=1, optimizer=optimizer)
     numel = sum(v.bytes // max(v.dtype.itemsize, 1) for v in graph.params.values())
+    master = _SHORT.get(getattr(optimizer, "master_dtype", torch.float32), "fp32")
     return SymbolicCosts(names=tuple(layer.name for layer in graph.layers), **{k: tuple(v) for k, v in cols.items()},
                          param_numel=numel, hardware=hardware,
-                         host_state=(("compute copies", state.weights), ("fp32 masters", state.masters),
+                         host_state=(("compute copies", state.weights), (f"{master} masters", state.masters),
                                      ("fp32 gradients", state.grads), ("optimizer state", state.optimizer)))
+
+
+_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}  # the masters' dtype, as printed
 
 
 def _default_inputs(graph: LayerGraph) -> dict[str, torch.Tensor]:

@@ -199,7 +199,7 @@ def preflight(config: Any, example: Any, *, gpus: int, microbatches: int, microb
     try:
         if seq_limit:
             limit, why = max_seq_len(graph, hw, gpus=gpus, microbatch_size=microbatch_size, microbatches=m,
-                                     memory_budget=budget, host_memory=hw.host_memory), None
+                                     memory_budget=budget, host_memory=hw.host_memory, optimizer=optimizer), None
     except Exception as exc:  # noqa: BLE001 - reported: the plan and the checks above still stand
         limit, why = None, f"{type(exc).__name__}: {exc}"
     return Preflight(hw, plan, program, peaks, budget, host, hw.host_memory, workers, buffers, limit, why,

@@ -103,7 +103,7 @@ def plan_model(model: str, *, gpus: int = 8, hardware: str | Hardware = "rtx4090
     # builds its own: the experts then run one after the other), found meanwhile in a child process if it may
     with Background(parallel and seq_limit, _seq_limit if seq_limit else _not_asked, model, hw, gpus=gpus,
                      microbatch_size=microbatch_size, microbatches=microbatches, frozen_base=frozen_base,
-                     built=None if frozen_base else net) as longest:
+                     built=None if frozen_base else net, optimizer=state["optimizer"]) as longest:
         return _plan(net, model, hw, state, longest, gpus=gpus, seq=seq, microbatches=microbatches,
                      microbatch_size=microbatch_size, staleness=staleness, dtype=dtype,
                      lm_head_shards=lm_head_shards, fp16_accumulation=fp16_accumulation, fused_head=fused_head)

@@ -82,6 +82,9 @@ def test_plan_prints_the_parameter_state_per_trainable_parameter_beside_the_host
             f"parameter state: {per} B per trainable parameter (compute copy 2.0, master 4.0, gradient 4.0, "
             f"optimizer state {'8.0' if dtype == 'fp32' else '4.0'}), {dtype} moments (--state-dtype)"), out
         outs[dtype] = [line for i, line in enumerate(lines) if i not in (at, at + 1) and "planned in" not in line]
+    longest = {d: next(k for k, line in enumerate(out) if line.startswith("max_seq_len")) for d, out in outs.items()}
+    tokens = {d: int(outs[d].pop(k).split(": ")[1].split(" tokens")[0].replace(",", "")) for d, k in longest.items()}
+    assert tokens["bf16"] > tokens["fp32"]  # the host binds the longest sequence: 4 bytes less a parameter
     assert outs["fp32"] == outs["bf16"]  # the rest of the output is the same
     rc, _, err = run_plan(capsys, *small, "--state-dtype", "fp16")
     assert rc == 2 and "--state-dtype" in err and len(err.strip().splitlines()) == 1, err

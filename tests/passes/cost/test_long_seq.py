@@ -16,7 +16,8 @@ import rpcompile  # noqa: E402
 from rpcompile import CostTable, Hardware, StagePlan, max_seq_len  # noqa: E402
 from rpcompile.passes import estimate_costs, trace  # noqa: E402
 from rpcompile.passes.cost.stage_memory import memory_refusal
-from rpcompile.passes.cost.host_bytes import round_saved_bytes  # noqa: E402
+from rpcompile.passes.cost.host_bytes import host_bytes, round_saved_bytes  # noqa: E402
+from rpcompile.passes.cost.seqlen import seq_len_costs  # noqa: E402
 
 pytest.importorskip("transformers")
 
@@ -109,6 +110,26 @@ def test_host_state_counts_frozen_parameters_at_their_own_dtype_only() -> None:
     assert state["optimizer state"] == 8 * trainable  # AdamW: two fp32 moments, trainable parameters only
     tight = max_seq_len(sc, Hardware.preset("cpu"), gpus=2, host_memory=sum(state.values()) - 1)
     assert tight.length == 0 and tight.binding == "host: compute copies"  # the state alone does not fit
+
+
+def test_the_longest_sequence_counts_the_parameter_state_of_the_runs_optimizer() -> None:
+    """bf16 AdamW moments (`state_dtype`) take 4 of the 8 bytes per trainable parameter: the host state
+    max_seq_len counts is what `host_bytes` counts for that optimizer, so with the host binding a longer
+    sequence fits than with fp32 moments; optimizer= with an already fitted SymbolicCosts is refused."""
+    model = M.llama(attn="sdpa")
+    graph = trace(model, M.lm_batch(batch=2, seq=16))
+    hw = Hardware.preset("cpu")
+    lean = rpcompile.AdamW(state_dtype=torch.bfloat16)
+    state = dict(seq_len_costs(graph, hw, optimizer=lean).host_state)
+    trainable = sum(p.numel() for p in model.parameters())
+    assert state["optimizer state"] == 4 * trainable
+    assert sum(state.values()) == host_bytes(graph, microbatches=1, optimizer=lean).total
+    full = dict(seq_len_costs(graph, hw).host_state)
+    cap = sum(full.values()) + 2**20  # the fp32 state and one MiB: the host binds
+    long, short = (max_seq_len(graph, hw, gpus=2, host_memory=cap, optimizer=o) for o in (lean, None))
+    assert long.length > short.length > 0 and short.binding.startswith("host")
+    with pytest.raises(ValueError, match="optimizer= is for a LayerGraph"):
+        max_seq_len(seq_len_costs(graph, hw), hw, gpus=2, optimizer=lean)
 
 
 def test_saved_inputs_on_the_host_are_a_round_plus_the_last_rounds_tail() -> None:
