@@ -22,7 +22,8 @@ import os
 
 from rpcompile.ir.clib import CLibrary
 
-LIBRARY = CLibrary("rpcompile_sim", sources=(os.path.join(os.path.dirname(os.path.abspath(__file__)), "events.c"),),
+_HERE = os.path.dirname(os.path.abspath(__file__))
+LIBRARY = CLibrary("rpcompile_sim", sources=tuple(os.path.join(_HERE, f) for f in ("events.c", "memory.c")),
                    switch="RPCOMPILE_SIM_KERNEL")
 
 
@@ -33,6 +34,8 @@ def load() -> ctypes.CDLL | None:
         ptr, i32 = ctypes.c_void_p, ctypes.c_int
         lib.rp_run_jobs.restype = ctypes.c_long
         lib.rp_run_jobs.argtypes = [i32] + [ptr] * 6 + [i32, i32] + [ptr] * 3
+        lib.rp_peaks.restype = i32
+        lib.rp_peaks.argtypes = [i32] * 4 + [ptr] * 12 + [i32, i32] + [ptr] * 3
     return lib
 
 
@@ -49,3 +52,41 @@ def run_native(lib: ctypes.CDLL, n: int, lanes, chans, cols, n_lanes: int, n_cha
     if rc < -1:
         return int(-2 - rc)
     return starts.tolist(), ends.tolist(), done
+
+
+def peaks_native(lib: ctypes.CDLL, program, costs, resident: list[set[int]], sizes: list[tuple[int, int]],
+                 consumers: dict, wk: list[int], jobs, starts: list[float], ends: list[float]) -> list[int]:
+    """`simulator._peaks_python` in C (memory.c): each worker's peak bytes, without its resident state.
+
+    Args:
+        program, costs: what was simulated; resident: per worker, the layers whose optimizer runs on it.
+        sizes: per template instruction, (bytes of the buffer it makes, bytes of workspace while it runs).
+        consumers: op -> the ops that use (and free) a same-worker buffer it makes.
+        wk, jobs, starts, ends: per job, its physical worker (-1: the host), the jobs, their simulated times.
+    """
+    from rpcompile.ir.program import Op  # noqa: PLC0415 - the kernel's loader stays free of the IR otherwise
+    instrs, nw, stages = program.instrs, program.gpus, program.plan.stages
+    kinds = list(dict.fromkeys(i.op for i in instrs))
+    code = {op: c for c, op in enumerate(kinds)}
+    frees = bytes(used in consumers.get(made, ()) for used in kinds for made in kinds)
+    slots = [(i.stage, i.round if i.op is Op.GRAD_DOWN else i.mb // program.round_size)
+             if i.op in (Op.FUSED, Op.BACKWARD, Op.GRAD_DOWN) else (-1, 0) for i in instrs]
+    rounds = max((r for _, r in slots), default=0) + 1
+    layer_sets = [frozenset(st.layers) for st in stages]
+    home = bytes(layer_sets[s] <= resident[w] for w in range(nw) for s in range(len(stages)))
+    ints = {k: array.array("i", v) for k, v in (("op", [code[i.op] for i in instrs]), ("wk", wk),
+                                              ("ptr", jobs.dep_ptr), ("idx", jobs.dep_idx or [0]),
+                                              ("stage", [s for s, _ in slots]), ("round", [r for _, r in slots]))}
+    longs = {k: array.array("q", v) for k, v in (("size", [a for a, _ in sizes]), ("work", [b for _, b in sizes]),
+                                               ("grad", [sum(costs.grad_bytes[l] for l in st.layers) for st in stages]))}
+    times = array.array("d", starts), array.array("d", ends)
+    counted = bytes(i.op not in (Op.STEP, Op.COPY) for i in instrs)
+    out = array.array("q", bytes(8 * nw))
+    addr = lambda a: a.buffer_info()[0]  # noqa: E731
+    rc = lib.rp_peaks(len(instrs), len(wk), nw, len(kinds), addr(ints["op"]), frees, addr(ints["wk"]), addr(times[0]),
+                      addr(times[1]), addr(ints["ptr"]), addr(ints["idx"]), addr(longs["size"]), addr(longs["work"]),
+                      counted, addr(ints["stage"]), addr(ints["round"]), len(stages), rounds, home,
+                      addr(longs["grad"]), addr(out))
+    if rc != 0:
+        raise MemoryError(f"the simulator's memory kernel could not allocate its work space for {len(wk)} jobs")
+    return out.tolist()

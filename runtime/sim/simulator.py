@@ -46,6 +46,7 @@ from rpcompile.ir.plan import StageKind
 from rpcompile.ir.program import COMPUTE_OPS, Instr, Lane, Op, Program
 from rpcompile.runtime.distributed import ring_allreduce_time
 from rpcompile.runtime.sim.events import Jobs, StuckError, exposed_waits, peak_usage, run_jobs
+from rpcompile.runtime.sim.native import load, peaks_native
 from rpcompile.runtime.sim.timeline import Records, Timeline
 
 MASTER_PER_PARAM_BYTE = 2   # fp32 master bytes per byte of 16-bit parameters
@@ -292,15 +293,28 @@ def _steady(ends: list[float], program: Program, makespan: float) -> float:
 
 def _peaks(program: Program, costs: CostTable, moved: _Moved, wk: list[int], jobs: Jobs, starts: list[float],
            ends: list[float]) -> tuple[int, ...]:
-    """Per worker peak bytes: resident state, parameter chunks, gradients, activations, workspace."""
-    nw, n = program.gpus, len(program.instrs)
-    stages = program.plan.stages
+    """Per worker peak bytes: resident state, parameter chunks, gradients, activations, workspace (the loop over
+    the jobs in C, `memory.c`, where the simulator's kernel is available: the same integers)."""
+    nw = program.gpus
     resident: list[set[int]] = [set() for _ in range(nw)]
     for i in program.instrs:
         if i.op is Op.STEP and i.worker >= 0:
             resident[i.worker].add(i.layer)
     base = [sum(costs.param_bytes[l] * (1 + STATE_PER_PARAM_BYTE) + costs.grad_bytes[l] for l in ls)
             for ls in resident]
+    lib = load()
+    if lib is not None:
+        got = peaks_native(lib, program, costs, resident, [_buffer_size(i, program, costs, moved) for i in program.instrs],
+                           _CONSUMERS, wk, jobs, starts, ends)
+        return tuple(b + p for b, p in zip(base, got))
+    return tuple(b + p for b, p in zip(base, _peaks_python(program, costs, moved, resident, wk, jobs, starts, ends)))
+
+
+def _peaks_python(program: Program, costs: CostTable, moved: _Moved, resident: list[set[int]], wk: list[int],
+                  jobs: Jobs, starts: list[float], ends: list[float]) -> list[int]:
+    """`_peaks`' loop over the jobs in Python, without the resident state."""
+    nw, n = program.gpus, len(program.instrs)
+    stages = program.plan.stages
     free_at = list(ends)  # a buffer lives until its last same-worker consumer ends
     ops = [i.op for i in program.instrs]
     # frees[k]: per template, the templates whose buffers instruction k uses (and frees when done), as flags
@@ -340,7 +354,7 @@ def _peaks(program: Program, costs: CostTable, moved: _Moved, wk: list[int], job
                 span[1] = ends[j]
     for (_, w, s, _), (a, b) in grads.items():
         intervals[w].append((a, b, sum(costs.grad_bytes[l] for l in stages[s].layers)))
-    return tuple(base[w] + peak_usage(intervals[w]) for w in range(nw))
+    return [peak_usage(intervals[w]) for w in range(nw)]
 
 
 def _buffer_size(i: Instr, program: Program, costs: CostTable, moved: _Moved) -> tuple[int, int]:

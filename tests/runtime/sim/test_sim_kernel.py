@@ -1,4 +1,5 @@
 """The simulator's C event loop (runtime/sim/events.c) against the Python one: the same floats, the same errors."""
+import dataclasses
 import random
 
 import pytest
@@ -75,3 +76,41 @@ def test_a_damaged_kernel_is_built_again_before_a_process_maps_it(monkeypatch, t
     assert intact(path)
     jobs = random_jobs(random.Random(7), 200)
     assert native.load() is not None and run_jobs(jobs) == run_jobs(jobs, native=False)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_c_memory_model_gives_the_python_peaks(seed, monkeypatch):
+    """`simulate`'s peak bytes per worker from memory.c equal the Python loop's, on random RoundPipe programs
+    (staleness 0 and 1, several iterations: gradient slots, buffers freed by later consumers) and on the
+    bound-stage baselines (resident optimizer state)."""
+    from rpcompile import CostTable, StagePlan
+    from rpcompile.passes import emit
+    from rpcompile.runtime import simulate
+    from rpcompile.ir.instr import Ref
+    from rpcompile.runtime.sim.baselines import gpipe, one_f_one_b
+    rng = random.Random(seed)
+    layers = rng.randint(3, 8)
+    costs = CostTable.from_lists(fwd=[rng.uniform(1, 3) for _ in range(layers)],
+                                 bwd=[rng.uniform(2, 6) for _ in range(layers)],
+                                 act_bytes=[rng.randint(1, 9) * 10**6 for _ in range(layers)],
+                                 param_bytes=[rng.randint(1, 9) * 10**7 for _ in range(layers)],
+                                 grad_bytes=[rng.randint(0, 9) * 10**7 for _ in range(layers)],
+                                 peak_bytes=[rng.randint(1, 9) * 10**6 for _ in range(layers)])
+    hw = type("HW", (), dict(h2d_bandwidth=1e9, d2h_bandwidth=1e9, optimizer_bytes_per_s=1e10))()
+    gpus = rng.choice([2, 3, 4])
+    cut = rng.randint(1, layers - 2)
+    plan = StagePlan.from_str(f"{cut},{layers - 1 - cut}|1|{layers - 1 - cut},{cut}")
+    programs = [emit(plan, gpus=gpus, microbatches=gpus * rng.choice([1, 2]), staleness=st) for st in (0, 1)]
+    programs += [gpipe(costs, gpus=2, microbatches=4), one_f_one_b(costs, gpus=2, microbatches=4)]
+    # and a dependency between compute on two workers: only a same-worker consumer frees a buffer
+    g = programs[-2]
+    extra = {"w1 B1.m1": Ref("w0 F0.m0")}
+    programs.append(dataclasses.replace(g, instrs=tuple(
+        dataclasses.replace(i, deps=i.deps + (extra[i.name],)) if i.name in extra else i for i in g.instrs)))
+    for program in programs:
+        monkeypatch.setenv("RPCOMPILE_SIM_KERNEL", "1")
+        assert native.load() is not None
+        c = simulate(program, costs, hw, iterations=3)
+        monkeypatch.setenv("RPCOMPILE_SIM_KERNEL", "0")
+        py = simulate(program, costs, hw, iterations=3)
+        assert c.peak_memory == py.peak_memory and max(c.peak_memory) > 0
