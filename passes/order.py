@@ -4,9 +4,13 @@ An instance is (window iteration, instruction name). Instance a happens before b
 completion dependencies (`Ref`s, resolved per the Program Note) and lane order (a physical lane
 runs its instructions one at a time, iteration t's before t+1's, workers rotating by
 `Program.shift`) leads from a to b. Then b starts after a has finished on every interleaving of
-the workers and lanes; any other pair may run in either order or at once. The host buffer
-assignment (`runtime.host.assign`) reads it. (The verifier keeps its own ancestor bitsets over
-every lane: for its many single queries that is faster.)
+the workers and lanes; any other pair may run in either order or at once. The verifier
+(`passes.verify`, its path rules over every lane) and the host buffer assignment
+(`runtime.host.assign`, the uploads' lanes) read it.
+
+The window's edges are built with tensor operations and the clocks in C (order.c, built once per
+machine like the planner's kernel; `RPCOMPILE_ORDER_KERNEL=0` or no compiler: the same integers in
+Python): for a paper model's two iterations (28,632 instances) about 0.05 s.
 
     >>> from rpcompile.passes import emit
     >>> from rpcompile.ir.plan import StagePlan

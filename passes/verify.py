@@ -18,19 +18,20 @@ from collections import Counter
 from rpcompile.ir.costs import CostTable
 from rpcompile.ir.plan import StageKind
 from rpcompile.ir.program import CHUNK_OPS, COMPUTE_OPS, HOST_OPS, MB_OPS, Instr, Op, Program, ProgramError
+from rpcompile.passes.order import HappensBefore
 
 FIRST = 2  # logical iteration of the window's first instance (>= every `since` in use)
 
 
 class _Ctx:
-    """Shared facts: names, the two-iteration window and its ancestor bitsets."""
+    """Shared facts: names, the two-iteration window and its happens-before (`passes.order`)."""
 
     def __init__(self, program: Program, costs: CostTable | None, budget: int | None) -> None:
         self.p, self.costs, self.budget = program, costs, budget
         self.n, self.stages = program.gpus, program.plan.stages
         self.ns, self.rr = len(self.stages), program.round_size
         self.pos = {i.name: k for k, i in enumerate(program.instrs)}
-        self._anc: list[int] | None = None
+        self._order: HappensBefore | None = None
         self.slots: dict[tuple, list[Instr]] = {}
         for i in program.instrs:
             if not i.is_host:
@@ -45,31 +46,15 @@ class _Ctx:
         """Window node id of the instance of `name` in window iteration t (0 or 1)."""
         return t * len(self.p.instrs) + self.pos[name]
 
-    def anc(self) -> list[int]:
-        """Ancestor bitsets of the window's nodes (deps + lane order), built once."""
-        if self._anc is None:
-            size, anc, lane_last = len(self.p.instrs), [], {}
-            for t in range(2):
-                shift = t * self.p.shift
-                for k, i in enumerate(self.p.instrs):
-                    a = 0
-                    for d in i.deps:
-                        u, logical = t - d.back, FIRST + t
-                        if u >= 0 and logical >= d.since:
-                            v = u * size + self.pos[d.name]
-                            a |= anc[v] | (1 << v)
-                    key = (-1 if i.is_host else (i.worker + shift) % self.n, i.lane)
-                    if key in lane_last:
-                        v = lane_last[key]
-                        a |= anc[v] | (1 << v)
-                    lane_last[key] = len(anc)
-                    anc.append(a)
-            self._anc = anc
-        return self._anc
+    def order(self) -> HappensBefore:
+        """The happens-before of the window (deps + lane order, every lane), built once."""
+        if self._order is None:
+            self._order = HappensBefore(self.p, first=FIRST, iterations=2)
+        return self._order
 
     def before(self, a: tuple[int, str], b: tuple[int, str]) -> bool:
         """Whether instance a = (window iteration, name) is ordered before instance b."""
-        return bool(self.anc()[self.node(*b)] >> self.node(*a) & 1)
+        return self.order().before(a, b)
 
     def need(self, rule: str, a: tuple[int, str], b: tuple[int, str], what: str) -> None:
         """Fail `rule` at b unless a is ordered before b."""
