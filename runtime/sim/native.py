@@ -21,6 +21,7 @@ import ctypes
 import os
 
 from rpcompile.ir.clib import CLibrary
+from rpcompile.ir.program import Op
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 LIBRARY = CLibrary("rpcompile_sim", sources=tuple(os.path.join(_HERE, f) for f in ("events.c", "memory.c")),
@@ -64,7 +65,6 @@ def peaks_native(lib: ctypes.CDLL, program, costs, resident: list[set[int]], siz
         consumers: op -> the ops that use (and free) a same-worker buffer it makes.
         wk, jobs, starts, ends: per job, its physical worker (-1: the host), the jobs, their simulated times.
     """
-    from rpcompile.ir.program import Op  # noqa: PLC0415 - the kernel's loader stays free of the IR otherwise
     instrs, nw, stages = program.instrs, program.gpus, program.plan.stages
     kinds = list(dict.fromkeys(i.op for i in instrs))
     code = {op: c for c, op in enumerate(kinds)}
