@@ -72,3 +72,30 @@ def test_on_one_core_the_value_is_computed_here():
             "with Background(True, os.getpid) as job:\n"
             "    assert job.proc is None and job.result() == os.getpid()\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def _threads() -> int:
+    import torch
+    return torch.get_num_threads()
+
+
+@forks
+def test_while_the_child_runs_this_process_leaves_it_a_core():
+    """Two processes on all the cores would oversubscribe them: the caller runs one torch thread fewer (at least
+    one) while the child works, and gets its threads back when the child is done, or closed, or if it dies."""
+    import torch
+    before = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0))
+    torch.set_num_threads(cores)
+    try:
+        with Background(True, _threads) as job:
+            assert torch.get_num_threads() == max(1, cores - 1)
+            assert job.result() == 1  # the child's one thread
+        assert torch.get_num_threads() == cores
+        with Background(True, time.sleep, 60):
+            assert torch.get_num_threads() == max(1, cores - 1)
+        assert torch.get_num_threads() == cores
+        with Background(True, killed_unless_in, os.getpid()) as job:
+            assert job.result() == "here" and torch.get_num_threads() == cores
+    finally:
+        torch.set_num_threads(before)
