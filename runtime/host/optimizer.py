@@ -201,8 +201,10 @@ class HostState(GradStats, StateIO):
         return opt
 
     def _step_entry(self, name: str) -> dict[str, Tensor]:
-        """AdamW's `step` entry of torch's optimizer state ({} for SGD)."""
-        return {"step": torch.tensor(float(self.counts[name]))} if isinstance(self.config, AdamW) else {}
+        """AdamW's `step` entry of torch's optimizer state; SGD has one only with a bf16 master, whose rounding
+        keys count the steps (else {}: torch's SGD state has none)."""
+        counted = isinstance(self.config, AdamW) or master_dtype(self.config) != torch.float32
+        return {"step": torch.tensor(float(self.counts[name]))} if counted else {}
 
     @classmethod
     def from_graph(cls, graph: Any, **kwargs: Any) -> HostState:

@@ -29,7 +29,7 @@ def allocated(state: HostState) -> dict[str, int]:
             state.step(layer)
     flat = state.flat
     for n, m in state.master.items():  # the parameters' tensors and the optimizer's state are views of them
-        assert m.data_ptr() - flat.masters[flat.group[n]].data_ptr() == 4 * state.layout.master[n]
+        assert m.data_ptr() - flat.masters[flat.group[n]].data_ptr() == m.element_size() * state.layout.master[n]
         assert all(t.untyped_storage().data_ptr() == flat.moments[flat.group[n]][k].data_ptr()
                    for k, t in flat.moment[n].items())
     assert all(t.untyped_storage().data_ptr() == state.blocks[state.where[n][0]].data_ptr()
@@ -181,6 +181,37 @@ def test_bytes_count_the_alignment_gaps_of_odd_shapes(dtype, state_dtype):
     assert allocated(state)["masters"] == need.masters > views  # the gaps are real and counted
     assert allocated(state) == dict(weights=need.weights, masters=need.masters, grads=need.grads,
                                     optimizer=need.optimizer)
+
+
+@pytest.mark.parametrize("optimizer", [rpcompile.AdamW(lr=1e-3, master_dtype=torch.bfloat16),
+                                       rpcompile.AdamW(lr=1e-3, state_dtype=torch.bfloat16, master_dtype=torch.bfloat16),
+                                       rpcompile.SGD(lr=0.1, momentum=0.9, master_dtype=torch.bfloat16)],
+                         ids=["adamw", "adamw-bf16-state", "sgd-momentum"])
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_bytes_of_a_bf16_master_match_what_host_state_allocates_odd_shapes_included(optimizer, dtype):
+    cfg = LlamaConfig(vocab=37, dim=18, layers=1, heads=3, kv_heads=1, ffn=30, max_seq=32)  # 18: gaps
+    ids = torch.randint(0, 37, (2, 8), generator=torch.Generator().manual_seed(0))
+    graph = trace(TinyLlama(cfg), {"input_ids": ids, "labels": ids})
+    need = host_bytes(graph, microbatches=2, optimizer=optimizer, dtype=dtype)
+    state = HostState.from_graph(graph, optimizer=optimizer, dtype=dtype)
+    assert all(t.dtype == torch.bfloat16 for t in state.flat.masters)
+    assert need.masters * 2 == need.grads > 2 * sum(t.nbytes for t in state.master.values())  # 2 B, gaps counted
+    assert allocated(state) == dict(weights=need.weights, masters=need.masters, grads=need.grads,
+                                    optimizer=need.optimizer)
+    assert "bf16 masters" in str(need) and "fp32 masters" not in str(need)
+
+
+@pytest.mark.parametrize("state_dtype, per_param", [(torch.float32, 16.0), (torch.bfloat16, 12.0)])
+def test_a_bf16_master_costs_two_bytes_per_trainable_parameter_instead_of_four(state_dtype, per_param):
+    model = torch.nn.Linear(1024, 1024)  # multiples of 16: no alignment gaps
+    opt = rpcompile.AdamW(state_dtype=state_dtype, master_dtype=torch.bfloat16)
+    need = host_bytes(model, microbatches=1, optimizer=opt, dtype=torch.bfloat16)
+    assert need.state_per_param == per_param and need.masters == 2 * need.trainable
+    assert f"parameter state: {per_param:.1f} B per trainable parameter (compute copy 2.0, master 2.0, " \
+           f"gradient 4.0, " in need.per_param_line()
+    sgd = host_bytes(model, microbatches=1, optimizer=rpcompile.SGD(lr=0.1, master_dtype=torch.bfloat16),
+                     dtype=torch.bfloat16)
+    assert sgd.state_per_param == 8.0  # compute copy 2, bf16 master 2, gradient 4, no momentum
 
 
 def test_with_a_hardware_target_the_round_size_is_chosen_among_those_the_host_holds():
