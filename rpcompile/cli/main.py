@@ -4,6 +4,7 @@
     python -m rpcompile plan --model llama3.1-8b --gpus 8 --hardware rtx4090 --seq 2048 --microbatches 16
     python -m rpcompile plan --model qwen3-32b --host-memory 1024 --micro-batch-size 2
     python -m rpcompile plan --model qwen3-32b --state-dtype bf16   # bf16 AdamW moments: 14 B/param, not 18
+    python -m rpcompile plan --model qwen3-32b --state-dtype bf16 --master-dtype bf16   # and a bf16 master: 12
     python -m rpcompile simulate --program program.csv [--costs costs.json] --hardware rtx4090
     python -m rpcompile train --config run.json          # train --help lists the config keys
     python -m rpcompile finetune --model DIR --data train.jsonl --out DIR [--lora 8] [--save-every 100]
@@ -36,7 +37,7 @@ from rpcompile.models.presets import MODELS
 from rpcompile.cli.train import RunConfig, config_help, train
 from rpcompile.ir.costs import CostTable
 from rpcompile.ir.hardware import Hardware
-from rpcompile.ir.optim import STATE_DTYPES
+from rpcompile.ir.optim import MASTER_DTYPES, STATE_DTYPES
 from rpcompile.ir.program import Program
 from rpcompile.runtime import RuntimeFailure, simulate
 
@@ -78,7 +79,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     r = plan_model(args.model, gpus=args.gpus, hardware=args.hardware, seq=args.seq,
                    microbatches=args.microbatches, staleness=args.staleness, frozen_base=args.frozen_base,
                    host_memory=limit, microbatch_size=args.micro_batch_size,
-                   state_dtype=STATE_DTYPES[args.state_dtype])  # raises (exit 2) over the host
+                   state_dtype=STATE_DTYPES[args.state_dtype],
+                   master_dtype=MASTER_DTYPES[args.master_dtype])  # raises (exit 2) over the host
     n = args.micro_batch_size
     size = f"{r.params / 1e9:.2f}B" if r.params >= 1e8 else f"{r.params / 1e6:.2f}M"
     print(f"{args.model}: {size} parameters, {len(r.costs)} layers, "
@@ -87,7 +89,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(r.plan, "", r.table(), "", sep="\n")
     source = "--host-memory" if limit is not None else f"{args.hardware} preset"
     print(f"host memory: {r.host} needed of {r.host_memory / 2**30:,.1f} GiB ({source}): fits")
-    print(f"{r.host.per_param_line()}, {args.state_dtype} moments (--state-dtype)")
+    print(f"{r.host.per_param_line()}, {args.state_dtype} moments (--state-dtype)"
+          f"{', bf16 master (--master-dtype)' if args.master_dtype == 'bf16' else ''}")
     where = f"{args.gpus}x {args.hardware}, {n} sequence{'s' if n > 1 else ''} per microbatch"
     if r.max_seq is not None:  # the length, then what stops a longer one (SeqLenLimit's str)
         print(f"max_seq_len on {where}: {r.max_seq}")
@@ -158,6 +161,9 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--state-dtype", choices=tuple(STATE_DTYPES), default="fp32",
                     help="AdamW's moments: fp32 (default, 18 B per trainable parameter) or bf16 (14 B: stochastically "
                     "rounded, the update in fp32)")
+    pl.add_argument("--master-dtype", choices=tuple(MASTER_DTYPES), default="fp32",
+                    help="AdamW's master weights: fp32 (default) or bf16 (2 B less per trainable parameter: no fp32 "
+                    "master; updated in fp32, stored with stochastic rounding)")
     pl.add_argument("--host-memory", type=float, metavar="GiB",
                     help="host memory of the target machine in GiB (default: the hardware preset's)")
     pl.add_argument("--save-program", help="write the program (CSV) and costs (JSON) here")

@@ -88,6 +88,15 @@ def test_plan_prints_the_parameter_state_per_trainable_parameter_beside_the_host
     assert outs["fp32"] == outs["bf16"]  # the rest of the output is the same
     rc, _, err = run_plan(capsys, *small, "--state-dtype", "fp16")
     assert rc == 2 and "--state-dtype" in err and len(err.strip().splitlines()) == 1, err
+    rc, out, err = run_plan(capsys, *small, "--state-dtype", "bf16", "--master-dtype", "bf16")
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("host memory:"))
+    assert rc == 0 and lines[at + 1] == (
+        "parameter state: 12.0 B per trainable parameter (compute copy 2.0, master 2.0, gradient 4.0, optimizer "
+        "state 4.0), bf16 moments (--state-dtype), bf16 master (--master-dtype)"), out
+    assert "bf16 masters" in lines[at]
+    rc, _, err = run_plan(capsys, *small, "--master-dtype", "fp16")
+    assert rc == 2 and "--master-dtype" in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_plan_host_memory_overrides_the_preset(capsys):

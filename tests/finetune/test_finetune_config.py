@@ -230,12 +230,13 @@ def test_a_model_folder_whose_config_cannot_build_the_model_is_refused_naming_th
     assert f"{folder / 'config.json'}: {words}" in err and not (tmp_path / "out").exists(), err
 
 
-def test_state_dtype_is_a_flag_and_a_key_checked_by_name(tmp_path, capsys):
-    assert config(*sum((["--" + k, v] for k, v in PATHS.items()), [])).state_dtype == "fp32"  # the default
-    assert config(*sum((["--" + k, v] for k, v in PATHS.items()), []), "--state-dtype", "bf16").state_dtype == "bf16"
-    rec = write(tmp_path / "run.json", {**PATHS, "state_dtype": "bf16"})
-    assert config("--config", rec).state_dtype == "bf16"
-    bad = write(tmp_path / "bad.json", {**PATHS, "state_dtype": "fp16", "steps": 1})
-    assert "--state-dtype must be one of ('fp32', 'bf16'), got 'fp16'" in one_line(capsys, "--config", bad)
-    assert "--state-dtype" in one_line(capsys, *sum((["--" + k, v] for k, v in PATHS.items()), []),
-                                       "--state-dtype", "int8")
+@pytest.mark.parametrize("key", ["state_dtype", "master_dtype"])
+def test_state_and_master_dtypes_are_flags_and_keys_checked_by_name(tmp_path, capsys, key):
+    flag, paths = "--" + key.replace("_", "-"), sum((["--" + k, v] for k, v in PATHS.items()), [])
+    assert getattr(config(*paths), key) == "fp32"  # the default
+    assert getattr(config(*paths, flag, "bf16"), key) == "bf16"
+    rec = write(tmp_path / "run.json", {**PATHS, key: "bf16"})
+    assert getattr(config("--config", rec), key) == "bf16"
+    bad = write(tmp_path / "bad.json", {**PATHS, key: "fp16", "steps": 1})
+    assert f"{flag} must be one of ('fp32', 'bf16'), got 'fp16'" in one_line(capsys, "--config", bad)
+    assert flag in one_line(capsys, *paths, flag, "int8")

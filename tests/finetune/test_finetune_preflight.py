@@ -57,6 +57,11 @@ def test_dry_run_prints_the_parameter_state_of_the_state_dtype(files, tmp_path, 
         per[dtype] = float(line.split()[2])
     assert per["fp32"] - per["bf16"] == 4.0  # two moments of 2 bytes instead of 4
     assert not (tmp_path / "o").exists()
+    assert run(files, tmp_path / "o", "--dry-run", "--state-dtype", "bf16", "--master-dtype", "bf16") == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("parameter state: "))
+    assert line.endswith(", bf16 moments (--state-dtype), bf16 master (--master-dtype)"), line
+    assert per["bf16"] - float(line.split()[2]) == 2.0 and "master 2.0" in line  # a bf16 master: 2 bytes, not 4
+    assert not (tmp_path / "o").exists()
 
 
 def test_a_host_too_small_is_refused_before_the_weights_load(files, tmp_path, monkeypatch, capsys):

@@ -196,13 +196,14 @@ def test_resume_takes_the_model_folder_however_its_path_is_spelled(files, tmp_pa
                                     chat_template=str(tmp_path / "chat.jinja")))
 
 
-def test_the_run_record_holds_the_state_dtype_and_a_resume_with_another_is_refused_naming_both(files, tmp_path):
+@pytest.mark.parametrize("key", ["state_dtype", "master_dtype"])
+def test_the_run_record_holds_the_state_dtypes_and_a_resume_with_another_is_refused_naming_both(files, tmp_path, key):
     out = tmp_path / "run"
     out.mkdir()
-    cfg = FinetuneConfig(model=files.model, data=files.train, out=str(out), state_dtype="bf16")
-    assert run_settings(cfg)["state_dtype"] == "bf16"
+    cfg = FinetuneConfig(model=files.model, data=files.train, out=str(out), **{key: "bf16"})
+    assert run_settings(cfg)[key] == "bf16"
     (out / RUN_FILE).write_text(json.dumps({"settings": run_settings(cfg), "data": {}}))
     (out / CHECKPOINT).write_bytes(b"a checkpoint")
-    check_resume(FinetuneConfig(model=files.model, data=files.train, out=str(out), state_dtype="bf16", resume=True))
-    with pytest.raises(ValueError, match="the settings differ .*state_dtype='bf16' then, 'fp32' now"):
+    check_resume(FinetuneConfig(model=files.model, data=files.train, out=str(out), resume=True, **{key: "bf16"}))
+    with pytest.raises(ValueError, match=f"the settings differ .*{key}='bf16' then, 'fp32' now"):
         check_resume(FinetuneConfig(model=files.model, data=files.train, out=str(out), resume=True))
