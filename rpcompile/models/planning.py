@@ -117,7 +117,7 @@ def _plan(net, model: str, hw: Hardware, state: dict, longest: Background, *, gp
     longest sequence comes from `longest`."""
     example = example_batch(net.config.vocab_size, microbatches * microbatch_size, seq)
     opts = Options(gpus=gpus, microbatches=microbatches, staleness=staleness,
-                   optimizer=None, dtype=dtype, loss_fn=None, layers=None,
+                   optimizer=state["optimizer"], dtype=dtype, loss_fn=None, layers=None,  # its state's bytes
                    lm_head_shards=lm_head_shards, hardware=hw, memory_budget=None, backend="host", seed=0,
                    fp16_accumulation=fp16_accumulation, fused_head=fused_head)
     graph, costs, plan, program, m, _, chosen, assignment = compile_passes(net, example, opts, mode="predict")

@@ -99,6 +99,17 @@ def test_plan_prints_the_parameter_state_per_trainable_parameter_beside_the_host
     assert rc == 2 and "--master-dtype" in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_plan_plans_with_the_lean_state_it_is_given(capsys):
+    # 30 GiB holds the lean run (21 GiB) but not the default one (30.6 GiB): each plan counts its own state,
+    # the round-size choice and the final check included (before, the planner counted an fp32 AdamW's)
+    pytest.importorskip("transformers")
+    small = ("--model", "qwen3-1.7b", "--gpus", "4", "--seq", "256", "--microbatches", "4", "--host-memory", "30")
+    rc, _, err = run_plan(capsys, *small)
+    assert rc == 2 and "fp32 masters" in err and len(err.strip().splitlines()) == 1, err
+    rc, out, err = run_plan(capsys, *small, "--state-dtype", "bf16", "--master-dtype", "bf16")
+    assert rc == 0 and "bf16 masters" in out and "GiB (--host-memory): fits" in out, err
+
+
 def test_plan_host_memory_overrides_the_preset(capsys):
     pytest.importorskip("transformers")
     small = ("--model", "qwen3-1.7b", "--gpus", "4", "--seq", "256", "--microbatches", "4")
