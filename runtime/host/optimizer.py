@@ -2,7 +2,8 @@
 
 Host memory is the home of all model state. Per parameter `HostState` keeps a
 compute copy in the training dtype (what uploads read), and for a trainable
-parameter an fp32 master, optimizer state and an fp32 gradient buffer: views into
+parameter a master (fp32, or bf16 with `master_dtype=torch.bfloat16`: a buffer of its own, the compute
+copy stays separate), optimizer state and an fp32 gradient buffer: views into
 one flat buffer each per layer group (`rpcompile.ir.host_layout`, runtime/host/flat.py).
 The optimizer works per layer group: `groups[l]` holds the parameters that
 STEP "O.l" updates and COPY "C.l" refreshes. A tied parameter has one entry and
@@ -69,7 +70,7 @@ def _no_hook(layer: int) -> None:
 
 
 class HostState(GradStats, StateIO):
-    """Compute copies, fp32 masters, optimizer state and gradient buffers on the host.
+    """Compute copies, masters (fp32 or bf16), optimizer state and gradient buffers on the host.
 
     Args:
         params: canonical name -> tensor (e.g. dict(model.named_parameters()) without
