@@ -52,7 +52,7 @@ class IssueHandlers(ComputeHandlers):
         graph, io (stage_io), layouts (stage_layouts), capacity (slot_capacities), tracked (layer ->
         host copies of its running statistics), runners (a LayerRunner per worker), workers, host_pool,
         state (the compute-copy blocks P reads), ctx (StreamContext: stats), drop (test switch),
-        board (IssueBoard), its (Iterations), host (HostLanes: the pinned gradient staging G fills),
+        board (IssueBoard), its (Iterations), host (HostLanes: the pinned gradient staging ring G fills),
         planned (`runtime.host.buffers.pool_buffers`: host pool key -> (shape, dtype), the buffers D binds),
         arena_readers (the host arena's buffers, `runtime.host.assign`: key -> the reads its live range
         covers), poison (test mode: on host workers an arena buffer is poisoned in the stream of the read
@@ -289,20 +289,20 @@ class IssueHandlers(ComputeHandlers):
             poison(hv.handle.get())
 
     def _grad_down(self, t: int, ins, w: int) -> tuple:
-        """G: download a chunk of the slot's gradient buffers into the stage's pinned staging buffers."""
+        """G: download a chunk of the slot's gradient buffers into its unit's pinned ring buffer of the staging."""
         gd = self.workers[w].streams["grad_down"]
         slot = self.slots[(t, ins.stage, ins.round)]
-        staging = self.host.staging_for(t, ins, gd)
-        ranges, grad_flat = self.layouts[ins.stage].downloads[ins.chunk], slot.grad_flat
+        staging, copies = self.host.staging_for(t, ins, gd)
+        grad_flat = slot.grad_flat
 
         def run() -> None:
-            for d, lo, hi in ranges:
-                staging[d][lo:hi].copy_(grad_flat[d].get()[lo:hi], non_blocking=True)
+            for d, src, dst, n in copies:
+                staging[d][dst:dst + n].copy_(grad_flat[d].get()[src:src + n], non_blocking=True)
         label = self.its.label(t, ins, w)
         gd.submit(run, label, t)
         ev = gd.record(t, label)
         slot.last["grad_down"] = ev
-        self.ctx.stats.add(t, "bytes_to_host", sum((hi - lo) * _size(d) for d, lo, hi in ranges))
+        self.ctx.stats.add(t, "bytes_to_host", sum(n * _size(d) for d, _, _, n in copies))
         return (ev,)
 
     def _release(self, t: int, ins, w: int) -> tuple:

@@ -3,9 +3,10 @@
 Three threads per runtime, each walking one iteration's host work in the
 program's order (which makes the fp32 gradient sums bit-reproducible):
 
-- accumulate: once a round's gradient downloads (G chunks) are done (one host
-  wait per round), add each slot's pinned staging buffer into the fp32
-  gradients, once per parameter, and free it for the stage's next slot;
+- accumulate: unit by unit in program order (`runtime.host.staging`), once the
+  unit's gradient downloads (G chunks) are done (one host wait per unit), add
+  its ring buffer into the fp32 gradients, once per parameter, and free the
+  buffer for the unit K later;
 - optimizer: STEP.l after every gradient of group l is accumulated (R3, the
   first step of an iteration after all of them: its commit point); with
   staleness 0 it also writes the compute copies in the update's pass, so it
@@ -15,7 +16,7 @@ program's order (which makes the fp32 gradient sums bit-reproducible):
   is backed up until the iteration commits, so a failure can be undone.
 
 `HostLanes` owns these threads and everything they keep between iterations;
-the issuers reach it only for a host event (R2) and a stage's staging buffers.
+the issuers reach it only for a host event (R2) and a G chunk's staging buffer.
 """
 from __future__ import annotations
 
@@ -28,8 +29,10 @@ import torch
 
 from rpcompile.ir.program import Op
 from rpcompile.runtime.host.pinned import pinned_zeros
-from rpcompile.runtime.streams.pool import poison
+from rpcompile.runtime.host.staging import StagingPlan
+from rpcompile.runtime.streams.pool import poison as fill_poison
 from rpcompile.runtime.program_info import EVAL_BASE
+from rpcompile.runtime.stage.cuts import chunk_elements, stage_io
 from rpcompile.runtime.streams.host import Abort, DeadlineExceeded, HostEvent, wait_all
 from rpcompile.runtime.transfer import LaneThread, NonFiniteError
 
@@ -58,9 +61,12 @@ class HostLanes:
     Owns:
         lanes: "accumulate", "optimizer", "copy" -> its LaneThread (the caller may queue work on one,
             e.g. a learning-rate change between optimizer steps).
-        events: (t, name) -> HostEvent of each STEP, COPY, G accumulation and staging slot's release.
-        staging: stage -> the gradient staging buffers (per dtype) its G chunks fill, pinned at their exact
-            size by `pin` (a PinnedAllocator) where the workers are CUDA (`runtime.host.buffers` counts them).
+        events: (t, name) -> HostEvent of each STEP, COPY, G accumulation and staging unit's release
+            ("free u{j}").
+        plan: the StagingPlan (`runtime.host.staging`): the accumulation units and the ring's K.
+        staging: ring buffer -> its gradient staging buffers (per dtype), allocated here once, pinned at
+            their exact size by `pin` (a PinnedAllocator) where the workers are CUDA (`runtime.host.buffers`
+            counts them).
         committed: iterations < this have passed their commit point (their first STEP): no undo.
         skipped: iterations skipped for a non-finite loss or gradient (on_nonfinite="skip").
         backups: iteration -> compute-copy blocks its COPYs overwrote before it committed (staleness 1),
@@ -80,7 +86,15 @@ class HostLanes:
         self.on_nonfinite = on_nonfinite
         self.lanes = {name: LaneThread(f"h/{name}", lambda f: f()) for name in ("accumulate", "optimizer", "copy")}
         self.events: dict[tuple, HostEvent] = {}
-        self.staging: dict[int, dict] = {}
+        self.plan = _staging_plan(graph, its.program, state, layouts)
+        self.staging = {b: {d: pinned_zeros(n, d, pin) for d, n in self.plan.sizes.items()}  # once, exact sizes
+                        for b in range(self.plan.k)}
+        ctx.stats.add(None, "host_allocations", self.plan.k * len(self.plan.sizes))
+        if poison:
+            for bufs in self.staging.values():
+                for buf in bufs.values():
+                    fill_poison(buf)
+        self._copies = _copies(self.plan, layouts)
         self.committed = its.first
         self.skipped: list[int] = []
         self._backups: dict[int, dict] = {}
@@ -90,12 +104,14 @@ class HostLanes:
 
     # -- for Runtime, the issuers and Recovery ---------------------------------------------------------
     def make_events(self, t: int, info: Any) -> None:
-        """Create iteration t's host events: each STEP and COPY, each G's accumulation, each staging slot."""
+        """Create iteration t's host events: each STEP and COPY, each G's accumulation, each staging unit."""
         for i in info.program.instrs:
             if i.is_host or i.op is Op.GRAD_DOWN:
                 self.events[(t, i.name)] = HostEvent(self.ctx, t, f"{i.name} (iteration {t})")
-        for stage, rnd in info.grad_slots:
-            self.events[(t, f"free {stage}.{rnd}")] = HostEvent(self.ctx, t, f"staging of stage {stage} round {rnd}")
+        if info.grads:
+            for j, u in enumerate(self.plan.units):
+                self.events[(t, f"free u{j}")] = HostEvent(self.ctx, t, f"staging unit {j} (stage {u.stage} "
+                                                                        f"round {u.round}, iteration {t})")
 
     def submit(self, t: int) -> None:
         """Queue iteration t's body on each lane (after `make_events`)."""
@@ -134,36 +150,28 @@ class HostLanes:
         with self._lock:
             self.ctx.failure.fail(t + 1 if t < EVAL_BASE and self.committed > t else t, "step", exc)
 
-    def staging_for(self, t: int, ins, stream: Any) -> dict:
-        """The stage's pinned gradient staging buffers; the first chunk of a slot waits for the previous slot."""
-        bufs = self.staging.get(ins.stage)
-        if bufs is None:
-            lay = self.layouts[ins.stage]
-            bufs = {d: pinned_zeros(n, d, self.pin) for d, n in lay.grad_sizes.items()}  # exact size
-            if self.poison:
-                for b in bufs.values():
-                    poison(b)
-            self.ctx.stats.add(t, "host_allocations", len(bufs))
-            self.staging[ins.stage] = bufs
-        info = self.its.info_of(t)
-        if ins.chunk == info.first_chunk[ins.stage]:
-            prev = (t, ins.round - 1) if ins.round > 0 else (t - 1, info.program.rounds - 1)
-            ev = self.events.get((prev[0], f"free {ins.stage}.{prev[1]}")) if prev[0] >= self.its.first else None
+    def staging_for(self, t: int, ins, stream: Any) -> tuple[dict, tuple]:
+        """A G chunk's ring buffer (per dtype) and its copies (dtype, from, to, elements): from the slot's
+        gradient buffer to the buffer. The first chunk of a unit makes `stream` wait until the buffer's
+        previous unit (K units earlier) is accumulated."""
+        j = self.plan.unit_of[ins.name]
+        if ins.name == self.plan.units[j].chunks[0]:
+            prev = self.plan.waits_for(t, j)
+            ev = self.events.get((prev[0], f"free u{prev[1]}")) if prev[0] >= self.its.first else None
             stream.wait(ev, t)
-        return bufs
+        return self.staging[self.plan.buffer(t, j)], self._copies[ins.name]
 
     # -- the lanes' work ---------------------------------------------------------------------------------
     def _lane_accumulate(self, t: int) -> None:
-        """Accumulate iteration t's gradients into the fp32 buffers: round by round, slots in program order.
+        """Accumulate iteration t's gradients into the fp32 buffers: unit by unit, in program order.
 
-        One host wait per round: for every gradient download of the round (their slots end at
-        different times on different workers; the optimizer needs all of them anyway).
+        One host wait per unit: for its gradient downloads (test switch "grad_down>step" drops it).
         """
         info = self.its.info_of(t)
-        for rnd in range(info.program.rounds):
-            gs = [g for g in info.grads if g.round == rnd]
+        for j, u in enumerate(self.plan.units):
             events = []
-            for g in gs:
+            for name in u.chunks:
+                g = info.by_name[name]
                 with naming(self.its.label(t, g, self.its.worker_of(t, g))):
                     events += list(self.board.get((t, g.name), t, f"h accumulate {g.short}"))
                     for key in self.its.keys(t, g, info):
@@ -171,29 +179,24 @@ class HostLanes:
                             self.events[key].wait()
             if "grad_down>step" not in self.drop:
                 wait_all(events, self.ctx, t)
-            slot: list[str] = []
-            for g in gs:
-                slot.append(g.name)
-                if g.name in info.last_chunk:
-                    with naming(self.its.label(t, g, self.its.worker_of(t, g))):
-                        self._accumulate_slot(t, g, slot)
-                    slot = []
+            with naming(self.its.label(t, g, self.its.worker_of(t, g))):
+                self._accumulate_unit(t, j, u)
 
-    def _accumulate_slot(self, t: int, g, names: list[str]) -> None:
-        """Add one slot's staging buffers into the fp32 gradients; free the staging for the next slot."""
-        bufs, lay = self.staging[g.stage], self.layouts[g.stage]
+    def _accumulate_unit(self, t: int, j: int, u) -> None:
+        """Add unit j's ring buffer into the fp32 gradients; free the buffer for the unit K later."""
+        bufs, shapes = self.staging[self.plan.buffer(t, j)], self.layouts[u.stage].grads
         check = self.state.scaler is None  # fp16 dynamic loss scaling handles inf/nan itself
-        for name, s in lay.grads.items():
-            part = bufs[s.dtype][s.offset:s.offset + s.numel].view(s.shape)
+        for name, (d, off, n) in u.grads.items():
+            part = bufs[d][off:off + n].view(shapes[name].shape)
             finite = self.state.accumulate_grad(name, part)  # the finite check is in the pass that adds it
             if check and not finite:
                 grp = self.state.group_of[self.state.canonical(name)]
                 self._bad[t] = min(self._bad.get(t, grp), grp)
         if self.poison:
             for b in bufs.values():
-                poison(b)
-        self.events[(t, f"free {g.stage}.{g.round}")]._set()
-        for name in names:
+                fill_poison(b)
+        self.events[(t, f"free u{j}")]._set()
+        for name in u.chunks:
             self.events[(t, name)]._set()
 
     def _lane_optimizer(self, t: int) -> None:
@@ -318,3 +321,33 @@ class HostLanes:
             pass
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
             self.ctx.failure.fail(t, getattr(exc, "rp_instr", None) or body.__name__.replace("_lane_", "h "), exc)
+
+
+def _staging_plan(graph: Any, program: Any, state: Any, layouts: Any) -> StagingPlan:
+    """The StagingPlan of `program` (`runtime.host.buffers.transfer_bytes` counts the same from the graph)."""
+    elems, _ = chunk_elements(program, stage_io(graph, program.plan), state)
+    grads = {s: {n: (g.dtype, g.numel) for n, g in lay.grads.items()} for s, lay in layouts.items()}
+    return StagingPlan.of(program, elems, grads)
+
+
+def _copies(plan: StagingPlan, layouts: Any) -> dict[str, tuple]:
+    """G name -> its copies (dtype, offset in the slot's gradient buffer, offset in the ring buffer, elements):
+    the chunk's ranges of the stage layout, each parameter's part moved to its unit's place."""
+    out = {}
+    for u in plan.units:
+        grads = layouts[u.stage].grads
+        for name, chunk in zip(u.chunks, u.indices):
+            copies: list[tuple] = []
+            for d, lo, hi in layouts[u.stage].downloads[chunk]:
+                for p, (pd, off, n) in u.grads.items():
+                    g = grads[p]
+                    a, b = max(lo, g.offset), min(hi, g.offset + g.numel)
+                    if pd == d and a < b:
+                        src, dst, k = a, off + a - g.offset, b - a
+                        if copies and copies[-1][0] == d and copies[-1][1] + copies[-1][3] == src \
+                                and copies[-1][2] + copies[-1][3] == dst:
+                            c = copies.pop()
+                            src, dst, k = c[1], c[2], c[3] + k
+                        copies.append((d, src, dst, k))
+            out[name] = tuple(copies)
+    return out

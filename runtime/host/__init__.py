@@ -9,7 +9,11 @@ downloads gradients into it and steps it; the driver saves and loads it.
     layout.py     flat memory layouts: host blocks per layer group, device slots per stage, chunk copies
     pinned.py     pinned host memory at its exact size (cudaHostRegister): compute copies, transfer buffers
     buffers.py    the runtime's transfer buffers (gradient staging, host pool) counted before a run
+    staging.py    the gradient staging: accumulation units of the G chunks, landing in a ring of K buffers
     flat.py       each layer group's masters, gradients and moments as flat fp32 buffers, parameters as views
     kernels.py    the memory-speed optimizer passes (kernels.cpp, built once per machine with
                   torch.utils.cpp_extension): statistics while a gradient lands, one update pass per group
+    assign.py     the buffer assignment: the download buffers' live ranges packed into one arena (assign.c)
+    shard_comm.py sharded state's collectives over gloo: reduce-scatter (rank-order sums), all-gather, wire
+                  bytes (the foundation of `shard_state`, not yet used by HostState)
 """

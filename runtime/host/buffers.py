@@ -3,9 +3,9 @@
 Besides the HostState (`passes.cost.host_bytes`), a training run holds host buffers for the
 transfers, pinned at their exact size with CUDA workers (`runtime.host.pinned`):
 
-- gradient staging (`HostLanes.staging_for`): per stage that downloads gradients, one flat
-  buffer per training dtype holding its trainable parameters' gradients, 16-byte aligned as in
-  the stage's device layout (`layout.stage_layouts`);
+- gradient staging (`HostLanes.staging_for`, `runtime.host.staging`): a ring of K buffers shared by
+  every stage, each holding the largest accumulation unit (chunks of a slot that share no
+  parameter with the rest of it) per training dtype, its gradients 16-byte aligned;
 - the host arena (`runtime.host.assign`): one buffer per downloaded value and microbatch (an F
   stage's outputs that later stages read, the saved inputs of backward stages among them, a
   backward stage's input gradients), placed by the buffer assignment so that buffers never live at
@@ -34,7 +34,7 @@ import torch
 
 from rpcompile.ir.host_layout import nbytes, per_mb
 from rpcompile.runtime.host.assign import assign_buffers
-from rpcompile.runtime.host.layout import aligned
+from rpcompile.runtime.host.staging import graph_staging
 from rpcompile.runtime.stage.cuts import count_readers, stage_io
 
 __all__ = ["TransferBytes", "transfer_bytes", "pool_buffers", "arena_key", "per_mb", "nbytes"]
@@ -44,7 +44,7 @@ __all__ = ["TransferBytes", "transfer_bytes", "pool_buffers", "arena_key", "per_
 class TransferBytes:
     """Host bytes of the runtime's transfer buffers (see the module docstring)."""
 
-    staging: int  # gradient staging of every stage that downloads gradients
+    staging: int  # gradient staging: the ring of K buffers (`runtime.host.staging`)
     pool: int  # the host pool's own buffers: batch inputs and losses
     arena: int = 0  # the host arena of the values crossing cuts (`runtime.host.assign`)
     unshared: int = 0  # what the arena's buffers would hold one each (before the assignment: all of them)
@@ -68,16 +68,8 @@ def transfer_bytes(graph: Any, program: Any, dtype: torch.dtype | None = None,
         A TransferBytes.
     """
     io = stage_io(graph, program.plan)
-    readers, owners = count_readers(program, io), graph.param_owners()
-    staging = 0
-    for stage in sorted({i.stage for i in program.instrs if i.op.value == "G"}):
-        ends: dict[torch.dtype, int] = {}
-        for n in io[stage].params:  # the stage's trainable parameters, in its layout's order
-            v = graph.params[graph.tied.get(n, n)]
-            if v.requires_grad and owners.get(graph.tied.get(n, n)):
-                d = dtype or v.dtype
-                ends[d] = aligned(ends.get(d, 0), d) + v.bytes // v.dtype.itemsize
-        staging += sum(k * d.itemsize for d, k in ends.items())
+    readers = count_readers(program, io)
+    staging = graph_staging(graph, program, io, dtype).bytes
     pool = _pool_buffers(graph, program, dtype, io, readers)  # the stages' values and readers counted once
     own = sum(nbytes(*b) for k, b in pool.items() if arena_key(k) is None)
     if assignment is None:

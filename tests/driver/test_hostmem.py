@@ -142,8 +142,9 @@ def test_one_worker_takes_one_round_of_all_microbatches_when_the_host_holds_it(m
         assert c.program.round_size == 4
         run = dict(microbatches=4, gpus=1, optimizer=c.options.optimizer)
         whole, single = (host_bytes(c.graph, c.costs, c.plan, round_size=r, **run, program=emit(
-            c.plan, gpus=1, microbatches=4, round_size=r, staleness=c.options.staleness)).total
+            c.plan, gpus=1, microbatches=4, round_size=r, staleness=c.options.staleness, costs=c.costs)).total
                          for r in (4, 1))  # a round of one microbatch holds one's saved inputs in the arena
+    # (emitted with the costs, as compile does: its chunks decide the gradient staging's units)
     assert single < whole
     monkeypatch.setattr("rpcompile.ir.hardware._host_memory", lambda: (single + whole) // 2)
     with rpcompile.compile(TinyLlama(CFG), **kw) as c:

@@ -27,6 +27,8 @@ from rpcompile import AdamW, CostTable, StagePlan  # noqa: E402
 from rpcompile.passes import emit, trace  # noqa: E402
 from rpcompile.runtime.executor import DEP_KINDS, Runtime, RuntimeFailure  # noqa: E402
 from rpcompile.runtime.host.optimizer import HostState  # noqa: E402
+from rpcompile.runtime.host.staging import graph_staging  # noqa: E402
+from rpcompile.runtime.stage.cuts import stage_io  # noqa: E402
 from rpcompile.runtime.streams.pool import BufferPool  # noqa: E402
 from rpcompile.runtime.streams.host import Abort, HostEvent, HostStream, StreamContext  # noqa: E402
 
@@ -273,12 +275,15 @@ def _stats(graph, prog, mbs: int, steps: int = 4) -> list[dict]:
 
 
 def test_host_waits_scale_with_microbatches_not_instructions():
-    """M = 4 -> 16 (about 4x the instructions): host waits per step grow by at most 12 plus a constant (2)."""
+    """M = 4 -> 16 (about 4x the instructions): host waits per step grow by at most 12, one per gradient
+    staging unit more (the accumulate lane waits once per unit: 5 per round, rounds of 4) plus a constant (2)."""
     graph = _graph()
     small, big = _program(graph, "1,1,1,1|1|1,1,1,1", 4, 4, 1), _program(graph, "1,1,1,1|1|1,1,1,1", 4, 16, 1)
     assert len(big.instrs) > 3.5 * len(small.instrs)
+    units = [len(graph_staging(graph, p, stage_io(graph, p.plan)).units) for p in (small, big)]
+    assert units == [5, 20]  # one unit per gradient slot here
     w4, w16 = _stats(graph, small, 4)[-1]["host_waits"], _stats(graph, big, 16)[-1]["host_waits"]
-    assert 0 < w16 <= w4 + (16 - 4) + 2, (w4, w16)
+    assert 0 < w16 <= w4 + (16 - 4) + (units[1] - units[0]) + 2, (w4, w16)
     assert w16 < len(big.instrs) / 20  # the old executor synchronised the host after every instruction
 
 
@@ -362,16 +367,23 @@ def test_cuda_issuing_equals_the_oracle(backend, staleness):
 def test_cuda_issuing_never_blocks_the_issuer_on_host_work():
     """Staleness 1, steps back to back, rounds of 2: uploads wait for COPYs and gradient downloads for their
     staging buffer (host work). The old CUDA issuing blocked the issuer there (issue_waits); the backlog
-    queues those waits behind the stream instead (deferred_waits), and the issuer never blocks."""
+    queues those waits behind the stream instead (deferred_waits), and the issuer never blocks. With the new
+    issuing, the accumulate lane starts only once the first G that waits for a staging ring buffer is issued."""
     graph = _graph()
     prog = _program(graph, PLAN3, 3, 6, 1, round_size=3)
     counts = {}
     for backend in ("host-cuda-old", "host-cuda"):
         state = HostState.from_graph(graph, optimizer=OPT)
         with Runtime(graph, prog, state, backend=backend, timeout=20, lane_delay=_slow_transfers(1)) as rt:
-            for s in range(4):
+            if backend == "host-cuda":  # (the old issuing blocks there, until the lane frees the buffer)
+                gate, plan = threading.Event(), rt.host.plan
+                rt.host.lanes["accumulate"].submit(gate.wait)
+                first = plan.units[plan.k].chunks[0]  # waits for unit 0's accumulation
+                opener = threading.Thread(target=lambda: (rt.board.get((0, first), 0, "the test"), gate.set()))
+                opener.start()
+            for s in range(3):
                 rt.step(_batch(s, 6))
             rt.flush()
-            counts[backend] = [sum(rt.stats_of(t)[k] for t in range(1, 4)) for k in ("issue_waits", "deferred_waits")]
+            counts[backend] = [sum(rt.stats_of(t)[k] for t in range(3)) for k in ("issue_waits", "deferred_waits")]
     assert counts["host-cuda-old"][0] > 0 and counts["host-cuda-old"][1] == 0, counts
     assert counts["host-cuda"][0] == 0 and counts["host-cuda"][1] > 0, counts

@@ -123,9 +123,9 @@ def test_the_runtimes_transfer_buffers_are_registered_at_exactly_their_size_and_
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gradient_staging_of_odd_sized_parameters_is_counted_with_its_alignment_padding(dtype):
-    """5 x 5 weights and 5- and 4-element biases: each view in a stage's staging buffer starts 16-byte aligned,
-    so the buffers hold padding that admission counts too: counted bytes == registered bytes. A frozen
-    weight has no gradient to stage, and is counted nowhere."""
+    """5 x 5 weights and 5- and 4-element biases: each view in a staging unit starts 16-byte aligned, so the
+    ring's buffers (each the largest unit) hold padding that admission counts too: counted bytes ==
+    registered bytes. A frozen weight has no gradient to stage, and is counted nowhere."""
     batch = tuple(x.to(dtype) for x in M.regression_batch(width=5))
     model = M.sequential(width=5).to(dtype)
     model[2].weight.requires_grad_(False)
@@ -138,8 +138,11 @@ def test_gradient_staging_of_odd_sized_parameters_is_counted_with_its_alignment_
         rt.flush()
         staging = [b for bufs in rt.host.staging.values() for b in bufs.values()]
         registered = [reg.live[b.data_ptr()] for b in staging]
-    numels = sum(p.numel() for p in graph.parameters().values() if p.requires_grad)
-    assert len(staging) == 3 and sum(registered) > numels * dtype.itemsize  # padded beyond the parameters
+        plan = rt.host.plan
+    assert len(staging) == plan.k == 2  # one ring for the three stages' gradients
+    largest = max(sum(u.elements().values()) for u in plan.units)
+    assert all(b.numel() == largest for b in staging)
+    assert any(sum(u.elements().values()) > sum(n for _, _, n in u.grads.values()) for u in plan.units)  # padded
     assert transfer_bytes(graph, program).staging == sum(registered) == sum(b.nbytes for b in staging)
 
 
