@@ -76,7 +76,7 @@ from rpcompile.runtime.transfer import RuntimeFailure, make_delay, protocol_deps
 __all__ = ["Runtime", "run", "RuntimeFailure", "DEP_KINDS", "check_pinned"]
 
 DEP_KINDS = ("act_up>compute", "param_up>compute", "compute>act_down", "compute>grad_down", "grad_down>step",
-             "copy>param_up", "reader>release")  # what `drop` may name (a test switch)
+             "copy>param_up", "reader>release", "step>grad_down")  # what `drop` may name (a test switch)
 
 
 class Runtime(RuntimeReports):

@@ -153,9 +153,9 @@ class HostLanes:
     def staging_for(self, t: int, ins, stream: Any) -> tuple[dict, tuple]:
         """A G chunk's ring buffer (per dtype) and its copies (dtype, from, to, elements): from the slot's
         gradient buffer to the buffer. The first chunk of a unit makes `stream` wait until the buffer's
-        previous unit (K units earlier) is accumulated."""
+        previous unit (K units earlier) is accumulated (test switch "step>grad_down" drops that wait)."""
         j = self.plan.unit_of[ins.name]
-        if ins.name == self.plan.units[j].chunks[0]:
+        if ins.name == self.plan.units[j].chunks[0] and "step>grad_down" not in self.drop:
             prev = self.plan.waits_for(t, j)
             ev = self.events.get((prev[0], f"free u{prev[1]}")) if prev[0] >= self.its.first else None
             stream.wait(ev, t)
