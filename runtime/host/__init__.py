@@ -10,7 +10,6 @@ downloads gradients into it and steps it; the driver saves and loads it.
     pinned.py     pinned host memory at its exact size (cudaHostRegister): compute copies, transfer buffers
     buffers.py    the runtime's transfer buffers (gradient staging, host pool) counted before a run
     staging.py    gradient staging: a ring of K buffers shared by every stage, one accumulation unit at a time
-    staging.py    the gradient staging: accumulation units of the G chunks, landing in a ring of K buffers
     flat.py       each layer group's masters, gradients and moments as flat fp32 buffers, parameters as views
     kernels.py    the memory-speed optimizer passes (kernels.cpp, built once per machine with
                   torch.utils.cpp_extension): statistics while a gradient lands, one update pass per group
