@@ -16,7 +16,8 @@ that hold them are allocated (`compute_blocks`: 16-byte aligned views, pinned
 at exactly that size with CUDA, `runtime.host.pinned`). A trainable parameter (requires_grad, used by some
 layer) adds a master of the optimizer's `master_dtype` (fp32: 4 bytes, bf16: 2; a bf16
 master is a buffer of its own beside the compute copy, which staleness 1 still uploads while the
-master is updated), an fp32 gradient buffer and the optimizer state:
+master is updated), a gradient buffer of the optimizer's `grad_dtype` (fp32: 4 bytes, bf16: 2) and the
+optimizer state:
 AdamW two moments of its `state_dtype` (fp32: 8 bytes a parameter, bf16: 4), SGD
 one fp32 momentum buffer when momentum > 0. For a
 traced LayerGraph the count is the host layout's (`rpcompile.ir.host_layout`): the
@@ -41,7 +42,7 @@ from typing import Any
 import torch
 
 from rpcompile.ir.host_layout import host_layout
-from rpcompile.ir.optim import SGD, master_dtype
+from rpcompile.ir.optim import SGD, grad_dtype, master_dtype
 from rpcompile.ir.plan import StagePlan
 from rpcompile.passes.partition.timing import default_round_size
 
@@ -56,7 +57,7 @@ class HostBytes:
 
     weights: int       # compute copies of every parameter (training dtype)
     masters: int       # masters of the trainable parameters (fp32, or bf16: `master_size`)
-    grads: int         # fp32 gradient buffers of the trainable parameters
+    grads: int         # gradient buffers of the trainable parameters (fp32, or bf16: `grad_dtype`)
     optimizer: int     # optimizer state of the trainable parameters
     activations: int   # saved inputs of the backward stages for the microbatches in flight (0 before a plan)
     in_flight: int     # microbatches per round R whose saved inputs are on the host (0 before a plan)
@@ -121,7 +122,7 @@ def host_bytes(model: Any, costs: Any = None, plan: Any = None, *, microbatches:
         microbatches: M per iteration.
         staleness: 0 or 1 (the rule above holds for both; kept for the callers' symmetry).
         optimizer: `rpcompile.AdamW` (default; its `state_dtype` sets the moments' bytes, `master_dtype` the
-            masters') or `rpcompile.SGD` (its `master_dtype`).
+            masters', `grad_dtype` the gradients') or `rpcompile.SGD` (its `master_dtype` and `grad_dtype`).
         dtype: training dtype of the compute copies; None keeps each parameter's own.
         gpus: workers N; needed with a plan.
         round_size: microbatches per round R (default `default_round_size(N, M)`).
@@ -136,7 +137,7 @@ def host_bytes(model: Any, costs: Any = None, plan: Any = None, *, microbatches:
     state = 0 if isinstance(optimizer, SGD) and optimizer.momentum == 0 else 1 if isinstance(optimizer, SGD) \
         else _ADAM_MOMENTS
     state_size = getattr(optimizer, "state_dtype", torch.float32).itemsize  # SGD's momentum: fp32
-    master_size = master_dtype(optimizer).itemsize
+    master_size, grad_size = master_dtype(optimizer).itemsize, grad_dtype(optimizer).itemsize
     weights = trainable = params = own_weights = 0
     for numel, own, train in _parameters(model):
         weights += numel * (dtype or own).itemsize
@@ -151,7 +152,7 @@ def host_bytes(model: Any, costs: Any = None, plan: Any = None, *, microbatches:
         if gpus is None:
             raise ValueError("host_bytes: gpus is needed with a plan (the rounds' saved inputs depend on it)")
         saved, in_flight = round_saved_bytes(list(costs.saved_bytes), plan, gpus, microbatches, round_size)
-    return HostBytes(weights, trainable * master_size, trainable * fp32, trainable * state_size * state, saved,
+    return HostBytes(weights, trainable * master_size, trainable * grad_size, trainable * state_size * state, saved,
                      in_flight, trainable=params, trainable_weights=own_weights, master_size=master_size)
 
 

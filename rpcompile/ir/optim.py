@@ -37,6 +37,14 @@ Note:
     copy (2 more bytes): at staleness 1 the compute copy that iteration t+1 still uploads is the
     previous version, written only by `copy(l)` once those uploads are done (rule R1), while the
     step writes the master. With a bf16 compute dtype the copy is then the master's bits.
+
+Note:
+    `grad_dtype=torch.bfloat16` (AdamW and SGD) keeps the host gradient buffers in bf16 (2 bytes per
+    parameter instead of 4). A gradient written once per iteration is stored as it lands (a bf16 gradient
+    from the device is exact in bf16). Where accumulation rounds add several writes, each sum is taken in
+    float32 and stored rounded stochastically (`rpcompile.runtime.host.lean.grad_key`: its own key per
+    layer group, iteration and write), since round to nearest drops a contribution below half an ulp of
+    the running sum. The update reads the bf16 gradient and widens it: the math stays float32.
 """
 from __future__ import annotations
 
@@ -47,13 +55,14 @@ from typing import Any, Union
 import torch
 
 __all__ = ["AdamW", "SGD", "DynamicLossScale", "IMPLS", "STATE_DTYPES", "MASTER_DTYPES", "Decay", "decay_names",
-           "make_torch_optimizer", "dtype_name", "master_dtype"]
+           "make_torch_optimizer", "dtype_name", "master_dtype", "grad_dtype", "GRAD_DTYPES"]
 
 Decay = Union[None, frozenset, Callable[[str], bool]]  # which parameters weight decay applies to (see the Note)
 
 IMPLS = ("fused", "foreach", "single")  # accepted values of `impl`
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # AdamW's `state_dtype`, by its command-line name
 MASTER_DTYPES = STATE_DTYPES  # `master_dtype` (AdamW, SGD), by its command-line name
+GRAD_DTYPES = STATE_DTYPES  # `grad_dtype` (AdamW, SGD), by its command-line name
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -74,11 +83,21 @@ def master_dtype(config: Any) -> torch.dtype:
     return getattr(config, "master_dtype", torch.float32)
 
 
+def grad_dtype(config: Any) -> torch.dtype:
+    """The dtype of `config`'s host gradient buffers (float32 unless `grad_dtype=torch.bfloat16`).
+
+    >>> grad_dtype(SGD(lr=0.1, grad_dtype=torch.bfloat16))
+    torch.bfloat16
+    """
+    return getattr(config, "grad_dtype", torch.float32)
+
+
 def _check_master(cfg: Any) -> None:
-    """Refuse a master dtype other than float32 and bfloat16, naming the field."""
-    if cfg.master_dtype not in MASTER_DTYPES.values():
-        raise ValueError(f"{type(cfg).__name__}: master_dtype must be torch.float32 or torch.bfloat16, got "
-                         f"{cfg.master_dtype!r}")
+    """Refuse a master or gradient dtype other than float32 and bfloat16, naming the field."""
+    for name in ("master_dtype", "grad_dtype"):
+        if getattr(cfg, name) not in MASTER_DTYPES.values():
+            raise ValueError(f"{type(cfg).__name__}: {name} must be torch.float32 or torch.bfloat16, got "
+                             f"{getattr(cfg, name)!r}")
 
 
 def _check(cfg: AdamW | SGD) -> None:
@@ -126,7 +145,7 @@ class AdamW:
     Example:
         >>> import rpcompile
         >>> rpcompile.AdamW(lr=3e-4, max_grad_norm=1.0)
-        AdamW(lr=0.0003, betas=(0.9, 0.999), eps=1e-08, weight_decay=0.01, max_grad_norm=1.0, impl='fused', decay=None, state_dtype=torch.float32, master_dtype=torch.float32)
+        AdamW(lr=0.0003, betas=(0.9, 0.999), eps=1e-08, weight_decay=0.01, max_grad_norm=1.0, impl='fused', decay=None, state_dtype=torch.float32, master_dtype=torch.float32, grad_dtype=torch.float32)
         >>> rpcompile.AdamW(state_dtype=torch.bfloat16).state_dtype   # bf16 moments (module Note)
         torch.bfloat16
         >>> rpcompile.AdamW(master_dtype=torch.bfloat16).master_dtype   # a bf16 master, no fp32 one (module Note)
@@ -144,6 +163,8 @@ class AdamW:
     # rounded, the math float32; module Note). Last: a checkpoint's older config keeps this default
     master_dtype: torch.dtype = torch.float32  # dtype of the master weights: float32, or bfloat16 (updated with
     # stochastic rounding, the math float32; module Note)
+    grad_dtype: torch.dtype = torch.float32  # dtype of the host gradient buffers: float32, or bfloat16
+    # (accumulated in float32, stored with stochastic rounding; module Note)
 
     __setstate__ = _setstate
 
@@ -165,7 +186,7 @@ class SGD:
     Example:
         >>> import rpcompile
         >>> rpcompile.SGD(lr=0.1, momentum=0.9)
-        SGD(lr=0.1, momentum=0.9, weight_decay=0.0, nesterov=False, max_grad_norm=None, impl='fused', decay=None, master_dtype=torch.float32)
+        SGD(lr=0.1, momentum=0.9, weight_decay=0.0, nesterov=False, max_grad_norm=None, impl='fused', decay=None, master_dtype=torch.float32, grad_dtype=torch.float32)
     """
 
     lr: float  # learning rate, as torch.optim.SGD
@@ -177,6 +198,7 @@ class SGD:
     decay: Decay = None  # parameters weight_decay applies to: None = all, names, or name -> bool (module Note)
     master_dtype: torch.dtype = torch.float32  # the master weights: float32, or bfloat16 (stochastic rounding,
     # module Note); the momentum buffer stays float32. Last: a checkpoint's older config keeps this default
+    grad_dtype: torch.dtype = torch.float32  # the host gradient buffers: float32, or bfloat16 (module Note)
 
     __setstate__ = _setstate
 

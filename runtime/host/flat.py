@@ -2,9 +2,10 @@
 
 The moments are float32, or bf16 with `AdamW(state_dtype=torch.bfloat16)`; the masters float32, or bf16
 with `master_dtype=torch.bfloat16` (both rounded stochastically with the keys of
-`rpcompile.runtime.host.lean`: `FlatGroups.seed`, the group and the step count).
+`rpcompile.runtime.host.lean`: `FlatGroups.seed`, the group and the step count); the gradients float32, or
+bf16 with `grad_dtype=torch.bfloat16` (written by `HostState.accumulate_grad`, runtime/host/grad_stats.py).
 
-Each trainable parameter's master, fp32 gradient and moments are views into its group's flat
+Each trainable parameter's master, gradient and moments are views into its group's flat
 buffers, at the offsets `rpcompile.ir.host_layout.host_layout` gives, so one kernel call steps a whole
 group and one more writes its compute copies (`FlatGroups.step`, `FlatGroups.cast`). The torch
 optimizers of `impl="foreach"/"single"` (and the fallback without a C++ compiler) step the same views.
@@ -24,11 +25,11 @@ import torch
 from torch import Tensor
 
 from rpcompile.ir.host_layout import HostLayout
-from rpcompile.ir.optim import SGD, AdamW, master_dtype
+from rpcompile.ir.optim import SGD, AdamW, grad_dtype, master_dtype
 from rpcompile.runtime.host.kernels import Kernels
 from rpcompile.runtime.host.lean import TorchLean, rounding_key
 
-__all__ = ["FlatGroups", "moment_names", "state_dtype", "master_dtype"]
+__all__ = ["FlatGroups", "moment_names", "state_dtype", "master_dtype", "grad_dtype"]
 
 
 def state_dtype(config: AdamW | SGD) -> torch.dtype:
@@ -44,7 +45,7 @@ def moment_names(config: AdamW | SGD) -> tuple[str, ...]:
 
 
 class FlatGroups:
-    """The flat buffers of every layer group (masters, fp32 gradients, moments), and views of them per parameter.
+    """The flat buffers of every layer group (masters, gradients, moments), and views of them per parameter.
 
     Args:
         layout: the run's HostLayout (offsets and sizes).
@@ -53,14 +54,16 @@ class FlatGroups:
         dtype: the moments' dtype (`state_dtype`): float32, or bfloat16 (AdamW only).
         seed: the stochastic rounding's seed (bf16 moments or masters; part of the checkpointed state).
         master: the masters' dtype (`master_dtype`): float32, or bfloat16.
+        grad: the gradients' dtype (`grad_dtype`): float32, or bfloat16.
     """
 
     def __init__(self, layout: HostLayout, params: Mapping[str, Tensor], moments: Sequence[str],
-                 dtype: torch.dtype = torch.float32, seed: int = 0, master: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, seed: int = 0, master: torch.dtype = torch.float32,
+                 grad: torch.dtype = torch.float32) -> None:
         self.layout = layout
         self.seed = seed  # the stochastic rounding's seed (runtime/host/lean.py)
         self.masters = [torch.zeros(n, dtype=master) for n in layout.flat]  # group -> flat masters (gaps: zeros)
-        self.grads = [torch.zeros(n) for n in layout.flat]  # group -> flat fp32 gradients
+        self.grads = [torch.zeros(n, dtype=grad) for n in layout.flat]  # group -> flat gradients (fp32 or bf16)
         self.moments = [{k: torch.zeros(n, dtype=dtype) for k in moments}  # group -> name -> flat buffer
                         for n in layout.flat]
         self.order = [[(layout.master[n], n, next(i for i, s in enumerate(segs) if s.start <= layout.master[n] < s.stop))
@@ -105,7 +108,7 @@ class FlatGroups:
         """One kernel call per run of `names`: the update with gradient * factor; counts += 1 for each name.
 
         Args:
-            kernels: the C++ kernels, or `TorchLean` (bf16 moments or masters without them).
+            kernels: the C++ kernels, or `TorchLean` (bf16 moments, masters or gradients without them).
             decayed: the names weight decay applies to (`config.decay` resolved).
             out: compute dtype -> the group's compute block to write the new masters into (None: no copy).
         """

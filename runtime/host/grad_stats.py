@@ -1,7 +1,7 @@
 """Gradient statistics of `HostState` (a mixin; see runtime/host/optimizer.py): gradients landing,
 each iteration's reductions, and the global barrier that clipping and loss scaling need.
 
-`accumulate_grad` lands one device's gradient in the group's fp32 buffer (with the kernels, taking its
+`accumulate_grad` lands one device's gradient in the group's fp32 (or bf16) buffer (with the kernels, taking its
 sum of squares and non-finite flag in the same pass); `grads_complete(l)` reduces group l's gradient
 (unscale, inf check, per-parameter norms); the last group of an iteration completes its `_IterStats`:
 the global norm, the clip coefficient, and the dynamic loss scale's backoff or growth. `step`
@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from rpcompile.runtime.host.lean import grad_key, land as land_bf16
 from rpcompile.runtime.host.kernels import KINDS
 
 __all__ = ["GradStats", "NORMS_KEPT", "ScaleVerdict"]
@@ -66,6 +67,7 @@ class _IterStats:
     stepped: int = 0  # groups that have stepped this iteration
 
 
+AVERAGE_WRITE = 0xFFFFFFFF  # the write index of a bf16 gradient's data-parallel average in `grad_key`
 NORMS_KEPT = 16  # HostState.norms holds the global gradient norms of this many recent iterations
 
 
@@ -110,7 +112,14 @@ class GradStats:
                 else self.loss_scale
 
     def accumulate_grad(self, name: str, grad: Tensor) -> bool:
-        """Add `grad` (one device's accumulated gradient of one round, any dtype) into the fp32 buffer.
+        """Add `grad` (one device's accumulated gradient of one round, any dtype) into the gradient buffer.
+
+        A bf16 buffer (`grad_dtype=torch.bfloat16`) takes the float32 sum rounded stochastically
+        (runtime/host/lean.py: its own key per group, iteration and write of the parameter, so each round
+        draws fresh bits; round to nearest would drop a contribution below half an ulp of the running
+        sum, and every round adds one). A first write of a bf16 gradient is stored exactly (no rounding),
+        so a layer whose gradient lands once per iteration keeps the device's values. The statistics are
+        the stored values', taken in the same pass (C++ kernels or runtime/host/lean.py's `land`).
 
         Returns:
             False if the gradient accumulated for `name` so far has an inf or NaN (the kernels take
@@ -125,7 +134,16 @@ class GradStats:
                 raise RuntimeError(f"R4 violated: gradient write to {name!r} (group {l}) after "
                                    f"grads_complete({l}) and before step({l})")
             buf, first = self.grad[name], name not in self._fresh[l]
-            if self.kernels is not None:
+            if buf.dtype == torch.bfloat16:
+                self._writes[name] = write = 0 if first else self._writes[name] + 1
+                key = grad_key(self.flat.seed, l, self._stepped[l], write)
+                src = grad.to("cpu").contiguous()
+                src = src if src.dtype in KINDS else src.float()
+                land = self.kernels.land if self.kernels is not None else land_bf16
+                self._sq[name], bad = land(buf.view(-1), src.view(-1), add=not first, key=key,
+                                           offset=self.layout.master[name])
+                self._bad[name] = bad
+            elif self.kernels is not None:
                 src = grad.to("cpu").contiguous()
                 src = src if src.dtype in KINDS else src.float()
                 self._sq[name], bad = self.kernels.land(buf, src.view(-1), add=not first)
@@ -162,15 +180,30 @@ class GradStats:
     def average_grads(self, layer: int, world: int, all_reduce: Callable[[Tensor], None]) -> None:
         """Average group `layer`'s gradient over `world` processes, in place (data parallel, runtime/distributed.py).
 
-        `all_reduce(flat)` sums the group's flat fp32 gradient buffer over the processes in place; one
+        `all_reduce(flat)` sums the group's flat fp32 gradient buffer (a float32 tensor in any case) over the processes in place; one
         pass then divides it by `world` and (with the kernels) takes the statistics of the average that
         `grads_complete` uses: no copy in or out, no second statistics pass. Call it after the group's
         last gradient write of the iteration and before `grads_complete(layer)` returns (its `on_complete`
         hook waits for this call, holding the group's lock: nothing else touches the group meanwhile).
 
+        bf16 gradients (`grad_dtype=torch.bfloat16`) are widened to a float32 copy of the group's buffer
+        for the all-reduce (summing in bf16 would round each partial sum to nearest), and the average is
+        stored back rounded stochastically with a key of its own (`grad_key`'s write `AVERAGE_WRITE`),
+        taking the statistics in the same pass: every process gets the same sum, so the same bits.
+
         Example:
             >>> s.average_grads(0, 2, lambda flat: dist.all_reduce(flat))   # doctest: +SKIP
         """
+        if self.flat.grads[layer].dtype == torch.bfloat16:
+            wide = self.flat.grads[layer].float()
+            all_reduce(wide)
+            key = grad_key(self.flat.seed, layer, self._stepped[layer], AVERAGE_WRITE)
+            land = self.kernels.land if self.kernels is not None else land_bf16
+            for n in self.groups[layer]:
+                g, off = self.grad[n].view(-1), self.layout.master[n]
+                self._sq[n], self._bad[n] = land(g, wide[off:off + g.numel()], add=False, divisor=world, key=key,
+                                                 offset=off)
+            return
         all_reduce(self.flat.grads[layer])
         if self.kernels is None:
             self.flat.grads[layer].div_(world)
@@ -209,7 +242,7 @@ class GradStats:
             names = [n for n in group if n in self._fresh[layer]]
             grads = [self.grad[n] for n in names]
             found = torch.zeros(1)
-            if self.kernels is not None:  # the landing pass (or `average_grads`) took the statistics; the step
+            if self._landed:  # the landing pass (or `average_grads`) took the statistics; the step
                 self._unscale[layer] = scale  # unscales
                 sq = {n: self._sq[n] for n in names}
                 found += any(self._bad[n] for n in names)
@@ -219,13 +252,13 @@ class GradStats:
             elif grads and scale is not None and scale != 1.0:
                 torch._foreach_mul_(grads, 1.0 / scale)
             norms = (torch._foreach_norm(grads, 2.0) if grads and self.config.max_grad_norm is not None
-                     and self.kernels is None else [])
+                     and not self._landed else [])
         if not self.needs_global:
             return
         with self._cond:
             st = self._stats.setdefault(u, _IterStats(pending=self._n_trainable))
             st.norms.update(zip(names, norms))
-            st.sq.update(sq if self.kernels is not None else {})
+            st.sq.update(sq if self._landed else {})
             st.scale = scale
             st.found_inf |= bool(found.item())
             st.pending -= 1
@@ -238,7 +271,7 @@ class GradStats:
         if self.config.max_grad_norm is not None:
             order = [st.norms[n] for n in self.master if n in st.norms]  # the order of `params`, as eager
             st.norm = torch.linalg.vector_norm(torch.stack(order), 2.0) if order else torch.tensor(0.0)
-            if self.kernels is not None:  # fp64 sum of the scaled squares (in a fixed order), then unscaled
+            if self._landed:  # fp64 sum of the scaled squares (in a fixed order), then unscaled
                 total = math.fsum(st.sq[n] for n in self.master if n in st.sq)
                 st.norm = torch.tensor(math.sqrt(total) / (st.scale or 1.0), dtype=torch.float32)
             st.coef = torch.clamp(self.config.max_grad_norm / (st.norm + 1e-6), max=1.0)

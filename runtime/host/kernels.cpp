@@ -9,16 +9,21 @@
 //   land(dst, src, src_kind, n, add, threads, divisor) -> (sum of squares, non-finite)
 //       dst[i] = ((add ? dst[i] : 0) + float(src[i])) / divisor (no division when divisor is 1);
 //       statistics of the result, in the same pass. dst == src: in place (data parallel: the average).
+//   land_bf16(dst, src, src_kind, n, add, threads, divisor, key, offset) -> (sum of squares, non-finite)
+//       the same into a bf16 dst (`grad_dtype=torch.bfloat16`): the sum and division in float32, stored rounded
+//       stochastically with the low 16 bits of hash32((offset + i) mod 2^32 ^ key); statistics of the stored values.
 //   adamw(p, g, m, v, out, out_kind, n, threads, factor, decay, w1, beta2, w2, eps, neg_step, bc2_sqrt)
 //       torch.optim.AdamW's single-tensor update of p, m, v with g * factor; out = cast(new p).
-//   adamw_lean(p, g, m, v, out, out_kind, n, threads, factor, ..., bc2_sqrt, key, mkey, offset, m_kind, p_kind)
-//       the same update with bf16 m, v and/or a bf16 master p (runtime/host/lean.py): read and widened, the
+//   adamw_lean(p, g, m, v, out, out_kind, n, threads, factor, ..., bc2_sqrt, key, mkey, offset, lean)
+//       the same update with bf16 m, v (lean bit 1), a bf16 master p (bit 2) and/or a bf16 gradient g (bit 4;
+//       read and widened) (runtime/host/lean.py): read and widened, the
 //       update in float32, stored rounded stochastically with the bits hash32((offset + i) mod 2^32 ^ key):
 //       low 16 for m, high 16 for v, and the low 16 of hash32((offset + i) mod 2^32 ^ mkey) for p;
 //       out = cast(the stored p).
 //   sgd(p, g, buf, out, out_kind, n, threads, factor, wd, momentum, damp, nesterov, first, neg_lr, mkey, offset,
-//       p_kind)
-//       torch.optim.SGD's update (buf = 0 for no momentum) of an fp32 or a bf16 master p (rounded as above);
+//       p_kind, g_kind)
+//       torch.optim.SGD's update (buf = 0 for no momentum) of an fp32 or a bf16 master p (rounded as above) with
+//       an fp32 or bf16 gradient g;
 //       out = cast(the stored p).
 //   cast(src, out, out_kind, n, threads)
 //       out = cast(src): fp32 -> fp32, bf16 or fp16, round to nearest even (as Tensor.to).
@@ -139,6 +144,55 @@ void land_t(float* dst, const S* src, int64_t n, int threads, float divisor, dou
     *bad = f;
 }
 
+template <typename S, bool ADD, bool DIV>
+void land_bf16_t(bf16* dst, const S* src, int64_t n, int threads, float divisor, uint32_t key, uint64_t offset,
+                 double* sumsq, int* bad) {
+    const int64_t nb = blocks(n);
+    std::vector<double> part(nb);
+    std::vector<int> nonfinite(nb);
+    for_blocks(n, threads, [&](int64_t b, int64_t lo, int64_t hi) {
+        bf16* const d = dst;  // locals, not the closure's references: the loop vectorizes (see for_blocks)
+        const S* const in = src;
+        const float div = divisor;
+        const uint32_t k = key, base = static_cast<uint32_t>(offset);
+        double s = 0.0;
+        int f = 0;
+#pragma omp simd reduction(+ : s) reduction(| : f)
+        for (int64_t i = lo; i < hi; ++i) {
+            const float y = ADD ? to_float(d[i]) + to_float(in[i]) : to_float(in[i]);
+            const float x = DIV ? y / div : y;
+            const bf16 stored = round_stochastic(x, hash32((base + static_cast<uint32_t>(i)) ^ k) & 0xFFFFu);
+            d[i] = stored;
+            const float z = to_float(stored);
+            s += static_cast<double>(z) * static_cast<double>(z);
+            f |= (z - z) != 0.0f;
+        }
+        part[b] = s;
+        nonfinite[b] = f;
+    });
+    double s = 0.0;
+    int f = 0;
+    for (int64_t b = 0; b < nb; ++b) {
+        s += part[b];
+        f |= nonfinite[b];
+    }
+    *sumsq = s;
+    *bad = f;
+}
+
+template <typename S>
+void land_bf16_s(bf16* dst, const void* src, int64_t n, bool add, int threads, float divisor, uint32_t key,
+                 uint64_t off, double* s, int* f) {
+    auto in = static_cast<const S*>(src);
+    if (divisor != 1.0f) {
+        add ? land_bf16_t<S, true, true>(dst, in, n, threads, divisor, key, off, s, f)
+            : land_bf16_t<S, false, true>(dst, in, n, threads, divisor, key, off, s, f);
+    } else {
+        add ? land_bf16_t<S, true, false>(dst, in, n, threads, divisor, key, off, s, f)
+            : land_bf16_t<S, false, false>(dst, in, n, threads, divisor, key, off, s, f);
+    }
+}
+
 template <typename S>
 void land_s(float* dst, const void* src, int64_t n, bool add, int threads, float divisor, double* s, int* f) {
     auto in = static_cast<const S*>(src);
@@ -184,8 +238,8 @@ template <> inline bf16 keep<bf16>(float x, uint32_t r16) { return round_stochas
 template <typename T> inline uint32_t master_bits(uint32_t, uint32_t) { return 0; }  // fp32 master: none drawn
 template <> inline uint32_t master_bits<bf16>(uint32_t i, uint32_t mkey) { return hash32(i ^ mkey) & 0xFFFFu; }
 
-template <typename O, bool SCALE, typename S, typename P>
-void adamw_lean_t(P* p, const float* g, S* m, S* v, O* out, int64_t n, int threads, AdamArgs args,
+template <typename O, bool SCALE, typename S, typename P, typename G>
+void adamw_lean_t(P* p, const G* g, S* m, S* v, O* out, int64_t n, int threads, AdamArgs args,
                   uint32_t key, uint32_t mkey, uint64_t offset) {
     for_blocks(n, threads, [=](int64_t, int64_t lo, int64_t hi) {
         const AdamArgs a = args;  // a local copy: the loop vectorizes (see for_blocks)
@@ -193,7 +247,7 @@ void adamw_lean_t(P* p, const float* g, S* m, S* v, O* out, int64_t n, int threa
         const uint32_t base = static_cast<uint32_t>(offset);  // the element's offset mod 2^32
 #pragma omp simd
         for (int64_t i = lo; i < hi; ++i) {
-            const float gi = SCALE ? g[i] * a.factor : g[i];
+            const float gi = SCALE ? to_float(g[i]) * a.factor : to_float(g[i]);
             const float m0 = to_float(m[i]), v0 = to_float(v[i]);
             float pi = to_float(p[i]) * a.decay;
             const float mi = std::fma(a.w1, gi - m0, m0);
@@ -217,15 +271,15 @@ struct SgdArgs {
     bool nesterov, first, has_momentum;
 };
 
-template <typename O, typename P>
-void sgd_t(P* p, const float* g, float* buf, O* out, int64_t n, int threads, SgdArgs args, uint32_t mkey,
+template <typename O, typename P, typename G>
+void sgd_t(P* p, const G* g, float* buf, O* out, int64_t n, int threads, SgdArgs args, uint32_t mkey,
            uint64_t offset) {
     for_blocks(n, threads, [=](int64_t, int64_t lo, int64_t hi) {
         const SgdArgs a = args;  // a local copy: the loop vectorizes (see for_blocks)
         const uint32_t mk = mkey, base = static_cast<uint32_t>(offset);
 #pragma omp simd
         for (int64_t i = lo; i < hi; ++i) {
-            float gi = a.factor != 1.0f ? g[i] * a.factor : g[i];
+            float gi = a.factor != 1.0f ? to_float(g[i]) * a.factor : to_float(g[i]);
             float pi = to_float(p[i]);
             if (a.wd != 0.0f) gi = std::fma(pi, a.wd, gi);             // grad.add(param, alpha=wd)
             if (a.has_momentum) {
@@ -266,27 +320,44 @@ template <typename O> struct AdamF {
         a.factor != 1.0f ? adamw_t<O, true>(p, g, m, v, out, n, t, a) : adamw_t<O, false>(p, g, m, v, out, n, t, a);
     }
 };
-template <typename O, typename S, typename P>
-void adamw_lean_s(O* out, void* p, const float* g, void* m, void* v, int64_t n, int t, AdamArgs a, uint32_t key,
+template <typename O, typename S, typename P, typename G>
+void adamw_lean_s(O* out, void* p, const void* g, void* m, void* v, int64_t n, int t, AdamArgs a, uint32_t key,
                   uint32_t mkey, uint64_t off) {
     auto pp = static_cast<P*>(p);
+    auto gg = static_cast<const G*>(g);
     auto mm = static_cast<S*>(m), vv = static_cast<S*>(v);
-    a.factor != 1.0f ? adamw_lean_t<O, true, S, P>(pp, g, mm, vv, out, n, t, a, key, mkey, off)
-                     : adamw_lean_t<O, false, S, P>(pp, g, mm, vv, out, n, t, a, key, mkey, off);
+    a.factor != 1.0f ? adamw_lean_t<O, true, S, P, G>(pp, gg, mm, vv, out, n, t, a, key, mkey, off)
+                     : adamw_lean_t<O, false, S, P, G>(pp, gg, mm, vv, out, n, t, a, key, mkey, off);
 }
-template <typename O> struct AdamLeanF {  // lean: 0 bf16 moments, 1 a bf16 master, 2 both (Python checks)
-    static void run(O* out, void* p, const float* g, void* m, void* v, int64_t n, int t, AdamArgs a, uint32_t key,
+template <typename O, typename S, typename P>
+void adamw_lean_g(O* out, void* p, const void* g, void* m, void* v, int64_t n, int t, AdamArgs a, uint32_t key,
+                  uint32_t mkey, uint64_t off, bool bf16_grad) {
+    bf16_grad ? adamw_lean_s<O, S, P, bf16>(out, p, g, m, v, n, t, a, key, mkey, off)
+              : adamw_lean_s<O, S, P, float>(out, p, g, m, v, n, t, a, key, mkey, off);
+}
+template <typename O> struct AdamLeanF {  // lean: bits 1 bf16 moments, 2 a bf16 master, 4 a bf16 gradient (1..7)
+    static void run(O* out, void* p, const void* g, void* m, void* v, int64_t n, int t, AdamArgs a, uint32_t key,
                     uint32_t mkey, uint64_t off, int lean) {
-        if (lean == 0) adamw_lean_s<O, bf16, float>(out, p, g, m, v, n, t, a, key, mkey, off);
-        else if (lean == 1) adamw_lean_s<O, float, bf16>(out, p, g, m, v, n, t, a, key, mkey, off);
-        else adamw_lean_s<O, bf16, bf16>(out, p, g, m, v, n, t, a, key, mkey, off);
+        const bool bg = lean & 4;
+        switch (lean & 3) {
+            case 0: adamw_lean_g<O, float, float>(out, p, g, m, v, n, t, a, key, mkey, off, bg); break;
+            case 1: adamw_lean_g<O, bf16, float>(out, p, g, m, v, n, t, a, key, mkey, off, bg); break;
+            case 2: adamw_lean_g<O, float, bf16>(out, p, g, m, v, n, t, a, key, mkey, off, bg); break;
+            default: adamw_lean_g<O, bf16, bf16>(out, p, g, m, v, n, t, a, key, mkey, off, bg); break;
+        }
     }
 };
+template <typename O, typename P>
+void sgd_g(O* out, void* p, const void* g, float* buf, int64_t n, int t, SgdArgs a, uint32_t mkey, uint64_t off,
+           bool bf16_grad) {
+    bf16_grad ? sgd_t<O, P, bf16>(static_cast<P*>(p), static_cast<const bf16*>(g), buf, out, n, t, a, mkey, off)
+              : sgd_t<O, P, float>(static_cast<P*>(p), static_cast<const float*>(g), buf, out, n, t, a, mkey, off);
+}
 template <typename O> struct SgdF {
-    static void run(O* out, void* p, const float* g, float* buf, int64_t n, int t, SgdArgs a, uint32_t mkey,
-                    uint64_t off, bool bf16_master) {
-        bf16_master ? sgd_t<O, bf16>(static_cast<bf16*>(p), g, buf, out, n, t, a, mkey, off)
-                    : sgd_t<O, float>(static_cast<float*>(p), g, buf, out, n, t, a, mkey, off);
+    static void run(O* out, void* p, const void* g, float* buf, int64_t n, int t, SgdArgs a, uint32_t mkey,
+                    uint64_t off, bool bf16_master, bool bf16_grad) {
+        bf16_master ? sgd_g<O, bf16>(out, p, g, buf, n, t, a, mkey, off, bf16_grad)
+                    : sgd_g<O, float>(out, p, g, buf, n, t, a, mkey, off, bf16_grad);
     }
 };
 template <typename O> struct CastF {
@@ -331,6 +402,30 @@ PyObject* land(PyObject*, PyObject* args) {
     return Py_BuildValue("(dO)", s, f ? Py_True : Py_False);
 }
 
+PyObject* land_bf16(PyObject*, PyObject* args) {
+    unsigned long long dst, src, offset;
+    unsigned int key;
+    int kind, add, threads;
+    long long n;
+    double divisor;
+    if (!PyArg_ParseTuple(args, "KKiLpidIK", &dst, &src, &kind, &n, &add, &threads, &divisor, &key, &offset))
+        return nullptr;
+    double s = 0.0;
+    int f = 0;
+    auto d = reinterpret_cast<bf16*>(dst);
+    auto in = reinterpret_cast<const void*>(src);
+    if (kind < 1 || kind > 3) return bad_kind(kind);
+    Py_BEGIN_ALLOW_THREADS
+    const float div = float(divisor);
+    const uint32_t k = key;
+    const uint64_t off = offset;
+    if (kind == 1) land_bf16_s<float>(d, in, n, add, threads, div, k, off, &s, &f);
+    else if (kind == 2) land_bf16_s<bf16>(d, in, n, add, threads, div, k, off, &s, &f);
+    else land_bf16_s<f16>(d, in, n, add, threads, div, k, off, &s, &f);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(dO)", s, f ? Py_True : Py_False);
+}
+
 PyObject* adamw(PyObject*, PyObject* args) {
     unsigned long long p, g, m, v, out;
     int kind, threads;
@@ -355,13 +450,13 @@ PyObject* adamw_lean(PyObject*, PyObject* args) {
     if (!PyArg_ParseTuple(args, "KKKKKiLiddddddddIIKi", &p, &g, &m, &v, &out, &kind, &n, &threads, &factor, &decay,
                           &w1, &beta2, &w2, &eps, &neg_step, &bc2_sqrt, &key, &mkey, &offset, &lean))
         return nullptr;
-    if (lean < 0 || lean > 2) {
+    if (lean < 1 || lean > 7) {
         PyErr_Format(PyExc_ValueError, "adamw_lean: unknown lean mode %d", lean);
         return nullptr;
     }
     AdamArgs a{float(factor), float(decay), float(w1), float(beta2), float(w2), float(eps), float(neg_step),
                float(bc2_sqrt)};
-    return released<AdamLeanF>(kind, out, reinterpret_cast<void*>(p), reinterpret_cast<const float*>(g),
+    return released<AdamLeanF>(kind, out, reinterpret_cast<void*>(p), reinterpret_cast<const void*>(g),
                                reinterpret_cast<void*>(m), reinterpret_cast<void*>(v), int64_t(n), threads, a,
                                uint32_t(key), uint32_t(mkey), uint64_t(offset), lean);
 }
@@ -369,17 +464,18 @@ PyObject* adamw_lean(PyObject*, PyObject* args) {
 PyObject* sgd(PyObject*, PyObject* args) {
     unsigned long long p, g, buf, out, offset;
     unsigned int mkey;
-    int kind, threads, nesterov, first, has_momentum, bf16_master;
+    int kind, threads, nesterov, first, has_momentum, bf16_master, bf16_grad;
     long long n;
     double factor, wd, momentum, damp, neg_lr;
-    if (!PyArg_ParseTuple(args, "KKKKiLidddddpppIKp", &p, &g, &buf, &out, &kind, &n, &threads, &factor, &wd,
-                          &momentum, &damp, &neg_lr, &nesterov, &first, &has_momentum, &mkey, &offset, &bf16_master))
+    if (!PyArg_ParseTuple(args, "KKKKiLidddddpppIKpp", &p, &g, &buf, &out, &kind, &n, &threads, &factor, &wd,
+                          &momentum, &damp, &neg_lr, &nesterov, &first, &has_momentum, &mkey, &offset, &bf16_master,
+                          &bf16_grad))
         return nullptr;
     SgdArgs a{float(factor), float(wd), float(momentum), float(damp), float(neg_lr), bool(nesterov), bool(first),
               bool(has_momentum)};
-    return released<SgdF>(kind, out, reinterpret_cast<void*>(p), reinterpret_cast<const float*>(g),
+    return released<SgdF>(kind, out, reinterpret_cast<void*>(p), reinterpret_cast<const void*>(g),
                           reinterpret_cast<float*>(buf), int64_t(n), threads, a, uint32_t(mkey), uint64_t(offset),
-                          bool(bf16_master));
+                          bool(bf16_master), bool(bf16_grad));
 }
 
 PyObject* cast(PyObject*, PyObject* args) {
@@ -392,12 +488,14 @@ PyObject* cast(PyObject*, PyObject* args) {
 
 PyMethodDef methods[] = {
     {"land", land, METH_VARARGS, "land(dst, src, kind, n, add, threads, divisor) -> (sum of squares, non-finite)"},
+    {"land_bf16", land_bf16, METH_VARARGS, "land_bf16(dst, src, kind, n, add, threads, divisor, key, offset) -> "
+                                           "(sum of squares, non-finite)"},
     {"adamw", adamw, METH_VARARGS, "adamw(p, g, m, v, out, kind, n, threads, factor, decay, w1, beta2, w2, eps, "
                                    "neg_step, bc2_sqrt)"},
     {"adamw_lean", adamw_lean, METH_VARARGS, "adamw_lean(p, g, m, v, out, kind, n, threads, factor, decay, w1, "
                                              "beta2, w2, eps, neg_step, bc2_sqrt, key, mkey, offset, lean)"},
     {"sgd", sgd, METH_VARARGS, "sgd(p, g, buf, out, kind, n, threads, factor, wd, momentum, damp, neg_lr, "
-                               "nesterov, first, has_momentum, mkey, offset, bf16_master)"},
+                               "nesterov, first, has_momentum, mkey, offset, bf16_master, bf16_grad)"},
     {"cast", cast, METH_VARARGS, "cast(src, out, kind, n, threads)"},
     {nullptr, nullptr, 0, nullptr}};
 

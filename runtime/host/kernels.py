@@ -54,9 +54,14 @@ class Kernels:
     def __init__(self, module: ModuleType) -> None:
         self.module = module  # the loaded extension
 
-    def land(self, dst: Tensor, src: Tensor, *, add: bool, divisor: float = 1.0) -> tuple[float, bool]:
+    def land(self, dst: Tensor, src: Tensor, *, add: bool, divisor: float = 1.0, key: int = 0,
+             offset: int = 0) -> tuple[float, bool]:
         """dst = ((dst if add else 0) + src) / divisor (fp32 dst, any float src; src may be dst: in place);
         returns (sum of squares, non-finite) of the new dst, taken in the same pass.
+
+        A bf16 dst (`grad_dtype=torch.bfloat16`) gets the float32 result rounded stochastically with the
+        bits that `key` and `offset` (dst's first element's offset in its group's buffers) choose
+        (runtime/host/lean.py `land`, the same bits); the statistics are the stored values'.
 
         Example (`k = load_kernels()`: None without a C++ compiler, so not run here):
             >>> k.land(torch.ones(2), torch.ones(2), add=True)  # doctest: +SKIP
@@ -64,8 +69,11 @@ class Kernels:
             >>> g = torch.full((2,), 6.0); k.land(g, g, add=False, divisor=2)  # doctest: +SKIP
             (18.0, False)
         """
-        _check("land", dst, torch.float32, dst.numel())
+        _check("land", dst, _lean_dtype("land", dst), dst.numel())
         _check("land", src, src.dtype, dst.numel())
+        if dst.dtype == torch.bfloat16:
+            return self.module.land_bf16(dst.data_ptr(), src.data_ptr(), _kind(src), dst.numel(), add, _threads(),
+                                         float(divisor), key & M32, offset)
         return self.module.land(dst.data_ptr(), src.data_ptr(), _kind(src), dst.numel(), add, _threads(),
                                 float(divisor))
 
@@ -76,13 +84,15 @@ class Kernels:
 
         The scalars are formed as torch.optim.AdamW forms them (Python floats, then float32). m and v
         are both float32, or both bf16 (`AdamW(state_dtype=torch.bfloat16)`); p, the master, is float32
-        or bf16 (`AdamW(master_dtype=torch.bfloat16)`). A bf16 value is read and widened, the update is
+        or bf16 (`AdamW(master_dtype=torch.bfloat16)`); g float32 or bf16 (`grad_dtype=torch.bfloat16`).
+        A bf16 value is read and widened, the update is
         the same float32 arithmetic, and the new value is rounded stochastically with the bits that `key`
         and `offset` (p's first element's offset in its group's buffers) choose (runtime/host/lean.py);
         out is then cast from the stored bf16 weight.
         """
         master = _lean_dtype("adamw", p)
-        _check("adamw", g, torch.float32, p.numel())
+        grad = _lean_dtype("adamw", g)
+        _check("adamw", g, grad, p.numel())
         state = _lean_dtype("adamw", m)
         for t in (m, v):
             _check("adamw", t, state, p.numel())
@@ -92,10 +102,10 @@ class Kernels:
         bc1, bc2 = 1 - b1 ** step, 1 - b2 ** step
         scalars = (factor, 1 - lr * weight_decay, 1 - b1, b2, 1 - b2, eps, -(lr / bc1), bc2 ** 0.5)
         args = (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), _ptr(out), _kind(out), p.numel(), _threads())
-        if state == master == torch.float32:
+        lean = (state == torch.bfloat16) | (master == torch.bfloat16) << 1 | (grad == torch.bfloat16) << 2
+        if not lean:
             self.module.adamw(*args, *scalars)
-        else:  # lean mode: 0 bf16 moments, 1 a bf16 master, 2 both
-            lean = 2 if state == master else 1 if master == torch.bfloat16 else 0
+        else:  # lean mode bits: 1 bf16 moments, 2 a bf16 master, 4 a bf16 gradient
             self.module.adamw_lean(*args, *scalars, key & M32, master_key(key), offset, lean)
 
     def sgd(self, p: Tensor, g: Tensor, buf: Tensor | None, out: Tensor | None, *, factor: float, lr: float,
@@ -104,16 +114,17 @@ class Kernels:
 
         `first`: the buffer's first step (it becomes the gradient, as torch's clone). p is the float32 or
         bf16 master (`SGD(master_dtype=torch.bfloat16)`: rounded stochastically as in `adamw`, `key` and
-        `offset` choosing the bits); g and buf are float32.
+        `offset` choosing the bits); g is float32 or bf16 (`grad_dtype=torch.bfloat16`), buf float32.
         """
         master = _lean_dtype("sgd", p)
-        for t in (g,) + ((buf,) if buf is not None else ()):
-            _check("sgd", t, torch.float32, p.numel())
+        _check("sgd", g, _lean_dtype("sgd", g), p.numel())
+        if buf is not None:
+            _check("sgd", buf, torch.float32, p.numel())
         if out is not None:
             _check("sgd", out, out.dtype, p.numel())
         self.module.sgd(p.data_ptr(), g.data_ptr(), _ptr(buf), _ptr(out), _kind(out), p.numel(), _threads(),
                         factor, weight_decay, momentum, 1.0, -lr, nesterov, first, buf is not None,
-                        master_key(key), offset, master == torch.bfloat16)
+                        master_key(key), offset, master == torch.bfloat16, g.dtype == torch.bfloat16)
 
     def cast(self, src: Tensor, out: Tensor) -> None:
         """out = src.to(out.dtype) (fp32 src; fp32, bf16 or fp16 out; round to nearest even), in one pass."""

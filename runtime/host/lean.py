@@ -16,6 +16,14 @@ The random bits are a counter-based hash, so any implementation and any thread c
 - a bf16 master rounds the new weight (computed in float32 from the widened bf16 one) with the low
   16 bits of `hash32(i ^ master_key(key))`, bits of their own.
 
+- a bf16 gradient (`grad_dtype=torch.bfloat16`) is stored with the low 16 bits of `hash32(i ^ k)`,
+  `k = grad_key(seed, group, iteration, write)`: a key of its own per layer group, iteration (0-based) and
+  write of that parameter in the iteration (0-based), so each accumulation round draws fresh bits. The sum
+  is taken in float32 and rounded stochastically because round to nearest drops a contribution below half
+  an ulp of the running sum: rounds that accumulate would lose the small ones, always in the same direction.
+  A value already in bf16 (one write of a bf16 device gradient) is stored exactly: its low 16 bits are 0,
+  and adding fewer than 2**16 to them never carries.
+
 `hash32` is Wellons' lowbias32 (two multiply-xorshift rounds, a bijection of 32-bit integers). The
 "generator state" a resume needs is the seed and the per-parameter step counts, both in the host
 state's checkpoint. runtime/host/kernels.cpp does the same in its one pass (`adamw_lean`, `sgd`);
@@ -33,11 +41,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["hash32", "rounding_key", "master_key", "random_bits", "stochastic_round", "sqrt_rn", "TorchLean", "M32"]
+__all__ = ["hash32", "rounding_key", "master_key", "grad_key", "random_bits", "stochastic_round", "sqrt_rn",
+           "TorchLean", "M32", "land"]
 
 M32 = 0xFFFFFFFF  # 32-bit mask
 _C1, _C2 = 0x7FEB352D, 0x846CA68B  # lowbias32's multipliers
 MASTER_SALT = 0x9E3779B9  # master_key's constant (2**32 / the golden ratio)
+GRAD_SALT = 0x85EBCA77  # grad_key's constant (a prime of xxHash32), apart from every update's keys
 CHUNK = 1 << 20  # elements per torch pass of the fallback (bounds its float32 temporaries)
 
 
@@ -75,6 +85,15 @@ def master_key(key: int) -> int:
     return hash32(key ^ MASTER_SALT)
 
 
+def grad_key(seed: int, group: int, iteration: int, write: int) -> int:
+    """The 32-bit key of a bf16 gradient's write number `write` (0-based, per parameter) in `iteration` (0-based).
+
+    >>> len({grad_key(0, 3, 0, 0), grad_key(0, 3, 0, 1), grad_key(0, 3, 1, 0), rounding_key(0, 3, 1)})
+    4
+    """
+    return hash32(hash32(rounding_key(seed, group, iteration) ^ GRAD_SALT) ^ (write & M32))
+
+
 def _mul32(x: Tensor, c: int) -> Tensor:
     """(x * c) mod 2**32 for int64 x in [0, 2**32), without int64 overflow (16-bit halves)."""
     return (((x >> 16) * c & 0xFFFF) << 16) + (x & 0xFFFF) * c & M32
@@ -108,6 +127,25 @@ def sqrt_rn(x: Tensor) -> Tensor:
     return x.double().sqrt_().float()
 
 
+def land(dst: Tensor, src: Tensor, *, add: bool, key: int, offset: int, divisor: float = 1.0) -> tuple[float, bool]:
+    """dst (bf16) = SR(((dst if add else 0) + src) / divisor), the sum and the division in float32 (the kernels'
+    `land` into a bf16 buffer, in torch operations: the same bits); src any float dtype (may be dst).
+
+    Returns:
+        (sum of squares, non-finite) of the stored values (the sum in float64).
+    """
+    sq, bad = 0.0, False
+    for lo in range(0, dst.numel(), CHUNK):
+        hi = min(lo + CHUNK, dst.numel())
+        x = dst[lo:hi].float() + src[lo:hi].float() if add else src[lo:hi].float()
+        x = x / divisor if divisor != 1.0 else x
+        dst[lo:hi] = stochastic_round(x, random_bits(offset + lo, hi - lo, key) & 0xFFFF)
+        y = dst[lo:hi].double()
+        sq += float(y.square().sum())
+        bad = bad or not bool(torch.isfinite(y).all())
+    return sq, bad
+
+
 class TorchLean:
     """The lean update in torch operations: the fallback of the kernels' `adamw` and `sgd` (same signatures)."""
 
@@ -115,7 +153,7 @@ class TorchLean:
               betas: tuple[float, float], eps: float, weight_decay: float, step: int, key: int, offset: int) -> None:
         """AdamW step `step` (1-based) of p and m, v with g * factor; out (if given) = cast(new p).
 
-        p is an fp32 or bf16 master, m and v both fp32 or both bf16 (one of them lean). torch.optim.AdamW's
+        p is an fp32 or bf16 master, m and v both fp32 or both bf16, g an fp32 or bf16 gradient (widened). torch.optim.AdamW's
         float32 operations (which kernels.cpp's update follows), chunk by chunk, the square root correctly
         rounded; `key` and `offset` (p's first element's offset in its group's buffers) choose the random
         bits of the bf16 values (module docstring).
@@ -125,7 +163,7 @@ class TorchLean:
         lean_m, lean_p, mkey = m.dtype == torch.bfloat16, p.dtype == torch.bfloat16, master_key(key)
         for lo in range(0, p.numel(), CHUNK):  # torch.optim.AdamW's single-tensor operations, in its order
             hi = min(lo + CHUNK, p.numel())
-            gi = g[lo:hi] * factor if factor != 1.0 else g[lo:hi]
+            gi = g[lo:hi].float() * factor if factor != 1.0 else g[lo:hi].float()
             mi, vi = (m[lo:hi].float(), v[lo:hi].float()) if lean_m else (m[lo:hi], v[lo:hi])  # fp32: in place
             pi = p[lo:hi].float() if lean_p else p[lo:hi]
             pi.mul_(1 - lr * weight_decay)
@@ -140,7 +178,7 @@ class TorchLean:
 
     def sgd(self, p: Tensor, g: Tensor, buf: Tensor | None, out: Tensor | None, *, factor: float, lr: float,
             momentum: float, weight_decay: float, nesterov: bool, first: bool, key: int, offset: int) -> None:
-        """SGD step of a bf16 master p (fp32 momentum `buf`, None without momentum) with g * factor, as
+        """SGD step of an fp32 or bf16 master p with an fp32 or bf16 gradient g (fp32 momentum `buf`, None without momentum) with g * factor, as
         torch.optim.SGD's float32 operations (kernels.cpp's `sgd`); the new weight rounded stochastically.
 
         `first`: the buffer's first step (it becomes the gradient, as torch's clone).
@@ -148,7 +186,7 @@ class TorchLean:
         mkey = master_key(key)
         for lo in range(0, p.numel(), CHUNK):
             hi = min(lo + CHUNK, p.numel())
-            gi = g[lo:hi] * factor if factor != 1.0 else g[lo:hi]
+            gi = g[lo:hi].float() * factor if factor != 1.0 else g[lo:hi].float()
             pi = p[lo:hi].float()
             if weight_decay != 0.0:
                 gi = gi.add(pi, alpha=weight_decay)  # grad.add(param, alpha=wd)

@@ -3,7 +3,8 @@
 Host memory is the home of all model state. Per parameter `HostState` keeps a
 compute copy in the training dtype (what uploads read), and for a trainable
 parameter a master (fp32, or bf16 with `master_dtype=torch.bfloat16`: a buffer of its own, the compute
-copy stays separate), optimizer state and an fp32 gradient buffer: views into
+copy stays separate), optimizer state and a gradient buffer (fp32, or bf16 with
+`grad_dtype=torch.bfloat16`: summed in fp32, stored with stochastic rounding): views into
 one flat buffer each per layer group (`rpcompile.ir.host_layout`, runtime/host/flat.py).
 The optimizer works per layer group: `groups[l]` holds the parameters that
 STEP "O.l" updates and COPY "C.l" refreshes. A tied parameter has one entry and
@@ -53,7 +54,7 @@ from torch import Tensor
 
 from rpcompile.ir.host_layout import host_layout
 from rpcompile.ir.optim import SGD, AdamW, DynamicLossScale, decay_names, make_torch_optimizer
-from rpcompile.runtime.host.flat import FlatGroups, master_dtype, moment_names, state_dtype
+from rpcompile.runtime.host.flat import FlatGroups, grad_dtype, master_dtype, moment_names, state_dtype
 from rpcompile.runtime.host.grad_stats import GradStats, ScaleVerdict, _IterStats
 from rpcompile.runtime.host.kernels import load_kernels
 from rpcompile.runtime.host.layout import host_blocks, view
@@ -139,9 +140,9 @@ class HostState(GradStats, StateIO):
         self.layout = host_layout([(n, p.numel(), dtype or p.dtype, layer_of[n], n in trainable)
                                    for n, p in params.items()], num_layers)  # offsets of every host buffer
         self.flat = FlatGroups(self.layout, trainable, moment_names(optimizer), state_dtype(optimizer),
-                               seed, master_dtype(optimizer))  # masters, grads, moments per group
+                               seed, master_dtype(optimizer), grad_dtype(optimizer))  # masters, grads, moments
         self.master: dict[str, Tensor] = self.flat.master  # trainable canonical -> master (fp32 or bf16; a view)
-        self.grad: dict[str, Tensor] = self.flat.grad  # trainable canonical -> fp32 buffer (valid if written
+        self.grad: dict[str, Tensor] = self.flat.grad  # trainable canonical -> fp32/bf16 buffer (valid if written
         # this iteration; a view)
         # compute copies: views into one block per (lowest owner layer, dtype), pinned with CUDA (uploads read them);
         # a group's trainable parameters first, at their offsets in the group's flat buffers
@@ -161,9 +162,12 @@ class HostState(GradStats, StateIO):
         self.counts = {n: 0 for n in self.master}  # updates applied to each parameter (AdamW's step)
         # the C++ kernels (built here, at compile time, never in a step); None: torch's optimizers on the views
         self.kernels = load_kernels() if optimizer.impl == "fused" else None
-        # bf16 moments or masters without the kernels: the same update in torch operations over the flat buffers
+        # bf16 moments, masters or gradients without the kernels: the same update in torch operations over the flat
+        # buffers
         self._lean = TorchLean() if self.kernels is None and torch.bfloat16 in (
-            state_dtype(optimizer), master_dtype(optimizer)) else None
+            state_dtype(optimizer), master_dtype(optimizer), grad_dtype(optimizer)) else None
+        # the landing pass takes each gradient's statistics and the step unscales (the kernels, or bf16 gradients)
+        self._landed = self.kernels is not None or grad_dtype(optimizer) == torch.bfloat16
         self._optims = [None if self.kernels is not None or self._lean is not None or not g
                         else self._torch_optimizer(g) for g in self.groups]
         self._copied = [False] * num_layers  # the compute copies hold the masters (a step wrote them)
@@ -190,6 +194,7 @@ class HostState(GradStats, StateIO):
         self._skips: set[int] = set()  # iterations whose steps apply nothing (`skip_iteration`)
         self._sq: dict[str, float] = {}  # kernels: sum of squares of each gradient written this iteration
         self._bad: dict[str, bool] = {}  # kernels: whether it has an inf/nan
+        self._writes: dict[str, int] = {}  # bf16 gradients: each one's last write index this iteration (0-based)
         self.on_grad = self.on_complete = _no_hook  # data-parallel hooks (runtime/distributed.py)
 
     def _torch_optimizer(self, group: Sequence[str]) -> torch.optim.Optimizer:
@@ -264,16 +269,17 @@ class HostState(GradStats, StateIO):
         with self._locks[layer]:
             fresh = self._fresh[layer]
             apply = fresh and (st is None or not st.found_inf) and u not in self._skips
-            if apply and self.kernels is not None:
+            if apply and self._landed:
                 factor = torch.ones((), dtype=torch.float32)  # unscale and clip: one float32 factor, as eager's
                 if self._unscale[layer] is not None and self._unscale[layer] != 1.0:  # two multiplications
                     factor = factor * (1.0 / self._unscale[layer])
                 if st is not None and st.coef is not None:
                     factor = factor * st.coef
                 out = {d: self.blocks[(layer, d)] for d in {s.dtype for s in self.layout.segments[layer]}}
-                self.flat.step(self.kernels, self.config, layer, [n for n in group if n in fresh], self.counts,
-                               self.decay, factor=float(factor), lr=self.lr, out=out if copy else None)
-                self._copied[layer] = copy and len(fresh) == len(group)  # else `copy` casts the group's others
+                copy_now = copy and self.kernels is not None  # TorchLean's steps leave the copies to `copy`
+                self.flat.step(self.kernels or self._lean, self.config, layer, [n for n in group if n in fresh],
+                               self.counts, self.decay, factor=float(factor), lr=self.lr, out=out if copy_now else None)
+                self._copied[layer] = copy_now and len(fresh) == len(group)  # else `copy` casts the group's others
             elif apply and self._lean is not None:  # unscaled in grads_complete; the clip coefficient here
                 factor = 1.0 if st is None or st.coef is None else float(st.coef.float())
                 self.flat.step(self._lean, self.config, layer, [n for n in group if n in fresh], self.counts,

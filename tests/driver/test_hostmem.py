@@ -40,8 +40,11 @@ def allocated(state: HostState) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("optimizer", [rpcompile.AdamW(lr=1e-3), rpcompile.AdamW(lr=1e-3, state_dtype=torch.bfloat16),
-                                       rpcompile.SGD(lr=0.1), rpcompile.SGD(lr=0.1, momentum=0.9)],
-                         ids=["adamw", "adamw-bf16", "sgd", "momentum"])
+                                       rpcompile.AdamW(lr=1e-3, state_dtype=torch.bfloat16, master_dtype=torch.bfloat16,
+                                                       grad_dtype=torch.bfloat16),
+                                       rpcompile.SGD(lr=0.1), rpcompile.SGD(lr=0.1, momentum=0.9),
+                                       rpcompile.SGD(lr=0.1, momentum=0.9, grad_dtype=torch.bfloat16)],
+                         ids=["adamw", "adamw-bf16", "adamw-10B", "sgd", "momentum", "momentum-bf16-grad"])
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16])
 @pytest.mark.parametrize("frozen", [False, True])
 def test_bytes_match_what_host_state_allocates(optimizer, dtype, frozen):
@@ -58,10 +61,14 @@ def test_bytes_match_what_host_state_allocates(optimizer, dtype, frozen):
     assert host_bytes(model, microbatches=2, optimizer=optimizer, dtype=dtype).weights >= need.weights  # tied: once
 
 
-@pytest.mark.parametrize("state_dtype, per_param", [(torch.float32, 18.0), (torch.bfloat16, 14.0)])
-def test_parameter_state_per_trainable_parameter_follows_the_state_dtype(state_dtype, per_param):
+@pytest.mark.parametrize("lean, per_param", [({}, 18.0), (dict(state_dtype=torch.bfloat16), 14.0),
+                                             (dict(state_dtype=torch.bfloat16, master_dtype=torch.bfloat16), 12.0),
+                                             (dict(grad_dtype=torch.bfloat16), 16.0),
+                                             (dict(state_dtype=torch.bfloat16, master_dtype=torch.bfloat16,
+                                                   grad_dtype=torch.bfloat16), 10.0)])
+def test_parameter_state_per_trainable_parameter_follows_the_state_master_and_grad_dtypes(lean, per_param):
     model = torch.nn.Linear(1024, 1024)  # multiples of 16: no alignment gaps
-    need = host_bytes(model, microbatches=1, optimizer=rpcompile.AdamW(state_dtype=state_dtype), dtype=torch.bfloat16)
+    need = host_bytes(model, microbatches=1, optimizer=rpcompile.AdamW(**lean), dtype=torch.bfloat16)
     assert need.trainable == 1024 * 1024 + 1024 and need.state_per_param == per_param
     assert need.per_param_line().startswith(f"parameter state: {per_param:.1f} B per trainable parameter")
     frozen = host_bytes(model.requires_grad_(False), microbatches=1, dtype=torch.bfloat16)
