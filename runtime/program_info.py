@@ -1,4 +1,4 @@
-"""What the runtime derives once from a Program: per-worker order, readers, gradient slots; and its
+"""What the runtime derives once from a Program: per-worker order, readers, gradient downloads; and its
 forward-only version for evaluation.
 
     >>> from rpcompile.passes import emit
@@ -48,9 +48,6 @@ class ProgramInfo:
     by_worker: dict[int, tuple[Instr, ...]]  # template worker -> its device instructions, program order
     host: dict[Op, tuple[Instr, ...]]  # STEP / COPY instructions, program order
     grads: tuple[Instr, ...]  # G instructions, program order
-    last_chunk: frozenset[str]  # G names that close a (stage, round) slot
-    first_chunk: dict[int, int]  # stage -> index of its first chunk
-    grad_slots: tuple[tuple[int, int], ...]  # (stage, round) of every slot that downloads gradients
     loss_downs: tuple[str, ...]  # the D instructions that bring the losses down
     forward_only: bool
     max_back: int  # the furthest back (in iterations) any dependency reaches
@@ -68,16 +65,12 @@ class ProgramInfo:
                 by_worker.setdefault(i.worker, []).append(i)
                 if i.op is Op.GRAD_DOWN:
                     grads.append(i)
-        last: dict[tuple[int, int], str] = {}
-        for g in grads:
-            last[(g.stage, g.round)] = g.name
         kinds = {s.index: s.kind for s in program.plan.stages}
-        first = {s: min((c.index for c in program.stage_chunks(s)), default=0) for s in kinds}
         fwd_only = not grads and not host[Op.STEP]
         loss_downs = tuple(i.name for i in program.instrs if i.op is Op.ACT_DOWN and kinds[i.stage] is StageKind.FB)
         return cls(program, deps, count_readers(program, io), {i.name: i for i in program.instrs},
                    {w: tuple(v) for w, v in by_worker.items()}, {k: tuple(v) for k, v in host.items()},
-                   tuple(grads), frozenset(last.values()), first, tuple(sorted(last)), loss_downs, fwd_only,
+                   tuple(grads), loss_downs, fwd_only,
                    max((r.back for v in deps.values() for r in v), default=0))
 
 
