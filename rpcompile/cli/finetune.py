@@ -20,7 +20,7 @@ from rpcompile.finetune.data import PACKINGS, TRAIN_ON
 from rpcompile.finetune.config import DTYPES, REPORT_TO, FinetuneConfig
 from rpcompile.finetune.config_file import read_config
 from rpcompile.finetune.schedule import SCHEDULES
-from rpcompile.ir.optim import MASTER_DTYPES, STATE_DTYPES
+from rpcompile.ir.optim import GRAD_DTYPES, MASTER_DTYPES, STATE_DTYPES
 
 __all__ = ["add_arguments", "config_from_args", "settings_from_args", "REQUIRED"]
 
@@ -108,6 +108,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _add(o, "--master-dtype", choices=tuple(MASTER_DTYPES),
          help=f"AdamW's master weights: fp32 (default {d.master_dtype}) or bf16 (2 B less per trainable parameter: "
          "no fp32 master; updated in fp32, stored with stochastic rounding)")
+    _add(o, "--grad-dtype", choices=tuple(GRAD_DTYPES),
+         help=f"the host gradient buffers: fp32 (default {d.grad_dtype}) or bf16 (2 B less per trainable parameter: "
+         "accumulation rounds summed in fp32, stored with stochastic rounding)")
     _add(o, "--seed", type=int, help=f"data order, adapter init, dropout (default {d.seed})")
     lo = p.add_argument_group("LoRA (needs peft)")
     _add(lo, "--lora", type=int, metavar="R", help="train rank-R adapters, base frozen (default 0: full fine-tuning)")

@@ -5,6 +5,7 @@
     python -m rpcompile plan --model qwen3-32b --host-memory 1024 --micro-batch-size 2
     python -m rpcompile plan --model qwen3-32b --state-dtype bf16   # bf16 AdamW moments: 14 B/param, not 18
     python -m rpcompile plan --model qwen3-32b --state-dtype bf16 --master-dtype bf16   # and a bf16 master: 12
+    python -m rpcompile plan --model qwen3-32b --state-dtype bf16 --master-dtype bf16 --grad-dtype bf16   # 10
     python -m rpcompile simulate --program program.csv [--costs costs.json] --hardware rtx4090
     python -m rpcompile train --config run.json          # train --help lists the config keys
     python -m rpcompile finetune --model DIR --data train.jsonl --out DIR [--lora 8] [--save-every 100]
@@ -37,7 +38,7 @@ from rpcompile.models.presets import MODELS
 from rpcompile.cli.train import RunConfig, config_help, train
 from rpcompile.ir.costs import CostTable
 from rpcompile.ir.hardware import Hardware
-from rpcompile.ir.optim import MASTER_DTYPES, STATE_DTYPES
+from rpcompile.ir.optim import GRAD_DTYPES, MASTER_DTYPES, STATE_DTYPES
 from rpcompile.ir.program import Program
 from rpcompile.runtime import RuntimeFailure, simulate
 
@@ -80,7 +81,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                    microbatches=args.microbatches, staleness=args.staleness, frozen_base=args.frozen_base,
                    host_memory=limit, microbatch_size=args.micro_batch_size,
                    state_dtype=STATE_DTYPES[args.state_dtype],
-                   master_dtype=MASTER_DTYPES[args.master_dtype])  # raises (exit 2) over the host
+                   master_dtype=MASTER_DTYPES[args.master_dtype],
+                   grad_dtype=GRAD_DTYPES[args.grad_dtype])  # raises (exit 2) over the host
     n = args.micro_batch_size
     size = f"{r.params / 1e9:.2f}B" if r.params >= 1e8 else f"{r.params / 1e6:.2f}M"
     print(f"{args.model}: {size} parameters, {len(r.costs)} layers, "
@@ -90,7 +92,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     source = "--host-memory" if limit is not None else f"{args.hardware} preset"
     print(f"host memory: {r.host} needed of {r.host_memory / 2**30:,.1f} GiB ({source}): fits")
     print(f"{r.host.per_param_line()}, {args.state_dtype} moments (--state-dtype)"
-          f"{', bf16 master (--master-dtype)' if args.master_dtype == 'bf16' else ''}")
+          f"{', bf16 master (--master-dtype)' if args.master_dtype == 'bf16' else ''}"
+          f"{', bf16 gradients (--grad-dtype)' if args.grad_dtype == 'bf16' else ''}")
     where = f"{args.gpus}x {args.hardware}, {n} sequence{'s' if n > 1 else ''} per microbatch"
     if r.max_seq is not None:  # the length, then what stops a longer one (SeqLenLimit's str)
         print(f"max_seq_len on {where}: {r.max_seq}")
@@ -164,6 +167,9 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--master-dtype", choices=tuple(MASTER_DTYPES), default="fp32",
                     help="AdamW's master weights: fp32 (default) or bf16 (2 B less per trainable parameter: no fp32 "
                     "master; updated in fp32, stored with stochastic rounding)")
+    pl.add_argument("--grad-dtype", choices=tuple(GRAD_DTYPES), default="fp32",
+                    help="the host gradient buffers: fp32 (default) or bf16 (2 B less per trainable parameter: rounds "
+                    "summed in fp32, stored with stochastic rounding)")
     pl.add_argument("--host-memory", type=float, metavar="GiB",
                     help="host memory of the target machine in GiB (default: the hardware preset's)")
     pl.add_argument("--save-program", help="write the program (CSV) and costs (JSON) here")

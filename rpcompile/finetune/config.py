@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rpcompile.finetune.data import PACKINGS, TRAIN_ON
-from rpcompile.ir.optim import MASTER_DTYPES, STATE_DTYPES
+from rpcompile.ir.optim import GRAD_DTYPES, MASTER_DTYPES, STATE_DTYPES
 from rpcompile.finetune.schedule import SCHEDULES
 
 __all__ = ["FinetuneConfig", "FinetuneResult", "check_config", "DTYPES", "REPORT_TO"]
@@ -53,6 +53,8 @@ class FinetuneConfig:
     # stochastically, the update in fp32; rpcompile.AdamW(state_dtype=torch.bfloat16))
     master_dtype: str = "fp32"  # AdamW's master weights: "fp32" or "bf16" (2 B less per trainable parameter: no
     # fp32 master, the update in fp32 stored with stochastic rounding; rpcompile.AdamW(master_dtype=torch.bfloat16))
+    grad_dtype: str = "fp32"  # the host gradient buffers: "fp32" or "bf16" (2 B less per trainable parameter: rounds
+    # summed in fp32, stored with stochastic rounding; rpcompile.AdamW(grad_dtype=torch.bfloat16))
     staleness: int = 1  # 1: RoundPipe (the CPU optimizer one step behind), 0: synchronous
     dtype: str = "auto"  # training dtype (DTYPES): auto = bf16 on CUDA, fp32 on the CPU; fp16 with dynamic loss scaling
     fp16_accumulation: bool = False  # fp16 GEMMs accumulate in fp16 on CUDA (needs dtype fp16; no effect on host
@@ -148,6 +150,8 @@ def check_config(cfg: FinetuneConfig) -> None:
         raise ValueError(f"--state-dtype must be one of {tuple(STATE_DTYPES)}, got {cfg.state_dtype!r}")
     if cfg.master_dtype not in MASTER_DTYPES:
         raise ValueError(f"--master-dtype must be one of {tuple(MASTER_DTYPES)}, got {cfg.master_dtype!r}")
+    if cfg.grad_dtype not in GRAD_DTYPES:
+        raise ValueError(f"--grad-dtype must be one of {tuple(GRAD_DTYPES)}, got {cfg.grad_dtype!r}")
     if cfg.dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
     if not isinstance(cfg.fp16_accumulation, bool):

@@ -70,7 +70,7 @@ from rpcompile.finetune.metrics import MetricsLog, check_report_to
 from rpcompile.finetune.neftune import add_neftune, remove_neftune
 from rpcompile.finetune.packed_attention import use_packed_attention
 from rpcompile.finetune.preflight import preflight
-from rpcompile.ir.optim import MASTER_DTYPES, STATE_DTYPES, AdamW, DynamicLossScale
+from rpcompile.ir.optim import GRAD_DTYPES, MASTER_DTYPES, STATE_DTYPES, AdamW, DynamicLossScale
 
 __all__ = ["FinetuneConfig", "FinetuneResult", "finetune", "CHECKPOINT", "RUN_FILE", "DTYPES", "StepOutOfMemory",
            "StepFailed"]
@@ -150,7 +150,8 @@ def _train(cfg: FinetuneConfig, ranks: Ranks, on_step: Callable[[int, float], No
                         lr=cfg.lr if cfg.lr is not None else (2e-4 if cfg.lora else 2e-5),
                         checkpoint=os.path.join(cfg.out, CHECKPOINT))
         optimizer = AdamW(lr=plan.lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
-                          state_dtype=STATE_DTYPES[cfg.state_dtype], master_dtype=MASTER_DTYPES[cfg.master_dtype])
+                          state_dtype=STATE_DTYPES[cfg.state_dtype], master_dtype=MASTER_DTYPES[cfg.master_dtype],
+                          grad_dtype=GRAD_DTYPES[cfg.grad_dtype])
         lora = dict(rank=cfg.lora, alpha=cfg.lora_alpha, targets=cfg.lora_targets, seed=cfg.seed) if cfg.lora else None
         example = ranks.share(train.batch(0, size, cfg.seed))
         pre = preflight(config, example, gpus=gpus, microbatches=micro, microbatch_size=cfg.micro_batch_size,
@@ -160,7 +161,8 @@ def _train(cfg: FinetuneConfig, ranks: Ranks, on_step: Callable[[int, float], No
         if cfg.dry_run:
             print("\n".join(pre.lines()))
             print(f"{pre.host.per_param_line()}, {cfg.state_dtype} moments (--state-dtype)"
-                  f"{', bf16 master (--master-dtype)' if cfg.master_dtype == 'bf16' else ''}")
+                  f"{', bf16 master (--master-dtype)' if cfg.master_dtype == 'bf16' else ''}"
+                  f"{', bf16 gradients (--grad-dtype)' if cfg.grad_dtype == 'bf16' else ''}")
             print(f"dry run: {plan.total} steps of {size} sequences; nothing loaded or written")
             return FinetuneResult(0, [], [], cfg.out)
         print(f"fits: {pre.lines()[1]}; {pre.lines()[2]}")

@@ -57,7 +57,8 @@ def plan_model(model: str, *, gpus: int = 8, hardware: str | Hardware = "rtx4090
                host_memory: int | None = None, microbatch_size: int = 1, dtype: torch.dtype = torch.bfloat16,
                fp16_accumulation: bool = False, fused_head: bool = False,
                lm_head_shards: int | str = "auto", seq_limit: bool = True, parallel: bool = True,
-               state_dtype: torch.dtype = torch.float32, master_dtype: torch.dtype = torch.float32) -> PlanResult:
+               state_dtype: torch.dtype = torch.float32, master_dtype: torch.dtype = torch.float32,
+               grad_dtype: torch.dtype = torch.float32) -> PlanResult:
     """Build `model` on meta, predict its costs on `hardware`, plan, simulate, compare.
 
     Args:
@@ -73,6 +74,7 @@ def plan_model(model: str, *, gpus: int = 8, hardware: str | Hardware = "rtx4090
         lm_head_shards: the LM head's shards, as for `rpcompile.compile` (default "auto").
         state_dtype: AdamW's moments, `rpcompile.AdamW(state_dtype=...)`: float32 (default) or bfloat16.
         master_dtype: AdamW's master weights, `rpcompile.AdamW(master_dtype=...)`: float32 (default) or bfloat16.
+        grad_dtype: the host gradient buffers, `rpcompile.AdamW(grad_dtype=...)`: float32 (default) or bfloat16.
         seq_limit: also find `max_seq` (the slow part); False leaves it None.
         parallel: find `max_seq` in a forked child process while this one plans (`Background`: Linux with
             more than one core; the same result either way); False: one after the other.
@@ -98,7 +100,8 @@ def plan_model(model: str, *, gpus: int = 8, hardware: str | Hardware = "rtx4090
     if frozen_base:
         for p in net.parameters():
             p.requires_grad_(p.dim() == 1)
-    state = dict(staleness=staleness, optimizer=AdamW(state_dtype=state_dtype, master_dtype=master_dtype), dtype=dtype, hardware=hw, limit=host_memory)
+    state = dict(staleness=staleness, optimizer=AdamW(state_dtype=state_dtype, master_dtype=master_dtype,
+                                                      grad_dtype=grad_dtype), dtype=dtype, hardware=hw, limit=host_memory)
     check_host_memory(net, microbatches=microbatches, **state)  # the parameters' state alone, before planning
     # the longest sequence, from the same model traced into sub-blocks (with a frozen base `long_sequence_graph`
     # builds its own: the experts then run one after the other), found meanwhile in a child process if it may

@@ -97,6 +97,14 @@ def test_plan_prints_the_parameter_state_per_trainable_parameter_beside_the_host
     assert "bf16 masters" in lines[at]
     rc, _, err = run_plan(capsys, *small, "--master-dtype", "fp16")
     assert rc == 2 and "--master-dtype" in err and len(err.strip().splitlines()) == 1, err
+    rc, out, err = run_plan(capsys, *small, "--state-dtype", "bf16", "--master-dtype", "bf16", "--grad-dtype", "bf16")
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("host memory:"))
+    assert rc == 0 and lines[at + 1] == (
+        "parameter state: 10.0 B per trainable parameter (compute copy 2.0, master 2.0, gradient 2.0, optimizer "
+        "state 4.0), bf16 moments (--state-dtype), bf16 master (--master-dtype), bf16 gradients (--grad-dtype)"), out
+    rc, _, err = run_plan(capsys, *small, "--grad-dtype", "fp16")
+    assert rc == 2 and "--grad-dtype" in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_plan_plans_with_the_lean_state_it_is_given(capsys):

@@ -230,7 +230,7 @@ def test_a_model_folder_whose_config_cannot_build_the_model_is_refused_naming_th
     assert f"{folder / 'config.json'}: {words}" in err and not (tmp_path / "out").exists(), err
 
 
-@pytest.mark.parametrize("key", ["state_dtype", "master_dtype"])
+@pytest.mark.parametrize("key", ["state_dtype", "master_dtype", "grad_dtype"])
 def test_state_and_master_dtypes_are_flags_and_keys_checked_by_name(tmp_path, capsys, key):
     flag, paths = "--" + key.replace("_", "-"), sum((["--" + k, v] for k, v in PATHS.items()), [])
     assert getattr(config(*paths), key) == "fp32"  # the default

@@ -62,6 +62,12 @@ def test_dry_run_prints_the_parameter_state_of_the_state_dtype(files, tmp_path, 
     assert line.endswith(", bf16 moments (--state-dtype), bf16 master (--master-dtype)"), line
     assert per["bf16"] - float(line.split()[2]) == 2.0 and "master 2.0" in line  # a bf16 master: 2 bytes, not 4
     assert not (tmp_path / "o").exists()
+    assert run(files, tmp_path / "o", "--dry-run", "--state-dtype", "bf16", "--master-dtype", "bf16",
+               "--grad-dtype", "bf16") == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("parameter state: "))
+    assert line.endswith(", bf16 master (--master-dtype), bf16 gradients (--grad-dtype)"), line
+    assert per["bf16"] - float(line.split()[2]) == 4.0 and "gradient 2.0" in line  # and a bf16 gradient: 2, not 4
+    assert not (tmp_path / "o").exists()
 
 
 def test_a_host_too_small_is_refused_before_the_weights_load(files, tmp_path, monkeypatch, capsys):

@@ -196,7 +196,7 @@ def test_resume_takes_the_model_folder_however_its_path_is_spelled(files, tmp_pa
                                     chat_template=str(tmp_path / "chat.jinja")))
 
 
-@pytest.mark.parametrize("key", ["state_dtype", "master_dtype"])
+@pytest.mark.parametrize("key", ["state_dtype", "master_dtype", "grad_dtype"])
 def test_the_run_record_holds_the_state_dtypes_and_a_resume_with_another_is_refused_naming_both(files, tmp_path, key):
     out = tmp_path / "run"
     out.mkdir()
