@@ -14,6 +14,8 @@ AdamW (weight decay 0.01) and a bf16 compute copy. Rows:
   must happen before the step there (DESIGN.md idea 7), so it cannot share the update's pass.
 - rpcompile kernels, bf16 moments (`AdamW(state_dtype=torch.bfloat16)`), staleness 0 and 1: the same
   calls, the moments read and written as bf16 (rounded stochastically; 14 bytes per parameter).
+- rpcompile kernels, bf16 moments and master (`master_dtype=torch.bfloat16` too: 12 bytes per parameter),
+  and bf16 moments, master and gradients (`grad_dtype=torch.bfloat16` too: 10 bytes), staleness 0 and 1.
 - rpcompile, torch kernels (`impl="foreach"`: eager bits) on the same flat buffers.
 - torch equivalent: grad copy into `.grad`, `clip_grad_norm_`, fused AdamW, bf16 copy.
 - torch fused AdamW step alone; DeepSpeed's CPUAdam step alone (if `deepspeed` is installed and
@@ -58,18 +60,24 @@ def timed(fn: Callable[[], None]) -> Case:
     return run
 
 
+LEAN = {"bf16 moments": dict(state_dtype=torch.bfloat16),  # row name part -> AdamW's lean options
+        "bf16 moments+master": dict(state_dtype=torch.bfloat16, master_dtype=torch.bfloat16),
+        "bf16 moments+master+grads": dict(state_dtype=torch.bfloat16, master_dtype=torch.bfloat16,
+                                          grad_dtype=torch.bfloat16)}
+
+
 def bf16_grads(total: int, groups: int) -> list[torch.Tensor]:
     """One seeded bf16 gradient per group."""
     g = torch.Generator().manual_seed(0)
     return [torch.randn(total // groups, generator=g).to(torch.bfloat16) for _ in range(groups)]
 
 
-def ours(total: int, groups: int, staleness: int, impl: str = "fused", state_dtype: torch.dtype = torch.float32
-         ) -> Case:
-    """One iteration of HostState's host side over every group (moments of `state_dtype`)."""
+def ours(total: int, groups: int, staleness: int, impl: str = "fused", **lean: torch.dtype) -> Case:
+    """One iteration of HostState's host side over every group (`lean`: AdamW's state_dtype, master_dtype and
+    grad_dtype, default float32)."""
     params = {f"layer{l}.weight": torch.nn.Parameter(torch.randn(total // groups)) for l in range(groups)}
     state = HostState(params, {n: (l,) for l, n in enumerate(params)}, groups, dtype=torch.bfloat16,
-                      optimizer=rpcompile.AdamW(lr=1e-4, max_grad_norm=CLIP, impl=impl, state_dtype=state_dtype))
+                      optimizer=rpcompile.AdamW(lr=1e-4, max_grad_norm=CLIP, impl=impl, **lean))
     assert (state.kernels is not None) == (impl == "fused"), "the kernels did not build"
     grads = dict(zip(params, bf16_grads(total, groups)))
     del params
@@ -188,10 +196,9 @@ def main(argv: list[str] | None = None) -> str:
     cases: list[tuple[str, str, Case]] = [
         ("rpcompile kernels, staleness 0", "accumulate, complete, step(copy=True), copy", ours(total, groups, 0)),
         ("rpcompile kernels, staleness 1", "accumulate, complete, copy, step", ours(total, groups, 1)),
-        ("rpcompile kernels, bf16 moments, staleness 0", "accumulate, complete, step(copy=True), copy",
-         ours(total, groups, 0, state_dtype=torch.bfloat16)),
-        ("rpcompile kernels, bf16 moments, staleness 1", "accumulate, complete, copy, step",
-         ours(total, groups, 1, state_dtype=torch.bfloat16)),
+        *[(f"rpcompile kernels, {what}, staleness {s}", how, ours(total, groups, s, **lean))
+          for what, lean in LEAN.items()
+          for s, how in ((0, "accumulate, complete, step(copy=True), copy"), (1, "accumulate, complete, copy, step"))],
         ("rpcompile, torch kernels (impl=foreach)", "accumulate, complete, step, copy",
          ours(total, groups, 0, "foreach")),
         ("torch equivalent", "grad copy, clip_grad_norm_, fused AdamW, bf16 copy", torch_equivalent(total, groups)),
@@ -216,12 +223,12 @@ def main(argv: list[str] | None = None) -> str:
         eq, mc = med["torch equivalent"], med["memcpy, 18 B/param"]
         fp32 = {s: med[f"rpcompile kernels, staleness {s}"] for s in (0, 1)}  # the bf16 rows' speed-up is over these
         rows = [(name, how, f"{med[name] * 1e3:.1f}", f"{total / med[name] / 1e6:.0f}", f"{eq / med[name]:.2f}",
-                 f"{mc / med[name]:.2f}", f"{fp32[int(name[-1])] / med[name]:.2f}" if "bf16 moments" in name else "")
+                 f"{mc / med[name]:.2f}", f"{fp32[int(name[-1])] / med[name]:.2f}" if "bf16" in name else "")
                 for name, how, _ in cases]
         tables.append(f"### {threads} thread{'s' if threads > 1 else ''} (load average {os.getloadavg()[0]:.1f})\n\n"
                       + tabulate(rows, headers=["path", "what is timed", "ms / iteration", "Mparam/s",
                                                 "vs torch equivalent", "of memcpy rate (36 B/param)",
-                                                "vs fp32 moments"],
+                                                "vs fp32 state"],
                                  tablefmt="github"))
     text = (f"# The host optimizer at memory speed\n\n{machine_line()}  \n"
             f"{os.cpu_count()} cores shared with other users; the load average is given per table  \n"
@@ -233,8 +240,10 @@ def main(argv: list[str] | None = None) -> str:
             "as fast as a copy of 36 bytes per parameter (the fused design's traffic: a 2-byte read and 4-byte\n"
             "write while the gradient lands, 16 bytes read and 14 written in the update). Staleness 1 moves 40\n"
             "(its copy is its own pass: 4 read, 2 written). The bf16 moment rows move 28 (32 at staleness 1): their\n"
-            "update reads 12 bytes and writes 10; `vs fp32 moments` is the fp32 row's time of the same staleness\n"
-            "over theirs. Compare ratios within one table, not across runs.\n"
+            "update reads 12 bytes and writes 10; with a bf16 master too 24 (26: the update reads 10 and writes 8,\n"
+            "the copy reads 2 and writes 2); with bf16 gradients too 20 (22: the gradient lands as 2 read and 2\n"
+            "written, the update reads 8 and writes 8). `vs fp32 state` is the fp32 row's time of the same\n"
+            "staleness over theirs. Compare ratios within one table, not across runs.\n"
             "torch's copy_ into a fresh destination also reads it first (write-allocate), so the memcpy row\n"
             "moves more than 36 bytes per parameter; the in-place stream row (read and written, as the update's\n"
             "buffers) is the tighter floor: compare its ms with ours.\n"

@@ -11,7 +11,8 @@
 //       statistics of the result, in the same pass. dst == src: in place (data parallel: the average).
 //   land_bf16(dst, src, src_kind, n, add, threads, divisor, key, offset) -> (sum of squares, non-finite)
 //       the same into a bf16 dst (`grad_dtype=torch.bfloat16`): the sum and division in float32, stored rounded
-//       stochastically with the low 16 bits of hash32((offset + i) mod 2^32 ^ key); statistics of the stored values.
+//       stochastically with the low 16 bits of hash32((offset + i) mod 2^32 ^ key) (a bf16 src written alone is
+//       copied: exact, the bits rounding would give, NaNs as they are); statistics of the stored values.
 //   adamw(p, g, m, v, out, out_kind, n, threads, factor, decay, w1, beta2, w2, eps, neg_step, bc2_sqrt)
 //       torch.optim.AdamW's single-tensor update of p, m, v with g * factor; out = cast(new p).
 //   adamw_lean(p, g, m, v, out, out_kind, n, threads, factor, ..., bc2_sqrt, key, mkey, offset, lean)
@@ -155,15 +156,21 @@ void land_bf16_t(bf16* dst, const S* src, int64_t n, int threads, float divisor,
         const S* const in = src;
         const float div = divisor;
         const uint32_t k = key, base = static_cast<uint32_t>(offset);
-        double s = 0.0;
-        int f = 0;
+        constexpr bool copy = std::is_same<S, bf16>::value && !ADD && !DIV;  // exact: the bits rounding would give
+        if constexpr (!copy) {
+#pragma omp simd
+            for (int64_t i = lo; i < hi; ++i) {
+                const float y = ADD ? to_float(d[i]) + to_float(in[i]) : to_float(in[i]);
+                const float x = DIV ? y / div : y;
+                d[i] = round_stochastic(x, hash32((base + static_cast<uint32_t>(i)) ^ k) & 0xFFFFu);
+            }
+        }
+        double s = 0.0;  // the statistics of the stored block, still in the cache (GCC does not vectorize the
+        int f = 0;       // rounding and these reductions as one loop); a copy's in the copying loop
 #pragma omp simd reduction(+ : s) reduction(| : f)
         for (int64_t i = lo; i < hi; ++i) {
-            const float y = ADD ? to_float(d[i]) + to_float(in[i]) : to_float(in[i]);
-            const float x = DIV ? y / div : y;
-            const bf16 stored = round_stochastic(x, hash32((base + static_cast<uint32_t>(i)) ^ k) & 0xFFFFu);
-            d[i] = stored;
-            const float z = to_float(stored);
+            if constexpr (copy) d[i] = in[i];
+            const float z = to_float(d[i]);
             s += static_cast<double>(z) * static_cast<double>(z);
             f |= (z - z) != 0.0f;
         }

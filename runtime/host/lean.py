@@ -131,15 +131,22 @@ def land(dst: Tensor, src: Tensor, *, add: bool, key: int, offset: int, divisor:
     """dst (bf16) = SR(((dst if add else 0) + src) / divisor), the sum and the division in float32 (the kernels'
     `land` into a bf16 buffer, in torch operations: the same bits); src any float dtype (may be dst).
 
+    A bf16 src written alone (no add, no division) is copied: exact, the bits the rounding would give (its
+    NaNs kept as they are, as the kernels' copy).
+
     Returns:
         (sum of squares, non-finite) of the stored values (the sum in float64).
     """
     sq, bad = 0.0, False
+    copy = src.dtype == torch.bfloat16 and not add and divisor == 1.0
     for lo in range(0, dst.numel(), CHUNK):
         hi = min(lo + CHUNK, dst.numel())
-        x = dst[lo:hi].float() + src[lo:hi].float() if add else src[lo:hi].float()
-        x = x / divisor if divisor != 1.0 else x
-        dst[lo:hi] = stochastic_round(x, random_bits(offset + lo, hi - lo, key) & 0xFFFF)
+        if copy:
+            dst[lo:hi] = src[lo:hi]
+        else:
+            x = dst[lo:hi].float() + src[lo:hi].float() if add else src[lo:hi].float()
+            x = x / divisor if divisor != 1.0 else x
+            dst[lo:hi] = stochastic_round(x, random_bits(offset + lo, hi - lo, key) & 0xFFFF)
         y = dst[lo:hi].double()
         sq += float(y.square().sum())
         bad = bad or not bool(torch.isfinite(y).all())

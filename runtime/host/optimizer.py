@@ -25,7 +25,7 @@ Note:
 
 Note:
     Memory speed (`impl="fused"`, the default, with the C++ kernels of runtime/host/kernels.py):
-    `accumulate_grad` writes the fp32 gradient and, in the same pass, its sum of
+    `accumulate_grad` writes the gradient (fp32, or bf16) and, in the same pass, its sum of
     squares and non-finite flag; `step(l)` is one pass per group run over the flat
     buffers (unscale and clip as one factor, AdamW or SGD); `copy(l)` one cast pass
     (or none: `step(l, copy=True)` writes the compute copies in the update's pass).
