@@ -34,6 +34,7 @@ def make(staleness: int, example: dict, microbatches: int, optimizer=None, **kw)
 
 
 KERNELS = rpcompile.AdamW(lr=1e-2, max_grad_norm=0.5)  # the C++ kernels, with clipping by the global norm
+BF16_GRADS = rpcompile.AdamW(lr=1e-2, max_grad_norm=0.5, grad_dtype=torch.bfloat16)  # bf16 host gradients
 
 
 def params(c: rpcompile.Compiled) -> dict:
@@ -54,8 +55,9 @@ def worker(mode: str, out: str) -> None:
                 c.save(f"{out}.ckpt{st}.rank{rank}")  # a no-op on rank 1
         torch.save(res, f"{out}.{rank}")
         return
-    if mode == "kernels":  # the averaged gradient is taken in place; its norm clips
-        with make(0, local(0), M // WORLD, optimizer=KERNELS, dist=DistConfig(timeout_s=30)) as c:
+    if mode in ("kernels", "bf16grads"):  # the averaged gradient is taken in place (bf16: widened); its norm clips
+        opt = KERNELS if mode == "kernels" else BF16_GRADS
+        with make(0, local(0), M // WORLD, optimizer=opt, dist=DistConfig(timeout_s=30)) as c:
             torch.save({"loss": [c.step(local(i)) for i in range(STEPS)], "params": params(c)}, f"{out}.{rank}")
         return
     c = make(0, local(0), M // WORLD, dist=DistConfig(timeout_s=20))
@@ -121,6 +123,20 @@ def test_two_processes_with_the_kernels_and_clipping_equal_one_process(tmp_path)
         assert single.state.kernels is not None and single.state.norms  # the kernels ran, the norm was taken
         _close(got[0]["params"], params(single))
     assert got[0]["loss"] == pytest.approx(losses, rel=1e-5)
+
+
+def test_two_processes_with_bf16_gradients_hold_the_same_weights_and_train_like_one_process(tmp_path):
+    # the bf16 gradients are widened to fp32 for the all-reduce and the average is stored back rounded
+    # stochastically with the same key on every rank: the same bits everywhere
+    out = str(tmp_path / "b")
+    for r in _launch("bf16grads", out, timeout=120):
+        assert r.returncode == 0, r.stderr[-3000:]
+    got = [torch.load(f"{out}.{rank}") for rank in range(WORLD)]
+    for n in got[0]["params"]:
+        assert torch.equal(got[0]["params"][n], got[1]["params"][n]), n
+    with make(0, batch(0), M, optimizer=BF16_GRADS) as single:  # its own bf16 sums: other rounding draws
+        losses = [single.step(batch(i)) for i in range(STEPS)]
+    assert got[0]["loss"] == pytest.approx(losses, rel=1e-3)
 
 
 def test_a_dead_process_makes_the_other_fail_not_hang(tmp_path):
