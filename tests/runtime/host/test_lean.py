@@ -210,9 +210,10 @@ def test_default_state_dtype_is_float32_and_other_dtypes_are_refused_naming_the_
             rpcompile.AdamW(state_dtype=bad)
 
 
-@pytest.mark.parametrize("master", [torch.float32, BF16], ids=["fp32-master", "bf16-master"])
+@pytest.mark.parametrize("master, grad", [(torch.float32, torch.float32), (BF16, torch.float32), (BF16, BF16)],
+                         ids=["fp32-master", "bf16-master", "bf16-master-grads"])
 @pytest.mark.parametrize("staleness", [0, 1])
-def test_compile_trains_with_bf16_moments_and_resumes_bit_for_bit(tmp_path, monkeypatch, staleness, master):
+def test_compile_trains_with_bf16_moments_and_resumes_bit_for_bit(tmp_path, monkeypatch, staleness, master, grad):
     from rpcompile.models.zoo import LlamaConfig, TinyLlama
     # `step` returns once the loss is known, at either staleness while the optimizer lane may still be applying
     # the iteration's updates. Slowing the last iteration's updates makes a snapshot that does
@@ -229,7 +230,7 @@ def test_compile_trains_with_bf16_moments_and_resumes_bit_for_bit(tmp_path, monk
     ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "labels": ids.clone()}
     kw = dict(gpus=2, example=batch, microbatches=2, backend="host", staleness=staleness,
-              optimizer=rpcompile.AdamW(lr=1e-3, state_dtype=BF16, master_dtype=master))
+              optimizer=rpcompile.AdamW(lr=1e-3, state_dtype=BF16, master_dtype=master, grad_dtype=grad))
     torch.manual_seed(0)
     with rpcompile.compile(TinyLlama(cfg), **kw) as c:
         first = [c.step(batch) for _ in range(3)]
@@ -241,6 +242,7 @@ def test_compile_trains_with_bf16_moments_and_resumes_bit_for_bit(tmp_path, monk
     assert all(t.dtype == master for t in final["master"].values())  # the checkpoint's masters as they are
     with rpcompile.load(tmp_path / "ckpt", TinyLlama(cfg)) as r:
         assert r.options.optimizer.state_dtype == BF16 and r.options.optimizer.master_dtype == master
+        assert r.options.optimizer.grad_dtype == grad and all(g.dtype == grad for g in r.state.flat.grads)
         assert [r.step(batch) for _ in range(2)] == rest
         again = r.state_dict()["host"]
     assert again["steps"] == final["steps"]
