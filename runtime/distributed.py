@@ -227,8 +227,9 @@ class GradReducer:
             self.iteration += 1
 
     def _reduce(self, layer: int) -> None:
-        """All-reduce (sum) group `layer`'s flat fp32 gradient buffer in place, then divide by the world (one
-        pass, which also takes the gradient statistics of the average: `HostState.average_grads`)."""
+        """All-reduce (sum) group `layer`'s flat fp32 gradient buffer in place (bf16 gradients: a float32 copy,
+        the average stored back with stochastic rounding), then divide by the world (one pass, which also takes
+        the gradient statistics of the average: `HostState.average_grads`)."""
         self.state.average_grads(layer, self.world, lambda flat: dist.all_reduce(flat, group=self.grad_group))
 
     # -- caller-thread collectives ------------------------------------------------------------------

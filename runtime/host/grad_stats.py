@@ -180,9 +180,9 @@ class GradStats:
     def average_grads(self, layer: int, world: int, all_reduce: Callable[[Tensor], None]) -> None:
         """Average group `layer`'s gradient over `world` processes, in place (data parallel, runtime/distributed.py).
 
-        `all_reduce(flat)` sums the group's flat fp32 gradient buffer (a float32 tensor in any case) over the processes in place; one
-        pass then divides it by `world` and (with the kernels) takes the statistics of the average that
-        `grads_complete` uses: no copy in or out, no second statistics pass. Call it after the group's
+        `all_reduce(flat)` sums the group's flat fp32 gradient buffer over the processes in place (always a
+        float32 tensor: see bf16 below); one pass then divides it by `world` and (with the kernels) takes
+        the statistics of the average that `grads_complete` uses: no copy in or out, no second statistics pass. Call it after the group's
         last gradient write of the iteration and before `grads_complete(layer)` returns (its `on_complete`
         hook waits for this call, holding the group's lock: nothing else touches the group meanwhile).
 

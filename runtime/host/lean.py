@@ -160,9 +160,9 @@ class TorchLean:
               betas: tuple[float, float], eps: float, weight_decay: float, step: int, key: int, offset: int) -> None:
         """AdamW step `step` (1-based) of p and m, v with g * factor; out (if given) = cast(new p).
 
-        p is an fp32 or bf16 master, m and v both fp32 or both bf16, g an fp32 or bf16 gradient (widened). torch.optim.AdamW's
-        float32 operations (which kernels.cpp's update follows), chunk by chunk, the square root correctly
-        rounded; `key` and `offset` (p's first element's offset in its group's buffers) choose the random
+        p is an fp32 or bf16 master, m and v both fp32 or both bf16, g an fp32 or bf16 gradient (widened).
+        torch.optim.AdamW's float32 operations (which kernels.cpp's update follows), chunk by chunk, the
+        square root correctly rounded; `key` and `offset` (p's first element's offset in its group's buffers) choose the random
         bits of the bf16 values (module docstring).
         """
         b1, b2 = betas
@@ -185,8 +185,9 @@ class TorchLean:
 
     def sgd(self, p: Tensor, g: Tensor, buf: Tensor | None, out: Tensor | None, *, factor: float, lr: float,
             momentum: float, weight_decay: float, nesterov: bool, first: bool, key: int, offset: int) -> None:
-        """SGD step of an fp32 or bf16 master p with an fp32 or bf16 gradient g (fp32 momentum `buf`, None without momentum) with g * factor, as
-        torch.optim.SGD's float32 operations (kernels.cpp's `sgd`); the new weight rounded stochastically.
+        """SGD step of an fp32 or bf16 master p (fp32 momentum `buf`, None without momentum) with an fp32 or bf16
+        gradient g * factor, as torch.optim.SGD's float32 operations (kernels.cpp's `sgd`); a bf16 weight rounded
+        stochastically.
 
         `first`: the buffer's first step (it becomes the gradient, as torch's clone).
         """
