@@ -182,9 +182,10 @@ class GradStats:
 
         `all_reduce(flat)` sums the group's flat fp32 gradient buffer over the processes in place (always a
         float32 tensor: see bf16 below); one pass then divides it by `world` and (with the kernels) takes
-        the statistics of the average that `grads_complete` uses: no copy in or out, no second statistics pass. Call it after the group's
-        last gradient write of the iteration and before `grads_complete(layer)` returns (its `on_complete`
-        hook waits for this call, holding the group's lock: nothing else touches the group meanwhile).
+        the statistics of the average that `grads_complete` uses: no copy in or out, no second statistics
+        pass. Call it after the group's last gradient write of the iteration and before
+        `grads_complete(layer)` returns (its `on_complete` hook waits for this call, holding the group's
+        lock: nothing else touches the group meanwhile).
 
         bf16 gradients (`grad_dtype=torch.bfloat16`) are widened to a float32 copy of the group's buffer
         for the all-reduce (summing in bf16 would round each partial sum to nearest), and the average is

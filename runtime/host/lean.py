@@ -162,8 +162,8 @@ class TorchLean:
 
         p is an fp32 or bf16 master, m and v both fp32 or both bf16, g an fp32 or bf16 gradient (widened).
         torch.optim.AdamW's float32 operations (which kernels.cpp's update follows), chunk by chunk, the
-        square root correctly rounded; `key` and `offset` (p's first element's offset in its group's buffers) choose the random
-        bits of the bf16 values (module docstring).
+        square root correctly rounded; `key` and `offset` (p's first element's offset in its group's
+        buffers) choose the random bits of the bf16 values (module docstring).
         """
         b1, b2 = betas
         bc1, bc2 = 1 - b1 ** step, 1 - b2 ** step
