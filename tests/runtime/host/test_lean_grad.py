@@ -175,6 +175,28 @@ def test_host_state_with_bf16_gradients_steps_the_same_bits_with_the_kernels_and
     assert a.norms == b.norms  # the clipping norms: fp64 sums of the stored values, in the same order
 
 
+@needs_kernels
+def test_bf16_gradients_under_a_dynamic_loss_scale_unscale_and_skip_with_the_same_bits_with_and_without_kernels():
+    scale = lambda: rpcompile.DynamicLossScale(init_scale=2.0**10, growth_interval=2)  # noqa: E731
+    a, b = grad_state("fused", loss_scale=scale()), grad_state("foreach", loss_scale=scale())
+    for s in (a, b):
+        for t in range(4):
+            s.begin_iteration()
+            g = torch.Generator().manual_seed(t)
+            for n, p in s.master.items():
+                x = torch.randn(p.shape, generator=g) * s.loss_scale
+                if t == 2 and n == "b":
+                    x.view(-1)[3] = float("inf")  # iteration 2 overflows: skipped
+                assert s.accumulate_grad(n, x.to(BF16)) == (t != 2 or n != "b")
+            for l in reversed(range(len(s.groups))):
+                s.grads_complete(l)
+            for l in range(len(s.groups)):
+                s.step(l)
+                s.copy(l)
+    assert a.skipped == b.skipped == [2] and a.loss_scale == b.loss_scale
+    assert all(torch.equal(x, y) for x, y in zip(snapshot(a), snapshot(b)))
+
+
 def test_bf16_gradient_accumulation_is_seeded_and_its_sum_is_the_reference():
     s = grad_state("foreach", seed=4)
     g = [torch.randn(SHAPES["a"], generator=torch.Generator().manual_seed(i)).to(BF16) for i in range(3)]
