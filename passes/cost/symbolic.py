@@ -367,13 +367,14 @@ def symbolic_costs(graph: LayerGraph, inputs: dict[str, torch.Tensor], hardware:
     state = host_bytes(graph, microbatches=1, optimizer=optimizer)
     numel = sum(v.bytes // max(v.dtype.itemsize, 1) for v in graph.params.values())
     master = _SHORT.get(getattr(optimizer, "master_dtype", torch.float32), "fp32")
+    grad = _SHORT.get(getattr(optimizer, "grad_dtype", torch.float32), "fp32")
     return SymbolicCosts(names=tuple(layer.name for layer in graph.layers), **{k: tuple(v) for k, v in cols.items()},
                          param_numel=numel, hardware=hardware,
                          host_state=(("compute copies", state.weights), (f"{master} masters", state.masters),
-                                     ("fp32 gradients", state.grads), ("optimizer state", state.optimizer)))
+                                     (f"{grad} gradients", state.grads), ("optimizer state", state.optimizer)))
 
 
-_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}  # the masters' dtype, as printed
+_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}  # a state dtype, as printed
 
 
 def _default_inputs(graph: LayerGraph) -> dict[str, torch.Tensor]:

@@ -78,9 +78,5 @@ def test_bf16_gradients_accumulated_over_rounds_learn_like_fp32(monkeypatch):
     l0, l1 = _train(8, state_dtype=BF16, master_dtype=BF16, grad_dtype=BF16)  # 10 B a parameter (bf16 gradients
     # alone: tests/runtime/host/test_lean_grad.py)
     assert l0 - l1 >= 0.9 * drop and abs(l1 - f1) <= 0.01 * f1, (l0 - l1, drop, l1, f1)
-    # round to nearest accumulation (the torch fallback's bits fixed at one half) is not measurably worse at
-    # a few rounds of comparable gradients: it passes the same check (what it loses, small rounds on a large
-    # sum, is tests/runtime/host/test_lean_grad.py's)
-    monkeypatch.setattr(lean_mod, "random_bits", lambda offset, n, key: torch.full((n,), 0x8000))
-    n0, n1 = _train(8, grad_dtype=BF16, impl="foreach")
-    assert n0 - n1 >= 0.9 * drop and abs(n1 - f1) <= 0.01 * f1, (n0 - n1, drop, n1, f1)
+    # round-to-nearest accumulation is not measurably worse at a few rounds of comparable gradients (AdamW
+    # normalises them); what it loses, small rounds on a large sum, is tests/runtime/host/test_lean_grad.py's

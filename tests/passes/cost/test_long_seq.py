@@ -123,6 +123,9 @@ def test_the_longest_sequence_counts_the_parameter_state_of_the_runs_optimizer()
     state = dict(seq_len_costs(graph, hw, optimizer=lean).host_state)
     trainable = sum(p.numel() for p in model.parameters())
     assert state["optimizer state"] == 4 * trainable
+    leaner = dict(seq_len_costs(graph, hw, optimizer=rpcompile.AdamW(master_dtype=torch.bfloat16,
+                                                                     grad_dtype=torch.bfloat16)).host_state)
+    assert leaner["bf16 masters"] == leaner["bf16 gradients"] == 2 * trainable  # named and counted as they are
     assert sum(state.values()) == host_bytes(graph, microbatches=1, optimizer=lean).total
     full = dict(seq_len_costs(graph, hw).host_state)
     cap = sum(full.values()) + 2**20  # the fp32 state and one MiB: the host binds
