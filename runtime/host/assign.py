@@ -128,19 +128,16 @@ def _alternate(buffers: list[HostBuffer], hb: HappensBefore) -> torch.Tensor:
     writes = torch.tensor([hb.pos[b.writer] for b in buffers], dtype=torch.long)
     k = hb.clock.shape[1]
 
-    def latest(t: int) -> torch.Tensor:
-        """[b, lane]: the latest position on each lane of b's readers in window iteration t (-1: none)."""
-        lane = hb.lane[reads + t * hb.size]
-        if bool((lane < 0).any()):
-            raise ValueError("a buffer's reader runs on a lane the happens-before does not track")
-        out = torch.full((len(buffers) * k,), -1, dtype=torch.int32)
-        out.scatter_reduce_(0, owner * k + lane, hb.step[reads + t * hb.size], "amax")
-        return out.view(len(buffers), k)
-
-    readers = latest(0)
-    ok = _dominated(readers, hb.clock[writes])
+    # [b, lane]: the latest position on each lane of b's readers in window iteration 0 (-1: none)
+    lane = hb.lane[reads]
+    if bool((lane < 0).any()):
+        raise ValueError("a buffer's reader runs on a lane the happens-before does not track")
+    readers = torch.full((len(buffers) * k,), -1, dtype=torch.int32)
+    readers = readers.scatter_reduce_(0, owner * k + lane, hb.step[reads], "amax").view(len(buffers), k)
+    clocks = hb.clock.view(hb.iterations, hb.size, k)  # [window iteration, instruction, lane]
+    ok = _dominated(readers, clocks[0, writes])
     if hb.iterations > 1:  # and c(0)'s readers before b(1)'s writer
-        ok &= _dominated(readers, hb.clock[writes + hb.size]).T
+        ok &= _dominated(readers, clocks[1, writes]).T
     return ok
 
 
@@ -259,7 +256,7 @@ def _clique(seeds: list[list[int]], size: list[int], ok: torch.Tensor) -> int:
         held = (ptr, torch.tensor([k for s in seeds for k in s] or [0], dtype=torch.int32),
                 torch.tensor(size, dtype=torch.long), ok.contiguous())  # held while C reads them
         got = lib.rp_clique(len(size), len(seeds), *(h.data_ptr() for h in held))
-        if got < 0:
+        if got == -1:
             raise MemoryError(f"the clique kernel could not allocate its work space for {len(size)} buffers")
         return got
     weight = torch.tensor(size, dtype=torch.float64)
