@@ -42,7 +42,7 @@ import torch
 from tabulate import tabulate
 
 __all__ = ["ALIGN", "SEGMENT", "aligned", "block_offsets", "Segment", "HostLayout", "host_layout", "ARENA_ALIGN",
-           "HostBuffer", "BufferAssignment", "per_mb", "nbytes"]
+           "HostBuffer", "BufferAssignment", "per_mb", "nbytes", "shard_slices"]
 
 ALIGN = 16  # bytes: every view's offset in its flat buffer is a multiple of this
 SEGMENT = 16  # elements: a segment of a group's fp32 buffers starts at a multiple of this (64 bytes)
@@ -141,6 +141,33 @@ def host_layout(params: Sequence[tuple[str, int, torch.dtype, int, bool]], group
     order += [name for name, *_ in params if name not in master]  # trainable first: at their segment offsets
     where, blocks = block_offsets((n, (info[n][2], info[n][1]), info[n][0]) for n in order)
     return HostLayout(master, tuple(names), tuple(flat), tuple(segments), where, blocks)
+
+
+
+def shard_slices(numel: int, world: int, align: int = SEGMENT) -> list[tuple[int, int]]:
+    """The slice [lo, hi) of a flat buffer of `numel` elements that each of `world` ranks owns, in rank order.
+
+    The buffer is cut into units of `align` elements (the last one may be shorter); rank r owns a
+    contiguous run of them, the first `units % world` ranks one unit more than the others. So every
+    element is owned exactly once, every non-empty slice starts at a multiple of `align` (16 elements, the
+    host layout's SEGMENT: 64 bytes of fp32, 32 of bf16), slices differ by at most `align` elements,
+    and the ranks past the last unit own empty slices (numel < world * align). It depends on the
+    three numbers only (`runtime.host.shard_comm` sums and gathers these slices;
+    `passes/cost/host_bytes.py` counts a rank's share with them).
+
+    >>> shard_slices(40, 2), shard_slices(5, 3, align=1), shard_slices(3, 4, align=1)
+    ([(0, 32), (32, 40)], [(0, 2), (2, 4), (4, 5)], [(0, 1), (1, 2), (2, 3), (3, 3)])
+    """
+    if world < 1 or align < 1 or numel < 0:
+        raise ValueError(f"shard_slices: need numel >= 0, world >= 1, align >= 1 (got {numel}, {world}, {align})")
+    units = -(-numel // align)
+    per, extra = divmod(units, world)
+    out, unit = [], 0
+    for r in range(world):
+        end = unit + per + (r < extra)
+        out.append((min(numel, unit * align), min(numel, end * align)))
+        unit = end
+    return out
 
 
 ARENA_ALIGN = 64  # bytes: every buffer starts on a cache line (and a DMA-friendly boundary) of the arena

@@ -43,37 +43,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rpcompile.ir.host_layout import SEGMENT
+from rpcompile.ir.host_layout import SEGMENT, shard_slices as slices
 
 __all__ = ["slices", "reduce_scatter_", "all_gather_", "canonical_sum", "WireBytes", "reduce_scatter_bytes",
            "all_gather_bytes", "ring_allreduce_bytes", "CHUNK"]
 
 CHUNK = 1 << 22  # elements: the reduce-scatter's largest message (16 MiB of fp32); it holds 2(W-1) such receives
-
-
-def slices(numel: int, world: int, align: int = SEGMENT) -> list[tuple[int, int]]:
-    """The slice [lo, hi) of a flat buffer of `numel` elements that each of `world` ranks owns, in rank order.
-
-    The buffer is cut into units of `align` elements (the last one may be shorter); rank r owns a
-    contiguous run of them, the first `units % world` ranks one unit more than the others. So every
-    element is owned exactly once, every non-empty slice starts at a multiple of `align` (16 elements, the
-    host layout's SEGMENT: 64 bytes of fp32, 32 of bf16), slices differ by at most `align` elements,
-    and the ranks past the last unit own empty slices (numel < world * align). It depends on the
-    three numbers only.
-
-    >>> slices(40, 2), slices(5, 3, align=1), slices(3, 4, align=1)
-    ([(0, 32), (32, 40)], [(0, 2), (2, 4), (4, 5)], [(0, 1), (1, 2), (2, 3), (3, 3)])
-    """
-    if world < 1 or align < 1 or numel < 0:
-        raise ValueError(f"slices: need numel >= 0, world >= 1, align >= 1 (got {numel}, {world}, {align})")
-    units = -(-numel // align)
-    per, extra = divmod(units, world)
-    out, unit = [], 0
-    for r in range(world):
-        end = unit + per + (r < extra)
-        out.append((min(numel, unit * align), min(numel, end * align)))
-        unit = end
-    return out
 
 
 def reduce_scatter_bytes(numel: int, world: int, rank: int | None = None, itemsize: int = 4,
