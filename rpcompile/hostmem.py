@@ -46,12 +46,15 @@ def host_bytes(model: Any, costs: Any = None, plan: Any = None, *, program: Any 
 def check_host_memory(model: Any, costs: Any = None, plan: Any = None, *, microbatches: int, staleness: int = 1,
                       optimizer: Any = None, dtype: Any = None, hardware: Any = None,
                       limit: int | None = None, gpus: int | None = None,
-                      round_size: int | None = None, program: Any = None, assignment: Any = None) -> HostBytes:
+                      round_size: int | None = None, program: Any = None, assignment: Any = None,
+                      shard: tuple[int, int] | None = None) -> HostBytes:
     """`host_bytes` of the run, raising unless it fits the host; returns it when it does.
 
     Args:
         model, costs, plan, microbatches, staleness, optimizer, dtype, gpus, round_size, program, assignment:
             as for `host_bytes` (with `program`, the runtime's transfer buffers count too).
+        shard: (rank, world) of a run whose masters and optimizer moments are sharded over `world`
+            data-parallel servers: what server `rank` holds is checked against its host (`host_bytes`).
         hardware: the target `Hardware`; its `host_memory` is the limit.
         limit: host bytes available, overriding the hardware's; with neither, this machine's physical RAM.
     Raises:
@@ -62,7 +65,8 @@ def check_host_memory(model: Any, costs: Any = None, plan: Any = None, *, microb
     120
     """
     need = host_bytes(model, costs, plan, microbatches=microbatches, staleness=staleness, optimizer=optimizer,
-                      dtype=dtype, gpus=gpus, round_size=round_size, program=program, assignment=assignment)
+                      dtype=dtype, gpus=gpus, round_size=round_size, program=program, assignment=assignment,
+                      shard=shard)
     if limit is not None:
         name = "the host memory limit"
     elif hardware is not None:
@@ -72,8 +76,12 @@ def check_host_memory(model: Any, costs: Any = None, plan: Any = None, *, microb
     if need.total <= limit:
         return need
     lora = "freeze the base model and train adapters (LoRA; `plan --frozen-base` estimates that)"
+    more = ("shard the masters and optimizer state over more servers" if need.servers > 1 else
+            "shard the masters and optimizer state over data-parallel servers (`plan --servers W --shard-state`)")
     if need.in_flight:
         fix = f"{lora} or put fewer microbatches in flight (smaller rounds: fewer microbatches per iteration)"
     else:
-        fix = f"the parameters' state alone is over, before any saved activations: {lora}"
-    raise ValueError(f"host memory: the run needs {need} but {name} is {_gib(limit)} ({limit} bytes); {fix}")
+        fix = f"the parameters' state alone is over, before any saved activations: {lora}, or {more}"
+    who = "the run needs" if need.servers == 1 else \
+        f"one server's share of the run (server {shard[0]} of {need.servers}, the masters and moments sharded) needs"
+    raise ValueError(f"host memory: {who} {need} but {name} is {_gib(limit)} ({limit} bytes); {fix}")

@@ -57,6 +57,9 @@ class Options:
                                                # (`passes.shard_head.fused`): no recompute of the logits
     timeout: float | None = None               # seconds a runtime wait may last before it fails as a hang;
                                                # None: from the plan (`runtime.transfer.plan_deadline`, >= 10 min)
+    shard: tuple[int, int] | None = None       # (rank, world): this process's share of the masters and moments,
+                                               # sharded over world data-parallel servers, is what the host-memory
+                                               # admission counts (`rpcompile.hostmem`); None: the whole state
 
 
 def default_microbatches(batch: int, gpus: int) -> int:

@@ -275,7 +275,7 @@ def _check_host(graph: LayerGraph, costs: CostTable, plan, opts: Options, m: int
     buffer `assignment` (raises ValueError naming the bytes when it does not fit)."""
     check_host_memory(graph, costs, plan, microbatches=m, staleness=opts.staleness, optimizer=opts.optimizer,
                       dtype=opts.dtype, hardware=opts.hardware, gpus=opts.gpus, round_size=round_size,
-                      program=program, assignment=assignment)
+                      program=program, assignment=assignment, shard=opts.shard)
 
 
 def _fits_host(graph: LayerGraph, costs: CostTable, plan, opts: Options, m: int, round_size: int,

@@ -22,7 +22,10 @@ AdamW two moments of its `state_dtype` (fp32: 8 bytes a parameter, bf16: 4), SGD
 one fp32 momentum buffer when momentum > 0. For a
 traced LayerGraph the count is the host layout's (`rpcompile.ir.host_layout`): the
 flat per-group buffers and compute blocks as HostState allocates them, alignment
-gaps included; for an nn.Module (no layer groups yet) the elements alone. The
+gaps included; for an nn.Module (no layer groups yet) the elements alone. With the
+masters and moments sharded over W data-parallel servers (`shard=(rank, W)`), they count that
+rank's slice of each group's flat buffers (`rpcompile.ir.host_layout.shard_slices`; of all the trainable
+elements for an nn.Module); the compute copies and gradient buffers stay whole on every server. The
 activations are the saved stage inputs the host keeps for the backward stages
 to recompute from (`round_saved_bytes`, the rule `max_seq_len`
 uses too): iterations run in rounds of R microbatches and a round's inputs live
@@ -41,7 +44,7 @@ from typing import Any
 
 import torch
 
-from rpcompile.ir.host_layout import host_layout
+from rpcompile.ir.host_layout import host_layout, shard_slices
 from rpcompile.ir.optim import SGD, grad_dtype, master_dtype
 from rpcompile.ir.plan import StagePlan
 from rpcompile.passes.partition.timing import default_round_size
@@ -67,11 +70,14 @@ class HostBytes:
     arena: int = 0     # of `buffers`: the host arena holding the values that cross cuts, the saved stage inputs
                        # among them (`runtime.host.assign`); with it, `activations` is 0 (they are in the arena)
     master_size: int = 4  # bytes of one master element: 4 (fp32), 2 (bf16, `master_dtype=torch.bfloat16`)
+    servers: int = 1   # W: with W > 1 `masters` and `optimizer` are one server's share of the state sharded over W
+                       # data-parallel servers (`host_bytes(shard=)`); the rest is whole on every server
 
     @property
     def state_per_param(self) -> float:
         """Parameter state in bytes per trainable parameter: its compute copy, master, gradient and optimizer
-        state (alignment gaps included; 0.0 with nothing trainable).
+        state (alignment gaps included; 0.0 with nothing trainable); sharded, what one server holds (its
+        share of the masters and moments) per trainable parameter of the whole model.
 
         >>> HostBytes(0, 40, 40, 80, 0, 0, trainable=10, trainable_weights=20).state_per_param
         18.0
@@ -86,7 +92,8 @@ class HostBytes:
         'parameter state: 14.0 B per trainable parameter (compute copy 2.0, master 4.0, gradient 4.0, optimizer state 4.0)'
         """
         t = self.trainable or 1
-        return (f"parameter state: {self.state_per_param:.1f} B per trainable parameter (compute copy "
+        where = f" on one server of {self.servers} (its share of the masters and moments)" if self.servers > 1 else ""
+        return (f"parameter state{where}: {self.state_per_param:.1f} B per trainable parameter (compute copy "
                 f"{self.trainable_weights / t:.1f}, master {self.masters / t:.1f}, gradient {self.grads / t:.1f}, "
                 f"optimizer state {self.optimizer / t:.1f})")
 
@@ -97,8 +104,9 @@ class HostBytes:
 
     def __str__(self) -> str:
         kind = "fp32" if self.master_size == 4 else "bf16"
-        parts = [f"weights {_gib(self.weights)}", f"{kind} masters {_gib(self.masters)}",
-                 f"gradients {_gib(self.grads)}", f"optimizer state {_gib(self.optimizer)}"]
+        share = f" (1 of {self.servers} shares)" if self.servers > 1 else ""
+        parts = [f"weights {_gib(self.weights)}", f"{kind} masters {_gib(self.masters)}{share}",
+                 f"gradients {_gib(self.grads)}", f"optimizer state {_gib(self.optimizer)}{share}"]
         if self.in_flight and not self.arena:
             parts.append(f"saved activations {_gib(self.activations)} for {self.in_flight} microbatches per round "
                          f"(+ the previous round's last stages)")
@@ -112,8 +120,8 @@ class HostBytes:
 
 def host_bytes(model: Any, costs: Any = None, plan: Any = None, *, microbatches: int, staleness: int = 1,
                optimizer: Any = None, dtype: Any = None, gpus: int | None = None,
-               round_size: int | None = None) -> HostBytes:
-    """Host bytes a run needs, by category.
+               round_size: int | None = None, shard: tuple[int, int] | None = None) -> HostBytes:
+    """Host bytes a run needs, by category (on one server of a sharded run: `shard`).
 
     Args:
         model: a traced `LayerGraph` (its canonical parameters; one no layer uses counts as frozen, as in
@@ -126,6 +134,11 @@ def host_bytes(model: Any, costs: Any = None, plan: Any = None, *, microbatches:
         dtype: training dtype of the compute copies; None keeps each parameter's own.
         gpus: workers N; needed with a plan.
         round_size: microbatches per round R (default `default_round_size(N, M)`).
+        shard: (rank, world) when the masters and optimizer moments are sharded over `world` data-parallel
+            servers: they count only rank `rank`'s slice of each layer group's flat buffer
+            (`rpcompile.ir.host_layout.shard_slices`, what the runtime allocates; for an nn.Module, its
+            slice of all trainable elements); compute copies and gradient buffers stay whole. Rank 0
+            owns the largest slices. None (or world 1): the whole state.
     Returns:
         A HostBytes; `str()` of it lists the categories.
 
@@ -133,7 +146,10 @@ def host_bytes(model: Any, costs: Any = None, plan: Any = None, *, microbatches:
     >>> frozen = torch.nn.Linear(4, 4).requires_grad_(False)
     >>> host_bytes(frozen, microbatches=1).total   # compute copies only: 20 fp32 elements
     80
+    >>> [host_bytes(torch.nn.Linear(4, 8), microbatches=1, shard=(r, 2)).masters for r in (0, 1)]  # 40: 32 + 8
+    [128, 32]
     """
+    rank, world = _shard(shard)
     state = 0 if isinstance(optimizer, SGD) and optimizer.momentum == 0 else 1 if isinstance(optimizer, SGD) \
         else _ADAM_MOMENTS
     state_size = getattr(optimizer, "state_dtype", torch.float32).itemsize  # SGD's momentum: fp32
@@ -143,17 +159,32 @@ def host_bytes(model: Any, costs: Any = None, plan: Any = None, *, microbatches:
         weights += numel * (dtype or own).itemsize
         trainable += numel if train else 0
         own_weights += numel * (dtype or own).itemsize if train else 0
-    params, fp32 = trainable, torch.float32.itemsize
+    params, fp32, flat = trainable, torch.float32.itemsize, (trainable,)  # an nn.Module: one flat buffer
     if hasattr(model, "param_owners"):  # the exact layout HostState allocates
-        exact = _layout(model, dtype).bytes(state, state_size)
+        layout = _layout(model, dtype)
+        exact = layout.bytes(state, state_size)
         weights, trainable, own_weights = exact["weights"], exact["grads"] // fp32, exact["trainable_weights"]
+        flat = layout.flat  # one per layer group
+    own = sum(hi - lo for lo, hi in (shard_slices(n, world)[rank] for n in flat))  # this rank's slices
     saved = in_flight = 0
     if plan is not None:
         if gpus is None:
             raise ValueError("host_bytes: gpus is needed with a plan (the rounds' saved inputs depend on it)")
         saved, in_flight = round_saved_bytes(list(costs.saved_bytes), plan, gpus, microbatches, round_size)
-    return HostBytes(weights, trainable * master_size, trainable * grad_size, trainable * state_size * state, saved,
-                     in_flight, trainable=params, trainable_weights=own_weights, master_size=master_size)
+    return HostBytes(weights, own * master_size, trainable * grad_size, own * state_size * state, saved,
+                     in_flight, trainable=params, trainable_weights=own_weights, master_size=master_size,
+                     servers=world)
+
+
+def _shard(shard: Any) -> tuple[int, int]:
+    """(rank, world) of `host_bytes`'s `shard` (None: (0, 1)), checked."""
+    if shard is None:
+        return 0, 1
+    ok = isinstance(shard, tuple) and len(shard) == 2 and all(isinstance(v, int) and not isinstance(v, bool)
+                                                               for v in shard)
+    if not ok or not 0 <= shard[0] < shard[1]:
+        raise ValueError(f"host_bytes: shard must be (rank, world) with 0 <= rank < world, got {shard!r}")
+    return shard
 
 
 def round_saved_bytes(saved: list[int], plan: StagePlan, gpus: int, microbatches: int,

@@ -271,3 +271,62 @@ def test_the_host_line_names_the_saved_activations_only_where_no_arena_holds_the
     alone, arena = str(HostBytes(**kw, buffers=2**28)), str(HostBytes(**kw, buffers=2**28, arena=2**27))
     assert "saved activations 512.0 MiB for 8 microbatches" in alone and "arena" not in alone
     assert "saved activations" not in arena and "arena of 128.0 MiB" in arena
+
+
+@pytest.mark.parametrize("optimizer", [rpcompile.AdamW(lr=1e-3),
+                                       rpcompile.AdamW(lr=1e-3, state_dtype=torch.bfloat16, master_dtype=torch.bfloat16),
+                                       rpcompile.SGD(lr=0.1, momentum=0.9)], ids=["adamw", "adamw-lean", "momentum"])
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_a_sharded_count_holds_the_ranks_slice_of_each_groups_masters_and_moments(optimizer, dtype):
+    """With shard=(rank, W) the masters and moments are the rank's slice of each layer group's flat buffers
+    (`shard_slices`, what the runtime allocates), the compute copies and gradients stay whole, and the W ranks'
+    shares add up to the whole state; odd shapes (gaps, groups of sizes not a multiple of the slice unit)."""
+    from rpcompile.ir.host_layout import shard_slices
+    cfg = LlamaConfig(vocab=37, dim=18, layers=2, heads=3, kv_heads=1, ffn=30, max_seq=32)
+    ids = torch.randint(0, 37, (2, 8), generator=torch.Generator().manual_seed(0))
+    graph = trace(TinyLlama(cfg), {"input_ids": ids, "labels": ids})
+    flat = HostState.from_graph(graph, optimizer=optimizer, dtype=dtype).layout.flat  # elements per group
+    whole = host_bytes(graph, microbatches=2, optimizer=optimizer, dtype=dtype)
+    master, moments = whole.master_size, whole.optimizer // sum(flat)  # bytes an element: of a master, all moments
+    for world in (2, 3):
+        shares = [host_bytes(graph, microbatches=2, optimizer=optimizer, dtype=dtype, shard=(r, world))
+                  for r in range(world)]
+        for r, need in enumerate(shares):
+            own = sum(hi - lo for lo, hi in (shard_slices(n, world)[r] for n in flat))
+            assert (need.masters, need.optimizer) == (own * master, own * moments), (world, r)
+            assert (need.weights, need.grads, need.trainable, need.servers) == (whole.weights, whole.grads,
+                                                                                  whole.trainable, world)
+            assert need.total == whole.total - (whole.masters + whole.optimizer) + need.masters + need.optimizer
+            assert need.state_per_param == (need.trainable_weights + need.masters + need.grads
+                                            + need.optimizer) / need.trainable < whole.state_per_param
+        assert sum(s.masters + s.optimizer for s in shares) == whole.masters + whole.optimizer
+        assert shares[0].masters == max(s.masters for s in shares) > shares[-1].masters  # rank 0: the largest
+        assert f"masters {shares[0].masters / 2**20:.1f} MiB (1 of {world} shares)" in str(shares[0])
+        assert shares[0].per_param_line().startswith(f"parameter state on one server of {world} ")
+    assert host_bytes(graph, microbatches=2, optimizer=optimizer, dtype=dtype, shard=(0, 1)) == whole
+
+
+def test_a_sharded_module_count_slices_its_trainable_elements_and_a_bad_shard_is_refused():
+    layer = torch.nn.Linear(5, 7)  # 42 trainable elements: slices of 16-element units, 32 + 10 or 16 + 16 + 10
+    for world, owned in ((2, (32, 10)), (3, (16, 16, 10))):
+        got = [host_bytes(layer, microbatches=1, shard=(r, world)) for r in range(world)]
+        assert [g.masters for g in got] == [4 * n for n in owned] and all(g.grads == 4 * 42 for g in got)
+        assert [g.optimizer for g in got] == [8 * n for n in owned]
+    for bad in ((2, 2), (-1, 2), (0, 0), (0, True), [0, 2], (0.0, 2)):
+        with pytest.raises(ValueError, match="shard must be \\(rank, world\\) with 0 <= rank < world"):
+            host_bytes(layer, microbatches=1, shard=bad)
+
+
+def test_a_sharded_run_is_admitted_on_one_servers_share_and_refused_naming_it():
+    layer = torch.nn.Linear(1024, 1024)  # 1,049,600 trainable fp32 elements: 20 B each unsharded
+    whole = host_bytes(layer, microbatches=1).total
+    share = check_host_memory(layer, microbatches=1, shard=(0, 4), limit=whole - 1)  # the whole would not fit
+    assert share.total < whole and share.servers == 4
+    with pytest.raises(ValueError) as refused:
+        check_host_memory(layer, microbatches=1, shard=(0, 4), limit=share.total - 1)
+    msg = str(refused.value)
+    assert msg.startswith("host memory: one server's share of the run (server 0 of 4, the masters and moments "
+                          "sharded) needs ") and "(1 of 4 shares)" in msg and "over more servers" in msg, msg
+    with pytest.raises(ValueError, match="the run needs .* or shard the masters and optimizer state over "
+                                         "data-parallel servers"):
+        check_host_memory(layer, microbatches=1, limit=whole - 1)
