@@ -23,7 +23,8 @@ Note:
       Parameter state: `passes.cost.host_bytes.host_bytes` by category: every
       parameter's compute copy at its own dtype; a trainable one adds an fp32
       master, an fp32 gradient and two fp32 AdamW moments (16 B); a frozen one
-      nothing more. In flight (`round_saved_bytes`, the rule the driver's admission
+      nothing more; with the masters and moments sharded over servers (`shard=`),
+      one server's share of them. In flight (`round_saved_bytes`, the rule the driver's admission
       check uses too):
       iterations run in rounds of R microbatches (`default_round_size(gpus,
       M)`); a round's saved inputs live from its forward to its backward, so at
@@ -78,7 +79,8 @@ class SeqLenLimit:
 
 
 def seq_len_costs(graph: LayerGraph, hardware: Hardware, *, memory_budget: int | None = None,
-                  usable: float = 0.9, example: Any = None, optimizer: Any = None) -> SymbolicCosts:
+                  usable: float = 0.9, example: Any = None, optimizer: Any = None,
+                  shard: tuple[int, int] | None = None) -> SymbolicCosts:
     """The symbolic costs `max_seq_len` solves: `graph` with its LM head sharded and chunked first, as compile does.
 
     Args:
@@ -90,6 +92,8 @@ def seq_len_costs(graph: LayerGraph, hardware: Hardware, *, memory_budget: int |
         example: a batch to fit at (default zeros shaped like the trace's).
         optimizer: the run's optimizer (default AdamW()): its state and master dtypes set the parameter
             state's host bytes.
+        shard: (rank, world): the masters and moments are sharded over `world` servers and the parameter
+            state's host bytes are server `rank`'s (`host_bytes(shard=)`); None: the whole state.
     Returns:
         A SymbolicCosts; pass it to `max_seq_len` as often as needed (it is the slow part).
 
@@ -104,7 +108,7 @@ def seq_len_costs(graph: LayerGraph, hardware: Hardware, *, memory_budget: int |
         except ValueError:  # no supported LM head: nothing to shard
             pass
     inputs = graph.flatten_inputs(example) if example is not None else _default_inputs(graph)
-    return symbolic_costs(graph, inputs, hardware, optimizer=optimizer)
+    return symbolic_costs(graph, inputs, hardware, optimizer=optimizer, shard=shard)
 
 
 class _Polys:
@@ -231,7 +235,7 @@ class _Model:
 def max_seq_len(graph_or_costs: LayerGraph | SymbolicCosts, hardware: Hardware, *, gpus: int | None = None,
                 example: Any = None, microbatch_size: int = 1, microbatches: int | None = None,
                 memory_budget: int | None = None, host_memory: int | None = None, usable: float = 0.9,
-                limit: int = 1 << 24, optimizer: Any = None) -> SeqLenLimit:
+                limit: int = 1 << 24, optimizer: Any = None, shard: tuple[int, int] | None = None) -> SeqLenLimit:
     """Largest sequence length S whose training fits the device and host memory, and what binds.
 
     Args:
@@ -250,6 +254,9 @@ def max_seq_len(graph_or_costs: LayerGraph | SymbolicCosts, hardware: Hardware, 
         optimizer: for a LayerGraph, the run's `rpcompile.AdamW` / `SGD` (default AdamW()): its state and
             master dtypes set the parameter state's host bytes (a SymbolicCosts has them already:
             `seq_len_costs(..., optimizer=)`).
+        shard: for a LayerGraph, (rank, world) of a run whose masters and moments are sharded over `world`
+            data-parallel servers: the host term counts server `rank`'s share, as the admission check of
+            that run does (`rpcompile.hostmem.check_host_memory(shard=)`); a SymbolicCosts has it already.
     Returns:
         A SeqLenLimit: `.length` (0 if even S = 1 does not fit), `.binding` (the constraint the
         next length breaks and its largest term), `.bytes`, `.capacity`, `.terms`; `str()` reads well.
@@ -262,10 +269,12 @@ def max_seq_len(graph_or_costs: LayerGraph | SymbolicCosts, hardware: Hardware, 
     host_cap = host_memory if host_memory is not None else hardware.host_memory
     sc = graph_or_costs
     if isinstance(sc, LayerGraph):
-        sc = seq_len_costs(sc, hardware, memory_budget=device_cap, example=example, optimizer=optimizer)
-    elif optimizer is not None:
-        raise ValueError("max_seq_len: optimizer= is for a LayerGraph; a SymbolicCosts has the parameter state "
-                         "of the optimizer it was fitted for (seq_len_costs(..., optimizer=))")
+        sc = seq_len_costs(sc, hardware, memory_budget=device_cap, example=example, optimizer=optimizer,
+                           shard=shard)
+    elif optimizer is not None or shard is not None:
+        arg = "optimizer=" if optimizer is not None else "shard="
+        raise ValueError(f"max_seq_len: {arg} is for a LayerGraph; a SymbolicCosts has the parameter state of the "
+                         "optimizer and shard it was fitted for (seq_len_costs(..., optimizer=, shard=))")
     if not isinstance(sc, SymbolicCosts):
         raise TypeError(f"max_seq_len needs a LayerGraph or SymbolicCosts, got {type(sc).__name__}")
     if microbatch_size < 1 or n_gpu < 1:

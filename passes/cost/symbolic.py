@@ -314,7 +314,8 @@ def _peak_expr(fitter: _Fitter, lives: list[tuple[int, ...]], where: str) -> sym
 
 def symbolic_costs(graph: LayerGraph, inputs: dict[str, torch.Tensor], hardware: Hardware, *,
                    make_inputs: Callable[[int, int], dict] | None = None, progress: bool = False,
-                   fp16_accumulation: bool = False, optimizer: Any = None) -> SymbolicCosts:
+                   fp16_accumulation: bool = False, optimizer: Any = None,
+                   shard: tuple[int, int] | None = None) -> SymbolicCosts:
     """Fit every layer's predicted costs as exact expressions in B and S.
 
     Args:
@@ -325,6 +326,8 @@ def symbolic_costs(graph: LayerGraph, inputs: dict[str, torch.Tensor], hardware:
         fp16_accumulation: fp16 GEMMs priced at the fp16-accumulate rate (`recorder.op_rate`).
         optimizer: the run's `rpcompile.AdamW` / `SGD` (default AdamW()): its state and master dtypes set the
             parameter state's bytes (`host_state`, `passes.cost.host_bytes.host_bytes`).
+        shard: (rank, world) with the masters and moments sharded over `world` data-parallel servers: the
+            parameter state is what server `rank` holds (`host_bytes(shard=)`); None: the whole state.
     Returns:
         A SymbolicCosts; `.at(B, S)` equals predict mode at that shape (FLOPs/bytes exactly).
     Raises:
@@ -364,14 +367,15 @@ def symbolic_costs(graph: LayerGraph, inputs: dict[str, torch.Tensor], hardware:
             cols[ph].append(once((ph, *map(id, ops)),
                                  lambda: _time_expr(fitter, ops, hardware, f"{where} {ph}", fp16_accumulation)))
             cols[f"{ph}_flops"].append(once((f"{ph}_flops", *map(id, ops)), lambda: _flops_expr(fitter, ops)))
-    state = host_bytes(graph, microbatches=1, optimizer=optimizer)
+    state = host_bytes(graph, microbatches=1, optimizer=optimizer, shard=shard)
+    share = f" (1 of {state.servers} shares)" if state.servers > 1 else ""
     numel = sum(v.bytes // max(v.dtype.itemsize, 1) for v in graph.params.values())
     master = _SHORT.get(getattr(optimizer, "master_dtype", torch.float32), "fp32")
     grad = _SHORT.get(getattr(optimizer, "grad_dtype", torch.float32), "fp32")
     return SymbolicCosts(names=tuple(layer.name for layer in graph.layers), **{k: tuple(v) for k, v in cols.items()},
                          param_numel=numel, hardware=hardware,
-                         host_state=(("compute copies", state.weights), (f"{master} masters", state.masters),
-                                     (f"{grad} gradients", state.grads), ("optimizer state", state.optimizer)))
+                         host_state=(("compute copies", state.weights), (f"{master} masters{share}", state.masters),
+                                     (f"{grad} gradients", state.grads), (f"optimizer state{share}", state.optimizer)))
 
 
 _SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}  # a state dtype, as printed

@@ -162,7 +162,8 @@ def long_sequence_graph(name_or_path: str, *, frozen_base: bool = False,
 def seq_len_limit(name_or_path: str, hardware: Any = "rtx4090", *, gpus: int | None = None,
                   microbatch_size: int = 1, microbatches: int | None = None, host_memory: int | None = None,
                   frozen_base: bool = False, experts_implementation: str | None = None,
-                  model: torch.nn.Module | None = None, optimizer: Any = None):
+                  model: torch.nn.Module | None = None, optimizer: Any = None,
+                  shard: tuple[int, int] | None = None):
     """The longest trainable sequence of a preset (or config.json) on `hardware`, and what binds it.
 
     `rpcompile.max_seq_len` of `long_sequence_graph(name_or_path, ...)`.
@@ -175,6 +176,8 @@ def seq_len_limit(name_or_path: str, hardware: Any = "rtx4090", *, gpus: int | N
         frozen_base, experts_implementation, model: as `long_sequence_graph`.
         optimizer: the run's `rpcompile.AdamW` / `SGD` (default AdamW()): its state and master dtypes set
             the parameter state's host bytes.
+        shard: (rank, world) of a run whose masters and moments are sharded over `world` servers: the host
+            term counts server `rank`'s share (`max_seq_len(shard=)`); None: the whole state.
     Returns:
         A `rpcompile.SeqLenLimit` (`.length`, `.binding`, `.bytes`, `.terms`; `str()` reads well).
 
@@ -184,4 +187,4 @@ def seq_len_limit(name_or_path: str, hardware: Any = "rtx4090", *, gpus: int | N
     graph = long_sequence_graph(name_or_path, frozen_base=frozen_base, experts_implementation=experts_implementation,
                                 model=model)
     return max_seq_len(graph, hw, gpus=gpus, microbatch_size=microbatch_size, microbatches=microbatches,
-                       host_memory=host_memory, optimizer=optimizer)
+                       host_memory=host_memory, optimizer=optimizer, shard=shard)

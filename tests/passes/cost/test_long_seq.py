@@ -135,6 +135,24 @@ def test_the_longest_sequence_counts_the_parameter_state_of_the_runs_optimizer()
         max_seq_len(seq_len_costs(graph, hw), hw, gpus=2, optimizer=lean)
 
 
+def test_the_longest_sequence_counts_one_servers_share_of_state_sharded_over_servers() -> None:
+    """With the masters and moments sharded over W servers (shard=(rank, W)) the host state max_seq_len counts
+    is that server's, as `host_bytes(shard=)` counts it, so with the host binding a longer sequence fits;
+    shard= with an already fitted SymbolicCosts is refused."""
+    model = M.llama(attn="sdpa")
+    graph = trace(model, M.lm_batch(batch=2, seq=16))
+    hw = Hardware.preset("cpu")
+    state = dict(seq_len_costs(graph, hw, shard=(0, 2)).host_state)
+    assert sum(state.values()) == host_bytes(graph, microbatches=1, shard=(0, 2)).total
+    whole = host_bytes(graph, microbatches=1)
+    assert state["fp32 masters (1 of 2 shares)"] < whole.masters and state["fp32 gradients"] == whole.grads
+    cap = whole.total + 2**20  # the whole state and one MiB: the host binds
+    long, short = (max_seq_len(graph, hw, gpus=2, host_memory=cap, shard=s) for s in ((0, 2), None))
+    assert long.length > short.length > 0 and short.binding.startswith("host")
+    with pytest.raises(ValueError, match="shard= is for a LayerGraph"):
+        max_seq_len(seq_len_costs(graph, hw), hw, gpus=2, shard=(0, 2))
+
+
 def test_saved_inputs_on_the_host_are_a_round_plus_the_last_rounds_tail() -> None:
     plan = StagePlan.from_str("1,1,1|1|1,1,1")  # backward stages hold layers 2, 1, 0 in execution order
     saved = [1, 10, 100, 0]
