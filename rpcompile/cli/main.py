@@ -6,6 +6,7 @@
     python -m rpcompile plan --model qwen3-32b --state-dtype bf16   # bf16 AdamW moments: 14 B/param, not 18
     python -m rpcompile plan --model qwen3-32b --state-dtype bf16 --master-dtype bf16   # and a bf16 master: 12
     python -m rpcompile plan --model qwen3-32b --state-dtype bf16 --master-dtype bf16 --grad-dtype bf16   # 10
+    python -m rpcompile plan --model qwen3-32b --servers 4 --shard-state   # each server: 1/4 of masters + moments
     python -m rpcompile simulate --program program.csv [--costs costs.json] --hardware rtx4090
     python -m rpcompile train --config run.json          # train --help lists the config keys
     python -m rpcompile finetune --model DIR --data train.jsonl --out DIR [--lora 8] [--save-every 100]
@@ -34,6 +35,7 @@ from rpcompile.finetune.run import finetune
 from rpcompile.finetune.config import MAX_COUNT
 from rpcompile.cli.finetune import add_arguments, config_from_args
 from rpcompile.models.planning import plan_model
+from rpcompile.passes.cost.host_bytes import _gib
 from rpcompile.models.presets import MODELS
 from rpcompile.cli.train import RunConfig, config_help, train
 from rpcompile.ir.costs import CostTable
@@ -76,13 +78,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     t = time.perf_counter()
     if args.host_memory is not None and not 1 <= args.host_memory * 2**30 < math.inf:  # NaN too
         raise ValueError(f"--host-memory must be a positive number of GiB, and finite, got {args.host_memory:g}")
+    if args.shard_state and args.servers == 1:
+        raise ValueError("--shard-state needs --servers W with W > 1: it splits the masters and optimizer moments "
+                         "over W data-parallel servers")
     limit = None if args.host_memory is None else int(args.host_memory * 2**30)
     r = plan_model(args.model, gpus=args.gpus, hardware=args.hardware, seq=args.seq,
                    microbatches=args.microbatches, staleness=args.staleness, frozen_base=args.frozen_base,
                    host_memory=limit, microbatch_size=args.micro_batch_size,
                    state_dtype=STATE_DTYPES[args.state_dtype],
                    master_dtype=MASTER_DTYPES[args.master_dtype],
-                   grad_dtype=GRAD_DTYPES[args.grad_dtype])  # raises (exit 2) over the host
+                   grad_dtype=GRAD_DTYPES[args.grad_dtype], servers=args.servers,
+                   shard_state=args.shard_state)  # raises (exit 2) over the host
     n = args.micro_batch_size
     size = f"{r.params / 1e9:.2f}B" if r.params >= 1e8 else f"{r.params / 1e6:.2f}M"
     print(f"{args.model}: {size} parameters, {len(r.costs)} layers, "
@@ -90,7 +96,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
           f"{n} sequence{'s' if n > 1 else ''}\n")
     print(r.plan, "", r.table(), "", sep="\n")
     source = "--host-memory" if limit is not None else f"{args.hardware} preset"
-    print(f"host memory: {r.host} needed of {r.host_memory / 2**30:,.1f} GiB ({source}): fits")
+    each = " on each server" if args.servers > 1 else ""
+    print(f"host memory: {r.host} needed{each} of {r.host_memory / 2**30:,.1f} GiB ({source}): fits")
+    if args.shard_state:
+        own = r.host.masters + r.host.optimizer
+        print(f"sharded optimizer state over {args.servers} servers: each holds 1/{args.servers} of the masters "
+              f"and moments ({_gib(own)} of {_gib(r.state_whole)}; the largest share, server 0's, is counted)")
+    elif args.servers > 1:
+        print(f"{args.servers} data-parallel servers without --shard-state: each holds the whole parameter state "
+              f"(masters and moments {_gib(r.state_whole)}), so each needs what one server does")
     print(f"{r.host.per_param_line()}, {args.state_dtype} moments (--state-dtype)"
           f"{', bf16 master (--master-dtype)' if args.master_dtype == 'bf16' else ''}"
           f"{', bf16 gradients (--grad-dtype)' if args.grad_dtype == 'bf16' else ''}")
@@ -172,6 +186,11 @@ def parser() -> argparse.ArgumentParser:
                     "summed in fp32, stored with stochastic rounding)")
     pl.add_argument("--host-memory", type=float, metavar="GiB",
                     help="host memory of the target machine in GiB (default: the hardware preset's)")
+    pl.add_argument("--servers", type=positive_int, default=1, metavar="W",
+                    help="data-parallel servers, each running this plan on its own microbatches (default 1)")
+    pl.add_argument("--shard-state", action="store_true",
+                    help="shard the masters and optimizer moments over the --servers: the host memory (and its "
+                    "check, and max_seq_len) is one server's share")
     pl.add_argument("--save-program", help="write the program (CSV) and costs (JSON) here")
     pl.set_defaults(func=cmd_plan)
     s = sub.add_parser("simulate", help="simulate a saved program")

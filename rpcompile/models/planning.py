@@ -15,7 +15,7 @@ from rpcompile.api import Options
 from rpcompile.pipeline import compile_passes
 from rpcompile.models.background import Background
 from rpcompile.models.presets import build_meta, example_batch, seq_len_limit
-from rpcompile.hostmem import HostBytes, check_host_memory
+from rpcompile.hostmem import HostBytes, check_host_memory, host_bytes
 from rpcompile.ir.hardware import Hardware
 from rpcompile.ir.optim import AdamW
 from rpcompile.runtime import simulate, steady_iterations
@@ -39,6 +39,9 @@ class PlanResult:
     host: HostBytes       # host memory the run needs, by category (`rpcompile.hostmem`)
     host_memory: int      # host memory of the target machine (or the override)
     microbatch_size: int = 1  # sequences per microbatch
+    servers: int = 1      # data-parallel servers W, each running this plan on its own microbatches
+    state_whole: int = 0  # bytes of the whole masters + optimizer moments; with the state sharded over the
+                          # servers `host` counts server 0's share of them (its largest; `host.servers` > 1)
 
     @property
     def host_bytes(self) -> int:
@@ -58,7 +61,7 @@ def plan_model(model: str, *, gpus: int = 8, hardware: str | Hardware = "rtx4090
                fp16_accumulation: bool = False, fused_head: bool = False,
                lm_head_shards: int | str = "auto", seq_limit: bool = True, parallel: bool = True,
                state_dtype: torch.dtype = torch.float32, master_dtype: torch.dtype = torch.float32,
-               grad_dtype: torch.dtype = torch.float32) -> PlanResult:
+               grad_dtype: torch.dtype = torch.float32, servers: int = 1, shard_state: bool = False) -> PlanResult:
     """Build `model` on meta, predict its costs on `hardware`, plan, simulate, compare.
 
     Args:
@@ -75,6 +78,11 @@ def plan_model(model: str, *, gpus: int = 8, hardware: str | Hardware = "rtx4090
         state_dtype: AdamW's moments, `rpcompile.AdamW(state_dtype=...)`: float32 (default) or bfloat16.
         master_dtype: AdamW's master weights, `rpcompile.AdamW(master_dtype=...)`: float32 (default) or bfloat16.
         grad_dtype: the host gradient buffers, `rpcompile.AdamW(grad_dtype=...)`: float32 (default) or bfloat16.
+        servers: data-parallel servers W (default 1), each running this plan on its own microbatches; without
+            `shard_state` each holds the whole parameter state, so the host memory is that of one.
+        shard_state: the masters and optimizer moments are sharded over the servers (`compile(dist=True,
+            shard_state=True)`; needs servers > 1): the host memory, its check and `max_seq` are server 0's
+            (the largest share: `host_bytes(shard=(0, W))`).
         seq_limit: also find `max_seq` (the slow part); False leaves it None.
         parallel: find `max_seq` in a forked child process while this one plans (`Background`: Linux with
             more than one core; the same result either way); False: one after the other.
@@ -88,11 +96,15 @@ def plan_model(model: str, *, gpus: int = 8, hardware: str | Hardware = "rtx4090
             the saved activations once the plan is known).
     """
     for name, v in (("gpus", gpus), ("seq", seq), ("microbatches", microbatches),
-                    ("microbatch_size", microbatch_size)):
+                    ("microbatch_size", microbatch_size), ("servers", servers)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"plan_model: {name} must be a positive integer, got {v!r}")
     if staleness not in (0, 1) or isinstance(staleness, bool):
         raise ValueError(f"plan_model: staleness must be 0 or 1, got {staleness!r}")
+    if shard_state and servers == 1:
+        raise ValueError("plan_model: shard_state needs servers > 1 (the optimizer state is sharded over the "
+                         "data-parallel servers), got servers=1")
+    shard = (0, servers) if shard_state else None  # server 0 holds the largest share
     hw = Hardware.preset(hardware) if isinstance(hardware, str) else hardware
     if host_memory is not None:
         hw = hw.replace(host_memory=host_memory)
@@ -100,21 +112,21 @@ def plan_model(model: str, *, gpus: int = 8, hardware: str | Hardware = "rtx4090
     if frozen_base:
         for p in net.parameters():
             p.requires_grad_(p.dim() == 1)
-    state = dict(staleness=staleness, optimizer=AdamW(state_dtype=state_dtype, master_dtype=master_dtype,
-                                                      grad_dtype=grad_dtype), dtype=dtype, hardware=hw, limit=host_memory)
+    optimizer = AdamW(state_dtype=state_dtype, master_dtype=master_dtype, grad_dtype=grad_dtype)
+    state = dict(staleness=staleness, optimizer=optimizer, dtype=dtype, hardware=hw, limit=host_memory, shard=shard)
     check_host_memory(net, microbatches=microbatches, **state)  # the parameters' state alone, before planning
     # the longest sequence, from the same model traced into sub-blocks (with a frozen base `long_sequence_graph`
     # builds its own: the experts then run one after the other), found meanwhile in a child process if it may
     with Background(parallel and seq_limit, _seq_limit if seq_limit else _not_asked, model, hw, gpus=gpus,
                      microbatch_size=microbatch_size, microbatches=microbatches, frozen_base=frozen_base,
-                     built=None if frozen_base else net, optimizer=state["optimizer"]) as longest:
-        return _plan(net, model, hw, state, longest, gpus=gpus, seq=seq, microbatches=microbatches,
+                     built=None if frozen_base else net, optimizer=state["optimizer"], shard=shard) as longest:
+        return _plan(net, model, hw, state, longest, servers, gpus=gpus, seq=seq, microbatches=microbatches,
                      microbatch_size=microbatch_size, staleness=staleness, dtype=dtype,
                      lm_head_shards=lm_head_shards, fp16_accumulation=fp16_accumulation, fused_head=fused_head)
 
 
-def _plan(net, model: str, hw: Hardware, state: dict, longest: Background, *, gpus: int, seq: int, microbatches: int,
-          microbatch_size: int, staleness: int, dtype, lm_head_shards, fp16_accumulation: bool,
+def _plan(net, model: str, hw: Hardware, state: dict, longest: Background, servers: int, *, gpus: int, seq: int,
+          microbatches: int, microbatch_size: int, staleness: int, dtype, lm_head_shards, fp16_accumulation: bool,
           fused_head: bool) -> PlanResult:
     """`plan_model` once the model is built and its parameters' state fits: plan, simulate, compare; the
     longest sequence comes from `longest`."""
@@ -122,7 +134,7 @@ def _plan(net, model: str, hw: Hardware, state: dict, longest: Background, *, gp
     opts = Options(gpus=gpus, microbatches=microbatches, staleness=staleness,
                    optimizer=state["optimizer"], dtype=dtype, loss_fn=None, layers=None,  # its state's bytes
                    lm_head_shards=lm_head_shards, hardware=hw, memory_budget=None, backend="host", seed=0,
-                   fp16_accumulation=fp16_accumulation, fused_head=fused_head)
+                   fp16_accumulation=fp16_accumulation, fused_head=fused_head, shard=state["shard"])
     graph, costs, plan, program, m, _, chosen, assignment = compile_passes(net, example, opts, mode="predict")
     host = check_host_memory(graph, costs, plan, microbatches=m, gpus=gpus, round_size=program.round_size,
                              program=program, assignment=assignment, **state)
@@ -139,8 +151,9 @@ def _plan(net, model: str, hw: Hardware, state: dict, longest: Background, *, gp
     max_seq, why = longest.result()
     n_params = sum(v.shape.numel() if hasattr(v.shape, "numel") else _numel(v.shape)
                    for v in graph.params.values())
+    whole = host_bytes(graph, microbatches=m, optimizer=state["optimizer"], dtype=dtype)
     return PlanResult(model, n_params, plan, program, costs, tuple(rows), max_seq, why, tokens, host,
-                      hw.host_memory, microbatch_size)
+                      hw.host_memory, microbatch_size, servers, whole.masters + whole.optimizer)
 
 
 def _baseline_rows(costs, gpus: int, microbatches: int, tokens: int, hw: Hardware) -> list[tuple]:

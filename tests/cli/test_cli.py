@@ -33,14 +33,15 @@ def test_plan_then_simulate_the_saved_program(tmp_path):
     pytest.importorskip("transformers")
     # LoRA-style (--frozen-base): the frozen matrices keep only their bf16 copies (1.7B x 2 B), which fit 8 GiB
     out = cli("plan", "--model", "qwen3-1.7b", "--gpus", "4", "--seq", "256", "--microbatches", "4",
-              "--frozen-base", "--host-memory", "8", "--save-program", "p.csv", cwd=tmp_path)
+              "--frozen-base", "--host-memory", "8", "--save-program", "p.csv", "--servers", "2", cwd=tmp_path)
     assert "rpcompile (RoundPipe)" in out and "GPipe" in out
+    assert "\n2 data-parallel servers without --shard-state: each holds the whole parameter state" in out, out
     limit = next(line for line in out.splitlines() if line.startswith("max_seq_len"))
     assert limit.startswith("max_seq_len on 4x rtx4090, 1 sequence per microbatch: ") and " tokens; at " in limit
     assert "the host: " in limit or "the device: " in limit, limit  # the binding term is named
     host = next(line for line in out.splitlines() if line.startswith("host memory:"))
     assert "the saved inputs and values crossing cuts in an arena of" in host, host  # the packed activations
-    assert "needed of 8.0 GiB (--host-memory): fits" in host, host
+    assert "needed on each server of 8.0 GiB (--host-memory): fits" in host, host
     out = cli("simulate", "--program", "p.csv", "--iterations", "2", "--trace", "t.json", cwd=tmp_path)
     assert out.startswith("Timeline(gpus=4, iterations=2)")
     assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
@@ -68,6 +69,33 @@ def test_plan_refuses_a_run_over_the_host_memory(capsys):
     for part in ("host memory: the run needs", "bytes: weights", "fp32 masters", "gradients", "optimizer state",
                  "rtx4090 host memory is 512.0 GiB", "LoRA"):
         assert part in err, part
+
+
+def test_plan_with_the_state_sharded_over_servers_counts_one_servers_share(capsys):
+    # Qwen3-32B (549 GiB unsharded on one 512 GiB server): each of 4 servers holds 1/4 of the masters and moments
+    pytest.importorskip("transformers")
+    run = ("--model", "qwen3-32b", "--gpus", "8", "--hardware", "rtx4090", "--seq", "2048", "--microbatches", "16")
+    rc, out, err = run_plan(capsys, *run, "--servers", "4", "--shard-state")
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("host memory:"))
+    assert rc == 0 and lines[at].endswith("needed on each server of 512.0 GiB (rtx4090 preset): fits"), err
+    assert "fp32 masters 30.5 GiB (1 of 4 shares), gradients 122.0 GiB, optimizer state 61.0 GiB (1 of 4 shares)" \
+        in lines[at]
+    assert lines[at + 1] == ("sharded optimizer state over 4 servers: each holds 1/4 of the masters and moments "
+                             "(91.5 GiB of 366.1 GiB; the largest share, server 0's, is counted)")
+    assert lines[at + 2].startswith("parameter state on one server of 4 (its share of the masters and moments): "
+                                    "9.0 B per trainable parameter (compute copy 2.0, master 1.0, gradient 4.0, "
+                                    "optimizer state 2.0)")
+    limit = next(line for line in lines if line.startswith("max_seq_len"))
+    assert "fp32 masters (1 of 4 shares) 30.5 GiB" in limit, limit  # the longest sequence counts the same share
+    rc, out, err = run_plan(capsys, *run, "--servers", "4")  # each server holds all of it: refused, as one is
+    assert rc == 2 and not out and err.count("\n") == 1 and "the run needs 549.2 GiB" in err, err
+    assert "or shard the masters and optimizer state over data-parallel servers" in err
+    for flags, says in ((("--shard-state",), "--shard-state needs --servers W with W > 1"),
+                        (("--shard-state", "--servers", "1"), "--shard-state needs --servers W with W > 1"),
+                        (("--servers", "0"), "argument --servers: must be a positive integer")):
+        rc, out, err = run_plan(capsys, *run, *flags)
+        assert rc == 2 and not out and err.count("\n") == 1 and says in err, (flags, err)
 
 
 def test_plan_prints_the_parameter_state_per_trainable_parameter_beside_the_host_memory_line(capsys):

@@ -110,7 +110,7 @@ def test_plan_keeps_the_baselines_that_can_be_built_and_prints_the_length_limit(
 @pytest.mark.parametrize("argv", [
     *[("plan", "--model", "MODEL", "--host-memory", v) for v in ("inf", "nan", "-1", "0", "1e300")],
     *[("plan", "--model", "MODEL", flag, str(10**20)) for flag in ("--gpus", "--seq", "--microbatches",
-                                                                   "--micro-batch-size")],
+                                                                   "--micro-batch-size", "--servers")],
     ("simulate", "--program", "p.csv", "--iterations", str(10**20)), ("demo", "--steps", str(10**20)),
 ])
 def test_a_number_that_is_not_finite_positive_or_representable_is_refused_naming_its_flag(capsys, tmp_path,

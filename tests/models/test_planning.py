@@ -105,3 +105,23 @@ def test_a_config_json_that_cannot_build_a_model_is_refused_naming_the_file_and_
         plan_model(str(path), gpus=2, hardware="rtx4090", seq=64, microbatches=4)
     message = str(refused.value)
     assert message.startswith(f"{path}: ") and words in message and "\n" not in message, message
+
+
+def test_plan_model_with_the_state_sharded_over_servers_counts_server_0s_share(tmp_path) -> None:
+    path = config(tmp_path, "llama", model_type="llama")
+    run = dict(gpus=2, hardware="rtx4090", seq=64, microbatches=2, seq_limit=False)
+    whole = plan_model(path, **run)
+    share = plan_model(path, **run, servers=2, shard_state=True)
+    state = whole.host.masters + whole.host.optimizer
+    assert (share.servers, share.host.servers, share.state_whole, whole.state_whole) == (2, 2, state, state)
+    assert state / 2 <= share.host.masters + share.host.optimizer < state  # server 0's: the larger share
+    assert share.host.total == whole.host.total - state + share.host.masters + share.host.optimizer
+    assert plan_model(path, **run, servers=2).host == whole.host  # unsharded: each server holds all of it
+    room = (share.host.total + whole.host.total) // 2  # holds the share, not the whole
+    assert plan_model(path, **run, servers=2, shard_state=True, host_memory=room).host == share.host
+    with pytest.raises(ValueError, match="the run needs"):
+        plan_model(path, **run, host_memory=room)
+    with pytest.raises(ValueError, match="plan_model: shard_state needs servers > 1"):
+        plan_model(path, **run, shard_state=True)
+    with pytest.raises(ValueError, match="plan_model: servers must be a positive integer"):
+        plan_model(path, **run, servers=0)
