@@ -19,6 +19,7 @@ from tests.dist_launch import launch
 
 # (numel, align, chunk): odd sizes, fewer elements than ranks, pieces smaller than a slice
 CASES = [(1000, 16, 1 << 22), (37, 1, 5), (3, 1, 1 << 22), (1, 16, 1 << 22), (0, 16, 4), (517, 16, 64), (1024, 16, 7)]
+CHUNKS = (0, 1, 7, 1 << 22)  # the reduce-scatter's largest message, in elements, over 100 elements
 
 
 def shard_of(case: int, rank: int, numel: int) -> torch.Tensor:
@@ -62,6 +63,11 @@ def worker(out: str) -> None:
             got[str(dtype)] = flat
             res["steps"].append(wire.step())
         res["cases"].append(got)
+    res["chunks"] = {}  # messages of at most `chunk` elements (at least 1: chunk 0 sends one element a message)
+    for chunk in CHUNKS:
+        counted, flat = WireBytes(), shard_of(98, rank, 100)
+        lo, hi = reduce_scatter_(flat, align=1, chunk=chunk, counter=counted)
+        res["chunks"][chunk] = (counted.messages, flat[lo:hi].clone())
     # groups of some ranks only (W=4: ranks 0, 2 and ranks 1, 3 address their peers by global rank; W=2: alone)
     sub = [dist.new_group(list(range(i, world, 2))) for i in range(2)][rank % 2]
     flat = shard_of(99, rank, 50)
@@ -124,6 +130,18 @@ def test_all_gather_gives_every_rank_every_slice_bit_for_bit(ranks):
             for r in range(world):
                 got = ranks[r]["cases"][case][str(dtype)]
                 assert got.dtype == dtype and torch.equal(got, want), (case, dtype, r)
+
+
+def test_reduce_scatter_sends_each_slice_in_messages_of_at_most_chunk_elements(ranks):
+    world = len(ranks)
+    parts = slices(100, world, 1)
+    want = ordered_sum([shard_of(98, r, 100) for r in range(world)])
+    for chunk in CHUNKS:
+        for r, (lo, hi) in enumerate(parts):
+            messages, got = ranks[r]["chunks"][chunk]
+            per = max(chunk, 1)  # a chunk below one element is one element
+            assert messages == sum(-(-(b - a) // per) for k, (a, b) in enumerate(parts) if k != r), (chunk, r)
+            assert torch.equal(got, want[lo:hi]), (chunk, r)
 
 
 def test_a_group_of_some_ranks_reduces_among_them(ranks):
