@@ -33,6 +33,7 @@ from rpcompile.pipeline import Frozen, compile_passes, frozen_of, plan_pipeline
 from rpcompile.replan import Variant, Variants, plan_for
 from rpcompile.runtime import simulate
 from rpcompile.runtime.distributed import data_parallel
+from rpcompile.runtime.sharded import shard_of, sharded_data_parallel
 from rpcompile.runtime.executor import Runtime
 from rpcompile.runtime.host.optimizer import HostState
 from rpcompile.runtime.stage.batch import trained_tokens
@@ -54,7 +55,8 @@ def compile(model: torch.nn.Module, gpus: int = 8, *, example: Any = None, micro
             memory_budget: int | None = None, backend: str = "auto", seed: int = 0,
             on_nonfinite: str = "raise", loss_scale: float | DynamicLossScale | None = None,
             loss_mean: str = "microbatch", fp16_accumulation: bool = False, fused_head: bool = False,
-            dist: Any = False, process_group: Any = None, timeout: float | None = None) -> "Compiled":
+            dist: Any = False, process_group: Any = None, timeout: float | None = None,
+            shard_state: bool = False) -> "Compiled":
     """Compile `model` for RoundPipe training on `gpus` workers: check the arguments, and plan now or at the first step.
 
     With `example`, the passes (trace, costs, partition, emit, verify) run now on that batch. Without
@@ -113,6 +115,10 @@ def compile(model: torch.nn.Module, gpus: int = 8, *, example: Any = None, micro
             `example` and `step`'s batches are then this process's shard (see DistConfig, `shard`).
         process_group: the torch.distributed group to train over (implies dist; default: the
             initialised default group, else gloo from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT).
+        shard_state: with dist, each process keeps 1/W of the masters and optimizer moments (W processes) and
+            the gradients are reduce-scattered and the new compute copies all-gathered instead of one
+            all-reduce (`rpcompile.runtime.sharded`): servers add capacity, not only speed.
+            `Compiled.parameters_fp32`-style reads (`model()`) are then collectives every rank calls.
         timeout: seconds any wait of the runtime may last before the step fails with a RuntimeFailure
             naming the instruction and what it waited for (a hang). None (default): derived from the
             plan, the larger of 10 minutes and 20x one iteration's predicted work done serially
@@ -145,7 +151,10 @@ def compile(model: torch.nn.Module, gpus: int = 8, *, example: Any = None, micro
     if opts.layers is not None:
         match_units(model, opts.layers)  # a pattern that matches no module is named now, before any batch
     decay_names(opts.optimizer, [n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad])
-    return Compiled(model, opts, example, dist=dist, process_group=process_group)
+    if shard_state and not dist and process_group is None:
+        raise ValueError("shard_state=True shards the host state over data-parallel processes: it needs dist=True "
+                         "(or a process_group)")
+    return Compiled(model, opts, example, dist=dist, process_group=process_group, shard_state=bool(shard_state))
 
 
 @dataclasses.dataclass
@@ -154,6 +163,7 @@ class Pending:
 
     dist: Any                  # compile's `dist`
     process_group: Any         # compile's `process_group`
+    shard_state: bool = False  # compile's `shard_state`
     lr: float | None = None    # the last `set_lr` before the plan: queued on the runtime the plan starts
 
 
@@ -175,10 +185,11 @@ class Compiled(Training):
     """
 
     def __init__(self, model: torch.nn.Module, opts: Options, example: Any = None, *, dist: Any = False,
-                 process_group: Any = None, frozen: Frozen | None = None, resume: dict | None = None) -> None:
+                 process_group: Any = None, frozen: Frozen | None = None, resume: dict | None = None,
+                 shard_state: bool = False) -> None:
         self._lock = threading.RLock()  # one caller at a time (see `_one_caller`)
         self._model, self.options, self.closed = model, opts, False
-        self._pending: Pending | None = Pending(dist, process_group)
+        self._pending: Pending | None = Pending(dist, process_group, shard_state)
         if example is not None:
             self._plan(example, frozen=frozen, resume=resume)
 
@@ -194,15 +205,17 @@ class Compiled(Training):
                 trained_tokens(self.graph, example, self.microbatches)  # no `labels`: refused before any thread
             self._signature, self._variants = signature(example), Variants()  # one program per batch signature
             self._variants.put(self._signature, self._variant())
+            shard = shard_of(pending.dist, pending.process_group) if pending.shard_state else None  # (rank, world)
             self.state = HostState.from_graph(self.graph, optimizer=opts.optimizer, dtype=opts.dtype,
                                               loss_scale=opts.loss_scale, seed=opts.seed,  # bf16 moments' rounding
-                                              pin_memory=opts.backend != "host")  # pinned only where CUDA is
+                                              pin_memory=opts.backend != "host", shard=shard)  # pinned where CUDA is
             self.options = dataclasses.replace(opts, optimizer=self.state.config)  # decay resolved to names
             if resume is not None:  # a checkpoint of another model or plan is refused before any thread starts
                 checkpoint.check(resume)
                 self.state.check_state_dict(resume["host"])
             # data parallel (issue #9): rank 0's weights everywhere; each group's gradient averaged before its step
-            self._dist = data_parallel(self.state, pending.dist, pending.process_group)
+            self._dist = (sharded_data_parallel(self.state, pending.dist, pending.process_group, self.graph.parameters())
+                          if shard else data_parallel(self.state, pending.dist, pending.process_group))
             self.rank, self.world_size = (self._dist.rank, self._dist.world) if self._dist else (0, 1)
             self._runtime = self._new_runtime(0)
         except BaseException:

@@ -23,6 +23,7 @@ and four folders:
     streams/  the stream and device layer: host and CUDA streams, launching, workers, buffer pool, stats
     host/     the host state (weights, gradients, optimizer state) and the CPU optimizer
     sim/      the simulator, its Timeline, its event core, the bound-stage baselines and Gantt charts
+    sharded/  sharded host state across data-parallel servers: reduce-scatter, statistics, all-gather lanes
     stage/    running a stage's layers on a worker: cuts, microbatches, the layer runner, randomness,
               MoE routing replay, evaluation's token hits
 """

@@ -213,18 +213,31 @@ class GradReducer:
                 try:
                     self._reduce(l)
                 except BaseException as exc:  # noqa: BLE001 - reported by wait() in the optimizer lane
-                    with self._cond:
-                        self.error = RuntimeError(f"distributed all-reduce of layer group {l} in iteration "
-                                                  f"{self.iteration} (rank {self.rank} of {self.world}) failed: "
-                                                  f"{type(exc).__name__}: {exc}")
-                        self.broken = str(self.error)
-                        self._cond.notify_all()
+                    self._failed(f"{self.COLLECTIVE} of layer group {l}", exc)
                     return
                 with self._cond:
                     self.writes[l] = 0
                     self.reduced[l] += 1
                     self._cond.notify_all()
+            try:
+                self._end_iteration()
+            except BaseException as exc:  # noqa: BLE001 - reported by the waits of the optimizer lane
+                self._failed("exchange of the gradient statistics", exc)
+                return
             self.iteration += 1
+
+    COLLECTIVE = "all-reduce"  # what `_reduce` runs, for the failure message
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        """Record a failed collective of the network lane: every later wait raises it (one line)."""
+        with self._cond:
+            self.error = RuntimeError(f"distributed {what} in iteration {self.iteration} (rank {self.rank} of "
+                                      f"{self.world}) failed: {type(exc).__name__}: {exc}")
+            self.broken = str(self.error)
+            self._cond.notify_all()
+
+    def _end_iteration(self) -> None:
+        """After the network lane's last group of an iteration (the sharded reducer exchanges its statistics)."""
 
     def _reduce(self, layer: int) -> None:
         """All-reduce (sum) group `layer`'s flat fp32 gradient buffer in place (bf16 gradients: a float32 copy,

@@ -370,6 +370,7 @@ class Runtime(RuntimeReports):
         """
         self._check_open()
         self.recovery.drain()
+        self.state.on_settle()  # sharded state: the last compute copies gathered from the other ranks too
         if self.ctx.failure.error is not None:
             self.recovery.recover()
         self.recovery.prune()

@@ -264,7 +264,7 @@ class HostLanes:
                     if key[0] == c.layer and key not in bak:
                         bak[key] = self._backup_buffer(key, block, t)
         self.state.copy(c.layer)
-        self.events[(t, c.name)]._set()
+        self.state.on_copied(c.layer, self.events[(t, c.name)]._set)  # sharded state: set once gathered
 
     def _backup_buffer(self, key: tuple, block: torch.Tensor, t: int) -> torch.Tensor:
         """A copy of a host block in a persistent buffer (two per block: iterations t and t+1 may both copy)."""

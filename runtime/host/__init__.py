@@ -15,5 +15,5 @@ downloads gradients into it and steps it; the driver saves and loads it.
                   torch.utils.cpp_extension): statistics while a gradient lands, one update pass per group
     assign.py     the buffer assignment: the download buffers' live ranges packed into one arena (assign.c)
     shard_comm.py sharded state's collectives over gloo: reduce-scatter (rank-order sums), all-gather, wire
-                  bytes (the foundation of `shard_state`, not yet used by HostState)
+                  bytes (runtime/sharded/ runs them for `shard_state`)
 """

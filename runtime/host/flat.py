@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
-from rpcompile.ir.host_layout import HostLayout
+from rpcompile.ir.host_layout import HostLayout, shard_slices
 from rpcompile.ir.optim import SGD, AdamW, grad_dtype, master_dtype
 from rpcompile.runtime.host.kernels import Kernels
 from rpcompile.runtime.host.lean import TorchLean, rounding_key
@@ -55,32 +55,57 @@ class FlatGroups:
         seed: the stochastic rounding's seed (bf16 moments or masters; part of the checkpointed state).
         master: the masters' dtype (`master_dtype`): float32, or bfloat16.
         grad: the gradients' dtype (`grad_dtype`): float32, or bfloat16.
+        shard: (rank, world) to keep only this rank's slice of each group's masters and moments
+            (`shard_slices`: `owned[g]` = [lo, hi) of the group's elements, the buffers hold those; the
+            gradients stay whole). A parameter's `master` / `moment` views are then 1-D: the part of it
+            this rank owns (possibly empty). `step` and `cast` cover the owned part only, at the same
+            element offsets (so the same rounding bits) as one process.
     """
 
     def __init__(self, layout: HostLayout, params: Mapping[str, Tensor], moments: Sequence[str],
                  dtype: torch.dtype = torch.float32, seed: int = 0, master: torch.dtype = torch.float32,
-                 grad: torch.dtype = torch.float32) -> None:
+                 grad: torch.dtype = torch.float32, shard: tuple[int, int] | None = None) -> None:
         self.layout = layout
         self.seed = seed  # the stochastic rounding's seed (runtime/host/lean.py)
-        self.masters = [torch.zeros(n, dtype=master) for n in layout.flat]  # group -> flat masters (gaps: zeros)
+        self.shard = shard  # (rank, world) when the masters and moments are sharded; None: whole
+        rank, world = shard or (0, 1)
+        self.owned = [shard_slices(n, world)[rank] for n in layout.flat]  # group -> [lo, hi) held here
+        self.masters = [torch.zeros(hi - lo, dtype=master) for lo, hi in self.owned]  # group -> flat masters
+        # (of the owned slice; gaps: zeros)
         self.grads = [torch.zeros(n, dtype=grad) for n in layout.flat]  # group -> flat gradients (fp32 or bf16)
-        self.moments = [{k: torch.zeros(n, dtype=dtype) for k in moments}  # group -> name -> flat buffer
-                        for n in layout.flat]
+        self.moments = [{k: torch.zeros(hi - lo, dtype=dtype) for k in moments}  # group -> name -> flat buffer
+                        for lo, hi in self.owned]
         self.order = [[(layout.master[n], n, next(i for i, s in enumerate(segs) if s.start <= layout.master[n] < s.stop))
                        for n in names] for names, segs in zip(layout.members, layout.segments)]  # group -> (offset,
         # name, segment index) in offset order
         self.group = {n: g for g, names in enumerate(layout.members) for n in names}  # trainable name -> group
-        self.master = {n: self._view(self.masters, n, p.shape) for n, p in params.items()}  # name -> master view
+        self.numel = {n: p.numel() for n, p in params.items()}  # trainable name -> elements
+        self.master = {n: self._owned(self.masters, n, p.shape) for n, p in params.items()}  # name -> master view
         self.grad = {n: self._view(self.grads, n, p.shape) for n, p in params.items()}
-        self.moment = {n: {k: self._view([m[k] for m in self.moments], n, p.shape) for k in moments}
+        self.moment = {n: {k: self._owned([m[k] for m in self.moments], n, p.shape) for k in moments}
                        for n, p in params.items()}
         for n, p in params.items():
-            self.master[n].copy_(p.detach())
+            a, b = self.part(n)
+            self.master[n].copy_(p.detach() if shard is None else p.detach().reshape(-1)[a:b])
 
     def _view(self, flats: list[Tensor], name: str, shape: torch.Size) -> Tensor:
         """The view of `name` in its group's buffer of `flats`."""
         off = self.layout.master[name]
         return flats[self.group[name]][off:off + shape.numel()].view(shape)
+
+    def part(self, name: str) -> tuple[int, int]:
+        """The elements [a, b) of parameter `name` (in its own flat order) that this rank owns (all when whole)."""
+        off, lo, hi = self.layout.master[name], *self.owned[self.group[name]]
+        n = self.numel[name]
+        return min(n, max(0, lo - off)), max(0, min(n, hi - off))
+
+    def _owned(self, flats: list[Tensor], name: str, shape: torch.Size) -> Tensor:
+        """The view of `name` in its group's buffer of `flats` (sharded: of its owned part, 1-D)."""
+        if self.shard is None:
+            return self._view(flats, name, shape)
+        a, b = self.part(name)
+        base = self.layout.master[name] - self.owned[self.group[name]][0]
+        return flats[self.group[name]][base + a:base + max(a, b)]
 
     def runs(self, group: int, names: Sequence[str], key: Mapping[str, tuple]) -> list[tuple[int, int, int, tuple]]:
         """Maximal element ranges of `names` that are contiguous in the group's order and share a segment and
@@ -113,25 +138,34 @@ class FlatGroups:
             out: compute dtype -> the group's compute block to write the new masters into (None: no copy).
         """
         p, g, mom = self.masters[group], self.grads[group], self.moments[group]
+        own_lo, own_hi = self.owned[group]
         for lo, hi, seg, (done, decay) in self.runs(group, names, {n: (counts[n], n in decayed) for n in names}):
-            s = self.layout.segments[group][seg]
+            lo, hi = max(lo, own_lo), min(hi, own_hi)  # sharded: the owned part of the run
+            if lo >= hi:
+                continue
+            s, a, b = self.layout.segments[group][seg], lo - own_lo, hi - own_lo  # a, b: in the owned buffers
             o = None if out is None else out[s.dtype][lo - s.start:hi - s.start]
             wd = config.weight_decay if decay else 0.0
             key = rounding_key(self.seed, group, done + 1)
             if isinstance(config, AdamW):
-                kernels.adamw(p[lo:hi], g[lo:hi], mom["exp_avg"][lo:hi], mom["exp_avg_sq"][lo:hi], o, factor=factor,
+                kernels.adamw(p[a:b], g[lo:hi], mom["exp_avg"][a:b], mom["exp_avg_sq"][a:b], o, factor=factor,
                               lr=lr, betas=config.betas, eps=config.eps, weight_decay=wd, step=done + 1,
                               key=key, offset=lo)
             else:
-                buf = mom["momentum_buffer"][lo:hi] if "momentum_buffer" in mom else None
-                kernels.sgd(p[lo:hi], g[lo:hi], buf, o, factor=factor, lr=lr, momentum=config.momentum,
+                buf = mom["momentum_buffer"][a:b] if "momentum_buffer" in mom else None
+                kernels.sgd(p[a:b], g[lo:hi], buf, o, factor=factor, lr=lr, momentum=config.momentum,
                             weight_decay=wd, nesterov=config.nesterov, first=done == 0, key=key, offset=lo)
         for n in names:
             counts[n] += 1
 
-    def cast(self, kernels: Kernels, group: int, out: Mapping[torch.dtype, Tensor]) -> None:
-        """Write every master of `group` into its compute copy (`out`: dtype -> the group's block), one call a
-        segment (bf16 masters: torch's copy, a plain copy into bf16 and exact into float32)."""
+    def cast(self, kernels: Kernels | None, group: int, out: Mapping[torch.dtype, Tensor]) -> None:
+        """Write every master of `group` (sharded: its owned slice) into its compute copy (`out`: dtype -> the
+        group's block), one call a segment (bf16 masters, or no kernels: torch's copy, a plain copy into bf16
+        and exact into float32)."""
+        own_lo, own_hi = self.owned[group]
         for s in self.layout.segments[group]:
-            src, dst = self.masters[group][s.start:s.stop], out[s.dtype][:s.stop - s.start]
-            kernels.cast(src, dst) if src.dtype == torch.float32 else dst.copy_(src)
+            lo, hi = max(s.start, own_lo), min(s.stop, own_hi)
+            if lo >= hi:
+                continue
+            src, dst = self.masters[group][lo - own_lo:hi - own_lo], out[s.dtype][lo - s.start:hi - s.start]
+            kernels.cast(src, dst) if src.dtype == torch.float32 and kernels is not None else dst.copy_(src)

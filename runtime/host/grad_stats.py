@@ -65,6 +65,7 @@ class _IterStats:
     coef: Tensor | None = None  # clip coefficient min(1, max_norm / (norm + 1e-6)); None = no clipping
     norm: Tensor | None = None  # global L2 norm, set once pending == 0
     stepped: int = 0  # groups that have stepped this iteration
+    done: bool = False  # the global statistics are final (`_finish` ran)
 
 
 AVERAGE_WRITE = 0xFFFFFFFF  # the write index of a bf16 gradient's data-parallel average in `grad_key`
@@ -213,6 +214,46 @@ class GradStats:
             g = self.grad[n].view(-1)
             self._sq[n], self._bad[n] = self.kernels.land(g, g, add=False, divisor=world)
 
+    def reduce_scatter_grads(self, layer: int, world: int, reduce_scatter: Callable[[Tensor], None]) -> tuple[float, bool]:
+        """Average this rank's slice of group `layer`'s gradient over `world` processes (sharded state).
+
+        `reduce_scatter(flat)` sums the group's flat float32 gradient over the processes into this rank's
+        owned slice (`FlatGroups.owned`; runtime/host/shard_comm.py), leaving the rest of it as it was; one
+        pass then divides the slice by `world` and takes the statistics of the average over the owned part
+        of each parameter written this iteration (bf16 gradients: summed in a float32 copy and stored back
+        rounded stochastically, with `average_grads`' key at the same element offsets). The rest of the
+        buffer is never read again this iteration (the step covers the owned slice).
+
+        Returns:
+            (sum of squares, non-finite) of this rank's part of the average: the data-parallel reducer
+            sums the ranks' parts into the iteration's global statistics (`on_totals`).
+        """
+        buf, (lo, hi) = self.flat.grads[layer], self.flat.owned[layer]
+        wide = buf.float() if buf.dtype == torch.bfloat16 else buf
+        reduce_scatter(wide)
+        key = grad_key(self.flat.seed, layer, self._stepped[layer], AVERAGE_WRITE)
+        total, bad = [], False
+        for n in self.groups[layer]:
+            off = self.layout.master[n]
+            a, b = self.flat.part(n)
+            self._sq[n], self._bad[n] = 0.0, False
+            if a >= b:
+                continue
+            dst, src = buf[off + a:off + b], wide[off + a:off + b]
+            if buf.dtype == torch.bfloat16:
+                land = self.kernels.land if self.kernels is not None else land_bf16
+                self._sq[n], self._bad[n] = land(dst, src, add=False, divisor=world, key=key, offset=off + a)
+            elif self.kernels is not None:
+                self._sq[n], self._bad[n] = self.kernels.land(dst, src, add=False, divisor=world)
+            else:
+                dst.div_(world)
+                self._sq[n] = float(dst.double().square().sum())
+                self._bad[n] = not bool(torch.isfinite(dst).all())
+            if n in self._fresh[layer]:
+                total.append(self._sq[n])
+                bad = bad or self._bad[n]
+        return math.fsum(total), bad
+
     def discard_grads(self) -> None:
         """Drop all gradients written since each group's last step (failure recovery, no step running).
 
@@ -263,17 +304,26 @@ class GradStats:
             st.scale = scale
             st.found_inf |= bool(found.item())
             st.pending -= 1
-            if st.pending == 0:
+            last = st.pending == 0  # this call completes the iteration's statistics
+            if last and self.on_totals is None:
                 self._finish(u, st)
                 self._cond.notify_all()
+        if last and self.on_totals is not None:  # sharded state: every rank's part of the statistics
+            total, bad = self.on_totals(u)  # (waits for the reducer's exchange, without holding _cond)
+            with self._cond:
+                st.found_inf = bad
+                self._finish(u, st, total)
+                self._cond.notify_all()
 
-    def _finish(self, u: int, st: _IterStats) -> None:
-        """Global norm, clip coefficient and loss-scale update of iteration u (holding _cond)."""
+    def _finish(self, u: int, st: _IterStats, total: float | None = None) -> None:
+        """Global norm, clip coefficient and loss-scale update of iteration u (holding _cond); `total`: the scaled
+        sum of squares over every rank (sharded state), else taken from `st`."""
         if self.config.max_grad_norm is not None:
             order = [st.norms[n] for n in self.master if n in st.norms]  # the order of `params`, as eager
             st.norm = torch.linalg.vector_norm(torch.stack(order), 2.0) if order else torch.tensor(0.0)
             if self._landed:  # fp64 sum of the scaled squares (in a fixed order), then unscaled
-                total = math.fsum(st.sq[n] for n in self.master if n in st.sq)
+                if total is None:
+                    total = math.fsum(st.sq[n] for n in self.master if n in st.sq)
                 st.norm = torch.tensor(math.sqrt(total) / (st.scale or 1.0), dtype=torch.float32)
             st.coef = torch.clamp(self.config.max_grad_norm / (st.norm + 1e-6), max=1.0)
             self.norms[u] = float(st.norm)
@@ -291,6 +341,7 @@ class GradStats:
             self.verdicts[u] = ScaleVerdict(used, st.found_inf, self.loss_scale)
             for old in [k for k in self.verdicts if k <= u - NORMS_KEPT]:
                 del self.verdicts[old]
+        st.done = True
 
     def global_norm(self, iteration: int | None = None, timeout_s: float | None = None) -> Tensor:
         """The unscaled global L2 gradient norm of `iteration` (default: the oldest not stepped).
@@ -305,7 +356,7 @@ class GradStats:
     def _wait(self, u: int, timeout_s: float | None = None) -> _IterStats:
         """Wait for the global statistics of iteration u."""
         with self._cond:
-            ok = self._cond.wait_for(lambda: u in self._stats and self._stats[u].pending == 0,
+            ok = self._cond.wait_for(lambda: u in self._stats and self._stats[u].done,
                                      timeout=self.timeout_s if timeout_s is None else timeout_s)
             if not ok:
                 missing = [l for l, g in enumerate(self.groups) if g and self._done[l] <= u]

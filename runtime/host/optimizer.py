@@ -70,6 +70,15 @@ def _no_hook(layer: int) -> None:
     """The default data-parallel hook: nothing to do."""
 
 
+def _settled() -> None:
+    """The default `on_settle` hook: nothing in flight outside the runtime's lanes."""
+
+
+def _copied_now(layer: int, done: Any) -> None:
+    """The default `on_copied` hook: the compute copies are complete when `copy(layer)` returns."""
+    done()
+
+
 class HostState(GradStats, StateIO):
     """Compute copies, masters (fp32 or bf16), optimizer state and gradient buffers on the host.
 
@@ -94,6 +103,10 @@ class HostState(GradStats, StateIO):
             that, with it, fix the bits. A bf16 master is a buffer of its own beside the compute copy (R1 at
             staleness 1: `copy(l)` writes the compute copy, `step(l)` the master), and the trainable
             parameters' compute copies start as the master's value (rounded to nearest once).
+        shard: (rank, world): keep only this rank's slice of each group's masters and optimizer moments
+            (sharded state across data-parallel servers, `runtime.sharded`; `FlatGroups`). Steps and copies then
+            cover the owned slice only; the gradients and compute copies stay whole, and a data-parallel
+            `runtime.sharded.ShardedReducer` reduce-scatters the one and all-gathers the other.
 
     Note:
         The per-layer order that gives DESIGN.md idea 7's semantics (what
@@ -120,7 +133,8 @@ class HostState(GradStats, StateIO):
     def __init__(self, params: Mapping[str, Tensor], owners: Mapping[str, Sequence[int]], num_layers: int, *,
                  optimizer: AdamW | SGD, dtype: torch.dtype | None = None, tied: Mapping[str, str] | None = None,
                  loss_scale: float | DynamicLossScale | None = None, pin_memory: bool = False,
-                 timeout_s: float = 600.0, buffers: Mapping[str, Tensor] | None = None, seed: int = 0) -> None:
+                 timeout_s: float = 600.0, buffers: Mapping[str, Tensor] | None = None, seed: int = 0,
+                 shard: tuple[int, int] | None = None) -> None:
         self.config = optimizer  # the optimizer config
         pin_b = pin_memory and torch.cuda.is_available()
         # buffers the forward updates (running statistics): the canonical host copies, changed once per microbatch
@@ -140,14 +154,16 @@ class HostState(GradStats, StateIO):
         self.layout = host_layout([(n, p.numel(), dtype or p.dtype, layer_of[n], n in trainable)
                                    for n, p in params.items()], num_layers)  # offsets of every host buffer
         self.flat = FlatGroups(self.layout, trainable, moment_names(optimizer), state_dtype(optimizer),
-                               seed, master_dtype(optimizer), grad_dtype(optimizer))  # masters, grads, moments
+                               seed, master_dtype(optimizer), grad_dtype(optimizer), shard)  # masters, grads, moments
+        self.shard = shard  # (rank, world) of sharded masters and moments; None: whole
         self.master: dict[str, Tensor] = self.flat.master  # trainable canonical -> master (fp32 or bf16; a view)
         self.grad: dict[str, Tensor] = self.flat.grad  # trainable canonical -> fp32/bf16 buffer (valid if written
         # this iteration; a view)
         # compute copies: views into one block per (lowest owner layer, dtype), pinned with CUDA (uploads read them);
         # a group's trainable parameters first, at their offsets in the group's flat buffers
         order, lean = self.layout.where, master_dtype(optimizer) != torch.float32  # lean: copies start as masters
-        first = {n: self.master[n] if lean and n in self.master else params[n].detach() for n in order}
+        first = {n: params[n].detach().to(master_dtype(optimizer)) if lean and n in self.master else params[n].detach()
+                 for n in order}
         self.blocks, self.where = host_blocks({n: first[n].to(dtype or params[n].dtype) for n in order},
                                               layer_of, pin=pin)
         self.compute: dict[str, Tensor] = {n: view(self.blocks, self.where[n], tuple(p.shape))  # training dtype
@@ -164,10 +180,11 @@ class HostState(GradStats, StateIO):
         self.kernels = load_kernels() if optimizer.impl == "fused" else None
         # bf16 moments, masters or gradients without the kernels: the same update in torch operations over the flat
         # buffers
-        self._lean = TorchLean() if self.kernels is None and torch.bfloat16 in (
-            state_dtype(optimizer), master_dtype(optimizer), grad_dtype(optimizer)) else None
-        # the landing pass takes each gradient's statistics and the step unscales (the kernels, or bf16 gradients)
-        self._landed = self.kernels is not None or grad_dtype(optimizer) == torch.bfloat16
+        self._lean = TorchLean() if self.kernels is None and (shard is not None or torch.bfloat16 in (
+            state_dtype(optimizer), master_dtype(optimizer), grad_dtype(optimizer))) else None  # (or sharded slices)
+        # the landing pass takes each gradient's statistics and the step unscales (the kernels, bf16 gradients, or
+        # the sharded state's reduce-scatter)
+        self._landed = self.kernels is not None or grad_dtype(optimizer) == torch.bfloat16 or shard is not None
         self._optims = [None if self.kernels is not None or self._lean is not None or not g
                         else self._torch_optimizer(g) for g in self.groups]
         self._copied = [False] * num_layers  # the compute copies hold the masters (a step wrote them)
@@ -196,6 +213,10 @@ class HostState(GradStats, StateIO):
         self._bad: dict[str, bool] = {}  # kernels: whether it has an inf/nan
         self._writes: dict[str, int] = {}  # bf16 gradients: each one's last write index this iteration (0-based)
         self.on_grad = self.on_complete = _no_hook  # data-parallel hooks (runtime/distributed.py)
+        self.on_copied = _copied_now  # sharded state: (layer, done) -> calls done() once the copies are gathered
+        self.on_totals: Any = None  # sharded state: iteration -> (sum of squares, non-finite) over every rank
+        self.gather: Any = None  # sharded state: (group, owned slice as float32) -> the group's whole flat buffer
+        self.on_settle: Any = _settled  # sharded state: wait until every compute copy made is gathered
 
     def _torch_optimizer(self, group: Sequence[str]) -> torch.optim.Optimizer:
         """torch's optimizer over the group's master views, its state already the views of the flat moments."""
@@ -336,10 +357,10 @@ class HostState(GradStats, StateIO):
         With the kernels one pass per segment of the group (none after `step(layer, copy=True)`).
         """
         with self._locks[layer]:
-            if self.kernels is not None and not self._copied[layer]:
+            if (self.kernels is not None or self.shard is not None) and not self._copied[layer]:
                 self.flat.cast(self.kernels, layer, {s.dtype: self.blocks[(layer, s.dtype)]
                                                      for s in self.layout.segments[layer]})
-            elif self.kernels is None:
+            elif self.kernels is None and self.shard is None:
                 for n in self.groups[layer]:
                     self.compute[n].copy_(self.master[n])
             self._copied[layer] = False

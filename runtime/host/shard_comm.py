@@ -258,7 +258,8 @@ def _add(wire: _Wire, flat: Tensor, piece: tuple[int, int, Tensor, list[Any]], m
 
 
 def all_gather_(flat: Tensor, group: Any = None, *, what: str = "a flat buffer", align: int = SEGMENT,
-                counter: WireBytes | None = None, timeout: datetime.timedelta | None = None) -> tuple[int, int]:
+                counter: WireBytes | None = None, timeout: datetime.timedelta | None = None,
+                parts: Sequence[tuple[int, int]] | None = None) -> tuple[int, int]:
     """Give every rank of the gloo `group` every rank's slice of `flat`, in place; this rank's slice.
 
     Rank r contributes `flat[lo:hi]` (`slices(flat.numel(), W, align)[r]`) and on return every slice of
@@ -269,6 +270,8 @@ def all_gather_(flat: Tensor, group: Any = None, *, what: str = "a flat buffer",
     Args:
         flat: a 1-D contiguous host tensor of the same numel and dtype on every rank.
         group, what, align, counter, timeout: as `reduce_scatter_` (the counter counts "all-gather").
+        parts: each rank's [lo, hi) of `flat`, in rank order (default `slices(flat.numel(), W, align)`), e.g.
+            the owned slices of a group's flat buffers cut to one segment's view of the compute copies.
 
     Raises:
         RuntimeError: one line, "distributed all-gather of {what} (rank r of W) failed: ...", when a peer
@@ -277,7 +280,7 @@ def all_gather_(flat: Tensor, group: Any = None, *, what: str = "a flat buffer",
     _check(flat, "all_gather_")
     wire = _Wire(group, "all-gather", what, counter, timeout)
     rank, world = wire.rank, wire.world
-    parts = slices(flat.numel(), world, align)
+    parts = slices(flat.numel(), world, align) if parts is None else list(parts)
     lo, hi = parts[rank]
     for k in range(1, world):
         to, frm = (rank + k) % world, (rank - k) % world

@@ -62,8 +62,24 @@ class StateIO:
 
     def parameters_fp32(self) -> dict[str, Tensor]:
         """Current weights in fp32: masters (bf16 ones widened), or compute copies for frozen parameters (fresh
-        tensors)."""
-        return {n: (self.master.get(n, c)).to(torch.float32, copy=True) for n, c in self.compute.items()}
+        tensors).
+
+        Sharded state (`shard=`): the masters are gathered from every rank, group by group, through the
+        data-parallel reducer's `gather` hook: a collective, so every rank must call it at the same point.
+        """
+        if self.shard is None:
+            return {n: (self.master.get(n, c)).to(torch.float32, copy=True) for n, c in self.compute.items()}
+        if self.gather is None:
+            raise RuntimeError("parameters_fp32: this state's masters are sharded over data-parallel ranks and no "
+                               "reducer is attached to gather them (runtime.sharded.ShardedReducer)")
+        out = {n: c.to(torch.float32, copy=True) for n, c in self.compute.items() if n not in self.master}
+        for g, names in enumerate(self.groups):
+            if names:
+                whole = self.gather(g, self.flat.masters[g].float())
+                for n in names:
+                    off = self.layout.master[n]
+                    out[n] = whole[off:off + self.grad[n].numel()].view(self.grad[n].shape).clone()
+        return {n: out[n] for n in self.compute}
 
     def state_dict(self) -> dict[str, Any]:
         """A snapshot (cloned tensors) of compute copies, masters, optimizer state (in its dtype), step counts, the
@@ -85,6 +101,7 @@ class StateIO:
                 "buffers": {n: clone(t) for n, t in self.buffers.items()},
                 "optim": optim, "steps": list(self._stepped),
                 "rounding": {"seed": self.flat.seed, "state_dtype": dtype_name(self._state_dtype())},
+                "shard": list(self.shard) if self.shard is not None else None,  # masters and moments: this slice
                 "loss_scale": {"scale": self.loss_scale, "good": self._good, "skipped": list(self.skipped),
                                "verdicts": [[u, v.used, v.skipped, v.after] for u, v in sorted(self.verdicts.items())
                                             if u >= min(self._stepped, default=0) - 2]}}  # what the next two use
@@ -94,14 +111,21 @@ class StateIO:
         for key in ("compute", "master", "optim", "steps", "loss_scale"):
             if key not in sd:
                 raise ValueError(f"load_state_dict: the state dict has no {key!r} entry")
+        theirs, whole = tuple(sd.get("shard") or ()), self._whole(sd)
+        if theirs and theirs != tuple(self.shard or ()):
+            raise ValueError(f"load_state_dict: the state dict holds rank {theirs[0]} of {theirs[1]}'s slice of the "
+                             f"masters and moments, but this state is "
+                             f"{'whole' if self.shard is None else f'rank {self.shard[0]} of {self.shard[1]}'}: "
+                             f"load every rank's slices (rpcompile.checkpoint) to reshard")
         for key, ours in (("compute", self.compute), ("master", self.master)):
             if set(sd[key]) != set(ours):
                 raise ValueError(f"load_state_dict: {key} names differ: missing {sorted(set(ours) - set(sd[key]))}"
                                  f", unexpected {sorted(set(sd[key]) - set(ours))}")
             for n, t in sd[key].items():
-                if not isinstance(t, torch.Tensor) or t.shape != ours[n].shape:
+                want = tuple(self.grad[n].shape if key == "master" and whole else ours[n].shape)
+                if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
                     got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                    raise ValueError(f"load_state_dict: {key}[{n!r}] has shape {got}, expected {tuple(ours[n].shape)}")
+                    raise ValueError(f"load_state_dict: {key}[{n!r}] has shape {got}, expected {want}")
         if len(sd["steps"]) != len(self.groups):
             raise ValueError(f"load_state_dict: {len(sd['steps'])} layer groups, expected {len(self.groups)} (the "
                              f"checkpoint was planned with another LM-head sharding or layer split)")
@@ -119,10 +143,23 @@ class StateIO:
             raise ValueError(f"load_state_dict: optimizer state for unknown parameters {sorted(unknown)[:5]}")
         for n, saved in sd["optim"].items():
             for k, t in self.flat.moment[n].items():
-                if k in saved and (not isinstance(saved[k], torch.Tensor) or saved[k].shape != t.shape
+                want = self.grad[n].shape if whole else t.shape
+                if k in saved and (not isinstance(saved[k], torch.Tensor) or saved[k].shape != want
                                    or saved[k].dtype != t.dtype):
                     raise ValueError(f"load_state_dict: optim[{n!r}][{k!r}] is not a {t.dtype} tensor of shape "
-                                     f"{tuple(t.shape)}")
+                                     f"{tuple(want)}")
+
+    def _whole(self, sd: Mapping[str, Any]) -> bool:
+        """True if `sd` holds whole masters and moments while this state keeps a slice of them (a whole checkpoint
+        loads into sharded state: each rank takes its slice)."""
+        return self.shard is not None and not sd.get("shard")
+
+    def _mine(self, n: str, t: Tensor, whole: bool) -> Tensor:
+        """Parameter `n`'s saved master or moment `t` as this state holds it: its owned part if `t` is whole."""
+        if not whole:
+            return t
+        a, b = self.flat.part(n)
+        return t.reshape(-1)[a:max(a, b)]
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
         """Restore a `state_dict()` in place (same names, shapes and groups), between iterations.
@@ -130,16 +167,18 @@ class StateIO:
         Checks everything first (`check_state_dict`): a bad state dict changes nothing.
         """
         self.check_state_dict(sd)
-        for key, ours in (("compute", self.compute), ("master", self.master)):
-            for n, t in sd[key].items():
-                ours[n].copy_(t)
+        whole = self._whole(sd)
+        for n, t in sd["compute"].items():
+            self.compute[n].copy_(t)
+        for n, t in sd["master"].items():
+            self.master[n].copy_(self._mine(n, t, whole))
         for n, t in sd.get("buffers", {}).items():
             self.buffers[n].copy_(t)
         self.flat.seed = sd.get("rounding", {}).get("seed", self.flat.seed)  # absent before bf16 moments
         for n, moments in self.flat.moment.items():  # torch's state names; a parameter not in it never stepped
             saved = sd["optim"].get(n, {})
             for k, t in moments.items():
-                t.copy_(saved[k]) if k in saved else t.zero_()
+                t.copy_(self._mine(n, saved[k], whole)) if k in saved else t.zero_()
             self.counts[n] = int(saved["step"]) if "step" in saved else 1 if saved else 0
             opt = self._optims[self.group_of[n]]
             if opt is not None and moments:  # torch's optimizer: the same views, its step count

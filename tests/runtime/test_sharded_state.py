@@ -1,0 +1,98 @@
+"""Sharded host state (`compile(..., dist=True, shard_state=True)`): W gloo processes, each holding 1/W of the
+masters and optimizer moments, train like one process on the global batch (runtime/sharded/).
+
+The processes are launched as torchrun would (tests/dist_launch.py).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import rpcompile
+from rpcompile.runtime.distributed import DistConfig, shard
+from rpcompile.models.zoo import LlamaConfig, TinyLlama
+from tests.dist_launch import launch
+from tests.runtime.test_distributed import _close, batch
+
+CFG = LlamaConfig(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, ffn=64, max_seq=32)
+B, M, STEPS, WORLD = 8, 4, 6, 2  # global batch B in M microbatches; each of WORLD processes: B/2 in M/2
+ADAMW = rpcompile.AdamW(lr=1e-2, weight_decay=0.1, max_grad_norm=0.5)  # the C++ kernels, decay, global-norm clip
+
+
+def make(staleness: int, example: dict, microbatches: int, optimizer=ADAMW, **kw) -> rpcompile.Compiled:
+    return rpcompile.compile(TinyLlama(CFG), gpus=2, example=example, microbatches=microbatches,
+                             staleness=staleness, optimizer=optimizer, memory_budget=2**20, backend="host", **kw)
+
+
+LEAN = rpcompile.AdamW(lr=1e-2, weight_decay=0.1, state_dtype=torch.bfloat16, master_dtype=torch.bfloat16,
+                       grad_dtype=torch.bfloat16)  # 10 B per parameter, every bf16 value rounded stochastically
+
+
+def same_bits(out: str) -> None:
+    """One rank: the same 4 steps with whole and with sharded state (data parallel both), fp32 and lean."""
+    torch.set_num_threads(1)
+    rank, res = int(os.environ["RANK"]), {}
+    for name, opt in (("fp32", rpcompile.AdamW(lr=1e-2, weight_decay=0.1)), ("lean", LEAN)):
+        for sharded in (False, True):
+            with make(1, shard(batch(0), rank, WORLD), M // WORLD, optimizer=opt, dist=DistConfig(timeout_s=60),
+                      shard_state=sharded) as c:
+                for i in range(4):
+                    c.step(shard(batch(i), rank, WORLD))
+                res[name, sharded] = {n: p.detach().clone() for n, p in c.model().named_parameters()}
+                res[name, sharded, "bytes"] = sum(t.numel() * t.element_size() for t in c.state.flat.masters) + sum(
+                    t.numel() * t.element_size() for m in c.state.flat.moments for t in m.values())
+    torch.save(res, f"{out}.{rank}")
+
+
+def worker(out: str) -> None:
+    """One rank: 6 steps at staleness 0 and 1 with sharded state; saves weights, copies and slice sizes."""
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    res = {}
+    for st in (0, 1):
+        with make(st, shard(batch(0), rank, WORLD), M // WORLD, dist=DistConfig(timeout_s=60), shard_state=True) as c:
+            res[f"loss{st}"] = [c.step(shard(batch(i), rank, WORLD)) for i in range(STEPS)]
+            res[st] = {n: p.detach().clone() for n, p in c.model().named_parameters()}  # gathered: a collective
+            res[f"compute{st}"] = {n: t.clone() for n, t in c.state.compute.items()}
+            res[f"owned{st}"] = [hi - lo for lo, hi in c.state.flat.owned]
+            res[f"flat{st}"] = list(c.state.layout.flat)
+    torch.save(res, f"{out}.{rank}")
+
+
+def _run(fn: str, out: str) -> list[dict]:
+    """Run `fn(out)` of this module as WORLD processes; what each rank saved."""
+    for r in launch([f"from tests.runtime.test_sharded_state import {fn}; {fn}({out!r})"] * WORLD, 240):
+        assert r.returncode == 0, r.stderr[-3000:]
+    return [torch.load(f"{out}.{rank}") for rank in range(WORLD)]
+
+
+def test_two_processes_with_sharded_state_train_like_one_process_on_the_global_batch(tmp_path):
+    got = _run("worker", str(tmp_path / "s"))
+    for st in (0, 1):
+        owned = [got[r][f"owned{st}"] for r in range(WORLD)]
+        assert [sum(x) for x in zip(*owned)] == got[0][f"flat{st}"]  # the slices cover every group once
+        assert all(0 < a < f for a, f in zip(owned[0], got[0][f"flat{st}"]) if f > 16)  # and are real slices
+        for n in got[0][st]:  # the ranks hold the same weights, bit for bit (masters and compute copies)
+            assert torch.equal(got[0][st][n], got[1][st][n]), n
+        for n in got[0][f"compute{st}"]:
+            assert torch.equal(got[0][f"compute{st}"][n], got[1][f"compute{st}"][n]), n
+        with make(st, batch(0), M) as single:
+            losses = [single.step(batch(i)) for i in range(STEPS)]
+            want = {n: p.detach().clone() for n, p in single.model().named_parameters()}
+        _close(got[0][st], want)
+        assert got[0][f"loss{st}"] == pytest.approx(losses, rel=1e-5)
+
+
+def test_sharded_state_steps_the_same_bits_as_whole_state_with_each_rank_holding_half(tmp_path):
+    # the reduce-scatter sums in rank order (c0 + c1, as gloo's all-reduce of two) and each slice is stepped at the
+    # group's own element offsets, so the stochastic rounding of bf16 masters, moments and gradients draws the
+    # same bits as one rank stepping the whole group
+    got = _run("same_bits", str(tmp_path / "b"))
+    for name in ("fp32", "lean"):
+        for n, want in got[0][name, False].items():
+            assert torch.equal(got[0][name, True][n], want), (name, n)
+            assert torch.equal(got[1][name, True][n], want), (name, n)
+        whole, halves = got[0][name, False, "bytes"], [got[r][name, True, "bytes"] for r in range(WORLD)]
+        assert sum(halves) == whole and max(halves) <= 0.6 * whole, (whole, halves)
