@@ -29,7 +29,8 @@ from rpcompile.ir.optim import SGD, AdamW, DynamicLossScale, decay_names
 from rpcompile.machine import hardware_of
 from rpcompile.options import Options, check_model, default_microbatches, options
 from rpcompile.passes.trace import match_units
-from rpcompile.pipeline import Frozen, compile_passes, frozen_of, plan_pipeline
+from rpcompile.hostmem import HostBytes
+from rpcompile.pipeline import Frozen, compile_passes, frozen_of, host_need, plan_pipeline
 from rpcompile.replan import Variant, Variants, plan_for
 from rpcompile.runtime import simulate
 from rpcompile.runtime.distributed import data_parallel
@@ -199,13 +200,14 @@ class Compiled(Training):
         pending, opts = self._pending, self.options
         try:
             self._example = example
+            shard = shard_of(pending.dist, pending.process_group) if pending.shard_state else None  # (rank, world)
             (self.graph, self.costs, self.plan, self.program, self.microbatches, self._units, _,
-             self.assignment) = compile_passes(self._model, example, opts, frozen=frozen)  # units: sub-blocks, if cut
+             self.assignment) = compile_passes(self._model, example, dataclasses.replace(opts, shard=shard),
+                                               frozen=frozen)  # units: sub-blocks, if cut; admission: this share
             if opts.loss_mean == "tokens":
                 trained_tokens(self.graph, example, self.microbatches)  # no `labels`: refused before any thread
             self._signature, self._variants = signature(example), Variants()  # one program per batch signature
             self._variants.put(self._signature, self._variant())
-            shard = shard_of(pending.dist, pending.process_group) if pending.shard_state else None  # (rank, world)
             self.state = HostState.from_graph(self.graph, optimizer=opts.optimizer, dtype=opts.dtype,
                                               loss_scale=opts.loss_scale, seed=opts.seed,  # bf16 moments' rounding
                                               pin_memory=opts.backend != "host", shard=shard)  # pinned where CUDA is
@@ -322,6 +324,12 @@ class Compiled(Training):
                                       hardware=hw, microbatches=self.microbatches, progress=False,
                                       fp16_accumulation=self.options.fp16_accumulation)
         return simulate(self.program, costs, hw, iterations=iterations)
+
+    def host_bytes(self) -> HostBytes:
+        """This process's host bytes by category, as the admission counted them: what its host state and runtime
+        allocated (with `shard_state`: its share of the masters and moments)."""
+        return host_need(self.graph, self.costs, self.plan, dataclasses.replace(self.options, shard=self.state.shard),
+                         self.program, self.assignment)
 
     # -- state ------------------------------------------------------------------------------
     @_one_caller

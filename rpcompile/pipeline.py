@@ -17,7 +17,7 @@ import torch
 
 from rpcompile import passes
 from rpcompile.batch import batch_size, check_batch
-from rpcompile.hostmem import check_host_memory
+from rpcompile.hostmem import HostBytes, check_host_memory, host_bytes
 from rpcompile.ir.costs import CostTable
 from rpcompile.ir.graph import LayerGraph
 from rpcompile.ir.hardware import Hardware
@@ -29,7 +29,7 @@ from rpcompile.passes.trace import sublayer_units
 from rpcompile.runtime import simulate, steady_iterations
 from rpcompile.runtime.host.assign import assign_buffers, unshared
 
-__all__ = ["plan_pipeline", "compile_passes", "Frozen", "frozen_of", "MEASURED_TIE", "HOST_MEASURED_TIE",
+__all__ = ["plan_pipeline", "compile_passes", "host_need", "Frozen", "frozen_of", "MEASURED_TIE", "HOST_MEASURED_TIE",
            "measured_tie"]
 
 # With measured costs, plans whose predicted iteration time is within this share of the fastest (even plan)
@@ -275,6 +275,14 @@ def _check_host(graph: LayerGraph, costs: CostTable, plan, opts: Options, m: int
     buffer `assignment` (raises ValueError naming the bytes when it does not fit)."""
     check_host_memory(graph, costs, plan, microbatches=m, staleness=opts.staleness, optimizer=opts.optimizer,
                       dtype=opts.dtype, hardware=opts.hardware, gpus=opts.gpus, round_size=round_size,
+                      program=program, assignment=assignment, shard=opts.shard)
+
+
+def host_need(graph: LayerGraph, costs: CostTable, plan, opts: Options, program: Any, assignment: Any) -> HostBytes:
+    """The host bytes of a planned run, counted as the admission counts them: what its HostState and runtime
+    allocate (`opts.shard`: one rank's share of sharded masters and moments)."""
+    return host_bytes(graph, costs, plan, microbatches=program.microbatches, staleness=opts.staleness,
+                      optimizer=opts.optimizer, dtype=opts.dtype, gpus=opts.gpus, round_size=program.round_size,
                       program=program, assignment=assignment, shard=opts.shard)
 
 

@@ -18,7 +18,7 @@ The executor's parts, here:
     transfer.py          the runtime's threads, failures, test delays and extra dependencies
     distributed.py       data parallelism across processes (per-layer gradient all-reduce on the host)
 
-and four folders:
+and five folders:
 
     streams/  the stream and device layer: host and CUDA streams, launching, workers, buffer pool, stats
     host/     the host state (weights, gradients, optimizer state) and the CPU optimizer

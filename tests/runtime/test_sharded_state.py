@@ -5,6 +5,7 @@ The processes are launched as torchrun would (tests/dist_launch.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 import rpcompile
 from rpcompile.runtime.distributed import DistConfig, shard
+from rpcompile.runtime.host.shard_comm import ring_allreduce_bytes
 from rpcompile.models.zoo import LlamaConfig, TinyLlama
 from tests.dist_launch import launch
 from tests.runtime.test_distributed import _close, batch
@@ -31,29 +33,63 @@ LEAN = rpcompile.AdamW(lr=1e-2, weight_decay=0.1, state_dtype=torch.bfloat16, ma
 
 
 def same_bits(out: str) -> None:
-    """One rank: the same 4 steps with whole and with sharded state (data parallel both), fp32 and lean."""
+    """One rank: the same 4 steps with whole and with sharded state (data parallel both, bf16 compute copies), fp32
+    and lean state; the bytes it sends in the sharded steps."""
     torch.set_num_threads(1)
     rank, res = int(os.environ["RANK"]), {}
-    for name, opt in (("fp32", rpcompile.AdamW(lr=1e-2, weight_decay=0.1)), ("lean", LEAN)):
+    for name, opt in (("fp32", rpcompile.AdamW(lr=1e-2, weight_decay=0.1, max_grad_norm=0.5)), ("lean", LEAN)):
         for sharded in (False, True):
             with make(1, shard(batch(0), rank, WORLD), M // WORLD, optimizer=opt, dist=DistConfig(timeout_s=60),
-                      shard_state=sharded) as c:
-                for i in range(4):
-                    c.step(shard(batch(i), rank, WORLD))
+                      shard_state=sharded, dtype=torch.bfloat16) as c:
+                with Wire() as wire:
+                    for i in range(4):
+                        c.step(shard(batch(i), rank, WORLD))
+                    c._runtime.flush()
+                res[name, sharded, "wire"] = (wire.sent, c._dist.wire.total() if sharded else 0)
                 res[name, sharded] = {n: p.detach().clone() for n, p in c.model().named_parameters()}
+                res[name, "flat"] = sum(c.state.layout.flat)
                 res[name, sharded, "bytes"] = sum(t.numel() * t.element_size() for t in c.state.flat.masters) + sum(
                     t.numel() * t.element_size() for m in c.state.flat.moments for t in m.values())
     torch.save(res, f"{out}.{rank}")
 
 
+def allocated(state) -> dict:
+    """Bytes a HostState holds, by HostBytes' categories (its tensors, counted)."""
+    size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    return {"weights": size(state.blocks.values()), "masters": size(state.flat.masters), "grads": size(state.flat.grads),
+            "optimizer": size(t for m in state.flat.moments for t in m.values())}
+
+
+class Wire:
+    """Counts the bytes this process hands to torch.distributed's point-to-point sends and all-gathers."""
+
+    def __init__(self) -> None:
+        self.sent, self._isend, self._all_gather = 0, torch.distributed.isend, torch.distributed.all_gather
+
+    def __enter__(self) -> "Wire":
+        def isend(t, *a, **k):
+            self.sent += t.numel() * t.element_size()
+            return self._isend(t, *a, **k)
+
+        def all_gather(rows, t, *a, **k):
+            self.sent += (len(rows) - 1) * t.numel() * t.element_size()
+            return self._all_gather(rows, t, *a, **k)
+        torch.distributed.isend, torch.distributed.all_gather = isend, all_gather
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.distributed.isend, torch.distributed.all_gather = self._isend, self._all_gather
+
+
 def worker(out: str) -> None:
-    """One rank: 6 steps at staleness 0 and 1 with sharded state; saves weights, copies and slice sizes."""
+    """One rank: 6 steps at staleness 0 and 1 with sharded state; saves weights, copies, slice sizes and bytes."""
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     res = {}
     for st in (0, 1):
         with make(st, shard(batch(0), rank, WORLD), M // WORLD, dist=DistConfig(timeout_s=60), shard_state=True) as c:
             res[f"loss{st}"] = [c.step(shard(batch(i), rank, WORLD)) for i in range(STEPS)]
+            res[f"need{st}"], res[f"allocated{st}"] = dataclasses.asdict(c.host_bytes()), allocated(c.state)
             res[st] = {n: p.detach().clone() for n, p in c.model().named_parameters()}  # gathered: a collective
             res[f"compute{st}"] = {n: t.clone() for n, t in c.state.compute.items()}
             res[f"owned{st}"] = [hi - lo for lo, hi in c.state.flat.owned]
@@ -81,8 +117,18 @@ def test_two_processes_with_sharded_state_train_like_one_process_on_the_global_b
         with make(st, batch(0), M) as single:
             losses = [single.step(batch(i)) for i in range(STEPS)]
             want = {n: p.detach().clone() for n, p in single.model().named_parameters()}
+            whole, whole_need = allocated(single.state), single.host_bytes()
         _close(got[0][st], want)
         assert got[0][f"loss{st}"] == pytest.approx(losses, rel=1e-5)
+        for r in range(WORLD):  # host_bytes() is what the rank allocated; the parameter state follows
+            need, have = got[r][f"need{st}"], got[r][f"allocated{st}"]  # (copies + gradients) + (masters + moments)/W
+            assert {k: need[k] for k in have} == have
+            assert (need["weights"], need["grads"]) == (whole["weights"], whole["grads"]) == (whole_need.weights,
+                                                                                     whole_need.grads)
+            assert need["masters"] + need["optimizer"] <= 0.6 * (whole["masters"] + whole["optimizer"])
+        assert sum(got[r][f"need{st}"]["masters"] + got[r][f"need{st}"]["optimizer"] for r in range(WORLD)) == \
+            whole["masters"] + whole["optimizer"]
+
 
 
 def test_sharded_state_steps_the_same_bits_as_whole_state_with_each_rank_holding_half(tmp_path):
@@ -94,5 +140,11 @@ def test_sharded_state_steps_the_same_bits_as_whole_state_with_each_rank_holding
         for n, want in got[0][name, False].items():
             assert torch.equal(got[0][name, True][n], want), (name, n)
             assert torch.equal(got[1][name, True][n], want), (name, n)
+        # bytes on the wire per step, counted at torch.distributed: at most what each rank sends in today's ring
+        # all-reduce of the fp32 gradient (3/4 of it: 4 bytes a gradient element over, 2 a compute copy's back)
+        allreduce = ring_allreduce_bytes(got[0][name, "flat"], WORLD) // WORLD * 4
+        for r in range(WORLD):
+            sent, counted = got[r][name, True, "wire"]
+            assert 0 < sent == counted <= 0.76 * allreduce, (sent, counted, allreduce)
         whole, halves = got[0][name, False, "bytes"], [got[r][name, True, "bytes"] for r in range(WORLD)]
         assert sum(halves) == whole and max(halves) <= 0.6 * whole, (whole, halves)
