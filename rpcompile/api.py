@@ -368,8 +368,12 @@ class Compiled(Training):
 
         Data parallel: rank 0 writes (every rank holds the same state); the others wait for their own
         work, so after `save` returns on every rank no collective of the saved steps is outstanding.
+        With `shard_state` every rank writes its own slice (`checkpoint.shard_path`: rank r > 0 to
+        `path.shard{r}-of-{W}`); `rpcompile.load` joins them, on any number of processes.
         """
-        if self.rank == 0:
+        if self.state.shard is not None:
+            checkpoint.save(self.state_dict(), checkpoint.shard_path(path, self.rank, self.world_size))
+        elif self.rank == 0:
             checkpoint.save(self.state_dict(), path)
         else:
             self._runtime.flush()

@@ -18,7 +18,7 @@ __all__ = ["load"]
 
 
 def load(path: str, model: torch.nn.Module, *, loss_fn: Callable | None = None, dist: Any = False,
-         process_group: Any = None, timeout: float | None = None) -> Compiled:
+         process_group: Any = None, timeout: float | None = None, shard_state: bool = False) -> Compiled:
     """Load a checkpoint written by `Compiled.save` and continue training `model` from it.
 
     The checkpoint records the compile options, the example batch and the
@@ -30,7 +30,9 @@ def load(path: str, model: torch.nn.Module, *, loss_fn: Callable | None = None, 
         path: the checkpoint file.
         model: a module of the architecture the checkpoint was trained with (its weights are replaced).
         loss_fn: the run's loss_fn, if any.
-        dist, process_group: as for `compile` (every process loads the same file).
+        dist, process_group, shard_state: as for `compile` (every process loads the same file). A checkpoint of
+            sharded state (W ranks' files) loads on any number of processes, sharded or not: the slices are
+            joined (`checkpoint.load_whole`) and each rank keeps its own slice.
         timeout: as for `compile` (None: from the saved plan's costs); a checkpoint keeps none.
     Returns:
         A Compiled whose next `step` continues the saved run bit for bit.
@@ -38,10 +40,14 @@ def load(path: str, model: torch.nn.Module, *, loss_fn: Callable | None = None, 
         ValueError: the saved run does not fit this machine's host memory (the bytes by category), or
             the state does not match `model`.
     """
-    sd = checkpoint.load(path)
+    if shard_state and not dist and process_group is None:
+        raise ValueError("shard_state=True shards the host state over data-parallel processes: it needs dist=True "
+                         "(or a process_group)")
+    sd = checkpoint.load_whole(path)
     opts = Options(**{**sd["options"], "loss_fn": loss_fn, "timeout": check_timeout(timeout)})
     frozen = Frozen(**sd["frozen"]) if "frozen" in sd else None  # the saved plan, not a re-measured one
-    c = Compiled(model, opts, sd["example"], dist=dist, process_group=process_group, frozen=frozen, resume=sd)
+    c = Compiled(model, opts, sd["example"], dist=dist, process_group=process_group, frozen=frozen, resume=sd,
+                 shard_state=shard_state)
     try:
         c.load_state_dict(sd)
     except BaseException:

@@ -97,11 +97,33 @@ def worker(out: str) -> None:
     torch.save(res, f"{out}.{rank}")
 
 
-def _run(fn: str, out: str) -> list[dict]:
-    """Run `fn(out)` of this module as WORLD processes; what each rank saved."""
-    for r in launch([f"from tests.runtime.test_sharded_state import {fn}; {fn}({out!r})"] * WORLD, 240):
+def _run(fn: str, out: str, world: int = WORLD, *args) -> list[dict]:
+    """Run `fn(out, *args)` of this module as `world` processes; what each rank saved."""
+    call = f"from tests.runtime.test_sharded_state import {fn}; {fn}({out!r}, *{args!r})"
+    for r in launch([call] * world, 300):
         assert r.returncode == 0, r.stderr[-3000:]
-    return [torch.load(f"{out}.{rank}") for rank in range(WORLD)]
+    return [torch.load(f"{out}.{rank}") for rank in range(world)]
+
+
+def write_at_3(out: str, world: int) -> None:
+    """One of `world` ranks: 3 sharded steps, then a checkpoint (each rank writes its slice)."""
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    with make(1, shard(batch(0), rank, world), M // world, dist=DistConfig(timeout_s=60), shard_state=True) as c:
+        for i in range(3):
+            c.step(shard(batch(i), rank, world))
+        c.save(f"{out}.ckpt")
+    torch.save({}, f"{out}.{rank}")
+
+
+def resume_at_3(out: str, path: str, world: int) -> None:
+    """One of `world` ranks: load the checkpoint at `path` sharded over `world`, steps 4-6; the weights."""
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    with rpcompile.load(path, TinyLlama(CFG), dist=DistConfig(timeout_s=60), shard_state=True) as c:
+        for i in range(3, STEPS):
+            c.step(shard(batch(i), rank, world))
+        torch.save({n: p.detach().clone() for n, p in c.model().named_parameters()}, f"{out}.{rank}")
 
 
 def test_two_processes_with_sharded_state_train_like_one_process_on_the_global_batch(tmp_path):
@@ -148,3 +170,24 @@ def test_sharded_state_steps_the_same_bits_as_whole_state_with_each_rank_holding
             assert 0 < sent == counted <= 0.76 * allreduce, (sent, counted, allreduce)
         whole, halves = got[0][name, False, "bytes"], [got[r][name, True, "bytes"] for r in range(WORLD)]
         assert sum(halves) == whole and max(halves) <= 0.6 * whole, (whole, halves)
+
+
+def test_a_sharded_checkpoint_loads_on_one_process_and_on_another_number_of_ranks(tmp_path):
+    with make(1, batch(0), M) as single:  # the reference: 6 steps of one process on the global batch
+        for i in range(STEPS):
+            single.step(batch(i))
+        want = {n: p.detach().clone() for n, p in single.model().named_parameters()}
+    for written, resumed in ((2, 4), (4, 2)):
+        out = str(tmp_path / f"w{written}")
+        _run("write_at_3", out, written, written)
+        assert all(os.path.exists(f"{out}.ckpt" + ("" if r == 0 else f".shard{r}-of-{written}"))  # each rank's slice
+                   for r in range(written))
+        if written == 2:  # W=2 -> one process, not sharded
+            with rpcompile.load(f"{out}.ckpt", TinyLlama(CFG)) as one:
+                for i in range(3, STEPS):
+                    one.step(batch(i))
+                _close({n: p.detach().clone() for n, p in one.model().named_parameters()}, want)
+        got = _run("resume_at_3", str(tmp_path / f"r{resumed}"), resumed, f"{out}.ckpt", resumed)
+        for r in range(resumed):
+            _close(got[r], want)
+            assert all(torch.equal(got[r][n], got[0][n]) for n in got[0])
