@@ -109,6 +109,7 @@ def test_plan_prints_the_parameter_state_per_trainable_parameter_beside_the_host
         assert rc == 0 and lines[at + 1] == (
             f"parameter state: {per} B per trainable parameter (compute copy 2.0, master 4.0, gradient 4.0, "
             f"optimizer state {'8.0' if dtype == 'fp32' else '4.0'}), {dtype} moments (--state-dtype)"), out
+        assert lines[at].endswith(" needed of 512.0 GiB (rtx4090 preset): fits"), lines[at]  # one server: not "each"
         outs[dtype] = [line for i, line in enumerate(lines) if i not in (at, at + 1) and "planned in" not in line]
     longest = {d: next(k for k, line in enumerate(out) if line.startswith("max_seq_len")) for d, out in outs.items()}
     tokens = {d: int(outs[d].pop(k).split(": ")[1].split(" tokens")[0].replace(",", "")) for d, k in longest.items()}

@@ -107,11 +107,20 @@ def test_a_config_json_that_cannot_build_a_model_is_refused_naming_the_file_and_
     assert message.startswith(f"{path}: ") and words in message and "\n" not in message, message
 
 
-def test_plan_model_with_the_state_sharded_over_servers_counts_server_0s_share(tmp_path) -> None:
+def test_plan_model_with_the_state_sharded_over_servers_counts_server_0s_share(tmp_path, monkeypatch) -> None:
+    import rpcompile.models.planning as planning
+    shards = []
+
+    def checked(*args, **kw):
+        shards.append(kw["shard"])
+        return check(*args, **kw)
+    check = planning.check_host_memory
+    monkeypatch.setattr(planning, "check_host_memory", checked)
     path = config(tmp_path, "llama", model_type="llama")
     run = dict(gpus=2, hardware="rtx4090", seq=64, microbatches=2, seq_limit=False)
     whole = plan_model(path, **run)
     share = plan_model(path, **run, servers=2, shard_state=True)
+    assert shards == [None, None, (0, 2), (0, 2)]  # before and after planning: server 0's, the largest share
     state = whole.host.masters + whole.host.optimizer
     assert (share.servers, share.host.servers, share.state_whole, whole.state_whole) == (2, 2, state, state)
     assert state / 2 <= share.host.masters + share.host.optimizer < state  # server 0's: the larger share
