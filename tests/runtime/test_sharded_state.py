@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
+import time
 
 import pytest
 import torch
@@ -105,6 +107,27 @@ def _run(fn: str, out: str, world: int = WORLD, *args) -> list[dict]:
     return [torch.load(f"{out}.{rank}") for rank in range(world)]
 
 
+def die(out: str) -> None:
+    """Rank 1 dies inside its second step; rank 0 reports what its steps raised."""
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    c = make(1, shard(batch(0), rank, WORLD), M // WORLD, dist=DistConfig(timeout_s=20, average_loss=False),
+             shard_state=True)  # each rank its own loss: the first collective to fail is one of the lanes
+    c.step(shard(batch(0), rank, WORLD))
+    if rank == 1:  # dies in the fused stage's compute of iteration 1
+        fused = c._runtime.handlers[rpcompile.Op.FUSED]
+        c._runtime.handlers[rpcompile.Op.FUSED] = lambda t, ins, dev: os._exit(3) if t == 1 else fused(t, ins, dev)
+    t0, err = time.perf_counter(), None
+    try:
+        for i in range(1, 4):
+            c.step(shard(batch(i), rank, WORLD))
+        c._runtime.flush()
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        err = f"{type(exc).__name__}: {exc}"
+    torch.save({"error": err, "seconds": time.perf_counter() - t0}, f"{out}.{rank}")
+    c.close()
+
+
 def write_at_3(out: str, world: int) -> None:
     """One of `world` ranks: 3 sharded steps, then a checkpoint (each rank writes its slice)."""
     torch.set_num_threads(1)
@@ -191,3 +214,14 @@ def test_a_sharded_checkpoint_loads_on_one_process_and_on_another_number_of_rank
         for r in range(resumed):
             _close(got[r], want)
             assert all(torch.equal(got[r][n], got[0][n]) for n in got[0])
+
+
+def test_a_dead_rank_makes_the_other_fail_in_one_line_naming_the_collective_and_the_layer_group(tmp_path):
+    out = str(tmp_path / "d")
+    runs = launch([f"from tests.runtime.test_sharded_state import die; die({out!r})"] * WORLD, 120)
+    assert runs[1].returncode == 3
+    assert runs[0].returncode == 0, runs[0].stderr[-3000:]
+    res = torch.load(f"{out}.0")
+    assert res["error"] is not None, "rank 0 finished its steps although rank 1 died"
+    assert re.search(r"distributed (reduce-scatter|all-gather) of layer group \d+", res["error"]), res["error"][:2000]
+    assert res["seconds"] < 60
