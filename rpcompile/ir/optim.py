@@ -31,12 +31,13 @@ Note:
     `master_dtype=torch.bfloat16` (AdamW and SGD) keeps no fp32 master: the weight the optimizer
     updates is stored in bf16 (2 bytes per parameter instead of 4). Each step widens it, computes the
     update in float32 exactly as the fp32 mode does, and stores the new weight rounded stochastically
-    to bf16 with its own random bits (`rpcompile.runtime.host.lean.master_key`: the same hash, another
-    key), so an update below half a bf16 ulp moves the weight by one ulp with the matching
-    probability instead of rounding away. The bf16 master is a buffer of its own beside the compute
-    copy (2 more bytes): at staleness 1 the compute copy that iteration t+1 still uploads is the
-    previous version, written only by `copy(l)` once those uploads are done (rule R1), while the
-    step writes the master. With a bf16 compute dtype the copy is then the master's bits.
+    to bf16 with random bits of its own (`rpcompile.runtime.host.lean.master_bits`: from the same
+    hash as the moments', independent of each), so an update below half a bf16 ulp moves the weight
+    by one ulp with the matching probability instead of rounding away. The bf16 master is a buffer of
+    its own beside the compute copy (2 more bytes): at staleness 1 the compute copy that iteration
+    t+1 still uploads is the previous version, written only by `copy(l)` once those uploads are done
+    (rule R1), while the step writes the master. With a bf16 compute dtype the copy is then the
+    master's bits.
 
 Note:
     `grad_dtype=torch.bfloat16` (AdamW and SGD) keeps the host gradient buffers in bf16 (2 bytes per

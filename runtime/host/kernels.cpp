@@ -15,13 +15,13 @@
 //       copied: exact, the bits rounding would give, NaNs as they are); statistics of the stored values.
 //   adamw(p, g, m, v, out, out_kind, n, threads, factor, decay, w1, beta2, w2, eps, neg_step, bc2_sqrt)
 //       torch.optim.AdamW's single-tensor update of p, m, v with g * factor; out = cast(new p).
-//   adamw_lean(p, g, m, v, out, out_kind, n, threads, factor, ..., bc2_sqrt, key, mkey, offset, lean)
+//   adamw_lean(p, g, m, v, out, out_kind, n, threads, factor, ..., bc2_sqrt, key, offset, lean)
 //       the same update with bf16 m, v (lean bit 1), a bf16 master p (bit 2) and/or a bf16 gradient g (bit 4;
 //       read and widened) (runtime/host/lean.py): read and widened, the
-//       update in float32, stored rounded stochastically with the bits hash32((offset + i) mod 2^32 ^ key):
-//       low 16 for m, high 16 for v, and the low 16 of hash32((offset + i) mod 2^32 ^ mkey) for p;
-//       out = cast(the stored p).
-//   sgd(p, g, buf, out, out_kind, n, threads, factor, wd, momentum, damp, nesterov, first, neg_lr, mkey, offset,
+//       update in float32, stored rounded stochastically with the bits of r = hash32((offset + i) mod 2^32 ^ key):
+//       low 16 for m, high 16 for v, and master_bits(r) = (low 16 ^ high 16 ^ 0x8000) for p (pairwise independent
+//       of each, so one hash serves all three); out = cast(the stored p).
+//   sgd(p, g, buf, out, out_kind, n, threads, factor, wd, momentum, damp, nesterov, first, neg_lr, key, offset,
 //       p_kind, g_kind)
 //       torch.optim.SGD's update (buf = 0 for no momentum) of an fp32 or a bf16 master p (rounded as above) with
 //       an fp32 or bf16 gradient g;
@@ -113,6 +113,10 @@ void for_blocks(int64_t n, int threads, Body body) {  // body(block, lo, hi) for
 }
 
 // ---- land: write the gradient, with its statistics -------------------------------------------------
+// finite_squares: a block's sum of squares, in double, is finite exactly when every value is. A float32's square
+// is at most 2^256 and at least 2^-298 (exact in double), and a block of 2^16 of them sums to at most 2^272, far
+// from double's overflow; an inf or NaN makes the sum inf or NaN (squares are never negative: no inf - inf). So
+// the non-finite flag costs no work per element.
 template <typename S, bool ADD, bool DIV>
 void land_t(float* dst, const S* src, int64_t n, int threads, float divisor, double* sumsq, int* bad) {
     const int64_t nb = blocks(n);
@@ -123,17 +127,15 @@ void land_t(float* dst, const S* src, int64_t n, int threads, float divisor, dou
         const S* const in = src;
         const float div = divisor;
         double s = 0.0;
-        int f = 0;
-#pragma omp simd reduction(+ : s) reduction(| : f)
+#pragma omp simd reduction(+ : s)
         for (int64_t i = lo; i < hi; ++i) {
             const float y = ADD ? d[i] + to_float(in[i]) : to_float(in[i]);
             const float x = DIV ? y / div : y;  // Tensor.div_
             d[i] = x;
             s += static_cast<double>(x) * static_cast<double>(x);
-            f |= (x - x) != 0.0f;  // inf - inf and nan - nan are nan
         }
         part[b] = s;
-        nonfinite[b] = f;
+        nonfinite[b] = !std::isfinite(s);  // see finite_squares
     });
     double s = 0.0;
     int f = 0;
@@ -166,16 +168,15 @@ void land_bf16_t(bf16* dst, const S* src, int64_t n, int threads, float divisor,
             }
         }
         double s = 0.0;  // the statistics of the stored block, still in the cache (GCC does not vectorize the
-        int f = 0;       // rounding and these reductions as one loop); a copy's in the copying loop
-#pragma omp simd reduction(+ : s) reduction(| : f)
+                         // rounding and this reduction as one loop); a copy's in the copying loop
+#pragma omp simd reduction(+ : s)
         for (int64_t i = lo; i < hi; ++i) {
             if constexpr (copy) d[i] = in[i];
             const float z = to_float(d[i]);
             s += static_cast<double>(z) * static_cast<double>(z);
-            f |= (z - z) != 0.0f;
         }
         part[b] = s;
-        nonfinite[b] = f;
+        nonfinite[b] = !std::isfinite(s);  // see finite_squares
     });
     double s = 0.0;
     int f = 0;
@@ -242,16 +243,26 @@ template <typename T> inline T keep(float x, uint32_t r16);  // a lean value's s
 template <> inline float keep<float>(float x, uint32_t) { return x; }
 template <> inline bf16 keep<bf16>(float x, uint32_t r16) { return round_stochastic(x, r16); }
 
-template <typename T> inline uint32_t master_bits(uint32_t, uint32_t) { return 0; }  // fp32 master: none drawn
-template <> inline uint32_t master_bits<bf16>(uint32_t i, uint32_t mkey) { return hash32(i ^ mkey) & 0xFFFFu; }
+// A bf16 master's 16 random bits from the element's hash r (runtime/host/lean.py's master_bits): the xor of its halves
+// (which round the moments), so each pair of the three draws is independent; ^ 0x8000 maps r = 0x80008000 (every
+// draw one half: round to nearest, ties away) to one half too.
+inline uint32_t master_bits(uint32_t r) { return ((r ^ (r >> 16)) ^ 0x8000u) & 0xFFFFu; }
+template <typename P> inline uint32_t master_draw(uint32_t r) { return std::is_same<P, bf16>::value ? master_bits(r) : 0u; }
+
+}  // namespace
+#include "kernels_avx512.h"  // v512::adamw_lean: the loop below in AVX-512 intrinsics, where the CPU has them
+namespace {
 
 template <typename O, bool SCALE, typename S, typename P, typename G>
 void adamw_lean_t(P* p, const G* g, S* m, S* v, O* out, int64_t n, int threads, AdamArgs args,
-                  uint32_t key, uint32_t mkey, uint64_t offset) {
+                  uint32_t key, uint64_t offset) {
     for_blocks(n, threads, [=](int64_t, int64_t lo, int64_t hi) {
         const AdamArgs a = args;  // a local copy: the loop vectorizes (see for_blocks)
-        const uint32_t k = key, mk = mkey;
+        const uint32_t k = key;
         const uint32_t base = static_cast<uint32_t>(offset);  // the element's offset mod 2^32
+#if RP_AVX512
+        if constexpr (!std::is_same<O, f16>::value) lo = v512::adamw_lean<O, SCALE>(p, g, m, v, out, lo, hi, a, k, base);
+#endif
 #pragma omp simd
         for (int64_t i = lo; i < hi; ++i) {
             const float gi = SCALE ? to_float(g[i]) * a.factor : to_float(g[i]);
@@ -262,10 +273,11 @@ void adamw_lean_t(P* p, const G* g, S* m, S* v, O* out, int64_t n, int threads, 
             const float denom = std::sqrt(vi) / a.bc2_sqrt + a.eps;
             pi = pi + a.neg_step * mi / denom;
             const uint32_t at = base + static_cast<uint32_t>(i);
-            const uint32_t r = std::is_same<S, bf16>::value ? hash32(at ^ k) : 0u;
+            constexpr bool drawn = std::is_same<S, bf16>::value || std::is_same<P, bf16>::value;
+            const uint32_t r = drawn ? hash32(at ^ k) : 0u;
             m[i] = keep<S>(mi, r & 0xFFFFu);
             v[i] = keep<S>(vi, r >> 16);
-            const P stored = keep<P>(pi, master_bits<P>(at, mk));
+            const P stored = keep<P>(pi, master_draw<P>(r));
             p[i] = stored;
             store(out, i, to_float(stored));
         }
@@ -279,11 +291,11 @@ struct SgdArgs {
 };
 
 template <typename O, typename P, typename G>
-void sgd_t(P* p, const G* g, float* buf, O* out, int64_t n, int threads, SgdArgs args, uint32_t mkey,
+void sgd_t(P* p, const G* g, float* buf, O* out, int64_t n, int threads, SgdArgs args, uint32_t key,
            uint64_t offset) {
     for_blocks(n, threads, [=](int64_t, int64_t lo, int64_t hi) {
         const SgdArgs a = args;  // a local copy: the loop vectorizes (see for_blocks)
-        const uint32_t mk = mkey, base = static_cast<uint32_t>(offset);
+        const uint32_t k = key, base = static_cast<uint32_t>(offset);
 #pragma omp simd
         for (int64_t i = lo; i < hi; ++i) {
             float gi = a.factor != 1.0f ? to_float(g[i]) * a.factor : to_float(g[i]);
@@ -295,7 +307,8 @@ void sgd_t(P* p, const G* g, float* buf, O* out, int64_t n, int threads, SgdArgs
                 gi = a.nesterov ? std::fma(bi, a.momentum, gi) : bi;    // grad.add(buf, alpha=momentum)
             }
             pi = std::fma(gi, a.neg_lr, pi);                            // param.add_(grad, alpha=-lr)
-            const P stored = keep<P>(pi, master_bits<P>(base + static_cast<uint32_t>(i), mk));
+            const uint32_t r = std::is_same<P, bf16>::value ? hash32((base + static_cast<uint32_t>(i)) ^ k) : 0u;
+            const P stored = keep<P>(pi, master_draw<P>(r));
             p[i] = stored;
             store(out, i, to_float(stored));
         }
@@ -329,42 +342,42 @@ template <typename O> struct AdamF {
 };
 template <typename O, typename S, typename P, typename G>
 void adamw_lean_s(O* out, void* p, const void* g, void* m, void* v, int64_t n, int t, AdamArgs a, uint32_t key,
-                  uint32_t mkey, uint64_t off) {
+                  uint64_t off) {
     auto pp = static_cast<P*>(p);
     auto gg = static_cast<const G*>(g);
     auto mm = static_cast<S*>(m), vv = static_cast<S*>(v);
-    a.factor != 1.0f ? adamw_lean_t<O, true, S, P, G>(pp, gg, mm, vv, out, n, t, a, key, mkey, off)
-                     : adamw_lean_t<O, false, S, P, G>(pp, gg, mm, vv, out, n, t, a, key, mkey, off);
+    a.factor != 1.0f ? adamw_lean_t<O, true, S, P, G>(pp, gg, mm, vv, out, n, t, a, key, off)
+                     : adamw_lean_t<O, false, S, P, G>(pp, gg, mm, vv, out, n, t, a, key, off);
 }
 template <typename O, typename S, typename P>
 void adamw_lean_g(O* out, void* p, const void* g, void* m, void* v, int64_t n, int t, AdamArgs a, uint32_t key,
-                  uint32_t mkey, uint64_t off, bool bf16_grad) {
-    bf16_grad ? adamw_lean_s<O, S, P, bf16>(out, p, g, m, v, n, t, a, key, mkey, off)
-              : adamw_lean_s<O, S, P, float>(out, p, g, m, v, n, t, a, key, mkey, off);
+                  uint64_t off, bool bf16_grad) {
+    bf16_grad ? adamw_lean_s<O, S, P, bf16>(out, p, g, m, v, n, t, a, key, off)
+              : adamw_lean_s<O, S, P, float>(out, p, g, m, v, n, t, a, key, off);
 }
 template <typename O> struct AdamLeanF {  // lean: bits 1 bf16 moments, 2 a bf16 master, 4 a bf16 gradient (1..7)
     static void run(O* out, void* p, const void* g, void* m, void* v, int64_t n, int t, AdamArgs a, uint32_t key,
-                    uint32_t mkey, uint64_t off, int lean) {
+                    uint64_t off, int lean) {
         const bool bg = lean & 4;
         switch (lean & 3) {
-            case 0: adamw_lean_g<O, float, float>(out, p, g, m, v, n, t, a, key, mkey, off, bg); break;
-            case 1: adamw_lean_g<O, bf16, float>(out, p, g, m, v, n, t, a, key, mkey, off, bg); break;
-            case 2: adamw_lean_g<O, float, bf16>(out, p, g, m, v, n, t, a, key, mkey, off, bg); break;
-            default: adamw_lean_g<O, bf16, bf16>(out, p, g, m, v, n, t, a, key, mkey, off, bg); break;
+            case 0: adamw_lean_g<O, float, float>(out, p, g, m, v, n, t, a, key, off, bg); break;
+            case 1: adamw_lean_g<O, bf16, float>(out, p, g, m, v, n, t, a, key, off, bg); break;
+            case 2: adamw_lean_g<O, float, bf16>(out, p, g, m, v, n, t, a, key, off, bg); break;
+            default: adamw_lean_g<O, bf16, bf16>(out, p, g, m, v, n, t, a, key, off, bg); break;
         }
     }
 };
 template <typename O, typename P>
-void sgd_g(O* out, void* p, const void* g, float* buf, int64_t n, int t, SgdArgs a, uint32_t mkey, uint64_t off,
+void sgd_g(O* out, void* p, const void* g, float* buf, int64_t n, int t, SgdArgs a, uint32_t key, uint64_t off,
            bool bf16_grad) {
-    bf16_grad ? sgd_t<O, P, bf16>(static_cast<P*>(p), static_cast<const bf16*>(g), buf, out, n, t, a, mkey, off)
-              : sgd_t<O, P, float>(static_cast<P*>(p), static_cast<const float*>(g), buf, out, n, t, a, mkey, off);
+    bf16_grad ? sgd_t<O, P, bf16>(static_cast<P*>(p), static_cast<const bf16*>(g), buf, out, n, t, a, key, off)
+              : sgd_t<O, P, float>(static_cast<P*>(p), static_cast<const float*>(g), buf, out, n, t, a, key, off);
 }
 template <typename O> struct SgdF {
-    static void run(O* out, void* p, const void* g, float* buf, int64_t n, int t, SgdArgs a, uint32_t mkey,
+    static void run(O* out, void* p, const void* g, float* buf, int64_t n, int t, SgdArgs a, uint32_t key,
                     uint64_t off, bool bf16_master, bool bf16_grad) {
-        bf16_master ? sgd_g<O, bf16>(out, p, g, buf, n, t, a, mkey, off, bf16_grad)
-                    : sgd_g<O, float>(out, p, g, buf, n, t, a, mkey, off, bf16_grad);
+        bf16_master ? sgd_g<O, bf16>(out, p, g, buf, n, t, a, key, off, bf16_grad)
+                    : sgd_g<O, float>(out, p, g, buf, n, t, a, key, off, bf16_grad);
     }
 };
 template <typename O> struct CastF {
@@ -450,12 +463,12 @@ PyObject* adamw(PyObject*, PyObject* args) {
 
 PyObject* adamw_lean(PyObject*, PyObject* args) {
     unsigned long long p, g, m, v, out, offset;
-    unsigned int key, mkey;
+    unsigned int key;
     int kind, threads, lean;
     long long n;
     double factor, decay, w1, beta2, w2, eps, neg_step, bc2_sqrt;
-    if (!PyArg_ParseTuple(args, "KKKKKiLiddddddddIIKi", &p, &g, &m, &v, &out, &kind, &n, &threads, &factor, &decay,
-                          &w1, &beta2, &w2, &eps, &neg_step, &bc2_sqrt, &key, &mkey, &offset, &lean))
+    if (!PyArg_ParseTuple(args, "KKKKKiLiddddddddIKi", &p, &g, &m, &v, &out, &kind, &n, &threads, &factor, &decay,
+                          &w1, &beta2, &w2, &eps, &neg_step, &bc2_sqrt, &key, &offset, &lean))
         return nullptr;
     if (lean < 1 || lean > 7) {
         PyErr_Format(PyExc_ValueError, "adamw_lean: unknown lean mode %d", lean);
@@ -465,23 +478,23 @@ PyObject* adamw_lean(PyObject*, PyObject* args) {
                float(bc2_sqrt)};
     return released<AdamLeanF>(kind, out, reinterpret_cast<void*>(p), reinterpret_cast<const void*>(g),
                                reinterpret_cast<void*>(m), reinterpret_cast<void*>(v), int64_t(n), threads, a,
-                               uint32_t(key), uint32_t(mkey), uint64_t(offset), lean);
+                               uint32_t(key), uint64_t(offset), lean);
 }
 
 PyObject* sgd(PyObject*, PyObject* args) {
     unsigned long long p, g, buf, out, offset;
-    unsigned int mkey;
+    unsigned int key;
     int kind, threads, nesterov, first, has_momentum, bf16_master, bf16_grad;
     long long n;
     double factor, wd, momentum, damp, neg_lr;
     if (!PyArg_ParseTuple(args, "KKKKiLidddddpppIKpp", &p, &g, &buf, &out, &kind, &n, &threads, &factor, &wd,
-                          &momentum, &damp, &neg_lr, &nesterov, &first, &has_momentum, &mkey, &offset, &bf16_master,
+                          &momentum, &damp, &neg_lr, &nesterov, &first, &has_momentum, &key, &offset, &bf16_master,
                           &bf16_grad))
         return nullptr;
     SgdArgs a{float(factor), float(wd), float(momentum), float(damp), float(neg_lr), bool(nesterov), bool(first),
               bool(has_momentum)};
     return released<SgdF>(kind, out, reinterpret_cast<void*>(p), reinterpret_cast<const void*>(g),
-                          reinterpret_cast<float*>(buf), int64_t(n), threads, a, uint32_t(mkey), uint64_t(offset),
+                          reinterpret_cast<float*>(buf), int64_t(n), threads, a, uint32_t(key), uint64_t(offset),
                           bool(bf16_master), bool(bf16_grad));
 }
 
@@ -500,9 +513,9 @@ PyMethodDef methods[] = {
     {"adamw", adamw, METH_VARARGS, "adamw(p, g, m, v, out, kind, n, threads, factor, decay, w1, beta2, w2, eps, "
                                    "neg_step, bc2_sqrt)"},
     {"adamw_lean", adamw_lean, METH_VARARGS, "adamw_lean(p, g, m, v, out, kind, n, threads, factor, decay, w1, "
-                                             "beta2, w2, eps, neg_step, bc2_sqrt, key, mkey, offset, lean)"},
+                                             "beta2, w2, eps, neg_step, bc2_sqrt, key, offset, lean)"},
     {"sgd", sgd, METH_VARARGS, "sgd(p, g, buf, out, kind, n, threads, factor, wd, momentum, damp, neg_lr, "
-                               "nesterov, first, has_momentum, mkey, offset, bf16_master, bf16_grad)"},
+                               "nesterov, first, has_momentum, key, offset, bf16_master, bf16_grad)"},
     {"cast", cast, METH_VARARGS, "cast(src, out, kind, n, threads)"},
     {nullptr, nullptr, 0, nullptr}};
 

@@ -35,11 +35,12 @@ import torch
 from torch import Tensor
 
 from rpcompile.ir.cache import build_once, cache_dir
-from rpcompile.runtime.host.lean import M32, master_key
+from rpcompile.runtime.host.lean import M32
 
 __all__ = ["Kernels", "load_kernels", "cache_dir", "optimizer_rate", "KINDS"]
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.cpp")
+HEADERS = (os.path.join(os.path.dirname(SOURCE), "kernels_avx512.h"),)  # what SOURCE includes: part of the build's key
 # C++ compile flags. -mprefer-vector-width=512: GCC defaults to 256-bit vectors even where AVX-512 exists; the
 # wider ones made the whole host side 5% faster on this machine's Xeon (98.8 -> 93 ms, bench/optimizer.py,
 # 1 thread) and change nothing on a CPU without AVX-512. -ffp-contract=off: eager's float operations, no FMA
@@ -106,7 +107,7 @@ class Kernels:
         if not lean:
             self.module.adamw(*args, *scalars)
         else:  # lean mode bits: 1 bf16 moments, 2 a bf16 master, 4 a bf16 gradient
-            self.module.adamw_lean(*args, *scalars, key & M32, master_key(key), offset, lean)
+            self.module.adamw_lean(*args, *scalars, key & M32, offset, lean)
 
     def sgd(self, p: Tensor, g: Tensor, buf: Tensor | None, out: Tensor | None, *, factor: float, lr: float,
             momentum: float, weight_decay: float, nesterov: bool, first: bool, key: int = 0, offset: int = 0) -> None:
@@ -124,7 +125,7 @@ class Kernels:
             _check("sgd", out, out.dtype, p.numel())
         self.module.sgd(p.data_ptr(), g.data_ptr(), _ptr(buf), _ptr(out), _kind(out), p.numel(), _threads(),
                         factor, weight_decay, momentum, 1.0, -lr, nesterov, first, buf is not None,
-                        master_key(key), offset, master == torch.bfloat16, g.dtype == torch.bfloat16)
+                        key & M32, offset, master == torch.bfloat16, g.dtype == torch.bfloat16)
 
     def cast(self, src: Tensor, out: Tensor) -> None:
         """out = src.to(out.dtype) (fp32 src; fp32, bf16 or fp16 out; round to nearest even), in one pass."""
@@ -172,10 +173,14 @@ def _cpu_flags() -> str:
 
 
 def module_name() -> str:
-    """The extension's name: a digest of the source, flags, CPU flags, compiler and versions."""
-    with open(SOURCE, "rb") as f:
-        key = [f.read(), repr(FLAGS).encode(), _cpu_flags().encode(), torch.__version__.encode(),
-               sys.version.encode(), (os.environ.get("CXX") or "c++").encode(), sysconfig.get_platform().encode()]
+    """The extension's name: a digest of the source and the headers it includes, flags, CPU flags, compiler and
+    versions."""
+    key = []
+    for path in (SOURCE, *HEADERS):
+        with open(path, "rb") as f:
+            key.append(f.read())
+    key += [repr(FLAGS).encode(), _cpu_flags().encode(), torch.__version__.encode(), sys.version.encode(),
+            (os.environ.get("CXX") or "c++").encode(), sysconfig.get_platform().encode()]
     return "rpcompile_host_kernels_" + hashlib.sha256(b"\0".join(key)).hexdigest()[:16]
 
 

@@ -12,9 +12,13 @@ The random bits are a counter-based hash, so any implementation and any thread c
 
 - `rounding_key(seed, group, step)`: one 32-bit key per (run seed, layer group, 1-based step count);
 - element i of the group's flat buffers (its offset in them, modulo 2**32) takes
-  `hash32(i ^ key)`: the low 16 bits round `exp_avg`, the high 16 `exp_avg_sq`;
-- a bf16 master rounds the new weight (computed in float32 from the widened bf16 one) with the low
-  16 bits of `hash32(i ^ master_key(key))`, bits of their own.
+  `r = hash32(i ^ key)`: the low 16 bits round `exp_avg`, the high 16 `exp_avg_sq`;
+- a bf16 master rounds the new weight (computed in float32 from the widened bf16 one) with
+  `master_bits(r)`: the xor of r's two halves, and of 0x8000. Any two of the three draws are
+  independent and uniform (the halves of a uniform r are; their xor is independent of each), which is
+  all each rounding's mean and any two roundings' covariance depend on; one hash serves all three,
+  which keeps the kernels' update as fast as the bytes it moves. The 0x8000 makes an r of 0x80008000
+  (every draw one half: round to nearest, ties away) one half for the master too.
 
 - a bf16 gradient (`grad_dtype=torch.bfloat16`) is stored with the low 16 bits of `hash32(i ^ k)`,
   `k = grad_key(seed, group, iteration, write)`: a key of its own per layer group, iteration (0-based) and
@@ -41,12 +45,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["hash32", "rounding_key", "master_key", "grad_key", "random_bits", "stochastic_round", "sqrt_rn",
+__all__ = ["hash32", "rounding_key", "master_bits", "grad_key", "random_bits", "stochastic_round", "sqrt_rn",
            "TorchLean", "M32", "land"]
 
 M32 = 0xFFFFFFFF  # 32-bit mask
 _C1, _C2 = 0x7FEB352D, 0x846CA68B  # lowbias32's multipliers
-MASTER_SALT = 0x9E3779B9  # master_key's constant (2**32 / the golden ratio)
 GRAD_SALT = 0x85EBCA77  # grad_key's constant (a prime of xxHash32), apart from every update's keys
 CHUNK = 1 << 20  # elements per torch pass of the fallback (bounds its float32 temporaries)
 
@@ -76,13 +79,13 @@ def rounding_key(seed: int, group: int, step: int) -> int:
     return hash32(k ^ (step & M32))
 
 
-def master_key(key: int) -> int:
-    """The key of a bf16 master's rounding in the update keyed `key` (`hash32(key ^ 0x9E3779B9)`).
+def master_bits(r: Tensor) -> Tensor:
+    """A bf16 master's 16 random bits from its element's `random_bits` r (int64): `(r ^ r >> 16 ^ 0x8000) & 0xFFFF`.
 
-    >>> master_key(rounding_key(0, 3, 1)) != rounding_key(0, 3, 1)
+    >>> master_bits(torch.tensor([0x80008000, 0x12345678])).tolist() == [0x8000, 0x1234 ^ 0x5678 ^ 0x8000]
     True
     """
-    return hash32(key ^ MASTER_SALT)
+    return (r ^ (r >> 16) ^ 0x8000) & 0xFFFF
 
 
 def grad_key(seed: int, group: int, iteration: int, write: int) -> int:
@@ -167,7 +170,7 @@ class TorchLean:
         """
         b1, b2 = betas
         bc1, bc2 = 1 - b1 ** step, 1 - b2 ** step
-        lean_m, lean_p, mkey = m.dtype == torch.bfloat16, p.dtype == torch.bfloat16, master_key(key)
+        lean_m, lean_p = m.dtype == torch.bfloat16, p.dtype == torch.bfloat16
         for lo in range(0, p.numel(), CHUNK):  # torch.optim.AdamW's single-tensor operations, in its order
             hi = min(lo + CHUNK, p.numel())
             gi = g[lo:hi].float() * factor if factor != 1.0 else g[lo:hi].float()
@@ -177,9 +180,9 @@ class TorchLean:
             mi.lerp_(gi, 1 - b1)
             vi.mul_(b2).addcmul_(gi, gi, value=1 - b2)
             pi.addcdiv_(mi, (sqrt_rn(vi) / bc2 ** 0.5).add_(eps), value=-(lr / bc1))
-            _store(p, pi, lo, hi, offset, mkey, out)
+            r = random_bits(offset + lo, hi - lo, key) if lean_m or lean_p else None
+            _store(p, pi, lo, hi, r, out)
             if lean_m:
-                r = random_bits(offset + lo, hi - lo, key)
                 m[lo:hi] = stochastic_round(mi, r & 0xFFFF)
                 v[lo:hi] = stochastic_round(vi, r >> 16)
 
@@ -191,7 +194,6 @@ class TorchLean:
 
         `first`: the buffer's first step (it becomes the gradient, as torch's clone).
         """
-        mkey = master_key(key)
         for lo in range(0, p.numel(), CHUNK):
             hi = min(lo + CHUNK, p.numel())
             gi = g[lo:hi].float() * factor if factor != 1.0 else g[lo:hi].float()
@@ -203,13 +205,14 @@ class TorchLean:
                 b.copy_(gi) if first else b.mul_(momentum).add_(gi)  # buf.mul_(momentum).add_(grad)
                 gi = gi.add(b, alpha=momentum) if nesterov else b
             pi.add_(gi, alpha=-lr)
-            _store(p, pi, lo, hi, offset, mkey, out)
+            _store(p, pi, lo, hi, random_bits(offset + lo, hi - lo, key) if p.dtype == torch.bfloat16 else None, out)
 
 
-def _store(p: Tensor, pi: Tensor, lo: int, hi: int, offset: int, mkey: int, out: Tensor | None) -> None:
+def _store(p: Tensor, pi: Tensor, lo: int, hi: int, r: Tensor | None, out: Tensor | None) -> None:
     """The new weight `pi` (float32) into p[lo:hi]: as is (fp32 p, then pi is p's view) or rounded stochastically
-    with the bits of `mkey` (bf16 p); out[lo:hi] (if given) = cast(the stored weight)."""
+    with `master_bits(r)` (bf16 p; r: the elements' `random_bits`); out[lo:hi] (if given) = cast(the stored
+    weight)."""
     if p.dtype == torch.bfloat16:
-        p[lo:hi] = stochastic_round(pi, random_bits(offset + lo, hi - lo, mkey) & 0xFFFF)
+        p[lo:hi] = stochastic_round(pi, master_bits(r))
     if out is not None:
         out[lo:hi] = p[lo:hi].to(out.dtype)

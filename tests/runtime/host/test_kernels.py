@@ -1,9 +1,12 @@
 """The host optimizer's C++ kernels and HostState's memory-speed path, against eager torch."""
 from __future__ import annotations
 
+import fnmatch
 import os
+import re
 import subprocess
 import sys
+import tomllib
 import warnings
 
 import pytest
@@ -323,6 +326,23 @@ def test_hardware_measure_times_the_optimizer_it_is_given():
     hw = Hardware.measure("cpu", budget_s=0.3, optimizer_rate=lambda budget: calls.append(budget) or 1.25e9)
     assert hw.optimizer_bytes_per_s == 1.25e9 and len(calls) == 1 and 0 < calls[0] <= 0.3
     assert kmod.optimizer_rate(0.05, elements=2 ** 16) > 1e6  # the kernels' AdamW: fp32 master bytes/s
+
+
+def test_the_build_key_covers_every_header_the_source_includes_and_they_ship(monkeypatch, tmp_path):
+    # an edited header must build anew (the name keys it), and an installed package must carry it
+    with open(kmod.SOURCE) as f:
+        included = re.findall(r'^#include "([^"]+)"', f.read(), flags=re.M)
+    assert sorted(included) == sorted(os.path.basename(h) for h in kmod.HEADERS) and included
+    root = os.path.dirname(os.path.dirname(os.path.dirname(kmod.SOURCE)))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        shipped = tomllib.load(f)["tool"]["setuptools"]["package-data"]["rpcompile.runtime.host"]
+    assert all(any(fnmatch.fnmatch(os.path.basename(h), pat) for pat in shipped) for h in kmod.HEADERS), shipped
+    header = tmp_path / "kernels_avx512.h"
+    header.write_text("// one")
+    monkeypatch.setattr(kmod, "HEADERS", (str(header),))
+    before = kmod.module_name()
+    header.write_text("// two")
+    assert kmod.module_name() != before
 
 
 LOAD = ("import sys, torch; from rpcompile.runtime.host import kernels; k = kernels.load_kernels(); "

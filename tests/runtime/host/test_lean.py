@@ -105,6 +105,36 @@ def test_the_torch_fallback_takes_the_kernels_rounding_decisions():
     assert close(p, q)
 
 
+@needs_kernels
+@pytest.mark.parametrize("lean", [dict(m=BF16), dict(p=BF16), dict(m=BF16, p=BF16, g=BF16)], ids=str)
+@pytest.mark.parametrize("out_dtype", [None, torch.float32, BF16])
+def test_the_kernels_keep_nan_and_inf_as_the_fallback_does_in_vector_bodies_and_tails(lean, out_dtype):
+    # non-finite gradients scattered over 32-wide vector steps and the scalar tail of the last block: the stored bf16
+    # values are the fallback's bits (a NaN 0x7FC0, an inf an inf), the fp32 ones non-finite at the same places
+    n = 65_536 + 77  # a block of vector steps, then one with a 13-element scalar tail
+    p, g, m, v = start(n, seed=5)
+    g[::97] = float("nan")
+    g[5::89] = float("inf")
+    g[-3:] = torch.tensor([float("nan"), -float("inf"), 3e38])
+    p[3::101] = float("inf")  # an inf weight with a finite update stays inf
+    p, g = p.to(lean.get("p", torch.float32)), g.to(lean.get("g", torch.float32))
+    m, v = m.to(lean.get("m", torch.float32)), v.to(lean.get("m", torch.float32))
+    q, mm, vv = p.clone(), m.clone(), v.clone()
+    o1, o2 = ((torch.empty(n, dtype=out_dtype), torch.empty(n, dtype=out_dtype)) if out_dtype else (None, None))
+    kw = dict(factor=0.5, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, step=3, key=12345, offset=7)
+    K.adamw(p, g, m, v, o1, **kw)
+    TorchLean().adamw(q, g, mm, vv, o2, **kw)
+    for a, b in ((p, q), (m, mm), (v, vv), (o1, o2)):
+        if a is None:
+            continue
+        assert a.isnan().any() and a.isinf().any()
+        if a.dtype == BF16 and a is not o1:
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+        else:  # a float32 NaN's bits (sign, payload) are the arithmetic's, a cast NaN's the cast's (torch's vectorised
+            # cast to bf16 writes 0xFFFF, its scalar one and the kernels 0x7FC0): NaN where the fallback has NaN
+            assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a[~a.isnan()], b[~b.isnan()])
+
+
 def test_stochastic_rounding_lets_the_second_moment_decay_where_round_to_nearest_freezes_it():
     # beta2 = 0.999 changes v by 0.1% a step, under half a bf16 ulp (0.2%): to nearest it never moves
     n, steps = 20_000, 100

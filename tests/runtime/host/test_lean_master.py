@@ -16,15 +16,25 @@ from tests.runtime.host.test_lean import (BF16, IMPLS, SHAPES, K, close, needs_k
                                           ref_round, run_steps, start)
 
 
-def ref_master_key(key: int) -> int:
-    """The master's key as documented: hash32(key ^ 0x9E3779B9)."""
-    return int(ref_hash(np.array([(key ^ 0x9E3779B9) & 0xFFFFFFFF], dtype=np.uint64))[0])
-
-
 def ref_master_round(p: torch.Tensor, key: int, offset: int) -> torch.Tensor:
-    """float32 weights to a bf16 master with the low 16 bits of hash32(element ^ master key)."""
-    r = ref_hash(np.arange(offset, offset + p.numel(), dtype=np.uint64) & 0xFFFFFFFF ^ ref_master_key(key))
-    return ref_round(p, r & np.uint32(0xFFFF))
+    """float32 weights to a bf16 master as documented: r = hash32(element ^ key) (the moments' bits), the master's
+    16 bits the xor of r's halves and of 0x8000."""
+    r = ref_hash(np.arange(offset, offset + p.numel(), dtype=np.uint64) & 0xFFFFFFFF ^ key)
+    return ref_round(p, (r ^ (r >> np.uint32(16)) ^ np.uint32(0x8000)) & np.uint32(0xFFFF))
+
+
+def test_an_elements_three_draws_are_uniform_and_pairwise_independent():
+    # exp_avg, exp_avg_sq and a bf16 master share one hash per element: each draw uniform, any two independent (what
+    # each rounding's mean and two roundings' covariance depend on); counted over 2**20 elements of one step
+    r = lean_mod.random_bits(2**32 - 1000, 2**20, rounding_key(3, 1, 7))
+    draws = {"m": r & 0xFFFF, "v": r >> 16, "p": lean_mod.master_bits(r)}
+    n = r.numel()
+    for name, d in draws.items():
+        quarters = torch.bincount(d >> 14, minlength=4).double() / n
+        assert (quarters - 0.25).abs().max() < 0.004, (name, quarters)  # about 8 standard deviations
+    for a, b in (("m", "v"), ("m", "p"), ("v", "p")):
+        joint = torch.bincount((draws[a] >> 14) * 4 + (draws[b] >> 14), minlength=16).double() / n
+        assert (joint - 1 / 16).abs().max() < 0.002, (a, b, joint)  # each pair of quarters 1/16: no dependence
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -34,12 +44,13 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("state", [torch.float32, BF16])
-def test_bf16_master_step_matches_the_float32_reference_rounded_stochastically(impl, state):
+@pytest.mark.parametrize("out_dtype", [torch.float16, BF16])  # the kernels' scalar loop, their AVX-512 one
+def test_bf16_master_step_matches_the_float32_reference_rounded_stochastically(impl, state, out_dtype):
     n, offset = 100_003, 2**32 - 50_000
     p, g, m, v = start(n, seed=2)
     p, m, v = p.to(BF16), m.to(state), v.to(state)
     rp, rm, rv = p.clone(), m.clone(), v.clone()
-    out = torch.empty(n, dtype=torch.float16)
+    out = torch.empty(n, dtype=out_dtype)
     run = (K if impl == "kernel" else TorchLean()).adamw
     for step in (1, 2, 3):
         kw = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, step=step, factor=0.5)
@@ -53,7 +64,7 @@ def test_bf16_master_step_matches_the_float32_reference_rounded_stochastically(i
         else:  # fp32 moments: the float32 values as they are
             rm, rv = rm.lerp(g * 0.5, 0.1), rv * 0.999 + (1 - 0.999) * (g * 0.5) * (g * 0.5)
         assert p.dtype == BF16 and torch.equal(bits(p), bits(rp)), step
-        assert torch.equal(out, p.to(torch.float16))  # the compute copy is cast from the stored bf16 weight
+        assert torch.equal(out, p.to(out_dtype))  # the compute copy is cast from the stored bf16 weight
         if state == BF16:
             assert torch.equal(bits(m), bits(rm)) and torch.equal(bits(v), bits(rv))
         else:

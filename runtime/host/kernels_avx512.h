@@ -1,0 +1,131 @@
+// The lean AdamW update (kernels.cpp's adamw_lean) in AVX-512 intrinsics, 32 elements a step.
+//
+// Included by kernels.cpp at file scope, after its scalar helpers. GCC vectorises the scalar loop too, but not well
+// for 16-bit buffers: it loads each one twice, narrows with two cross-lane moves where one permute packs 32 values,
+// recomputes a bf16 master's bf16 copy through a float round trip, and tests NaN with integer compares. On one
+// core that made the lean update compute-bound (the divides, a hash and three roundings per element), no faster
+// than the fp32 one that moves twice the bytes. Each operation here is the scalar loop's (the same IEEE float32
+// operations in the same order, FMA where it has std::fma, the same integer hash and rounding), so the bits are
+// the scalar loop's, which does the tail of a block (fewer than 32 left) and everything on a CPU without
+// AVX-512 (F and BW).
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+namespace v512 {
+
+using V = __m512;
+using I = __m512i;
+
+inline V load(const float* x) { return _mm512_loadu_ps(x); }
+inline V load(const bf16* x) {  // bf16 -> float32: the bits shifted up
+    const I w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+inline I hash32(I x) {  // lowbias32, lane by lane (the scalar hash32)
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7FEB352D));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x846CA68Bu)));
+    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+
+inline I round_stochastic(V x, I r16) {  // the scalar round_stochastic; the bf16 bits in the high 16 of each lane
+    const __mmask16 number = _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q);  // NaN lanes: 0x7FC0
+    return _mm512_mask_add_epi32(_mm512_set1_epi32(0x7FC00000), number, _mm512_castps_si512(x), r16);
+}
+
+inline I round_nearest(V x) {  // from_float<bf16> (c10's round to nearest even; NaN -> 0x7FC0), in the high 16
+    const I u = _mm512_castps_si512(x);
+    const I lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __mmask16 number = _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q);
+    return _mm512_mask_add_epi32(_mm512_set1_epi32(0x7FC00000), number, u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+}
+
+// The bits a lean value is stored with: bf16 rounded stochastically (the high 16 bits of each lane; the low 16
+// are left over from the rounding), fp32 as is.
+template <typename T> inline I keep(V x, I r16) {
+    return std::is_same<T, bf16>::value ? round_stochastic(x, r16) : _mm512_castps_si512(x);
+}
+// 32 values into dst[i, i + 32): two vectors of bits from `keep` (bf16: their high halves, packed in order)
+inline void put(float* dst, int64_t i, I a, I b) {
+    _mm512_storeu_si512(dst + i, a);
+    _mm512_storeu_si512(dst + i + 16, b);
+}
+inline void put(bf16* dst, int64_t i, I a, I b) {  // one cross-lane permute for 32 values (vpmovdw: two, slower)
+    const I odd = _mm512_setr_epi32(0x30001, 0x70005, 0xB0009, 0xF000D, 0x130011, 0x170015, 0x1B0019, 0x1F001D,
+                                    0x230021, 0x270025, 0x2B0029, 0x2F002D, 0x330031, 0x370035, 0x3B0039, 0x3F003D);
+    _mm512_storeu_si512(dst + i, _mm512_permutex2var_epi16(a, odd, b));
+}
+inline void put(NoOut*, int64_t, I, I) {}
+
+// The compute copy's bits from the stored master's (`keep`'s) for an output of type O.
+template <typename O, typename P> inline I copy_bits(I stored) {
+    if (std::is_same<P, bf16>::value) {  // a bf16 master's bits are its bf16 copy's; widened for float32
+        return std::is_same<O, float>::value ? _mm512_and_si512(stored, _mm512_set1_epi32(~0xFFFF)) : stored;
+    }
+    return std::is_same<O, bf16>::value ? round_nearest(_mm512_castsi512_ps(stored)) : stored;
+}
+
+struct Consts {  // AdamArgs broadcast, and the keys
+    V factor, decay, w1, beta2, w2, eps, neg_step, bc2_sqrt;
+    I key;
+};
+struct Bits {  // one element's stored values, 16 lanes
+    I m, v, p;
+};
+
+// 16 elements from i, at their offsets `at` (mod 2^32): the scalar loop's update, the bits to store.
+template <bool SCALE, typename S, typename P, typename G>
+inline Bits update(const P* p, const G* g, const S* m, const S* v, int64_t i, I at, const Consts& c) {
+    V gi = load(g + i);
+    if (SCALE) gi = _mm512_mul_ps(gi, c.factor);
+    const V m0 = load(m + i), v0 = load(v + i);
+    V pi = _mm512_mul_ps(load(p + i), c.decay);
+    const V mi = _mm512_fmadd_ps(c.w1, _mm512_sub_ps(gi, m0), m0);
+    const V vi = _mm512_fmadd_ps(_mm512_mul_ps(c.w2, gi), gi, _mm512_mul_ps(v0, c.beta2));
+    const V denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), c.bc2_sqrt), c.eps);
+    pi = _mm512_add_ps(pi, _mm512_div_ps(_mm512_mul_ps(c.neg_step, mi), denom));
+    const I low16 = _mm512_set1_epi32(0xFFFF);
+    I r = _mm512_setzero_si512(), high = r, rp = r;
+    if (std::is_same<S, bf16>::value || std::is_same<P, bf16>::value) {
+        r = hash32(_mm512_xor_si512(at, c.key));
+        high = _mm512_srli_epi32(r, 16);
+    }
+    if (std::is_same<P, bf16>::value) {  // master_bits: (r ^ high ^ 0x8000) & 0xFFFF, the xor and the mask as one
+        rp = _mm512_ternarylogic_epi32(_mm512_xor_si512(r, high), _mm512_set1_epi32(0x8000), low16, 0x28);
+    }
+    return Bits{keep<S>(mi, _mm512_and_si512(r, low16)), keep<S>(vi, high), keep<P>(pi, rp)};
+}
+
+// adamw_lean_t's loop over [lo, hi) in steps of 32; returns where it stopped (the scalar loop does the rest).
+// O: no output, float32 or bf16 (fp16 copies take the scalar loop).
+template <typename O, bool SCALE, typename S, typename P, typename G>
+int64_t adamw_lean(P* p, const G* g, S* m, S* v, O* o, int64_t lo, int64_t hi, const AdamArgs& a, uint32_t key,
+                   uint32_t base) {
+    const Consts c{_mm512_set1_ps(a.factor), _mm512_set1_ps(a.decay), _mm512_set1_ps(a.w1),
+                   _mm512_set1_ps(a.beta2), _mm512_set1_ps(a.w2), _mm512_set1_ps(a.eps),
+                   _mm512_set1_ps(a.neg_step), _mm512_set1_ps(a.bc2_sqrt),
+                   _mm512_set1_epi32(static_cast<int>(key))};
+    const I sixteen = _mm512_set1_epi32(16);
+    I at = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(base + static_cast<uint32_t>(lo))),
+                            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    int64_t i = lo;
+    for (; i + 32 <= hi; i += 32) {
+        const Bits x = update<SCALE>(p, g, m, v, i, at, c);
+        at = _mm512_add_epi32(at, sixteen);
+        const Bits y = update<SCALE>(p, g, m, v, i + 16, at, c);
+        at = _mm512_add_epi32(at, sixteen);
+        put(m, i, x.m, y.m);
+        put(v, i, x.v, y.v);
+        put(p, i, x.p, y.p);
+        put(o, i, copy_bits<O, P>(x.p), copy_bits<O, P>(y.p));
+    }
+    return i;
+}
+
+}  // namespace v512
+#define RP_AVX512 1
+#else
+#define RP_AVX512 0
+#endif
