@@ -30,22 +30,26 @@ inline I hash32(I x) {  // lowbias32, lane by lane (the scalar hash32)
     return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
 }
 
-inline I round_stochastic(V x, I r16) {  // the scalar round_stochastic; the bf16 bits in the high 16 of each lane
-    const __mmask16 number = _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q);  // NaN lanes: 0x7FC0
-    return _mm512_mask_add_epi32(_mm512_set1_epi32(0x7FC00000), number, _mm512_castps_si512(x), r16);
+// The roundings, NaN lanes to 0x7FC0 (CHECKED) or, where the caller has seen no NaN, without that test (a float
+// compare and a merge: a sixth of the work per value, and one test covers an element's three values).
+template <bool CHECKED> inline I with_nan(V x, I sum_of, I addend) {  // the sum's bits, NaN lanes 0x7FC0 << 16
+    if (!CHECKED) return _mm512_add_epi32(sum_of, addend);
+    const __mmask16 number = _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q);
+    return _mm512_mask_add_epi32(_mm512_set1_epi32(0x7FC00000), number, sum_of, addend);
 }
-
-inline I round_nearest(V x) {  // from_float<bf16> (c10's round to nearest even; NaN -> 0x7FC0), in the high 16
+template <bool CHECKED> inline I round_stochastic(V x, I r16) {  // the scalar round_stochastic, bf16 bits in the
+    return with_nan<CHECKED>(x, _mm512_castps_si512(x), r16);   // high 16 of each lane
+}
+template <bool CHECKED> inline I round_nearest(V x) {  // from_float<bf16> (c10's round to nearest even), in the high 16
     const I u = _mm512_castps_si512(x);
     const I lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __mmask16 number = _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q);
-    return _mm512_mask_add_epi32(_mm512_set1_epi32(0x7FC00000), number, u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+    return with_nan<CHECKED>(x, u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
 }
 
 // The bits a lean value is stored with: bf16 rounded stochastically (the high 16 bits of each lane; the low 16
 // are left over from the rounding), fp32 as is.
-template <typename T> inline I keep(V x, I r16) {
-    return std::is_same<T, bf16>::value ? round_stochastic(x, r16) : _mm512_castps_si512(x);
+template <typename T, bool CHECKED> inline I keep(V x, I r16) {
+    return std::is_same<T, bf16>::value ? round_stochastic<CHECKED>(x, r16) : _mm512_castps_si512(x);
 }
 // 32 values into dst[i, i + 32): two vectors of bits from `keep` (bf16: their high halves, packed in order)
 inline void put(float* dst, int64_t i, I a, I b) {
@@ -60,24 +64,25 @@ inline void put(bf16* dst, int64_t i, I a, I b) {  // one cross-lane permute for
 inline void put(NoOut*, int64_t, I, I) {}
 
 // The compute copy's bits from the stored master's (`keep`'s) for an output of type O.
-template <typename O, typename P> inline I copy_bits(I stored) {
+template <typename O, typename P, bool CHECKED> inline I copy_bits(I stored) {
     if (std::is_same<P, bf16>::value) {  // a bf16 master's bits are its bf16 copy's; widened for float32
         return std::is_same<O, float>::value ? _mm512_and_si512(stored, _mm512_set1_epi32(~0xFFFF)) : stored;
     }
-    return std::is_same<O, bf16>::value ? round_nearest(_mm512_castsi512_ps(stored)) : stored;
+    return std::is_same<O, bf16>::value ? round_nearest<CHECKED>(_mm512_castsi512_ps(stored)) : stored;
 }
 
-struct Consts {  // AdamArgs broadcast, and the keys
+struct Consts {  // AdamArgs broadcast, and the key
     V factor, decay, w1, beta2, w2, eps, neg_step, bc2_sqrt;
     I key;
 };
-struct Bits {  // one element's stored values, 16 lanes
-    I m, v, p;
+struct Update {  // 16 elements' new values in float32, and the random bits each is rounded with
+    V m, v, p;
+    I rm, rv, rp;
 };
 
-// 16 elements from i, at their offsets `at` (mod 2^32): the scalar loop's update, the bits to store.
+// 16 elements from i, at their offsets `at` (mod 2^32): the scalar loop's update.
 template <bool SCALE, typename S, typename P, typename G>
-inline Bits update(const P* p, const G* g, const S* m, const S* v, int64_t i, I at, const Consts& c) {
+inline Update update(const P* p, const G* g, const S* m, const S* v, int64_t i, I at, const Consts& c) {
     V gi = load(g + i);
     if (SCALE) gi = _mm512_mul_ps(gi, c.factor);
     const V m0 = load(m + i), v0 = load(v + i);
@@ -95,7 +100,21 @@ inline Bits update(const P* p, const G* g, const S* m, const S* v, int64_t i, I 
     if (std::is_same<P, bf16>::value) {  // master_bits: (r ^ high ^ 0x8000) & 0xFFFF, the xor and the mask as one
         rp = _mm512_ternarylogic_epi32(_mm512_xor_si512(r, high), _mm512_set1_epi32(0x8000), low16, 0x28);
     }
-    return Bits{keep<S>(mi, _mm512_and_si512(r, low16)), keep<S>(vi, high), keep<P>(pi, rp)};
+    return Update{mi, vi, pi, _mm512_and_si512(r, low16), high, rp};
+}
+
+inline bool has_nan(const Update& u) {
+    return (_mm512_cmp_ps_mask(u.m, u.v, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(u.p, u.p, _CMP_UNORD_Q)) != 0;
+}
+
+// 32 elements' values into their buffers from i: two updates' roundings and stores.
+template <bool CHECKED, typename O, typename S, typename P>
+inline void store(P* p, S* m, S* v, O* o, int64_t i, const Update& x, const Update& y) {
+    put(m, i, keep<S, CHECKED>(x.m, x.rm), keep<S, CHECKED>(y.m, y.rm));
+    put(v, i, keep<S, CHECKED>(x.v, x.rv), keep<S, CHECKED>(y.v, y.rv));
+    const I px = keep<P, CHECKED>(x.p, x.rp), py = keep<P, CHECKED>(y.p, y.rp);
+    put(p, i, px, py);
+    put(o, i, copy_bits<O, P, CHECKED>(px), copy_bits<O, P, CHECKED>(py));
 }
 
 // adamw_lean_t's loop over [lo, hi) in steps of 32; returns where it stopped (the scalar loop does the rest).
@@ -112,14 +131,12 @@ int64_t adamw_lean(P* p, const G* g, S* m, S* v, O* o, int64_t lo, int64_t hi, c
                             _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
     int64_t i = lo;
     for (; i + 32 <= hi; i += 32) {
-        const Bits x = update<SCALE>(p, g, m, v, i, at, c);
+        const Update x = update<SCALE>(p, g, m, v, i, at, c);
         at = _mm512_add_epi32(at, sixteen);
-        const Bits y = update<SCALE>(p, g, m, v, i + 16, at, c);
+        const Update y = update<SCALE>(p, g, m, v, i + 16, at, c);
         at = _mm512_add_epi32(at, sixteen);
-        put(m, i, x.m, y.m);
-        put(v, i, x.v, y.v);
-        put(p, i, x.p, y.p);
-        put(o, i, copy_bits<O, P>(x.p), copy_bits<O, P>(y.p));
+        if (__builtin_expect(has_nan(x) || has_nan(y), 0)) store<true>(p, m, v, o, i, x, y);
+        else store<false>(p, m, v, o, i, x, y);
     }
     return i;
 }
