@@ -247,7 +247,9 @@ template <> inline bf16 keep<bf16>(float x, uint32_t r16) { return round_stochas
 // (which round the moments), so each pair of the three draws is independent; ^ 0x8000 maps r = 0x80008000 (every
 // draw one half: round to nearest, ties away) to one half too.
 inline uint32_t master_bits(uint32_t r) { return ((r ^ (r >> 16)) ^ 0x8000u) & 0xFFFFu; }
-template <typename P> inline uint32_t master_draw(uint32_t r) { return std::is_same<P, bf16>::value ? master_bits(r) : 0u; }
+template <typename P> inline uint32_t master_draw(uint32_t r) {  // fp32 master: none drawn
+    return std::is_same<P, bf16>::value ? master_bits(r) : 0u;
+}
 
 }  // namespace
 #include "kernels_avx512.h"  // v512::adamw_lean: the loop below in AVX-512 intrinsics, where the CPU has them
@@ -261,7 +263,9 @@ void adamw_lean_t(P* p, const G* g, S* m, S* v, O* out, int64_t n, int threads, 
         const uint32_t k = key;
         const uint32_t base = static_cast<uint32_t>(offset);  // the element's offset mod 2^32
 #if RP_AVX512
-        if constexpr (!std::is_same<O, f16>::value) lo = v512::adamw_lean<O, SCALE>(p, g, m, v, out, lo, hi, a, k, base);
+        if constexpr (!std::is_same<O, f16>::value) {  // the AVX-512 loop, then this one for the last < 32
+            lo = v512::adamw_lean<O, SCALE>(p, g, m, v, out, lo, hi, a, k, base);
+        }
 #endif
 #pragma omp simd
         for (int64_t i = lo; i < hi; ++i) {
