@@ -214,7 +214,7 @@ class Compiled(Training):
             self.options = dataclasses.replace(opts, optimizer=self.state.config)  # decay resolved to names
             if resume is not None:  # a checkpoint of another model or plan is refused before any thread starts
                 checkpoint.check(resume)
-                self.state.check_state_dict(resume["host"])
+                self.state.check_state_dict(resume["host"], sliced=True)  # the others: rpcompile.load reads
             # data parallel (issue #9): rank 0's weights everywhere; each group's gradient averaged before its step
             self._dist = (sharded_data_parallel(self.state, pending.dist, pending.process_group, self.graph.parameters())
                           if shard else data_parallel(self.state, pending.dist, pending.process_group))
@@ -347,18 +347,19 @@ class Compiled(Training):
                 "rng": torch.get_rng_state()}
 
     @_one_caller
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
+    def load_state_dict(self, sd: dict[str, Any], slices: Any = ()) -> None:
         """Resume from `state_dict()`: the next step continues the run bit for bit.
 
         Everything is checked before anything changes: a state dict of another model or plan raises
-        ValueError and leaves this handle as it was.
+        ValueError and leaves this handle as it was. A state dict of sharded state (one rank's slice)
+        needs the other ranks' host state dicts in `slices` (`checkpoint.other_slices`).
         """
         self._check_open()
         checkpoint.check(sd)
         self._runtime.flush()
-        self.state.check_state_dict(sd["host"])
+        self.state.check_state_dict(sd["host"], sliced=bool(slices))
         self._runtime.close()
-        self.state.load_state_dict(sd["host"])
+        self.state.load_state_dict(sd["host"], slices)
         torch.set_rng_state(sd["rng"])
         self._runtime = self._new_runtime(int(sd["steps"]))
 

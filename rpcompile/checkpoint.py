@@ -19,6 +19,7 @@ import hashlib
 import os
 import struct
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -92,44 +93,34 @@ def shard_path(path: str, rank: int, world: int) -> str:
     return path if rank == 0 else f"{path}.shard{rank}-of-{world}"
 
 
-def load_whole(path: str) -> dict[str, Any]:
-    """`load(path)`, and for a checkpoint of sharded state (written by W ranks, each its own slice of the masters
-    and moments: `shard_path`) the other ranks' files too, their slices joined into whole masters and moments:
-    a state dict any number of processes loads (each sharded rank then takes its own slice of it).
+def other_slices(path: str, sd: dict[str, Any]) -> Iterator[dict[str, Any]] | tuple:
+    """The host state dicts of the other ranks' slices of sharded checkpoint `sd` (rank 0's, read from `path`),
+    loaded one at a time (`shard_path`); none for a checkpoint of whole state. Pass them to
+    `Compiled.load_state_dict(sd, slices=...)`: each process keeps what it owns, on any number of ranks.
+
+    Raises:
+        ValueError: a slice file is missing, or belongs to another checkpoint (rank, world or step).
     """
-    sd = load(path)
     rank, world = sd["host"].get("shard") or (0, 1)
-    if world == 1:
-        return sd
-    if rank != 0:
+    if world > 1 and rank != 0:
         raise ValueError(f"checkpoint {path!r} holds rank {rank} of {world}'s slice; load rank 0's file "
                          f"({path.rsplit('.shard', 1)[0]!r})")
-    parts = [sd["host"]]
-    for r in range(1, world):
-        other = shard_path(path, r, world)
-        if not os.path.exists(other):
-            raise ValueError(f"checkpoint {path!r} was written by {world} ranks, but rank {r}'s slice {other!r} "
-                             f"is missing")
+    files = [shard_path(path, r, world) for r in range(1, world)]
+    missing = [f for f in files if not os.path.exists(f)]
+    if missing:
+        raise ValueError(f"checkpoint {path!r} was written by {world} ranks, but the slices {missing} are missing")
+    return _read_slices(files, sd) if files else ()
+
+
+def _read_slices(files: list[str], sd: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The host state dicts of ranks 1.. in `files`, each checked against rank 0's `sd`, one at a time."""
+    world = len(files) + 1
+    for r, other in enumerate(files, start=1):
         part = load(other)
         if list(part["host"].get("shard") or ()) != [r, world] or part["steps"] != sd["steps"]:
             raise ValueError(f"checkpoint slice {other!r} is not rank {r} of {world}'s at step {sd['steps']} (it "
                              f"holds {part['host'].get('shard')} at step {part['steps']})")
-        parts.append(part["host"])
-    sd["host"] = _joined(parts)
-    return sd
-
-
-def _joined(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """The host state dict of whole masters and moments from the ranks' slices (in rank order: each parameter's
-    owned parts follow one another, `rpcompile.ir.host_layout.shard_slices`)."""
-    host, first = dict(parts[0]), parts[0]
-    shape = {n: t.shape for n, t in first["compute"].items()}
-    host["master"] = {n: torch.cat([p["master"][n].reshape(-1) for p in parts]).view(shape[n]) for n in first["master"]}
-    host["optim"] = {n: {k: (v if k == "step" or not isinstance(v, torch.Tensor) else
-                             torch.cat([p["optim"][n][k].reshape(-1) for p in parts]).view(shape[n]))
-                         for k, v in entry.items()} for n, entry in first["optim"].items()}
-    host["shard"] = None
-    return host
+        yield part["host"]
 
 
 def remove_stale_temporaries(path: str) -> list[str]:

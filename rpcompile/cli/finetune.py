@@ -141,6 +141,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
          "(default: from the plan, the larger of 10 minutes and 20x a step's predicted work)")
     _add(r, "--dist-timeout", type=float, metavar="SECONDS",
          help=f"torchrun: how long to wait for every rank to join (default {d.dist_timeout:g})")
+    _add(r, "--shard-state", action="store_true",
+         help="torchrun: each of the W servers keeps 1/W of the masters and optimizer moments (gradients "
+         "reduce-scattered, new weights all-gathered) and writes its slice of each checkpoint")
 
 
 def settings_from_args(a: argparse.Namespace) -> dict[str, Any]:

@@ -89,6 +89,8 @@ class FinetuneConfig:
     timeout: float | None = None  # seconds a runtime wait may last before the step fails as a hang; None: from the
     # plan (the larger of 10 minutes and 20x a step's predicted work, `rpcompile.compile(timeout=)`)
     dist_timeout: float = 60.0  # torchrun: seconds to wait for every rank to join before giving up
+    shard_state: bool = False  # torchrun: each of the W servers keeps 1/W of the masters and optimizer moments
+    # (`rpcompile.compile(shard_state=True)`): more servers, more capacity; each writes its slice of a checkpoint
     neftune_alpha: float = 0.0  # NEFTune: uniform noise of scale alpha / sqrt(seq * hidden) on the input
     # embeddings in training steps (never in eval); 0 = off (TRL's neftune_noise_alpha; 5 is usual)
 

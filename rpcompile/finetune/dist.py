@@ -11,7 +11,9 @@ rank r takes the r-th contiguous share of every step's sequences), so the same
 command trains the same model at any world size. Rank 0 alone writes (the
 metrics, the run record, the token cache, the checkpoints and the exported
 model); on `--resume` it sends the checkpoint to the others (`fetch_checkpoint`),
-so the servers need no shared file system.
+so the servers need no shared file system. With `--shard-state` each rank writes its own slice of
+each checkpoint into its own out, and on `--resume` the slices travel to every rank the same way (any
+number of servers resumes it).
 
 The start: each rank prints one line saying what it waits for (the other ranks, or rank 0), at which
 address, and that the values come from the environment; the rendezvous (a `TCPStore` at
@@ -22,8 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import glob
 import hashlib
 import os
+import shutil
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -31,6 +35,7 @@ from typing import Any
 
 import torch
 
+from rpcompile import checkpoint
 from rpcompile.runtime.distributed import DistConfig, init_group, shard
 
 __all__ = ["Ranks", "CHUNK_BYTES", "rendezvous"]
@@ -112,42 +117,81 @@ class Ranks:
                              f"train on the same files with the same settings)")
 
     def fetch_checkpoint(self, path: str) -> str:
-        """A local path to rank 0's checkpoint `path`: rank 0's own file; the others receive a temporary copy.
+        """A local path to rank 0's checkpoint `path` on every rank (its own file on rank 0, a temporary copy on the
+        others), with the other slices of a sharded one (`--shard-state`: rank r's slice is in rank r's out)
+        beside it, as `rpcompile.checkpoint.shard_path` names them: sent by a rank that holds it.
 
-        The caller removes the copy (`release`) once loaded. Every rank must call it.
+        The caller removes what was copied (`release`) once loaded. Every rank must call it.
+        Raises:
+            ValueError: a slice of a sharded checkpoint is on no server (name it; copy it into any out).
         """
         if self.world == 1:
             return path
-        size = torch.tensor([os.path.getsize(path) if self.writes else 0], dtype=torch.int64)
-        torch.distributed.broadcast(size, 0, group=self.group)
+        held = sorted(glob.glob(glob.escape(path) + ".shard*-of-*"))  # this rank's slices, of any world size
+        found: list[Any] = [None] * self.world
+        torch.distributed.all_gather_object(found, [os.path.basename(h) for h in held], group=self.group)
+        local = self._receive(path, 0, None)  # rank 0's own file there, a temporary copy elsewhere
+        if not any(found):  # a checkpoint of whole state
+            return local
+        world = [None]
+        if self.writes:  # which world wrote it: rank 0's file says (a slice left by an earlier one may be around)
+            world[0] = (checkpoint.load(path)["host"].get("shard") or (0, 1))[1]
+        torch.distributed.broadcast_object_list(world, 0, group=self.group)
+        folder = tempfile.mkdtemp(prefix="rpcompile-resume-")
+        linked = os.path.join(folder, os.path.basename(path))
+        os.symlink(os.path.abspath(local), linked) if local == path else os.replace(local, linked)
+        for r in range(1, world[0]):
+            name = os.path.basename(checkpoint.shard_path(path, r, world[0]))
+            src = next((k for k, names in enumerate(found) if name in names), None)
+            if src is None:
+                raise ValueError(f"--resume: the checkpoint was written by {world[0]} servers but its slice {name} is "
+                                 f"in no server's out; copy it into --out on any of them")
+            mine = os.path.join(os.path.dirname(path), name)
+            self._receive(mine, src, os.path.join(folder, name))
+        return linked
+
+    def _receive(self, path: str, src: int, dest: str | None) -> str:
+        """Rank `src`'s file `path` on every rank: `dest` (or a temporary file) on the others, a link on `src`."""
+        mine = self.rank == src
+        size = torch.tensor([os.path.getsize(path) if mine else 0], dtype=torch.int64)
+        torch.distributed.broadcast(size, src, group=self.group)
         digest = hashlib.sha256()
-        out = None
-        if not self.writes:
-            fd, local = tempfile.mkstemp(prefix="rpcompile-resume-", suffix=".rp")
+        if mine:
+            if dest is not None:
+                os.symlink(os.path.abspath(path), dest)
+            out, local = None, dest or path
+        else:
+            fd, local = (os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL), dest) if dest else \
+                tempfile.mkstemp(prefix="rpcompile-resume-", suffix=".rp")
             out = os.fdopen(fd, "wb")
-        src = open(path, "rb") if self.writes else None
+        source = open(path, "rb") if mine else None
         try:
             left = int(size)
             while left:
                 n = min(left, CHUNK_BYTES)
-                buf = torch.frombuffer(bytearray(src.read(n)), dtype=torch.uint8) if src else \
+                buf = torch.frombuffer(bytearray(source.read(n)), dtype=torch.uint8) if source else \
                     torch.empty(n, dtype=torch.uint8)
-                torch.distributed.broadcast(buf, 0, group=self.group)
+                torch.distributed.broadcast(buf, src, group=self.group)
                 digest.update(buf.numpy().tobytes())
                 if out is not None:
                     out.write(buf.numpy().tobytes())
                 left -= n
         finally:
-            if src is not None:
-                src.close()
+            if source is not None:
+                source.close()
             if out is not None:
                 out.close()
-        self.same_everywhere(digest.hexdigest(), "the checkpoint received")
-        return path if self.writes else local
+        self.same_everywhere(digest.hexdigest(), f"the checkpoint file {os.path.basename(path)} received")
+        return local
 
     def release(self, local: str, path: str) -> None:
-        """Remove the temporary copy `fetch_checkpoint` made (rank 0 keeps its own file)."""
-        if local != path:
+        """Remove what `fetch_checkpoint` made (rank 0 keeps its own file; links are removed, not followed)."""
+        if local == path:
+            return
+        folder = os.path.dirname(local)
+        if os.path.basename(folder).startswith("rpcompile-resume-"):
+            shutil.rmtree(folder)
+        else:
             os.remove(local)
 
 

@@ -42,7 +42,7 @@ RUN_FILE = "rpcompile-run.json"  # in `out`: the run's settings and data fingerp
 TOKEN_CACHE = "token-cache"  # in `out`: the tokenized data files (rpcompile.finetune.data.token_cache), kept for reruns
 # a resume may change these (the data file is checked by the fingerprint of its packed tokens, not its path)
 FREE = ("out", "data", "resume", "overwrite", "save_every", "eval", "eval_every", "progress", "logging_steps",
-        "report_to", "dry_run", "num_proc", "timeout", "dist_timeout")
+        "report_to", "dry_run", "num_proc", "timeout", "dist_timeout", "shard_state")
 # what a run writes into `out` (and `out/adapter`): found there, it is refused without --resume or --overwrite
 RUN_OUTPUTS = (RUN_FILE, CHECKPOINT, METRICS_FILE, "config.json", "generation_config.json", "adapter_config.json",
                "special_tokens_map.json", "chat_template.jinja", *TOKENIZER_FILES)

@@ -157,7 +157,7 @@ def meta_model(config: Any, *, dtype: torch.dtype, lora: dict | None, packed: bo
 def preflight(config: Any, example: Any, *, gpus: int, microbatches: int, microbatch_size: int, staleness: int,
               dtype: torch.dtype, optimizer: Any, budget: int | None, lora: dict | None, packed: bool,
               lm_head_shards: int | str = "auto", fp16_accumulation: bool = False,
-              seq_limit: bool = True) -> Preflight:
+              seq_limit: bool = True, shard: tuple[int, int] | None = None) -> Preflight:
     """Plan and size the run on the meta device; raise ValueError if it cannot fit (see the module docstring).
 
     Args:
@@ -170,6 +170,7 @@ def preflight(config: Any, example: Any, *, gpus: int, microbatches: int, microb
         lora, packed: as for `meta_model`.
         seq_limit: also find the longest sequence that fits (`max_seq_len`, for `--dry-run`'s report; a
             real run skips it: it is the slowest check and refuses nothing).
+        shard: (rank, world) of sharded state (`--shard-state`): the host counts this rank's share.
     Raises:
         ValueError: the host state or the saved activations exceed the RAM, or with host workers so do
             they and the workers' device peaks, or a layer cannot fit the device budget (each names the
@@ -177,7 +178,7 @@ def preflight(config: Any, example: Any, *, gpus: int, microbatches: int, microb
     """
     module = meta_model(config, dtype=dtype, lora=lora, packed=packed)
     hw = local_hardware(gpus, budget)
-    state = dict(staleness=staleness, optimizer=optimizer, dtype=dtype)
+    state = dict(staleness=staleness, optimizer=optimizer, dtype=dtype, shard=shard)
     check_host_memory(module, microbatches=microbatches, **state)  # the parameters' state alone, before planning
     opts = Options(gpus=gpus, microbatches=microbatches, staleness=staleness, optimizer=optimizer, dtype=dtype,
                    loss_fn=None, layers=None, lm_head_shards=lm_head_shards, hardware=hw, memory_budget=budget,
@@ -199,7 +200,8 @@ def preflight(config: Any, example: Any, *, gpus: int, microbatches: int, microb
     try:
         if seq_limit:
             limit, why = max_seq_len(graph, hw, gpus=gpus, microbatch_size=microbatch_size, microbatches=m,
-                                     memory_budget=budget, host_memory=hw.host_memory, optimizer=optimizer), None
+                                     memory_budget=budget, host_memory=hw.host_memory, optimizer=optimizer,
+                                     shard=shard), None
     except Exception as exc:  # noqa: BLE001 - reported: the plan and the checks above still stand
         limit, why = None, f"{type(exc).__name__}: {exc}"
     return Preflight(hw, plan, program, peaks, budget, host, hw.host_memory, workers, buffers, limit, why,

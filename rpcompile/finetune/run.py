@@ -117,6 +117,9 @@ def finetune(cfg: FinetuneConfig, *, on_step: Callable[[int, float], None] | Non
     check_report_to(cfg.report_to)
     _check_transformers()
     ranks = Ranks.from_env(cfg.dist_timeout)  # alone, or one of torchrun's processes
+    if cfg.shard_state and ranks.world == 1:
+        raise ValueError("--shard-state splits the optimizer state over the servers of a torchrun run: launch 2 or "
+                         "more (WORLD_SIZE > 1), or leave it out to keep the whole state on this one")
     locks: list[OutLock] = []
     if not cfg.dry_run:  # before anything slow: a finished run is never overwritten by accident, and one run
         ranks.on_rank0(lambda: locks.append(claim_out(cfg)))  # at a time owns the folder (rank 0's lock)
@@ -157,7 +160,8 @@ def _train(cfg: FinetuneConfig, ranks: Ranks, on_step: Callable[[int, float], No
         pre = preflight(config, example, gpus=gpus, microbatches=micro, microbatch_size=cfg.micro_batch_size,
                         staleness=cfg.staleness, dtype=dtype, optimizer=optimizer, budget=_budget(cfg, cuda), lora=lora,
                         packed=cfg.packing != "none", lm_head_shards=cfg.lm_head_shards,
-                        fp16_accumulation=cfg.fp16_accumulation, seq_limit=cfg.dry_run)  # refuses what cannot fit
+                        fp16_accumulation=cfg.fp16_accumulation, seq_limit=cfg.dry_run,  # refuses what cannot fit
+                        shard=(ranks.rank, ranks.world) if cfg.shard_state else None)
         if cfg.dry_run:
             print("\n".join(pre.lines()))
             print(f"{pre.host.per_param_line()}, {cfg.state_dtype} moments (--state-dtype)"
@@ -218,10 +222,13 @@ def _start(cfg: FinetuneConfig, module: Any, run: dict, example: Any, ranks: Ran
            gpus: int, micro: int, dtype: torch.dtype, optimizer: AdamW, budget: int | None) -> Any:
     """The Compiled run: loaded from the checkpoint (`resume`), or compiled after writing the run record."""
     dist = ranks.world > 1
+    if cfg.shard_state:  # each rank writes its slice of the checkpoints into its own out
+        os.makedirs(cfg.out, exist_ok=True)
     if cfg.resume:
-        local = ranks.fetch_checkpoint(plan.checkpoint)  # rank 0's file, on every server
+        local = ranks.fetch_checkpoint(plan.checkpoint)  # rank 0's file (and a sharded one's slices), on every server
         try:
-            return load(local, module, dist=dist, timeout=cfg.timeout)
+            return load(local, module, dist=dist, timeout=cfg.timeout, shard_state=cfg.shard_state,
+                        microbatches=micro, example=example)  # another number of servers: planned afresh
         finally:
             ranks.release(local, plan.checkpoint)
     if ranks.writes:
@@ -232,6 +239,7 @@ def _start(cfg: FinetuneConfig, module: Any, run: dict, example: Any, ranks: Ran
     return compile(module, gpus=gpus, example=example, microbatches=micro, staleness=cfg.staleness, dtype=dtype,
                    seed=cfg.seed, optimizer=optimizer, memory_budget=budget, lm_head_shards=cfg.lm_head_shards,
                    loss_mean="tokens", dist=dist, fp16_accumulation=cfg.fp16_accumulation, timeout=cfg.timeout,
+                   shard_state=cfg.shard_state,
                    loss_scale=DynamicLossScale() if dtype == torch.float16 else None)  # fp16: gradients underflow
 
 

@@ -93,10 +93,13 @@ class FlatGroups:
         off = self.layout.master[name]
         return flats[self.group[name]][off:off + shape.numel()].view(shape)
 
-    def part(self, name: str) -> tuple[int, int]:
-        """The elements [a, b) of parameter `name` (in its own flat order) that this rank owns (all when whole)."""
-        off, lo, hi = self.layout.master[name], *self.owned[self.group[name]]
-        n = self.numel[name]
+    def part(self, name: str, shard: tuple[int, int] | None = None) -> tuple[int, int]:
+        """The elements [a, b) of parameter `name` (in its own flat order) that this rank owns (all when whole), or
+        that rank r of W owns with `shard=(r, W)` (b <= a: none)."""
+        rank, world = shard or self.shard or (0, 1)
+        lo, hi = self.owned[self.group[name]] if shard is None else shard_slices(
+            self.layout.flat[self.group[name]], world)[rank]
+        off, n = self.layout.master[name], self.numel[name]
         return min(n, max(0, lo - off)), max(0, min(n, hi - off))
 
     def _owned(self, flats: list[Tensor], name: str, shape: torch.Size) -> Tensor:

@@ -6,7 +6,7 @@ this state's `state_dtype=...` (`master_dtype=...`) is refused in one line namin
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -38,6 +38,12 @@ def _saved_state_dtype(sd: Mapping[str, Any]) -> torch.dtype | None:
 def _saved_master_dtype(sd: Mapping[str, Any]) -> torch.dtype | None:
     """The dtype of a state dict's masters, as saved (they always are, in their own dtype; None: no masters)."""
     return next((t.dtype for t in sd["master"].values() if isinstance(t, torch.Tensor)), None)
+
+
+def _shard_of(sd: Mapping[str, Any]) -> tuple[int, int] | None:
+    """(rank, world) of a state dict holding one rank's slice of sharded masters and moments; None: whole."""
+    shard = sd.get("shard")
+    return (int(shard[0]), int(shard[1])) if shard and int(shard[1]) > 1 else None
 
 
 def _refuse_other(what: str, field: str, flag: str, theirs: torch.dtype, ours: torch.dtype) -> None:
@@ -106,23 +112,23 @@ class StateIO:
                                "verdicts": [[u, v.used, v.skipped, v.after] for u, v in sorted(self.verdicts.items())
                                             if u >= min(self._stepped, default=0) - 2]}}  # what the next two use
 
-    def check_state_dict(self, sd: Mapping[str, Any]) -> None:
-        """Raise ValueError (naming what differs) unless `sd` fits this state: names, shapes, groups, dtypes."""
+    def check_state_dict(self, sd: Mapping[str, Any], sliced: bool = False) -> None:
+        """Raise ValueError (naming what differs) unless `sd` fits this state: names, shapes, groups, dtypes; one
+        rank's slice of sharded state only if `sliced` (the other ranks' slices come with it)."""
         for key in ("compute", "master", "optim", "steps", "loss_scale"):
             if key not in sd:
                 raise ValueError(f"load_state_dict: the state dict has no {key!r} entry")
-        theirs, whole = tuple(sd.get("shard") or ()), self._whole(sd)
-        if theirs and theirs != tuple(self.shard or ()):
-            raise ValueError(f"load_state_dict: the state dict holds rank {theirs[0]} of {theirs[1]}'s slice of the "
-                             f"masters and moments, but this state is "
-                             f"{'whole' if self.shard is None else f'rank {self.shard[0]} of {self.shard[1]}'}: "
-                             f"load every rank's slices (rpcompile.checkpoint) to reshard")
+        shard = _shard_of(sd)
+        if shard is not None and not sliced:
+            raise ValueError(f"load_state_dict: the state dict holds rank {shard[0]} of {shard[1]}'s slice of the "
+                             f"masters and moments; the other ranks' slices are needed too (rpcompile.load reads "
+                             f"them: checkpoint.other_slices)")
         for key, ours in (("compute", self.compute), ("master", self.master)):
             if set(sd[key]) != set(ours):
                 raise ValueError(f"load_state_dict: {key} names differ: missing {sorted(set(ours) - set(sd[key]))}"
                                  f", unexpected {sorted(set(sd[key]) - set(ours))}")
             for n, t in sd[key].items():
-                want = tuple(self.grad[n].shape if key == "master" and whole else ours[n].shape)
+                want = tuple(ours[n].shape) if key == "compute" else self._saved_shape(n, shard)
                 if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
                     got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                     raise ValueError(f"load_state_dict: {key}[{n!r}] has shape {got}, expected {want}")
@@ -143,42 +149,69 @@ class StateIO:
             raise ValueError(f"load_state_dict: optimizer state for unknown parameters {sorted(unknown)[:5]}")
         for n, saved in sd["optim"].items():
             for k, t in self.flat.moment[n].items():
-                want = self.grad[n].shape if whole else t.shape
-                if k in saved and (not isinstance(saved[k], torch.Tensor) or saved[k].shape != want
+                want = self._saved_shape(n, shard)
+                if k in saved and (not isinstance(saved[k], torch.Tensor) or tuple(saved[k].shape) != want
                                    or saved[k].dtype != t.dtype):
                     raise ValueError(f"load_state_dict: optim[{n!r}][{k!r}] is not a {t.dtype} tensor of shape "
-                                     f"{tuple(want)}")
+                                     f"{want}")
 
-    def _whole(self, sd: Mapping[str, Any]) -> bool:
-        """True if `sd` holds whole masters and moments while this state keeps a slice of them (a whole checkpoint
-        loads into sharded state: each rank takes its slice)."""
-        return self.shard is not None and not sd.get("shard")
+    def _saved_shape(self, n: str, shard: tuple[int, int] | None) -> tuple[int, ...]:
+        """The shape of parameter `n`'s master and moments in a state dict of `shard`: whole, or its 1-D part."""
+        if shard is None:
+            return tuple(self.grad[n].shape)
+        a, b = self.flat.part(n, shard)
+        return (max(0, b - a),)
 
-    def _mine(self, n: str, t: Tensor, whole: bool) -> Tensor:
-        """Parameter `n`'s saved master or moment `t` as this state holds it: its owned part if `t` is whole."""
-        if not whole:
-            return t
-        a, b = self.flat.part(n)
-        return t.reshape(-1)[a:max(a, b)]
+    def _load_slice(self, sd: Mapping[str, Any]) -> None:
+        """Copy what this state owns of the masters and moments that `sd` holds (whole, or one rank's slice)."""
+        shard = _shard_of(sd)
+        for n in self.master:
+            a, b = self.flat.part(n)  # held here
+            c, d = self.flat.part(n, shard) if shard is not None else (0, self.flat.numel[n])  # held in sd
+            lo, hi = max(a, c), min(b, d)
+            if lo >= hi:
+                continue
+            self.master[n].view(-1)[lo - a:hi - a] = sd["master"][n].reshape(-1)[lo - c:hi - c]
+            saved = sd["optim"].get(n, {})
+            for k, t in self.flat.moment[n].items():
+                if k in saved:
+                    t.view(-1)[lo - a:hi - a] = saved[k].reshape(-1)[lo - c:hi - c]
 
-    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+    def load_state_dict(self, sd: Mapping[str, Any], slices: Iterable[Mapping[str, Any]] = ()) -> None:
         """Restore a `state_dict()` in place (same names, shapes and groups), between iterations.
 
-        Checks everything first (`check_state_dict`): a bad state dict changes nothing.
+        Checks everything first (`check_state_dict`): a bad state dict changes nothing. A state dict of
+        sharded state (one rank's slice of the masters and moments, `shard`) needs the other ranks' in
+        `slices` (each is checked, then read, one at a time: a checkpoint loads on any number of ranks,
+        and this one keeps only its own slice, whichever ranks wrote it).
         """
-        self.check_state_dict(sd)
-        whole = self._whole(sd)
+        self.check_state_dict(sd, sliced=bool(slices))
         for n, t in sd["compute"].items():
             self.compute[n].copy_(t)
-        for n, t in sd["master"].items():
-            self.master[n].copy_(self._mine(n, t, whole))
         for n, t in sd.get("buffers", {}).items():
             self.buffers[n].copy_(t)
         self.flat.seed = sd.get("rounding", {}).get("seed", self.flat.seed)  # absent before bf16 moments
+        for n, moments in self.flat.moment.items():  # zero what a parameter that never stepped has
+            for k, t in moments.items():
+                if k not in sd["optim"].get(n, {}):
+                    t.zero_()
+        self._load_slice(sd)
+        shard, seen = _shard_of(sd), set()
+        for part in slices:
+            self.check_state_dict(part, sliced=True)
+            other = _shard_of(part)
+            if shard is None or other is None or other[1] != shard[1] or list(part["steps"]) != list(sd["steps"]):
+                raise ValueError(f"load_state_dict: a slice of rank {other and other[0]} of {other and other[1]} at "
+                                 f"steps {part['steps'][:1]}... does not belong to a checkpoint of "
+                                 f"{shard and shard[1]} ranks at steps {sd['steps'][:1]}...")
+            seen.add(other[0])
+            self._load_slice(part)
+        if shard is not None and seen | {shard[0]} != set(range(shard[1])):
+            missing = sorted(set(range(shard[1])) - seen - {shard[0]})
+            raise ValueError(f"load_state_dict: the state dict holds rank {shard[0]} of {shard[1]}'s slice of the "
+                             f"masters and moments; the slices of ranks {missing} are missing")
         for n, moments in self.flat.moment.items():  # torch's state names; a parameter not in it never stepped
             saved = sd["optim"].get(n, {})
-            for k, t in moments.items():
-                t.copy_(self._mine(n, saved[k], whole)) if k in saved else t.zero_()
             self.counts[n] = int(saved["step"]) if "step" in saved else 1 if saved else 0
             opt = self._optims[self.group_of[n]]
             if opt is not None and moments:  # torch's optimizer: the same views, its step count

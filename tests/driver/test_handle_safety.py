@@ -136,7 +136,7 @@ def test_a_load_failing_after_its_workers_started_closes_them(tmp_path, monkeypa
         c.save(path)
     before = _threads()
 
-    def broken(self, sd):
+    def broken(self, sd, slices=()):
         raise RuntimeError("disk went away")
 
     monkeypatch.setattr(rpcompile.api.Compiled, "load_state_dict", broken)

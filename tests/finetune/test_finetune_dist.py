@@ -112,3 +112,47 @@ def test_a_stray_rank_and_world_size_end_within_the_dist_deadline_in_one_line(ra
     assert line.endswith("start every rank, raise --dist-timeout, or unset WORLD_SIZE (it comes from the "
                          "environment) to train alone")
     assert 2 <= took < 2 + 15, took
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory, runs):
+    """Two processes with --shard-state that die after step 2's checkpoint, then resume to step 4; the same
+    checkpoint resumed by one process alone, its rank-1 slice copied into its out."""
+    import shutil
+    d = runs.d
+    base = ["--model", str(d / "tiny"), "--data", str(d / "train.jsonl"), *FLAGS]
+    stopped = launch(lambda r: [*base, "--out", str(d / f"shard{r}"), "--shard-state"], stop_at=2)
+    alone = d / "alone"
+    shutil.copytree(d / "shard0", alone)
+    shutil.copy(d / "shard1" / "rpcompile-checkpoint.rp.shard1-of-2", alone)
+    resumed = launch(lambda r: [*base, "--out", str(d / f"shard{r}"), "--shard-state", "--resume"])
+    from rpcompile.cli.main import main
+    rc = main(["finetune", *base, "--out", str(alone), "--resume"])
+    return SimpleNamespace(stopped=stopped, resumed=resumed, alone=str(alone), rc=rc)
+
+
+def test_two_processes_with_sharded_state_train_as_one_and_resume_on_two_or_one(runs, sharded):
+    assert [r.returncode for r in sharded.stopped] == [7, 7], sharded.stopped[0].stderr[-3000:]
+    for r in sharded.resumed:
+        assert r.returncode == 0, r.stderr[-3000:]
+    assert sharded.rc == 0
+    one = [r["loss"] for r in read_metrics(os.path.join(runs.single, "metrics.jsonl"))]
+    a = weights(runs.single)
+    for out in (runs.d / "shard0", sharded.alone):
+        got = read_metrics(os.path.join(out, "metrics.jsonl"))
+        assert [r["step"] for r in got] == [1, 2, 3, 4]
+        assert [r["loss"] for r in got] == pytest.approx(one, rel=1e-5)
+        b = weights(str(out))
+        for n, v in a.items():
+            assert torch.allclose(b[n], v, rtol=1e-5, atol=1e-5 * v.abs().max().item()), (out, n)
+    assert (runs.d / "shard1" / "rpcompile-checkpoint.rp.shard1-of-2").exists()  # rank 1 wrote its slice only
+    assert not (runs.d / "shard1" / "rpcompile-checkpoint.rp").exists()
+
+
+def test_shard_state_alone_is_refused_in_one_line_before_anything_is_written(tmp_path, capsys):
+    from rpcompile.cli.main import main
+    rc = main(["finetune", "--model", str(tmp_path / "m"), "--data", str(tmp_path / "d.jsonl"), "--out",
+               str(tmp_path / "o"), "--shard-state"])
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and "--shard-state splits the optimizer state over the servers of a torchrun run" in line
+    assert not (tmp_path / "o").exists()

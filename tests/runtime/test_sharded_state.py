@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import rpcompile
+from rpcompile import checkpoint
 from rpcompile.runtime.distributed import DistConfig, shard
 from rpcompile.runtime.host.shard_comm import ring_allreduce_bytes
 from rpcompile.models.zoo import LlamaConfig, TinyLlama
@@ -207,9 +208,15 @@ def test_a_sharded_checkpoint_loads_on_one_process_and_on_another_number_of_rank
                    for r in range(written))
         if written == 2:  # W=2 -> one process, not sharded
             with rpcompile.load(f"{out}.ckpt", TinyLlama(CFG)) as one:
+                with pytest.raises(ValueError, match=r"rank 0 of 2.s slice .* other ranks. slices are needed"):
+                    one.load_state_dict(checkpoint.load(f"{out}.ckpt"))  # rank 0's slice alone
                 for i in range(3, STEPS):
                     one.step(batch(i))
                 _close({n: p.detach().clone() for n, p in one.model().named_parameters()}, want)
+            os.rename(f"{out}.ckpt.shard1-of-2", f"{out}.away")
+            with pytest.raises(ValueError, match=r"written by 2 ranks, but the slices \[.*shard1-of-2'\] are missing"):
+                rpcompile.load(f"{out}.ckpt", TinyLlama(CFG))
+            os.rename(f"{out}.away", f"{out}.ckpt.shard1-of-2")
         got = _run("resume_at_3", str(tmp_path / f"r{resumed}"), resumed, f"{out}.ckpt", resumed)
         for r in range(resumed):
             _close(got[r], want)
