@@ -230,9 +230,12 @@ class GradReducer:
 
     def _failed(self, what: str, exc: BaseException) -> None:
         """Record a failed collective of the network lane: every later wait raises it (one line)."""
+        cause = f"{type(exc).__name__}: {exc}"
+        if str(exc).startswith(f"distributed {what} ") and " failed: " in str(exc):  # shard_comm named it already
+            cause = str(exc).split(" failed: ", 1)[1]
         with self._cond:
             self.error = RuntimeError(f"distributed {what} in iteration {self.iteration} (rank {self.rank} of "
-                                      f"{self.world}) failed: {type(exc).__name__}: {exc}")
+                                      f"{self.world}) failed: {cause}")
             self.broken = str(self.error)
             self._cond.notify_all()
 

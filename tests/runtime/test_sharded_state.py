@@ -230,5 +230,7 @@ def test_a_dead_rank_makes_the_other_fail_in_one_line_naming_the_collective_and_
     assert runs[0].returncode == 0, runs[0].stderr[-3000:]
     res = torch.load(f"{out}.0")
     assert res["error"] is not None, "rank 0 finished its steps although rank 1 died"
-    assert re.search(r"distributed (reduce-scatter|all-gather) of layer group \d+", res["error"]), res["error"][:2000]
+    assert re.search(r"distributed (reduce-scatter|all-gather) of layer group \d+ in iteration \d+ \(rank 0 of 2\) "
+                     r"failed: ", res["error"]), res["error"][:2000]
+    assert res["error"].splitlines()[0].count("distributed") == 1, res["error"][:2000]  # named once, not nested
     assert res["seconds"] < 60
