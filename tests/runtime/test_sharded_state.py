@@ -130,14 +130,16 @@ def die(out: str) -> None:
 
 
 def write_at_3(out: str, world: int) -> None:
-    """One of `world` ranks: 3 sharded steps, then a checkpoint (each rank writes its slice)."""
+    """One of `world` ranks: 3 sharded steps, then a checkpoint (each rank writes its slice), then steps 4-6 (the
+    uninterrupted run's weights)."""
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     with make(1, shard(batch(0), rank, world), M // world, dist=DistConfig(timeout_s=60), shard_state=True) as c:
-        for i in range(3):
+        for i in range(STEPS):
             c.step(shard(batch(i), rank, world))
-        c.save(f"{out}.ckpt")
-    torch.save({}, f"{out}.{rank}")
+            if i == 2:
+                c.save(f"{out}.ckpt")
+        torch.save({n: p.detach().clone() for n, p in c.model().named_parameters()}, f"{out}.{rank}")
 
 
 def resume_at_3(out: str, path: str, world: int) -> None:
@@ -201,9 +203,11 @@ def test_a_sharded_checkpoint_loads_on_one_process_and_on_another_number_of_rank
         for i in range(STEPS):
             single.step(batch(i))
         want = {n: p.detach().clone() for n, p in single.model().named_parameters()}
-    for written, resumed in ((2, 4), (4, 2)):
+    uninterrupted = {}  # written -> rank 0's weights after 6 uninterrupted steps on that many ranks
+    for written, resumed in ((2, 4), (4, 2), (2, 2)):
         out = str(tmp_path / f"w{written}")
-        _run("write_at_3", out, written, written)
+        if written not in uninterrupted:
+            uninterrupted[written] = _run("write_at_3", out, written, written)[0]
         assert all(os.path.exists(f"{out}.ckpt" + ("" if r == 0 else f".shard{r}-of-{written}"))  # each rank's slice
                    for r in range(written))
         if written == 2:  # W=2 -> one process, not sharded
@@ -217,10 +221,12 @@ def test_a_sharded_checkpoint_loads_on_one_process_and_on_another_number_of_rank
             with pytest.raises(ValueError, match=r"written by 2 ranks, but the slices \[.*shard1-of-2'\] are missing"):
                 rpcompile.load(f"{out}.ckpt", TinyLlama(CFG))
             os.rename(f"{out}.away", f"{out}.ckpt.shard1-of-2")
-        got = _run("resume_at_3", str(tmp_path / f"r{resumed}"), resumed, f"{out}.ckpt", resumed)
+        got = _run("resume_at_3", str(tmp_path / f"r{resumed}{written}"), resumed, f"{out}.ckpt", resumed)
         for r in range(resumed):
             _close(got[r], want)
             assert all(torch.equal(got[r][n], got[0][n]) for n in got[0])
+        if resumed == written:  # a restart on as many ranks continues bit for bit
+            assert all(torch.equal(got[0][n], v) for n, v in uninterrupted[written].items())
 
 
 def test_a_dead_rank_makes_the_other_fail_in_one_line_naming_the_collective_and_the_layer_group(tmp_path):
