@@ -29,8 +29,7 @@ from rpcompile.ir.optim import SGD, AdamW, DynamicLossScale, decay_names
 from rpcompile.machine import hardware_of
 from rpcompile.options import Options, check_model, default_microbatches, options
 from rpcompile.passes.trace import match_units
-from rpcompile.hostmem import HostBytes
-from rpcompile.pipeline import Frozen, compile_passes, frozen_of, host_need, plan_pipeline
+from rpcompile.pipeline import Frozen, compile_passes, plan_pipeline
 from rpcompile.replan import Variant, Variants, plan_for
 from rpcompile.runtime import simulate
 from rpcompile.runtime.distributed import data_parallel
@@ -39,6 +38,7 @@ from rpcompile.runtime.executor import Runtime
 from rpcompile.runtime.host.optimizer import HostState
 from rpcompile.runtime.stage.batch import trained_tokens
 from rpcompile.runtime.transfer import plan_deadline
+from rpcompile.snapshots import Snapshots
 from rpcompile.training import Training, _one_caller
 
 __all__ = ["compile", "Compiled", "Options", "default_microbatches", "plan_pipeline"]
@@ -168,7 +168,7 @@ class Pending:
     lr: float | None = None    # the last `set_lr` before the plan: queued on the runtime the plan starts
 
 
-class Compiled(Training):
+class Compiled(Training, Snapshots):
     """A compiled model: the IRs, the runtime and the host-resident training state.
 
     One handle, one caller at a time: `step`, `evaluate`, `stats`, `set_lr`, `state_dict`,
@@ -324,80 +324,6 @@ class Compiled(Training):
                                       hardware=hw, microbatches=self.microbatches, progress=False,
                                       fp16_accumulation=self.options.fp16_accumulation)
         return simulate(self.program, costs, hw, iterations=iterations)
-
-    def host_bytes(self) -> HostBytes:
-        """This process's host bytes by category, as the admission counted them: what its host state and runtime
-        allocated (with `shard_state`: its share of the masters and moments)."""
-        return host_need(self.graph, self.costs, self.plan, dataclasses.replace(self.options, shard=self.state.shard),
-                         self.program, self.assignment)
-
-    # -- state ------------------------------------------------------------------------------
-    @_one_caller
-    def state_dict(self) -> dict[str, Any]:
-        """Full training state: weights, masters, optimizer state (incl. a pending update), step, RNG."""
-        self._check_open()
-        self._runtime.flush()
-        opts = {k: v for k, v in dataclasses.asdict(self.options).items()
-                if k not in ("loss_fn", "timeout")}  # the deadline belongs to the machine: `load` takes its own
-        opts["optimizer"], opts["hardware"] = self.options.optimizer, self.options.hardware
-        opts["loss_scale"] = self.options.loss_scale  # asdict would turn a DynamicLossScale into a dict
-        return {"format": checkpoint.FORMAT, "steps": self.steps, "plan": self.plan.to_str(),
-                "frozen": dataclasses.asdict(frozen_of(self.graph, self.costs, self.program, self._units)),
-                "host": self.state.state_dict(), "options": opts, "example": self._example,
-                "rng": torch.get_rng_state()}
-
-    @_one_caller
-    def load_state_dict(self, sd: dict[str, Any], slices: Any = ()) -> None:
-        """Resume from `state_dict()`: the next step continues the run bit for bit.
-
-        Everything is checked before anything changes: a state dict of another model or plan raises
-        ValueError and leaves this handle as it was. A state dict of sharded state (one rank's slice)
-        needs the other ranks' host state dicts in `slices` (`checkpoint.other_slices`).
-        """
-        self._check_open()
-        checkpoint.check(sd)
-        self._runtime.flush()
-        self.state.check_state_dict(sd["host"], sliced=bool(slices))
-        self._runtime.close()
-        self.state.load_state_dict(sd["host"], slices)
-        torch.set_rng_state(sd["rng"])
-        self._runtime = self._new_runtime(int(sd["steps"]))
-
-    @_one_caller
-    def save(self, path: str) -> None:
-        """Write `state_dict()` atomically (temporary file in the same folder, then rename).
-
-        Data parallel: rank 0 writes (every rank holds the same state); the others wait for their own
-        work, so after `save` returns on every rank no collective of the saved steps is outstanding.
-        With `shard_state` every rank writes its own slice (`checkpoint.shard_path`: rank r > 0 to
-        `path.shard{r}-of-{W}`); `rpcompile.load` joins them, on any number of processes.
-        """
-        if self.state.shard is not None:
-            checkpoint.save(self.state_dict(), checkpoint.shard_path(path, self.rank, self.world_size))
-        elif self.rank == 0:
-            checkpoint.save(self.state_dict(), path)
-        else:
-            self._runtime.flush()
-
-    @_one_caller
-    def model(self) -> torch.nn.Module:
-        """The user's module with the current weights (every update applied, a pending one too).
-
-        Before the first plan (compiled without `example`), the module as given: nothing has trained.
-        """
-        self._check_open()
-        if self._pending is not None:
-            return self._model
-        self._runtime.flush()
-        masters = self.state.parameters_fp32()
-        with torch.no_grad():
-            for name, p in self.graph.parameters().items():
-                p.copy_(masters[name].to(p.dtype))
-            buffers = dict(self._model.named_buffers())
-            for name, b in self.state.buffers.items():  # running statistics, updated once per microbatch
-                if name in buffers:
-                    buffers[name].copy_(b)
-        return self._model
 
     @_one_caller
     def close(self) -> None:

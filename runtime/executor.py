@@ -59,7 +59,7 @@ from rpcompile.runtime.host_lanes import HostLanes
 from rpcompile.runtime.issuer import Issuer
 from rpcompile.runtime.iterations import Iterations
 from rpcompile.runtime.host.assign import assign_buffers, check_assignment
-from rpcompile.runtime.host.buffers import arena_key, pool_buffers
+from rpcompile.runtime.host.buffers import arena_views, pool_buffers
 from rpcompile.runtime.host.layout import slot_capacities, stage_layouts
 from rpcompile.runtime.host.pinned import PinnedAllocator, pinned_zeros
 from rpcompile.runtime.streams.pool import BufferPool
@@ -150,7 +150,7 @@ class Runtime(RuntimeReports):
         self.ctx.stats.add(None, "host_allocations")
         planned = pool_buffers(graph, program, dtype)
         self.host_pool = BufferPool("host", self.ctx, pin=self.pin, poison="release" if poison else None,
-                                    counter="host_allocations", views=self._arena_views(planned))
+                                    counter="host_allocations", views=arena_views(self.assignment, self.arena, planned))
         self.io = stage_io(graph, program.plan)
         self.tracked = {l: {n: state.buffers[n] for n in bufs}  # layer -> host copies of its running statistics
                         for l, bufs in tracked_buffers(graph).items()}
@@ -308,16 +308,6 @@ class Runtime(RuntimeReports):
         self.recovery.drain()
         if self.ctx.failure.error is not None:
             self.recovery.recover()
-
-    def _arena_views(self, planned: dict) -> dict:
-        """Host pool key -> its buffer as a view of the arena, for every planned key the assignment places."""
-        placed = self.assignment.by_key()
-        out = {}
-        for k in planned:
-            b = placed.get(arena_key(k))
-            if b is not None:
-                out[k] = self.arena[b.offset:b.end].view(b.dtype).view(b.shape)
-        return out
 
     def _stock_pools(self, t: int) -> None:
         """Stock each worker's pool with as many buffers of each shape as any worker's holds (`BufferPool.stock`).

@@ -37,7 +37,7 @@ from rpcompile.runtime.host.assign import assign_buffers
 from rpcompile.runtime.host.staging import graph_staging
 from rpcompile.runtime.stage.cuts import count_readers, stage_io
 
-__all__ = ["TransferBytes", "transfer_bytes", "pool_buffers", "arena_key", "per_mb", "nbytes"]
+__all__ = ["TransferBytes", "transfer_bytes", "pool_buffers", "arena_key", "arena_views", "per_mb", "nbytes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +80,18 @@ def transfer_bytes(graph: Any, program: Any, dtype: torch.dtype | None = None,
 def arena_key(key: tuple) -> tuple | None:
     """The assignment's key (`HostBuffer.key`) of a host pool key that lives in the arena, else None."""
     return key[1:] if key[0] == "t" and key[1] != "loss" else None
+
+
+def arena_views(assignment: Any, arena: torch.Tensor, keys: Any) -> dict[tuple, torch.Tensor]:
+    """Host pool key -> its buffer as a view of the byte `arena`, for every key of `keys` that `assignment`
+    places there (the others are the pool's own)."""
+    placed = assignment.by_key()
+    out = {}
+    for k in keys:
+        b = placed.get(arena_key(k))
+        if b is not None:
+            out[k] = arena[b.offset:b.end].view(b.dtype).view(b.shape)
+    return out
 
 
 
