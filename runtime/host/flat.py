@@ -67,7 +67,7 @@ class FlatGroups:
                  grad: torch.dtype = torch.float32, shard: tuple[int, int] | None = None) -> None:
         self.layout = layout
         self.seed = seed  # the stochastic rounding's seed (runtime/host/lean.py)
-        self.shard = shard  # (rank, world) when the masters and moments are sharded; None: whole
+        self.shard = shard if shard and shard[1] > 1 else None  # (rank, world) when sharded; None: whole
         rank, world = shard or (0, 1)
         self.owned = [shard_slices(n, world)[rank] for n in layout.flat]  # group -> [lo, hi) held here
         self.masters = [torch.zeros(hi - lo, dtype=master) for lo, hi in self.owned]  # group -> flat masters
@@ -86,7 +86,7 @@ class FlatGroups:
                        for n, p in params.items()}
         for n, p in params.items():
             a, b = self.part(n)
-            self.master[n].copy_(p.detach() if shard is None else p.detach().reshape(-1)[a:b])
+            self.master[n].copy_(p.detach() if self.shard is None else p.detach().reshape(-1)[a:b])
 
     def _view(self, flats: list[Tensor], name: str, shape: torch.Size) -> Tensor:
         """The view of `name` in its group's buffer of `flats`."""
@@ -95,12 +95,12 @@ class FlatGroups:
 
     def part(self, name: str, shard: tuple[int, int] | None = None) -> tuple[int, int]:
         """The elements [a, b) of parameter `name` (in its own flat order) that this rank owns (all when whole), or
-        that rank r of W owns with `shard=(r, W)` (b <= a: none)."""
-        rank, world = shard or self.shard or (0, 1)
-        lo, hi = self.owned[self.group[name]] if shard is None else shard_slices(
-            self.layout.flat[self.group[name]], world)[rank]
+        that rank r of W owns with `shard=(r, W)` (a == b: none)."""
+        g = self.group[name]
+        lo, hi = self.owned[g] if shard is None else shard_slices(self.layout.flat[g], shard[1])[shard[0]]
         off, n = self.layout.master[name], self.numel[name]
-        return min(n, max(0, lo - off)), max(0, min(n, hi - off))
+        a = min(n, max(0, lo - off))
+        return a, max(a, min(n, hi - off))
 
     def _owned(self, flats: list[Tensor], name: str, shape: torch.Size) -> Tensor:
         """The view of `name` in its group's buffer of `flats` (sharded: of its owned part, 1-D)."""
@@ -108,7 +108,7 @@ class FlatGroups:
             return self._view(flats, name, shape)
         a, b = self.part(name)
         base = self.layout.master[name] - self.owned[self.group[name]][0]
-        return flats[self.group[name]][base + a:base + max(a, b)]
+        return flats[self.group[name]][base + a:base + b]
 
     def runs(self, group: int, names: Sequence[str], key: Mapping[str, tuple]) -> list[tuple[int, int, int, tuple]]:
         """Maximal element ranges of `names` that are contiguous in the group's order and share a segment and

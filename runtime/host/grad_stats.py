@@ -155,6 +155,8 @@ class GradStats:
                 else:
                     buf.add_(grad.to(buf.device))
                 bad = not bool(torch.isfinite(buf).all())
+                if self._landed:  # sharded state without the kernels: the step unscales; these statistics
+                    self._sq[name], self._bad[name] = float(buf.double().square().sum()), bad  # (a reducer's replace)
             self._fresh[l].add(name)
             self.on_grad(l)  # hook: count the write (data parallel: the last one starts l's all-reduce)
             return not bad

@@ -160,7 +160,7 @@ class StateIO:
         if shard is None:
             return tuple(self.grad[n].shape)
         a, b = self.flat.part(n, shard)
-        return (max(0, b - a),)
+        return (b - a,)
 
     def _load_slice(self, sd: Mapping[str, Any]) -> None:
         """Copy what this state owns of the masters and moments that `sd` holds (whole, or one rank's slice)."""

@@ -114,7 +114,7 @@ class ShardedReducer(GradReducer):
             for n in names:
                 a, b = state.flat.part(n)
                 off = state.layout.master[n]
-                state.master[n].copy_(whole[off + a:off + max(a, b)])
+                state.master[n].copy_(whole[off + a:off + b])
 
     def attach(self, runtime: Any) -> None:
         """As `GradReducer.attach`, and start the all-gather lane."""
