@@ -16,7 +16,7 @@ from rpcompile.runtime.host.optimizer import HostState
 
 BF16 = torch.bfloat16
 SHAPES = {"a": (37,), "b": (5, 20), "c": (3,), "d": (9, 7), "e": (17, 3), "f": (40,)}  # odd: slices cut them
-OWNERS = {"a": (0,), "b": (0,), "c": (1,), "d": (1,), "e": (2,), "f": (0,)}
+OWNERS = {"a": (0,), "b": (0,), "c": (1,), "d": (1,), "e": (2,), "f": (0,), "z": (0,)}  # z: frozen (LoRA's base)
 MIXED = {"b": BF16, "d": torch.float16}  # with dtype=None each parameter keeps its dtype: groups 0 and 1 hold two
 # segments, so a segment's compute copies start past 0 in their block
 FP32 = rpcompile.AdamW(lr=1e-2, weight_decay=0.1)
@@ -28,6 +28,7 @@ def state(opt, shard=None, impl: str = "fused", mixed: bool = False) -> HostStat
     g = torch.Generator().manual_seed(0)
     params = {n: torch.randn(s, generator=g).to(MIXED.get(n, torch.float32) if mixed else torch.float32)
               .requires_grad_() for n, s in SHAPES.items()}
+    params["z"] = torch.randn(11, generator=g)  # frozen: a compute copy only, nothing to shard
     return HostState(params, OWNERS, 3, optimizer=dataclasses.replace(opt, impl=impl), dtype=None if mixed else BF16,
                      shard=shard)
 
@@ -77,6 +78,7 @@ def test_each_ranks_slice_steps_the_bits_of_the_whole_state_and_the_slices_cover
                     assert torch.equal(mine[a - seg.start:b - seg.start], ref[a - seg.start:b - seg.start])
     for n, t in whole.master.items():  # a parameter's parts, in rank order, are its master
         assert torch.equal(torch.cat([r.master[n].reshape(-1) for r in ranks]), t.reshape(-1)), n
+    assert "z" not in whole.master and all(torch.equal(r.compute["z"], whole.compute["z"]) for r in ranks)
 
 
 def test_the_torch_fallback_steps_the_slices_as_the_kernels_do():
