@@ -22,7 +22,7 @@ import dataclasses
 import json
 import os
 import shutil
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 try:
     import fcntl  # POSIX only: no lock without it
@@ -85,12 +85,14 @@ class OutLock:
     def __init__(self, out: str) -> None:
         self.out = out
         self._fd: int | None = None
+        self.held = False  # this run owns the folder: it locked it (or the platform has no lock to take)
         if os.path.isdir(out):
             self._lock()
 
     def _lock(self) -> None:
         """Lock the existing folder `out` (no lock where the platform or the file system has none)."""
         if fcntl is None:
+            self.held = True
             return
         try:
             fd = os.open(self.out, os.O_RDONLY)
@@ -107,11 +109,12 @@ class OutLock:
                              f"for it to end, or give another --out") from None
         except OSError:  # no flock on this file system (some network ones): no lock, as on Windows
             os.close(fd)
+            self.held = True
             return
         except BaseException:
             os.close(fd)
             raise
-        self._fd = fd
+        self._fd, self.held = fd, True
 
     def hold(self, cfg: FinetuneConfig) -> None:
         """The run starts writing: create `out` if it does not exist, lock it if it is not locked yet, and check it
@@ -123,6 +126,7 @@ class OutLock:
 
     def release(self) -> None:
         """Let another run have the folder (closing the descriptor drops the lock)."""
+        self.held = False
         if self._fd is not None:
             fd, self._fd = self._fd, None
             os.close(fd)
@@ -276,9 +280,12 @@ def check_resume_data(cfg: FinetuneConfig, run: dict[str, Any]) -> None:
 
 
 @contextlib.contextmanager
-def taken_back_if_refused(out: str, active: bool = True) -> Iterator[None]:
+def taken_back_if_refused(out: str, active: bool = True, held: Callable[[], bool] = lambda: True) -> Iterator[None]:
     """While a run prepares (its token cache, the data and memory checks), a refusal or an interrupt takes back
     what it wrote into `out`: the folder itself if this run made it, else the token-cache entries it added.
+    Only while `held()` (the run owns the folder's lock): a run refused because another one holds the folder
+    touches nothing of it (two runs started at once both find no folder; the one that loses the lock must
+    not remove what the other is writing).
 
     So a run refused before it trains leaves `out` as it found it (a data file that changed under `--resume`,
     a run that cannot fit the RAM); a cache entry it rebuilt in place (a damaged one) stays rebuilt.
@@ -300,6 +307,8 @@ def taken_back_if_refused(out: str, active: bool = True) -> Iterator[None]:
     try:
         yield
     except BaseException:
+        if not held():
+            raise
         if made:
             shutil.rmtree(out, ignore_errors=True)
         elif os.path.isdir(cache):

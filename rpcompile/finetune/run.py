@@ -141,7 +141,8 @@ def _train(cfg: FinetuneConfig, ranks: Ranks, on_step: Callable[[int, float], No
         tokenizer.chat_template = read_template(cfg.chat_template)  # used for the data, and exported
     gpus = cfg.gpus or (torch.cuda.device_count() if cuda else 2)
     micro = ranks.microbatches(cfg.microbatches or 2 * gpus * ranks.world)  # this rank's share of the step's
-    with taken_back_if_refused(cfg.out, ranks.writes and not cfg.dry_run):  # a refusal leaves out as it was
+    with taken_back_if_refused(cfg.out, ranks.writes and not cfg.dry_run,  # a refusal leaves out as it was
+                               held=lambda: any(lock.held for lock in locks)):  # (if this run owns it)
         ranks.on_rank0(lambda: [lock.hold(cfg) for lock in locks])  # the first write into out: its token cache
         train, held = _datasets(cfg, tokenizer, ranks)
         run = run_record(cfg, train, held if cfg.val_size else None)

@@ -207,3 +207,19 @@ def test_the_run_record_holds_the_state_dtypes_and_a_resume_with_another_is_refu
     check_resume(FinetuneConfig(model=files.model, data=files.train, out=str(out), resume=True, **{key: "bf16"}))
     with pytest.raises(ValueError, match=f"the settings differ .*{key}='bf16' then, 'fp32' now"):
         check_resume(FinetuneConfig(model=files.model, data=files.train, out=str(out), resume=True))
+
+
+def test_a_run_refused_because_another_holds_the_folder_takes_nothing_back(tmp_path):
+    # two runs started at once both find no folder; the one that then loses the lock must not remove the folder
+    # (or the token cache) the other is writing
+    from rpcompile.finetune.out import taken_back_if_refused
+    out = tmp_path / "o"
+    mine = OutLock(str(out))  # no folder yet: nothing locked
+    with pytest.raises(ValueError, match="is in use by another run"):
+        with taken_back_if_refused(str(out), held=lambda: mine.held):
+            other = OutLock(str(out))
+            other.hold(FinetuneConfig(model="m", data="d", out=str(out)))  # the other run makes it and locks it
+            (out / "token-cache" / "abc").mkdir(parents=True)  # ... and writes its cache
+            mine.hold(FinetuneConfig(model="m", data="d", out=str(out)))  # refused: the folder is the other's
+    assert (out / "token-cache" / "abc").is_dir() and not mine.held and other.held
+    other.release()
