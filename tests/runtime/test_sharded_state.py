@@ -204,7 +204,7 @@ def test_a_sharded_checkpoint_loads_on_one_process_and_on_another_number_of_rank
             single.step(batch(i))
         want = {n: p.detach().clone() for n, p in single.model().named_parameters()}
     uninterrupted = {}  # written -> rank 0's weights after 6 uninterrupted steps on that many ranks
-    for written, resumed in ((2, 4), (4, 2), (2, 2)):
+    for written, resumed in ((2, 4), (2, 2)):  # resharding down is W=2 -> one process below
         out = str(tmp_path / f"w{written}")
         if written not in uninterrupted:
             uninterrupted[written] = _run("write_at_3", out, written, written)[0]

@@ -129,7 +129,7 @@ def issue_case(staleness, budget=None):
                                                                          staleness=staleness), budget
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(problems())
 @example(issue_case(0))
 def test_never_slower_than_the_reference_or_an_even_plan(problem):
