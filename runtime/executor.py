@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import atexit
 import math
+import threading
 import weakref
 from typing import Any
 
@@ -192,6 +193,11 @@ class Runtime(RuntimeReports):
         me = weakref.ref(self)
         self._at_exit = lambda: me() is not None and me().close()  # threads must not outlive torch
         atexit.register(self._at_exit)
+        # dropped without close() (a handle made in a function that returns): its threads would outlive it and
+        # torch, and the interpreter's exit abort ("terminate called without an active exception")
+        self._reaper = weakref.finalize(self, _stop_threads, self.ctx, self.issuers + list(self.lanes.values()),
+                                        self.workers, self.pin)
+        self._reaper.atexit = False  # at exit `_at_exit` closes a live runtime, draining its work first
 
     @property
     def t(self) -> int:
@@ -374,21 +380,28 @@ class Runtime(RuntimeReports):
             self.recovery.drain()
         finally:
             self.closed = True
-            self.ctx.failure.fail(1 << 62, "close", RuntimeError("runtime closed"))  # release any waiter
-            for th in self.issuers + list(self.lanes.values()):
-                th.stop()
-            for th in self.issuers + list(self.lanes.values()):
-                th.join(timeout=self.ctx.timeout)
-            for w in self.workers:
-                w.close()
-            if self.pin:  # the streams are done with them: unregistered (the memory stays valid, pageable)
-                self.pin.close()
+            self._reaper()  # stops the threads (once: a finalizer runs at most once)
 
     def __enter__(self) -> "Runtime":  # noqa: D105
         return self
 
     def __exit__(self, *exc: Any) -> None:  # noqa: D105
         self.close()
+
+
+def _stop_threads(ctx: Any, threads: list, workers: list, pin: Any) -> None:
+    """Stop a runtime's threads and workers: its `close` once the work is drained, or its finalizer when it was
+    dropped unclosed (then nothing waits for its work: its results are unreachable)."""
+    ctx.failure.fail(1 << 62, "close", RuntimeError("runtime closed"))  # release any waiter
+    for th in threads:
+        th.stop()
+    for th in threads:
+        if th is not threading.current_thread():  # a finalizer may run on one of them (a collection there)
+            th.join(timeout=ctx.timeout)
+    for w in workers:
+        w.close()
+    if pin:  # the streams are done with them: unregistered (the memory stays valid, pageable)
+        pin.close()
 
 
 def check_pinned(state: Any, kind: str) -> None:
