@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import atexit
 import math
-import threading
 import weakref
 from typing import Any
 
@@ -72,7 +71,7 @@ from rpcompile.runtime.stage.cuts import chunk_elements, stage_io
 from rpcompile.runtime.stage.routing import RoutingLog
 from rpcompile.runtime.stage.runner import LayerRunner, has_random_ops, tracked_buffers
 from rpcompile.runtime.streams.host import StreamContext, duration, wait_all
-from rpcompile.runtime.transfer import RuntimeFailure, make_delay, protocol_deps
+from rpcompile.runtime.transfer import RuntimeFailure, check_pinned, make_delay, protocol_deps, stop_threads
 
 __all__ = ["Runtime", "run", "RuntimeFailure", "DEP_KINDS", "check_pinned"]
 
@@ -195,7 +194,7 @@ class Runtime(RuntimeReports):
         atexit.register(self._at_exit)
         # dropped without close() (a handle made in a function that returns): its threads would outlive it and
         # torch, and the interpreter's exit abort ("terminate called without an active exception")
-        self._reaper = weakref.finalize(self, _stop_threads, self.ctx, self.issuers + list(self.lanes.values()),
+        self._reaper = weakref.finalize(self, stop_threads, self.ctx, self.issuers + list(self.lanes.values()),
                                         self.workers, self.pin)
         self._reaper.atexit = False  # at exit `_at_exit` closes a live runtime, draining its work first
 
@@ -387,37 +386,6 @@ class Runtime(RuntimeReports):
 
     def __exit__(self, *exc: Any) -> None:  # noqa: D105
         self.close()
-
-
-def _stop_threads(ctx: Any, threads: list, workers: list, pin: Any) -> None:
-    """Stop a runtime's threads and workers: its `close` once the work is drained, or its finalizer when it was
-    dropped unclosed (then nothing waits for its work: its results are unreachable)."""
-    ctx.failure.fail(1 << 62, "close", RuntimeError("runtime closed"))  # release any waiter
-    for th in threads:
-        th.stop()
-    for th in threads:
-        if th is not threading.current_thread():  # a finalizer may run on one of them (a collection there)
-            th.join(timeout=ctx.timeout)
-    for w in workers:
-        w.close()
-    if pin:  # the streams are done with them: unregistered (the memory stays valid, pageable)
-        pin.close()
-
-
-def check_pinned(state: Any, kind: str) -> None:
-    """Refuse CUDA workers a HostState whose compute-copy blocks are pageable (their uploads would synchronise).
-
-    `cudaMemcpyAsync` from pageable memory stages through a driver buffer and may block the host, so
-    every parameter upload would stall its issuer. `compile` pins; a HostState built by hand needs
-    `pin_memory=True`.
-    """
-    if kind != "cuda":
-        return
-    pageable = [k for k, b in state.blocks.items() if not b.is_pinned()]
-    if pageable:
-        raise ValueError(f"HostState: {len(pageable)} compute-copy block(s) are not pinned (first: layer group "
-                         f"{pageable[0][0]}, {pageable[0][1]}); CUDA workers upload from pinned memory only: build it with "
-                         f"HostState.from_graph(..., pin_memory=True)")
 
 
 def run(graph, program, state, batches, **kwargs: Any) -> list[float]:

@@ -1,4 +1,5 @@
-"""The runtime's threads, failures, test delays and the protocol's extra dependencies (DESIGN.md ideas 5, 6).
+"""The runtime's threads and their stop, failures, test delays and the protocol's extra dependencies
+(DESIGN.md ideas 5, 6).
 
 - `LaneThread`: a FIFO of work items on one thread. Each worker's issuer and
   each host lane (gradient accumulation, optimizer, copy) is one.
@@ -25,8 +26,8 @@ from typing import Any, Callable
 from rpcompile.ir.program import Op, Ref
 from rpcompile.runtime.streams.host import DEADLINE_FLOOR_S
 
-__all__ = ["LaneThread", "make_delay", "RuntimeFailure", "NonFiniteError", "protocol_deps", "plan_deadline",
-           "DEADLINE_FACTOR"]
+__all__ = ["LaneThread", "stop_threads", "check_pinned", "make_delay", "RuntimeFailure", "NonFiniteError",
+           "protocol_deps", "plan_deadline", "DEADLINE_FACTOR"]
 
 DEADLINE_FACTOR = 20.0  # a default deadline is at least this multiple of the iteration's predicted serial work
 OPTIMIZER_BYTES_PER_S = 1e8  # the CPU optimizer priced (pessimistically) at 100 MB of gradient per second
@@ -112,6 +113,37 @@ class LaneThread(threading.Thread):
     def stop(self) -> None:
         """Ask the thread to exit after its queued items."""
         self.queue.put(None)
+
+
+def stop_threads(ctx: Any, threads: list, workers: list, pin: Any) -> None:
+    """Stop a runtime's threads and workers: its `close` once the work is drained, or its finalizer when it was
+    dropped unclosed (then nothing waits for its work: its results are unreachable)."""
+    ctx.failure.fail(1 << 62, "close", RuntimeError("runtime closed"))  # release any waiter
+    for th in threads:
+        th.stop()
+    for th in threads:
+        if th is not threading.current_thread():  # a finalizer may run on one of them (a collection there)
+            th.join(timeout=ctx.timeout)
+    for w in workers:
+        w.close()
+    if pin:  # the streams are done with them: unregistered (the memory stays valid, pageable)
+        pin.close()
+
+
+def check_pinned(state: Any, kind: str) -> None:
+    """Refuse CUDA workers a HostState whose compute-copy blocks are pageable (their uploads would synchronise).
+
+    `cudaMemcpyAsync` from pageable memory stages through a driver buffer and may block the host, so
+    every parameter upload would stall its issuer. `compile` pins; a HostState built by hand needs
+    `pin_memory=True`.
+    """
+    if kind != "cuda":
+        return
+    pageable = [k for k, b in state.blocks.items() if not b.is_pinned()]
+    if pageable:
+        raise ValueError(f"HostState: {len(pageable)} compute-copy block(s) are not pinned (first: layer group "
+                         f"{pageable[0][0]}, {pageable[0][1]}); CUDA workers upload from pinned memory only: build "
+                         f"it with HostState.from_graph(..., pin_memory=True)")
 
 
 def make_delay(spec: Any) -> Callable[[int, str, str], float] | None:
