@@ -180,11 +180,12 @@ def _passes(model: torch.nn.Module, example: Any, opts: Options, m: int, mode: s
     # 4-5. choose the stage grouping (and, for a hardware target, the round size) and emit the program
     # (measured costs: on the device `estimate_costs` measured them on, CUDA if there is one, else the CPU)
     tie = measured_tie("cuda" if torch.cuda.is_available() else "cpu") if mode == "measure" else 0.0
-    plan, program, timeline = _plan_and_emit(graph, costs, opts, m, budget, tie=tie)
+    plan, program, timeline, assignment = _plan_and_emit(graph, costs, opts, m, budget, tie=tie)
     # 6. check it: dependencies, coverage, the per-layer rules R1-R5, device memory
     passes.verify(program, costs=costs, memory_budget=budget)
-    # 7. place the host buffers of the values crossing cuts in one arena by their live ranges; then host memory
-    assignment = assign_buffers(graph, program, opts.dtype)
+    # 7. place the host buffers of the values crossing cuts in one arena by their live ranges (unless choosing
+    # the round size did already); then host memory
+    assignment = assignment or assign_buffers(graph, program, opts.dtype)
     if timeline is None:  # a simulated program was chosen among those whose run fits the host: checked already
         _check_host(graph, costs, plan, opts, m, program.round_size, program, assignment)
     return graph, costs, plan, program, m, units, timeline, assignment
@@ -227,7 +228,8 @@ def _refusal(costs: CostTable, budget: int | None) -> str | None:
 def _plan_and_emit(graph: LayerGraph, costs: CostTable, opts: Options, m: int, budget: int | None,
                    tie: float = 0.0):
     """partition (with `tie`) + emit, at the round size chosen as the Note says: (plan, program, the
-    chosen program's simulated Timeline or None without a hardware target).
+    chosen program's simulated Timeline or None without a hardware target, its BufferAssignment if checking
+    the host memory built it, else None).
 
     Note: round size. The partitioner's objective is the compute-only schedule time, and one round
     of all M microbatches uploads every stage's parameters once per iteration instead of M / R
@@ -251,21 +253,23 @@ def _plan_and_emit(graph: LayerGraph, costs: CostTable, opts: Options, m: int, b
     if opts.hardware is None:
         if opts.gpus == 1 and m != default:
             plan, program = emitted(m)
-            if _fits_host(graph, costs, plan, opts, m, m, program):
-                return plan, program, None
-        return (*emitted(default), None)
+            fits, assignment = _fits_host(graph, costs, plan, opts, m, m, program)
+            if fits:
+                return plan, program, None, assignment
+        return (*emitted(default), None, None)
     best = first = None
     for r in dict.fromkeys((default, m)):
         plan, program = emitted(r)
-        first = first or (plan, program)
-        if not _fits_host(graph, costs, plan, opts, m, r, program):
+        fits, assignment = _fits_host(graph, costs, plan, opts, m, r, program)
+        first = first or (plan, program, None, assignment)
+        if not fits:
             continue  # a round of r microbatches' saved inputs is more than the host holds: not a choice
         k = steady_iterations(program) if opts.staleness else 1
         timeline = simulate(program, costs, opts.hardware, iterations=k)
         if best is None or timeline.steady_iteration_time < best[0]:
-            best = (timeline.steady_iteration_time, plan, program, timeline)
+            best = (timeline.steady_iteration_time, plan, program, timeline, assignment)
     if best is None:  # neither fits: the default round's plan, which the host check then refuses by its bytes
-        return (*first, None)
+        return first
     return best[1:]
 
 
@@ -287,19 +291,21 @@ def host_need(graph: LayerGraph, costs: CostTable, plan, opts: Options, program:
 
 
 def _fits_host(graph: LayerGraph, costs: CostTable, plan, opts: Options, m: int, round_size: int,
-               program: Any) -> bool:
-    """Whether the run fits the host memory at `round_size`: at once if it fits with one buffer per value
-    crossing a cut (`unshared`, an upper bound), else with the buffers assigned."""
+               program: Any) -> tuple[bool, Any]:
+    """(whether the run fits the host memory at `round_size`, the program's BufferAssignment if this built it,
+    else None): it fits at once if it fits with one buffer per value crossing a cut (`unshared`, an upper
+    bound), else if it fits with the buffers assigned."""
     try:  # no arena is larger than one buffer each: fitting with that is fitting
         _check_host(graph, costs, plan, opts, m, round_size, program, unshared(graph, program, opts.dtype))
-        return True
+        return True, None
     except ValueError:
         pass
+    assignment = assign_buffers(graph, program, opts.dtype)
     try:
-        _check_host(graph, costs, plan, opts, m, round_size, program, assign_buffers(graph, program, opts.dtype))
+        _check_host(graph, costs, plan, opts, m, round_size, program, assignment)
     except ValueError:
-        return False
-    return True
+        return False, assignment
+    return True, assignment
 
 
 def _shard_head(graph: LayerGraph, shards: int | str, costs: CostTable, budget: int | None = None,

@@ -263,6 +263,21 @@ def test_with_a_hardware_target_each_emitted_programs_host_memory_is_counted_onc
         assert assigned == [c.program]  # both fit with one buffer per value: only the chosen one is packed
 
 
+def test_a_program_whose_host_check_packed_its_buffers_is_not_packed_again(monkeypatch):
+    # where one buffer per value does not fit (here: the unshared arena made huge), choosing the round size
+    # packs each program's buffers to check it; the chosen program's packing is the one compile keeps
+    import dataclasses
+    real_unshared = pipeline.unshared
+    monkeypatch.setattr(pipeline, "unshared", lambda *a: dataclasses.replace(real_unshared(*a), arena=2**60))
+    assigned = []
+    monkeypatch.setattr(pipeline, "assign_buffers", lambda *a: assigned.append(a[1]) or assign_buffers(*a))
+    roomy = Hardware.preset("cpu").replace(host_memory=2**34)
+    with rpcompile.compile(TinyLlama(CFG), hardware=roomy, gpus=2, example=batch(), microbatches=4,
+                           memory_budget=2**18, backend="host") as c:
+        assert len(assigned) == 2 and len({id(p) for p in assigned}) == 2, assigned  # once each (was: 3)
+        assert any(p is c.program for p in assigned)
+
+
 def test_the_host_line_names_the_saved_activations_only_where_no_arena_holds_them():
     """Without a buffer assignment the saved inputs are their own term; with one they are in the arena, which
     the line names instead (the total is the same sum either way)."""
