@@ -150,7 +150,8 @@ def shard_slices(numel: int, world: int, align: int = SEGMENT) -> list[tuple[int
     The buffer is cut into units of `align` elements (the last one may be shorter); rank r owns a
     contiguous run of them, the first `units % world` ranks one unit more than the others. So every
     element is owned exactly once, every non-empty slice starts at a multiple of `align` (16 elements, the
-    host layout's SEGMENT: 64 bytes of fp32, 32 of bf16), slices differ by at most `align` elements,
+    host layout's SEGMENT: 64 bytes of fp32, 32 of bf16), slices differ by at most one unit (and the
+    last unit's shortfall: under 2 * `align` elements),
     and the ranks past the last unit own empty slices (numel < world * align). It depends on the
     three numbers only (`runtime.host.shard_comm` sums and gathers these slices;
     `passes/cost/host_bytes.py` counts a rank's share with them).
