@@ -26,9 +26,19 @@ B, M, STEPS, WORLD = 8, 4, 6, 2  # global batch B in M microbatches; each of WOR
 ADAMW = rpcompile.AdamW(lr=1e-2, weight_decay=0.1, max_grad_norm=0.5)  # the C++ kernels, decay, global-norm clip
 
 
-def make(staleness: int, example: dict, microbatches: int, optimizer=ADAMW, **kw) -> rpcompile.Compiled:
-    return rpcompile.compile(TinyLlama(CFG), gpus=2, example=example, microbatches=microbatches,
+def make(staleness: int, example: dict, microbatches: int, optimizer=ADAMW, model=None,
+         **kw) -> rpcompile.Compiled:
+    return rpcompile.compile(model or TinyLlama(CFG), gpus=2, example=example, microbatches=microbatches,
                              staleness=staleness, optimizer=optimizer, memory_budget=2**20, backend="host", **kw)
+
+
+def other_start(rank: int) -> TinyLlama:
+    """The model, its weights moved on ranks other than 0: the run must start from rank 0's (broadcast)."""
+    model = TinyLlama(CFG)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * rank)
+    return model
 
 
 LEAN = rpcompile.AdamW(lr=1e-2, weight_decay=0.1, state_dtype=torch.bfloat16, master_dtype=torch.bfloat16,
@@ -90,13 +100,20 @@ def worker(out: str) -> None:
     rank = int(os.environ["RANK"])
     res = {}
     for st in (0, 1):
-        with make(st, shard(batch(0), rank, WORLD), M // WORLD, dist=DistConfig(timeout_s=60), shard_state=True) as c:
+        with make(st, shard(batch(0), rank, WORLD), M // WORLD, dist=DistConfig(timeout_s=60), shard_state=True,
+                  model=other_start(rank)) as c:
             res[f"loss{st}"] = [c.step(shard(batch(i), rank, WORLD)) for i in range(STEPS)]
             res[f"need{st}"], res[f"allocated{st}"] = dataclasses.asdict(c.host_bytes()), allocated(c.state)
             res[st] = {n: p.detach().clone() for n, p in c.model().named_parameters()}  # gathered: a collective
             res[f"compute{st}"] = {n: t.clone() for n, t in c.state.compute.items()}
             res[f"owned{st}"] = [hi - lo for lo, hi in c.state.flat.owned]
             res[f"flat{st}"] = list(c.state.layout.flat)
+            if rank == 1:  # then rank 1's part of the averaged gradient alone reports a non-finite value (as a
+                real = c.state.reduce_scatter_grads  # NaN in the other rank's contribution would): the
+                c.state.reduce_scatter_grads = lambda *a: (real(*a)[0], True)  # statistics are global, so
+            c.step(shard(batch(STEPS), rank, WORLD))  # both ranks skip the step, as fp16's overflow
+            c._runtime.flush()
+            res[f"after{st}"] = {n: p.detach().clone() for n, p in c.model().named_parameters()}
     torch.save(res, f"{out}.{rank}")
 
 
@@ -153,8 +170,10 @@ def resume_at_3(out: str, path: str, world: int) -> None:
 
 
 def test_two_processes_with_sharded_state_train_like_one_process_on_the_global_batch(tmp_path):
-    got = _run("worker", str(tmp_path / "s"))
+    got = _run("worker", str(tmp_path / "s"))  # rank 1 built its model with other weights: rank 0's are broadcast
     for st in (0, 1):
+        for r in range(WORLD):  # the statistics are global: rank 0 skips the step rank 1's part made non-finite
+            assert all(torch.equal(got[r][f"after{st}"][n], v) for n, v in got[r][st].items()), r
         owned = [got[r][f"owned{st}"] for r in range(WORLD)]
         assert [sum(x) for x in zip(*owned)] == got[0][f"flat{st}"]  # the slices cover every group once
         assert all(0 < a < f for a, f in zip(owned[0], got[0][f"flat{st}"]) if f > 16)  # and are real slices
