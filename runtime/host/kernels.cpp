@@ -27,7 +27,8 @@
 //       an fp32 or bf16 gradient g;
 //       out = cast(the stored p).
 //   cast(src, out, out_kind, n, threads)
-//       out = cast(src): fp32 -> fp32, bf16 or fp16, round to nearest even (as Tensor.to).
+//       out = cast(src): fp32 -> fp32, bf16 or fp16, round to nearest even (as Tensor.to); a bf16 out of 1 MiB or
+//       more with non-temporal stores (written around the cache: not read first).
 //
 // Kinds: 0 none (no output), 1 float32, 2 bfloat16, 3 float16.
 #define PY_SSIZE_T_CLEAN
@@ -320,9 +321,18 @@ void sgd_t(P* p, const G* g, float* buf, O* out, int64_t n, int threads, SgdArgs
 }
 
 // ---- cast: the compute copy ------------------------------------------------------------------------
+constexpr int64_t STREAM_MIN_BYTES = int64_t{1} << 20;  // a bf16 copy this large is written around the cache (a
+// smaller one likely stays in the cache for the uploads that read it next, where streaming would send them to memory)
+
 template <typename O>
 void cast_t(const float* src, O* out, int64_t n, int threads) {
+    const bool stream = std::is_same<O, bf16>::value && n * 2 >= STREAM_MIN_BYTES;
     for_blocks(n, threads, [=](int64_t, int64_t lo, int64_t hi) {
+#if RP_AVX512
+        if constexpr (std::is_same<O, bf16>::value) {
+            if (stream) lo = v512::cast_stream(src, out, lo, hi);  // the intrinsics' loop, then this one for the tail
+        }
+#endif
 #pragma omp simd
         for (int64_t i = lo; i < hi; ++i) out[i] = from_float<O>(src[i]);
     });
