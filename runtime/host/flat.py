@@ -163,12 +163,15 @@ class FlatGroups:
 
     def cast(self, kernels: Kernels | None, group: int, out: Mapping[torch.dtype, Tensor]) -> None:
         """Write every master of `group` (sharded: its owned slice) into its compute copy (`out`: dtype -> the
-        group's block), one call a segment (bf16 masters, or no kernels: torch's copy, a plain copy into bf16
-        and exact into float32)."""
+        group's block), one call a segment (the kernels' cast, also of a bf16 master into a bf16 copy; else
+        torch's copy, a plain copy into bf16 and exact into float32)."""
         own_lo, own_hi = self.owned[group]
         for s in self.layout.segments[group]:
             lo, hi = max(s.start, own_lo), min(s.stop, own_hi)
             if lo >= hi:
                 continue
             src, dst = self.masters[group][lo - own_lo:hi - own_lo], out[s.dtype][lo - s.start:hi - s.start]
-            kernels.cast(src, dst) if src.dtype == torch.float32 and kernels is not None else dst.copy_(src)
+            if kernels is not None and (src.dtype == torch.float32 or src.dtype == dst.dtype == torch.bfloat16):
+                kernels.cast(src, dst)
+            else:
+                dst.copy_(src)

@@ -26,9 +26,9 @@
 //       torch.optim.SGD's update (buf = 0 for no momentum) of an fp32 or a bf16 master p (rounded as above) with
 //       an fp32 or bf16 gradient g;
 //       out = cast(the stored p).
-//   cast(src, out, out_kind, n, threads)
-//       out = cast(src): fp32 -> fp32, bf16 or fp16, round to nearest even (as Tensor.to); a bf16 out of 1 MiB or
-//       more with non-temporal stores (written around the cache: not read first).
+//   cast(src, out, out_kind, n, threads, bf16_src=0)
+//       out = cast(src): fp32 -> fp32, bf16 or fp16, round to nearest even (as Tensor.to), or bf16 -> bf16 (a copy);
+//       a bf16 out of 1 MiB or more with non-temporal stores (written around the cache: not read first).
 //
 // Kinds: 0 none (no output), 1 float32, 2 bfloat16, 3 float16.
 #define PY_SSIZE_T_CLEAN
@@ -330,11 +330,21 @@ void cast_t(const float* src, O* out, int64_t n, int threads) {
     for_blocks(n, threads, [=](int64_t, int64_t lo, int64_t hi) {
 #if RP_AVX512
         if constexpr (std::is_same<O, bf16>::value) {
-            if (stream) lo = v512::cast_stream(src, out, lo, hi);  // the intrinsics' loop, then this one for the tail
+            if (stream) lo = v512::stream_bf16(src, out, lo, hi);  // the intrinsics' loop, then this one for the tail
         }
 #endif
 #pragma omp simd
         for (int64_t i = lo; i < hi; ++i) out[i] = from_float<O>(src[i]);
+    });
+}
+
+void copy_t(const bf16* src, bf16* out, int64_t n, int threads) {  // a bf16 master's compute copy
+    const bool stream = n * 2 >= STREAM_MIN_BYTES;
+    for_blocks(n, threads, [=](int64_t, int64_t lo, int64_t hi) {
+#if RP_AVX512
+        if (stream) lo = v512::stream_bf16(src, out, lo, hi);
+#endif
+        std::memcpy(out + lo, src + lo, static_cast<size_t>(hi - lo) * 2);
     });
 }
 
@@ -516,7 +526,15 @@ PyObject* cast(PyObject*, PyObject* args) {
     unsigned long long src, out;
     int kind, threads;
     long long n;
-    if (!PyArg_ParseTuple(args, "KKiLi", &src, &out, &kind, &n, &threads)) return nullptr;
+    int bf16_src = 0;
+    if (!PyArg_ParseTuple(args, "KKiLi|i", &src, &out, &kind, &n, &threads, &bf16_src)) return nullptr;
+    if (bf16_src) {  // a bf16 master into its bf16 copy
+        if (kind != 2) return bad_kind(kind);
+        Py_BEGIN_ALLOW_THREADS
+        copy_t(reinterpret_cast<const bf16*>(src), reinterpret_cast<bf16*>(out), int64_t(n), threads);
+        Py_END_ALLOW_THREADS
+        Py_RETURN_NONE;
+    }
     return released<CastF>(kind, out, reinterpret_cast<const float*>(src), int64_t(n), threads);
 }
 
@@ -530,7 +548,7 @@ PyMethodDef methods[] = {
                                              "beta2, w2, eps, neg_step, bc2_sqrt, key, offset, lean)"},
     {"sgd", sgd, METH_VARARGS, "sgd(p, g, buf, out, kind, n, threads, factor, wd, momentum, damp, neg_lr, "
                                "nesterov, first, has_momentum, key, offset, bf16_master, bf16_grad)"},
-    {"cast", cast, METH_VARARGS, "cast(src, out, kind, n, threads)"},
+    {"cast", cast, METH_VARARGS, "cast(src, out, kind, n, threads, bf16_src=0)"},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

@@ -128,10 +128,12 @@ class Kernels:
                         key & M32, offset, master == torch.bfloat16, g.dtype == torch.bfloat16)
 
     def cast(self, src: Tensor, out: Tensor) -> None:
-        """out = src.to(out.dtype) (fp32 src; fp32, bf16 or fp16 out; round to nearest even), in one pass."""
-        _check("cast", src, torch.float32, src.numel())
+        """out = src.to(out.dtype) (fp32 src: fp32, bf16 or fp16 out, round to nearest even; a bf16 src: bf16 out), in
+        one pass; a bf16 out of 1 MiB or more is written around the cache (non-temporal stores, with AVX-512)."""
+        same = src.dtype == torch.bfloat16 and out.dtype == torch.bfloat16
+        _check("cast", src, torch.bfloat16 if same else torch.float32, src.numel())
         _check("cast", out, out.dtype, src.numel())
-        self.module.cast(src.data_ptr(), out.data_ptr(), _kind(out), src.numel(), _threads())
+        self.module.cast(src.data_ptr(), out.data_ptr(), _kind(out), src.numel(), _threads(), int(same))
 
 
 def _check(op: str, t: Tensor, dtype: torch.dtype, n: int) -> None:

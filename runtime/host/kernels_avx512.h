@@ -142,17 +142,23 @@ int64_t adamw_lean(P* p, const G* g, S* m, S* v, O* o, int64_t lo, int64_t hi, c
     return i;
 }
 
-// cast_t's loop for a large bf16 copy (`STREAM_MIN_BYTES` or more) over [lo, hi): the scalar cast up to out's first
-// 64-byte boundary, then 32 values a step with non-temporal stores, which write each line around the cache instead
-// of reading it first (a copy written whole, then read by the uploads: on one core of an EPYC 48M values took 10
-// instead of 14 ms); returns where it stopped (the scalar loop does the rest). The bits are from_float<bf16>'s.
-inline int64_t cast_stream(const float* src, bf16* out, int64_t lo, int64_t hi) {
+// 32 bf16 values from src + i: float32 rounded to nearest even (from_float<bf16>'s bits), bf16 as they are.
+inline I bf16_bits(const float* src, int64_t i) {
+    return pack(round_nearest<true>(load(src + i)), round_nearest<true>(load(src + i + 16)));
+}
+inline I bf16_bits(const bf16* src, int64_t i) { return _mm512_loadu_si512(src + i); }
+inline bf16 one_bf16(float x) { return from_float<bf16>(x); }
+inline bf16 one_bf16(bf16 x) { return x; }
+
+// cast_t's and copy_t's loop for a large bf16 compute copy (`STREAM_MIN_BYTES` or more) over [lo, hi): one value at
+// a time up to out's first 64-byte boundary, then 32 a step with non-temporal stores, which write each line
+// around the cache instead of reading it first (a copy written whole, then read by the uploads: on one core of an
+// EPYC 48M values from fp32 took 10 instead of 14 ms); returns where it stopped (the caller's loop does the rest).
+template <typename S>
+inline int64_t stream_bf16(const S* src, bf16* out, int64_t lo, int64_t hi) {
     int64_t i = lo;
-    for (; i < hi && (reinterpret_cast<uintptr_t>(out + i) & 63) != 0; ++i) out[i] = from_float<bf16>(src[i]);
-    for (; i + 32 <= hi; i += 32) {
-        const I a = round_nearest<true>(load(src + i)), b = round_nearest<true>(load(src + i + 16));
-        _mm512_stream_si512(reinterpret_cast<__m512i*>(out + i), pack(a, b));
-    }
+    for (; i < hi && (reinterpret_cast<uintptr_t>(out + i) & 63) != 0; ++i) out[i] = one_bf16(src[i]);
+    for (; i + 32 <= hi; i += 32) _mm512_stream_si512(reinterpret_cast<__m512i*>(out + i), bf16_bits(src, i));
     _mm_sfence();  // this thread's streamed lines before its next stores (the kernel's return: the caller's event)
     return i;
 }

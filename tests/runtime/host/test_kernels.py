@@ -54,12 +54,14 @@ def test_cast_is_bitwise_to_dtype(dtype):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_large_bf16_copy_written_around_the_cache_has_the_same_bits_and_stays_in_its_view(threads):
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])  # an fp32 master's copy, a bf16 master's
+def test_a_large_bf16_copy_written_around_the_cache_has_the_same_bits_and_stays_in_its_view(src_dtype, threads):
     # 1 MiB and more of bf16 streams (non-temporal stores from out's first 64-byte boundary): a view that starts
     # 3 elements into its buffer has a scalar head, whole blocks of 32 and a tail; NaNs land in each part
     n = 700_001
     x = specials(n, seed=3)
     x[[1, 40, 1000, n // 2, n - 5]] = float("nan")
+    x = x.to(src_dtype)
     whole = torch.full((n + 10,), -7.0, dtype=torch.bfloat16)
     out = whole[3:3 + n]
     old = torch.get_num_threads()
