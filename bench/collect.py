@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 ORDER = ("trace", "costs", "long_seq", "partition", "partition_qwen3-235b-a22b", "plan_stability", "compile_zoo",
-         "schedules_sim", "schedules", "plan_cli", "runtime_cpu", "runtime_cpu_compare", "optimizer", "dispatch_mode", "checkpoint_memory",
+         "schedules_sim", "schedules", "plan_cli", "runtime_cpu", "runtime_cpu_compare", "optimizer", "optimizer_passes", "dispatch_mode", "checkpoint_memory",
          "data_memory", "token_cache_checks", "finetune_startup", "distributed", "gpu")
 TITLES = {
     "trace": "Trace time (issue 2)", "costs": "Cost model: predicted vs measured (issue 3)",
@@ -25,6 +25,7 @@ TITLES = {
     "runtime_cpu": "Runtime on this CPU: compiled vs eager, host waits, allocations (issues 6, 12)",
     "runtime_cpu_compare": "Runtime on this CPU: compiled / eager now and before the host optimizer's kernels (issue 32)",
     "optimizer": "The host optimizer at memory speed (issues 6, 32)",
+    "optimizer_passes": "The host side pass by pass, against the tree before the streamed compute copies (issue 48)",
     "dispatch_mode": "The RNG dispatch mode's cost on a layer with dropout (issue 22)",
     "checkpoint_memory": "Checkpoint memory: peak extra RSS of save and load (issue 23)", "distributed": "Data parallelism across processes (issue 9)",
     "data_memory": "Fine-tuning data: peak RSS of tokenizing and packing (issue 25)",
