@@ -7,7 +7,7 @@ hardware's host memory, or this machine's RAM.
     >>> check_host_memory(torch.nn.Linear(1024, 1024), microbatches=4, dtype=torch.bfloat16, limit=2**20)
     Traceback (most recent call last):
     ...
-    ValueError: host memory: the run needs 18.0 MiB (18892800 bytes: weights 2.0 MiB, fp32 masters 4.0 MiB, ...
+    ValueError: host memory: the run needs 20.0 MiB (20992000 bytes: weights 2.0 MiB, fp32 masters 4.0 MiB, ...
 """
 from __future__ import annotations
 
@@ -61,8 +61,8 @@ def check_host_memory(model: Any, costs: Any = None, plan: Any = None, *, microb
         ValueError: one line naming the bytes by category, the limit, and what to change.
 
     >>> import torch
-    >>> check_host_memory(torch.nn.Linear(2, 2), microbatches=1, limit=2**20).total  # 6 fp32 elements x 20 B
-    120
+    >>> check_host_memory(torch.nn.Linear(2, 2), microbatches=1, limit=2**20).total  # 6 fp32 elements x 24 B
+    144
     """
     need = host_bytes(model, costs, plan, microbatches=microbatches, staleness=staleness, optimizer=optimizer,
                       dtype=dtype, gpus=gpus, round_size=round_size, program=program, assignment=assignment,

@@ -69,8 +69,10 @@ class HostLanes:
             counts them).
         committed: iterations < this have passed their commit point (their first STEP): no undo.
         skipped: iterations skipped for a non-finite loss or gradient (on_nonfinite="skip").
-        backups: iteration -> compute-copy blocks its COPYs overwrote before it committed (staleness 1),
-            in persistent buffers (`_backup_bufs`); bad: iteration -> lowest group with a non-finite gradient.
+        backups: iteration -> the compute-copy regions its COPYs overwrote before it committed (staleness 1:
+            each group's trainable parameters' copies, `_copied_regions`), in buffers allocated once, one per
+            region (`_backup_bufs`; `host_bytes` counts them as `undo`); bad: iteration -> lowest group with a
+            non-finite gradient.
 
     Handed: ctx (StreamContext), state (HostState: its gradients, steps and copies are this object's to
     run), graph (layer names for messages), layouts (stage_layouts), its (Iterations: lookups, and the
@@ -98,7 +100,8 @@ class HostLanes:
         self.committed = its.first
         self.skipped: list[int] = []
         self._backups: dict[int, dict] = {}
-        self._backup_bufs: dict[tuple, list] = {}
+        self._backup_bufs = _undo_buffers(state) if its.program.staleness == 1 else {}
+        ctx.stats.add(None, "host_allocations", len(self._backup_bufs))
         self._bad: dict[int, int] = {}
         self._lock = threading.Lock()
 
@@ -134,7 +137,7 @@ class HostLanes:
         forget their events and non-finite records."""
         for t in sorted((t for t in self._backups if t >= u), reverse=True):
             for key, v in self._backups.pop(t).items():
-                self.state.blocks[key].copy_(v)
+                self.state.blocks[key][:v.numel()].copy_(v)
         with self._lock:
             for k in [k for k in self.events if k[0] >= u]:
                 del self.events[k]
@@ -260,22 +263,31 @@ class HostLanes:
         with self._lock:
             if info.program.staleness == 1 and t >= self.committed:
                 bak = self._backups.setdefault(t, {})
-                for key, block in self.state.blocks.items():
-                    if key[0] == c.layer and key not in bak:
-                        bak[key] = self._backup_buffer(key, block, t)
+                for key, region in _copied_regions(self.state, c.layer).items():
+                    if key not in bak:
+                        bak[key] = self._backup_buffer(key, region, t)
         self.state.copy(c.layer)
         self.state.on_copied(c.layer, self.events[(t, c.name)]._set)  # sharded state: set once gathered
 
-    def _backup_buffer(self, key: tuple, block: torch.Tensor, t: int) -> torch.Tensor:
-        """A copy of a host block in a persistent buffer (two per block: iterations t and t+1 may both copy)."""
+    def _backup_buffer(self, key: tuple, region: torch.Tensor, t: int) -> torch.Tensor:
+        """A copy of a compute block's region that COPY overwrites, in the persistent buffer allocated for it.
+
+        One per region is enough: iteration t + 1's COPY of a group follows iteration t's STEP of it (R5),
+        which commits t and drops its backups. Should a second be needed, it is allocated here, and
+        `stats()` shows the allocation after warm-up (the tests check there is none).
+        """
         bufs = self._backup_bufs.setdefault(key, [])
         used = {id(b) for bak in self._backups.values() for b in bak.values()}
         free = [b for b in bufs if id(b) not in used]
         if not free:
-            free = [torch.empty_like(block)]
+            free = [torch.empty_like(region)]
             bufs.append(free[0])
             self.ctx.stats.add(t, "host_allocations")
-        free[0].copy_(block)
+        kernels = self.state.kernels
+        if kernels is not None and region.dtype == torch.bfloat16:  # written whole, read only to undo: streamed
+            kernels.cast(region, free[0])
+        else:
+            free[0].copy_(region)
         return free[0]
 
     def _host_deps(self, t: int, ins, info: Any, skip: tuple | None = None) -> None:
@@ -351,3 +363,15 @@ def _copies(plan: StagingPlan, layouts: Any) -> dict[str, tuple]:
                         copies.append((d, src, dst, k))
             out[name] = tuple(copies)
     return out
+
+
+def _copied_regions(state: Any, layer: int) -> dict[tuple, torch.Tensor]:
+    """(layer, dtype) -> the region of that compute block that COPY `layer` writes: the group's trainable
+    parameters' copies, [0, stop - start) of each of its segments (frozen parameters' copies never change)."""
+    return {(layer, s.dtype): state.blocks[(layer, s.dtype)][:s.stop - s.start] for s in state.layout.segments[layer]}
+
+
+def _undo_buffers(state: Any) -> dict[tuple, list]:
+    """One buffer per region a COPY overwrites (`_copied_regions`), allocated once (staleness 1's undo)."""
+    return {key: [torch.empty_like(region)] for layer in range(len(state.groups))
+            for key, region in _copied_regions(state, layer).items()}

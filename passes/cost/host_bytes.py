@@ -33,8 +33,9 @@ from its forward to its backward, so R microbatches hold every backward stage's
 input; the rotation has no drain (the next round, with staleness 1 also the
 next iteration's first, starts on a worker as soon as it is free), so the last
 N - 1 backward stages of the previous round still hold theirs and count once
-more. An estimate for admission, not an
-allocator trace: Python overheads are left out, and the runtime's transfer buffers
+more. With staleness 1 the runtime also keeps one more copy of the trainable parameters' compute copies
+(`undo`: what an iteration's COPYs overwrote before it committed, restored if it fails). An estimate for
+admission, not an allocator trace: Python overheads are left out, and the runtime's transfer buffers
 (gradient staging, the host pool) are added by `rpcompile.hostmem` when it has the program.
 """
 from __future__ import annotations
@@ -72,6 +73,8 @@ class HostBytes:
     master_size: int = 4  # bytes of one master element: 4 (fp32), 2 (bf16, `master_dtype=torch.bfloat16`)
     servers: int = 1   # W: with W > 1 `masters` and `optimizer` are one server's share of the state sharded over W
                        # data-parallel servers (`host_bytes(shard=)`); the rest is whole on every server
+    undo: int = 0      # staleness 1: one more copy of the trainable parameters' compute copies (`trainable_weights`),
+                       # the version an iteration's COPYs overwrote before it committed, to undo them if it fails
 
     @property
     def state_per_param(self) -> float:
@@ -90,23 +93,29 @@ class HostBytes:
 
         >>> HostBytes(0, 40, 40, 40, 0, 0, trainable=10, trainable_weights=20).per_param_line()
         'parameter state: 14.0 B per trainable parameter (compute copy 2.0, master 4.0, gradient 4.0, optimizer state 4.0)'
+        >>> HostBytes(0, 40, 40, 40, 0, 0, trainable=10, trainable_weights=20, undo=20).per_param_line()[-50:]
+        'state 4.0; staleness 1 adds 2.0 for the undo copy)'
         """
         t = self.trainable or 1
         where = f" on one server of {self.servers} (its share of the masters and moments)" if self.servers > 1 else ""
+        undo = f"; staleness 1 adds {self.undo / t:.1f} for the undo copy" if self.undo else ""
         return (f"parameter state{where}: {self.state_per_param:.1f} B per trainable parameter (compute copy "
                 f"{self.trainable_weights / t:.1f}, master {self.masters / t:.1f}, gradient {self.grads / t:.1f}, "
-                f"optimizer state {self.optimizer / t:.1f})")
+                f"optimizer state {self.optimizer / t:.1f}{undo})")
 
     @property
     def total(self) -> int:
         """All of it, in bytes."""
-        return self.weights + self.masters + self.grads + self.optimizer + self.activations + self.buffers
+        return self.weights + self.masters + self.grads + self.optimizer + self.activations + self.buffers + self.undo
 
     def __str__(self) -> str:
         kind = "fp32" if self.master_size == 4 else "bf16"
         share = f" (1 of {self.servers} shares)" if self.servers > 1 else ""
         parts = [f"weights {_gib(self.weights)}", f"{kind} masters {_gib(self.masters)}{share}",
                  f"gradients {_gib(self.grads)}", f"optimizer state {_gib(self.optimizer)}{share}"]
+        if self.undo:
+            parts.append(f"undo copies {_gib(self.undo)} (staleness 1: the trainable weights' copies an unfinished "
+                         f"iteration overwrote)")
         if self.in_flight and not self.arena:
             parts.append(f"saved activations {_gib(self.activations)} for {self.in_flight} microbatches per round "
                          f"(+ the previous round's last stages)")
@@ -128,7 +137,8 @@ def host_bytes(model: Any, costs: Any = None, plan: Any = None, *, microbatches:
             HostState) or an `nn.Module` (every parameter, e.g. on the meta device before tracing).
         costs, plan: the CostTable and StagePlan; without them the activations count 0.
         microbatches: M per iteration.
-        staleness: 0 or 1 (the rule above holds for both; kept for the callers' symmetry).
+        staleness: 0 or 1; with 1 the runtime keeps one more copy of the trainable parameters' compute copies
+            (`undo`: what an iteration's COPYs overwrote before it committed, restored if it fails).
         optimizer: `rpcompile.AdamW` (default; its `state_dtype` sets the moments' bytes, `master_dtype` the
             masters', `grad_dtype` the gradients') or `rpcompile.SGD` (its `master_dtype` and `grad_dtype`).
         dtype: training dtype of the compute copies; None keeps each parameter's own.
@@ -173,7 +183,7 @@ def host_bytes(model: Any, costs: Any = None, plan: Any = None, *, microbatches:
         saved, in_flight = round_saved_bytes(list(costs.saved_bytes), plan, gpus, microbatches, round_size)
     return HostBytes(weights, own * master_size, trainable * grad_size, own * state_size * state, saved,
                      in_flight, trainable=params, trainable_weights=own_weights, master_size=master_size,
-                     servers=world)
+                     servers=world, undo=own_weights if staleness == 1 else 0)
 
 
 def _shard(shard: Any) -> tuple[int, int]:

@@ -375,7 +375,8 @@ def symbolic_costs(graph: LayerGraph, inputs: dict[str, torch.Tensor], hardware:
     return SymbolicCosts(names=tuple(layer.name for layer in graph.layers), **{k: tuple(v) for k, v in cols.items()},
                          param_numel=numel, hardware=hardware,
                          host_state=(("compute copies", state.weights), (f"{master} masters{share}", state.masters),
-                                     (f"{grad} gradients", state.grads), (f"optimizer state{share}", state.optimizer)))
+                                     (f"{grad} gradients", state.grads), (f"optimizer state{share}", state.optimizer),
+                                     ("undo copies (staleness 1)", state.undo)))
 
 
 _SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}  # a state dtype, as printed

@@ -15,9 +15,8 @@ fit is refused here, in seconds, with the bytes named (ValueError); `finetune`
 runs it before it loads the weights, and `--dry-run` prints what it found.
 
 The RAM a run needs is more than the host state (`rpcompile.hostmem`, which counts the runtime's
-transfer buffers too: gradient staging and the host pool, `runtime.host.buffers`): the model as
-loaded keeps its own parameters and, with staleness 1, the runtime keeps a copy of the compute copies
-it may have to restore (undo copies); and on host workers (no CUDA) a worker's "device" memory is RAM too, so every worker's
+transfer buffers too: gradient staging and the host pool, `runtime.host.buffers`, and with staleness 1 the
+undo copies of the trainable weights): the model as loaded keeps its own parameters; and on host workers (no CUDA) a worker's "device" memory is RAM too, so every worker's
 simulated peak counts. What the process already holds when the check runs (Python, torch, transformers, the
 tokenizer and the prepared data) is read, not assumed (`resident_bytes`: its RSS at the check), and
 `RUNTIME_BYTES` is added for what the run adds beside the counted categories (the runtime's threads and the
@@ -83,7 +82,7 @@ class Preflight:
     host: HostBytes  # host bytes of the run, by category
     host_limit: int  # this machine's RAM
     workers_ram: int  # host workers: the sum of their device peaks, which are RAM too (0 with CUDA workers)
-    buffers: int  # the model as loaded and undo copies (see the module docstring)
+    buffers: int  # the model as loaded (see the module docstring)
     seq_limit: Any  # rpcompile.SeqLenLimit: the longest sequence that fits and what binds it (None: see why)
     seq_limit_why: str | None  # why the longest sequence could not be found
     resident: int = 0  # this process's RSS when the check ran (Python, torch, transformers, the data)
@@ -100,7 +99,7 @@ class Preflight:
         workers = (f" + {len(self.peaks)} host workers' device peaks {_size(self.workers_ram)} (RAM here)"
                    if self.workers_ram else "")
         return (f"{_size(self.ram)} of {_size(self.host_limit)} RAM: host state {self.host} + the loaded model "
-                f"and undo copies {_size(self.buffers)}{workers} + this process so far (Python, torch, the data) "
+                f"{_size(self.buffers)}{workers} + this process so far (Python, torch, the data) "
                 f"{_size(self.resident)} + the runtime's threads and libraries {_size(RUNTIME_BYTES)}")
 
     def lines(self) -> list[str]:
@@ -190,7 +189,7 @@ def preflight(config: Any, example: Any, *, gpus: int, microbatches: int, microb
     peaks = tuple(int(p) for p in timeline.peak_memory)
     rate = rate_key(dtype, torch.float16 if fp16_accumulation else None)
     workers = 0 if torch.cuda.is_available() else sum(peaks)  # host workers' device memory is RAM
-    buffers = host.weights + (host.weights if staleness == 1 else 0)  # the loaded model, undo copies
+    buffers = host.weights  # the loaded model (the undo copies of staleness 1 are in `host`)
     found = Preflight(hw, plan, program, peaks, budget, host, hw.host_memory, workers, buffers, None, None,
                       resident_bytes())
     if found.ram > hw.host_memory:

@@ -72,7 +72,7 @@ def test_plan_refuses_a_run_over_the_host_memory(capsys):
 
 
 def test_plan_with_the_state_sharded_over_servers_counts_one_servers_share(capsys):
-    # Qwen3-32B (549 GiB unsharded on one 512 GiB server): each of 4 servers holds 1/4 of the masters and moments
+    # Qwen3-32B (610 GiB unsharded on one 512 GiB server): each of 4 servers holds 1/4 of the masters and moments
     pytest.importorskip("transformers")
     run = ("--model", "qwen3-32b", "--gpus", "8", "--hardware", "rtx4090", "--seq", "2048", "--microbatches", "16")
     rc, out, err = run_plan(capsys, *run, "--servers", "4", "--shard-state")
@@ -85,11 +85,11 @@ def test_plan_with_the_state_sharded_over_servers_counts_one_servers_share(capsy
                              "(91.5 GiB of 366.1 GiB; the largest share, server 0's, is counted)")
     assert lines[at + 2].startswith("parameter state on one server of 4 (its share of the masters and moments): "
                                     "9.0 B per trainable parameter (compute copy 2.0, master 1.0, gradient 4.0, "
-                                    "optimizer state 2.0)")
+                                    "optimizer state 2.0; staleness 1 adds 2.0 for the undo copy)")
     limit = next(line for line in lines if line.startswith("max_seq_len"))
     assert "fp32 masters (1 of 4 shares) 30.5 GiB" in limit, limit  # the longest sequence counts the same share
     rc, out, err = run_plan(capsys, *run, "--servers", "4")  # each server holds all of it: refused, as one is
-    assert rc == 2 and not out and err.count("\n") == 1 and "the run needs 549.2 GiB" in err, err
+    assert rc == 2 and not out and err.count("\n") == 1 and "the run needs 610.2 GiB" in err, err
     assert "or shard the masters and optimizer state over data-parallel servers" in err
     for flags, says in ((("--shard-state",), "--shard-state needs --servers W with W > 1"),
                         (("--shard-state", "--servers", "1"), "--shard-state needs --servers W with W > 1"),
@@ -108,7 +108,7 @@ def test_plan_prints_the_parameter_state_per_trainable_parameter_beside_the_host
         at = next(i for i, line in enumerate(lines) if line.startswith("host memory:"))
         assert rc == 0 and lines[at + 1] == (
             f"parameter state: {per} B per trainable parameter (compute copy 2.0, master 4.0, gradient 4.0, "
-            f"optimizer state {'8.0' if dtype == 'fp32' else '4.0'}), {dtype} moments (--state-dtype)"), out
+            f"optimizer state {'8.0' if dtype == 'fp32' else '4.0'}; staleness 1 adds 2.0 for the undo copy), {dtype} moments (--state-dtype)"), out
         assert lines[at].endswith(" needed of 512.0 GiB (rtx4090 preset): fits"), lines[at]  # one server: not "each"
         outs[dtype] = [line for i, line in enumerate(lines) if i not in (at, at + 1) and "planned in" not in line]
     longest = {d: next(k for k, line in enumerate(out) if line.startswith("max_seq_len")) for d, out in outs.items()}
@@ -122,7 +122,7 @@ def test_plan_prints_the_parameter_state_per_trainable_parameter_beside_the_host
     at = next(i for i, line in enumerate(lines) if line.startswith("host memory:"))
     assert rc == 0 and lines[at + 1] == (
         "parameter state: 12.0 B per trainable parameter (compute copy 2.0, master 2.0, gradient 4.0, optimizer "
-        "state 4.0), bf16 moments (--state-dtype), bf16 master (--master-dtype)"), out
+        "state 4.0; staleness 1 adds 2.0 for the undo copy), bf16 moments (--state-dtype), bf16 master (--master-dtype)"), out
     assert "bf16 masters" in lines[at]
     rc, _, err = run_plan(capsys, *small, "--master-dtype", "fp16")
     assert rc == 2 and "--master-dtype" in err and len(err.strip().splitlines()) == 1, err
@@ -131,7 +131,8 @@ def test_plan_prints_the_parameter_state_per_trainable_parameter_beside_the_host
     at = next(i for i, line in enumerate(lines) if line.startswith("host memory:"))
     assert rc == 0 and lines[at + 1] == (
         "parameter state: 10.0 B per trainable parameter (compute copy 2.0, master 2.0, gradient 2.0, optimizer "
-        "state 4.0), bf16 moments (--state-dtype), bf16 master (--master-dtype), bf16 gradients (--grad-dtype)"), out
+        "state 4.0; staleness 1 adds 2.0 for the undo copy), bf16 moments (--state-dtype), bf16 master (--master-dtype), bf16 gradients "
+        "(--grad-dtype)"), out
     rc, _, err = run_plan(capsys, *small, "--grad-dtype", "fp16")
     assert rc == 2 and "--grad-dtype" in err and len(err.strip().splitlines()) == 1, err
 

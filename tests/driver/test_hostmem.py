@@ -346,3 +346,29 @@ def test_a_sharded_run_is_admitted_on_one_servers_share_and_refused_naming_it():
     with pytest.raises(ValueError, match="the run needs .* or shard the masters and optimizer state over "
                                          "data-parallel servers"):
         check_host_memory(layer, microbatches=1, limit=whole - 1)
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_staleness_1_keeps_one_undo_copy_of_the_trainable_weights_allocated_once_and_counted(frozen):
+    # an iteration's COPYs overwrite compute copies before it commits; to undo them if it fails the runtime keeps
+    # what they overwrote: the trainable parameters' copies only (a frozen base's never change), in buffers
+    # allocated before the first step, which host_bytes counts
+    model = TinyLlama(CFG)
+    if frozen:  # LoRA-style: only the 1-D weights (norms) train
+        for p in model.parameters():
+            p.requires_grad_(p.dim() == 1)
+    with rpcompile.compile(model, gpus=2, example=batch(), backend="host", staleness=1,
+                           dtype=torch.bfloat16) as c:
+        lanes = c._runtime.host
+        before = {k: [b.data_ptr() for b in bufs] for k, bufs in lanes._backup_bufs.items()}
+        for _ in range(3):
+            c.step(batch())
+        c.flush()
+        kept = sum(b.nbytes for bufs in lanes._backup_bufs.values() for b in bufs)
+        need = host_bytes(c.graph, microbatches=c.microbatches, staleness=1, optimizer=c.options.optimizer,
+                          dtype=torch.bfloat16)
+        assert kept == need.undo == need.trainable_weights > 0
+        assert {k: [b.data_ptr() for b in bufs] for k, bufs in lanes._backup_bufs.items()} == before  # none added
+        assert need.undo < need.weights if frozen else need.undo == need.weights
+    assert host_bytes(c.graph, microbatches=c.microbatches, staleness=0, optimizer=c.options.optimizer,
+                      dtype=torch.bfloat16).undo == 0

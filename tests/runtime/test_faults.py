@@ -75,8 +75,8 @@ def _same(a: dict, b: dict) -> None:
             assert torch.equal(v, b["optim"][n][k]) if isinstance(v, torch.Tensor) else v == b["optim"][n][k]
 
 
-def _runtime(graph, staleness: int, **kw):
-    state = HostState.from_graph(graph, optimizer=AdamW(lr=1e-2))
+def _runtime(graph, staleness: int, dtype: torch.dtype | None = None, **kw):
+    state = HostState.from_graph(graph, optimizer=AdamW(lr=1e-2), dtype=dtype)
     prog = emit(StagePlan.from_str(PLAN), gpus=GPUS, microbatches=MBS, staleness=staleness)
     return Runtime(graph, prog, state, backend="host", timeout=20, **kw), state
 
@@ -84,13 +84,14 @@ def _runtime(graph, staleness: int, **kw):
 BATCHES = [models.lm_batch(batch=4, seq=8, seed=s) for s in range(4)]
 
 
-@pytest.mark.parametrize("staleness", [0, 1])
-def test_backward_fault_keeps_last_completed_step(staleness):
+@pytest.mark.parametrize("staleness, dtype", [(0, None), (1, None), (1, torch.bfloat16)])
+def test_backward_fault_keeps_last_completed_step(staleness, dtype):
     """Layer 2 raises in backward during iteration 2: raised in < 5 s naming the instruction (grid shown);
     masters, optimizer state, compute copies and grad buffers equal those after flush() of step 1; the next
-    calls work and the run ends bit-identical to a run that never failed."""
+    calls work and the run ends bit-identical to a run that never failed. (Staleness 1: the compute copies
+    iteration 2's COPYs overwrote are restored from the undo copies; bf16 ones are written by the kernels.)"""
     g = _graph()
-    clean, s_clean = _runtime(g, staleness)
+    clean, s_clean = _runtime(g, staleness, dtype)
     with clean:
         clean.step(BATCHES[0]), clean.step(BATCHES[1])
         clean.flush()
@@ -98,7 +99,7 @@ def test_backward_fault_keeps_last_completed_step(staleness):
         clean.step(BATCHES[2]), clean.step(BATCHES[3])
         clean.flush()
         final = _snapshot(s_clean)
-    rt, state = _runtime(g, staleness, lane_delay=5)
+    rt, state = _runtime(g, staleness, dtype, lane_delay=5)
     _inject(rt, 2, iteration=2)
     with rt:
         rt.step(BATCHES[0]), rt.step(BATCHES[1])  # no flush: iteration 1's steps may still be in flight
