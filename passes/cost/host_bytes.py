@@ -105,7 +105,11 @@ class HostBytes:
 
     @property
     def total(self) -> int:
-        """All of it, in bytes."""
+        """All of it, in bytes.
+
+        >>> HostBytes(2, 4, 4, 8, 0, 0).total, HostBytes(2, 4, 4, 8, 0, 0, trainable_weights=2, undo=2).total
+        (18, 20)
+        """
         return self.weights + self.masters + self.grads + self.optimizer + self.activations + self.buffers + self.undo
 
     def __str__(self) -> str:
