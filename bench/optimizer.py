@@ -11,7 +11,9 @@ AdamW (weight decay 0.01) and a bf16 compute copy. Rows:
 - rpcompile kernels, staleness 0: `accumulate_grad` (writes the fp32 gradient and takes its
   statistics), `grads_complete`, `step(l, copy=True)` (the update writes the bf16 copy), `copy(l)`.
 - rpcompile kernels, staleness 1: the same with `copy(l)` (a cast pass) before `step(l)`: the copy
-  must happen before the step there (DESIGN.md idea 7), so it cannot share the update's pass.
+  must happen before the step there (DESIGN.md idea 7), so it cannot share the update's pass; and before
+  the copy, the runtime's undo copy of what it overwrites (`runtime.host_lanes.back_up`: an iteration's
+  copies may have to be undone until it commits).
 - rpcompile kernels, bf16 moments (`AdamW(state_dtype=torch.bfloat16)`), staleness 0 and 1: the same
   calls, the moments read and written as bf16 (rounded stochastically; 14 bytes per parameter).
 - rpcompile kernels, bf16 moments and master (`master_dtype=torch.bfloat16` too: 12 bytes per parameter),
@@ -45,6 +47,7 @@ from tabulate import tabulate  # noqa: E402
 
 import rpcompile  # noqa: E402
 from rpcompile.runtime.host.optimizer import HostState  # noqa: E402
+from rpcompile.runtime.host_lanes import back_up, copied_regions, undo_buffers  # noqa: E402
 
 Case = Callable[[], float]
 CLIP = 1.0
@@ -92,8 +95,11 @@ def ours(total: int, groups: int, staleness: int, impl: str = "fused", **lean: t
                 state.step(l, copy=True)
                 state.copy(l)
             else:
+                for key, region in copied_regions(state, l).items():  # the runtime's undo copy (host_lanes)
+                    back_up(state, region, undo[key][0])
                 state.copy(l)
                 state.step(l)
+    undo = undo_buffers(state)
     return timed(run)
 
 
@@ -195,10 +201,10 @@ def main(argv: list[str] | None = None) -> str:
     ds = deepspeed_alone(total, groups)
     cases: list[tuple[str, str, Case]] = [
         ("rpcompile kernels, staleness 0", "accumulate, complete, step(copy=True), copy", ours(total, groups, 0)),
-        ("rpcompile kernels, staleness 1", "accumulate, complete, copy, step", ours(total, groups, 1)),
+        ("rpcompile kernels, staleness 1", "accumulate, complete, undo copy, copy, step", ours(total, groups, 1)),
         *[(f"rpcompile kernels, {what}, staleness {s}", how, ours(total, groups, s, **lean))
           for what, lean in LEAN.items()
-          for s, how in ((0, "accumulate, complete, step(copy=True), copy"), (1, "accumulate, complete, copy, step"))],
+          for s, how in ((0, "accumulate, complete, step(copy=True), copy"), (1, "accumulate, complete, undo copy, copy, step"))],
         ("rpcompile, torch kernels (impl=foreach)", "accumulate, complete, step, copy",
          ours(total, groups, 0, "foreach")),
         ("torch equivalent", "grad copy, clip_grad_norm_, fused AdamW, bf16 copy", torch_equivalent(total, groups)),
@@ -238,11 +244,12 @@ def main(argv: list[str] | None = None) -> str:
             f"DeepSpeed CPUAdam: {'timed above' if not isinstance(ds, str) else 'not available: ' + ds}.\n\n"
             "`of memcpy rate` is the memcpy row's time over the row's: 1.0 means the row moves its parameters\n"
             "as fast as a copy of 36 bytes per parameter (the fused design's traffic: a 2-byte read and 4-byte\n"
-            "write while the gradient lands, 16 bytes read and 14 written in the update). Staleness 1 moves 40\n"
-            "(its copy is its own pass: 4 read, 2 written). The bf16 moment rows move 28 (32 at staleness 1): their\n"
-            "update reads 12 bytes and writes 10; with a bf16 master too 24 (26: the update reads 10 and writes 8,\n"
-            "the copy reads 2 and writes 2); with bf16 gradients too 20 (22: the gradient lands as 2 read and 2\n"
-            "written, the update reads 8 and writes 8). `vs fp32 state` is the fp32 row's time of the same\n"
+            "write while the gradient lands, 16 bytes read and 14 written in the update). Staleness 1 moves 44\n"
+            "(its copy is its own pass: 4 read, 2 written; the undo copy before it 2 read, 2 written). The bf16\n"
+            "moment rows move 28 (36 at staleness 1): their update reads 12 bytes and writes 10; with a bf16 master\n"
+            "too 24 (30: the update reads 10 and writes 8, the copy reads 2 and writes 2); with bf16 gradients too\n"
+            "20 (26: the gradient lands as 2 read and 2 written, the update reads 8 and writes 8).\n"
+            "`vs fp32 state` is the fp32 row's time of the same\n"
             "staleness over theirs (issue 48 asks 1.2 or more on one thread). One thread's fp32 update is bound by\n"
             "memory, the lean ones nearer by their arithmetic (the float32 update, one lowbias32 hash and up to three\n"
             "roundings an element: runtime/host/kernels_avx512.h), so they gain less than the bytes they save\n"

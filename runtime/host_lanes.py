@@ -70,7 +70,7 @@ class HostLanes:
         committed: iterations < this have passed their commit point (their first STEP): no undo.
         skipped: iterations skipped for a non-finite loss or gradient (on_nonfinite="skip").
         backups: iteration -> the compute-copy regions its COPYs overwrote before it committed (staleness 1:
-            each group's trainable parameters' copies, `_copied_regions`), in buffers allocated once, one per
+            each group's trainable parameters' copies, `copied_regions`), in buffers allocated once, one per
             region (`_backup_bufs`; `host_bytes` counts them as `undo`); bad: iteration -> lowest group with a
             non-finite gradient.
 
@@ -100,7 +100,7 @@ class HostLanes:
         self.committed = its.first
         self.skipped: list[int] = []
         self._backups: dict[int, dict] = {}
-        self._backup_bufs = _undo_buffers(state) if its.program.staleness == 1 else {}
+        self._backup_bufs = undo_buffers(state) if its.program.staleness == 1 else {}
         ctx.stats.add(None, "host_allocations", len(self._backup_bufs))
         self._bad: dict[int, int] = {}
         self._lock = threading.Lock()
@@ -263,7 +263,7 @@ class HostLanes:
         with self._lock:
             if info.program.staleness == 1 and t >= self.committed:
                 bak = self._backups.setdefault(t, {})
-                for key, region in _copied_regions(self.state, c.layer).items():
+                for key, region in copied_regions(self.state, c.layer).items():
                     if key not in bak:
                         bak[key] = self._backup_buffer(key, region, t)
         self.state.copy(c.layer)
@@ -283,11 +283,7 @@ class HostLanes:
             free = [torch.empty_like(region)]
             bufs.append(free[0])
             self.ctx.stats.add(t, "host_allocations")
-        kernels = self.state.kernels
-        if kernels is not None and region.dtype == torch.bfloat16:  # written whole, read only to undo: streamed
-            kernels.cast(region, free[0])
-        else:
-            free[0].copy_(region)
+        back_up(self.state, region, free[0])
         return free[0]
 
     def _host_deps(self, t: int, ins, info: Any, skip: tuple | None = None) -> None:
@@ -365,13 +361,21 @@ def _copies(plan: StagingPlan, layouts: Any) -> dict[str, tuple]:
     return out
 
 
-def _copied_regions(state: Any, layer: int) -> dict[tuple, torch.Tensor]:
+def copied_regions(state: Any, layer: int) -> dict[tuple, torch.Tensor]:
     """(layer, dtype) -> the region of that compute block that COPY `layer` writes: the group's trainable
     parameters' copies, [0, stop - start) of each of its segments (frozen parameters' copies never change)."""
     return {(layer, s.dtype): state.blocks[(layer, s.dtype)][:s.stop - s.start] for s in state.layout.segments[layer]}
 
 
-def _undo_buffers(state: Any) -> dict[tuple, list]:
-    """One buffer per region a COPY overwrites (`_copied_regions`), allocated once (staleness 1's undo)."""
+def undo_buffers(state: Any) -> dict[tuple, list]:
+    """One buffer per region a COPY overwrites (`copied_regions`), allocated once (staleness 1's undo)."""
     return {key: [torch.empty_like(region)] for layer in range(len(state.groups))
-            for key, region in _copied_regions(state, layer).items()}
+            for key, region in copied_regions(state, layer).items()}
+
+
+def back_up(state: Any, region: torch.Tensor, into: torch.Tensor) -> None:
+    """into = region (an undo copy): by the kernels for bf16 (streamed: written whole, read only to undo)."""
+    if state.kernels is not None and region.dtype == torch.bfloat16:
+        state.kernels.cast(region, into)
+    else:
+        into.copy_(region)

@@ -12,7 +12,7 @@ from rpcompile import AdamW, StagePlan
 from rpcompile.hostmem import host_bytes
 from rpcompile.passes import emit, trace
 from rpcompile.runtime.executor import Runtime
-from rpcompile.runtime.host_lanes import _copied_regions
+from rpcompile.runtime.host_lanes import copied_regions
 from rpcompile.runtime.host.optimizer import HostState
 
 PLAN, GPUS, MBS = "2,2|1|1,3", 2, 4  # llama: 5 layers
@@ -35,7 +35,7 @@ def test_the_regions_a_copy_writes_are_the_trainable_parameters_copies_at_the_st
     rt, graph = _runtime(1, torch.bfloat16, frozen)
     with rt:
         state = rt.state
-        regions = {k: r for layer in range(len(state.groups)) for k, r in _copied_regions(state, layer).items()}
+        regions = {k: r for layer in range(len(state.groups)) for k, r in copied_regions(state, layer).items()}
         for (layer, dtype), region in regions.items():
             assert state.groups[layer] and region.data_ptr() == state.blocks[(layer, dtype)].data_ptr()
         for name in state.master:  # every trainable copy lies in its group's region; no frozen one does
@@ -57,7 +57,7 @@ def test_the_undo_buffers_are_allocated_with_a_staleness_1_runtime_one_per_regio
         if staleness == 0:
             assert bufs == {}  # nothing is undone there: a COPY follows its own iteration's commit
             return
-        regions = {k: r for layer in range(len(rt.state.groups)) for k, r in _copied_regions(rt.state, layer).items()}
+        regions = {k: r for layer in range(len(rt.state.groups)) for k, r in copied_regions(rt.state, layer).items()}
         assert set(bufs) == set(regions)
         assert all(len(b) == 1 and b[0].shape == regions[k].shape and b[0].dtype == regions[k].dtype
                    for k, b in bufs.items())
@@ -73,11 +73,11 @@ def test_undo_puts_back_what_an_uncommitted_iterations_copies_overwrote_and_noth
         before = {k: b.clone() for k, b in state.blocks.items()}
         t = lanes.committed  # not committed yet: its COPYs would be undone
         layer = next(l for l, g in enumerate(state.groups) if g)
-        lanes._backups[t] = {k: lanes._backup_buffer(k, r, t) for k, r in _copied_regions(state, layer).items()}
+        lanes._backups[t] = {k: lanes._backup_buffer(k, r, t) for k, r in copied_regions(state, layer).items()}
         for block in state.blocks.values():  # the COPY's writes, and (never done) writes past its regions
             block.add_(1)
         lanes.undo_from(t)
-        regions = _copied_regions(state, layer)
+        regions = copied_regions(state, layer)
         for k, block in state.blocks.items():
             n = regions[k].numel() if k in regions else 0  # restored: the regions the COPY wrote
             assert torch.equal(block[:n], before[k][:n]), k
