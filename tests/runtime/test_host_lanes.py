@@ -18,14 +18,14 @@ from rpcompile.runtime.host.optimizer import HostState
 PLAN, GPUS, MBS = "2,2|1|1,3", 2, 4  # llama: 5 layers
 
 
-def _runtime(staleness: int, dtype: torch.dtype | None, frozen: bool):
-    """A host Runtime of the test llama (with `frozen`, only its 1-D weights train) and its graph."""
+def _runtime(staleness: int, dtype: torch.dtype | None, frozen: bool, impl: str = "fused"):
+    """A host Runtime of the test llama (with `frozen`, only its 1-D weights train; `impl`: AdamW's) and its graph."""
     model = models.llama()
     if frozen:
         for p in model.parameters():
             p.requires_grad_(p.dim() == 1)
     graph = trace(model, models.lm_batch(batch=4, seq=8))
-    state = HostState.from_graph(graph, optimizer=AdamW(lr=1e-2), dtype=dtype)
+    state = HostState.from_graph(graph, optimizer=AdamW(lr=1e-2, impl=impl), dtype=dtype)
     prog = emit(StagePlan.from_str(PLAN), gpus=GPUS, microbatches=MBS, staleness=staleness)
     return Runtime(graph, prog, state, backend="host", timeout=20), graph
 
@@ -63,9 +63,10 @@ def test_the_undo_buffers_are_allocated_with_a_staleness_1_runtime_one_per_regio
                    for k, b in bufs.items())
 
 
-@pytest.mark.parametrize("dtype", [None, torch.bfloat16])  # fp32 copies by torch, bf16 ones by the kernels
-def test_undo_puts_back_what_an_uncommitted_iterations_copies_overwrote_and_nothing_else(dtype):
-    rt, _ = _runtime(1, dtype, frozen=True)
+@pytest.mark.parametrize("dtype, impl", [(None, "fused"), (torch.bfloat16, "fused"), (torch.bfloat16, "foreach")],
+                         ids=["fp32-torch-copy", "bf16-kernels", "bf16-no-kernels"])
+def test_undo_puts_back_what_an_uncommitted_iterations_copies_overwrote_and_nothing_else(dtype, impl):
+    rt, _ = _runtime(1, dtype, frozen=True, impl=impl)
     with rt:
         rt.step(models.lm_batch(batch=4, seq=8, seed=0))
         rt.flush()
