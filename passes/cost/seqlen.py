@@ -41,8 +41,6 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-import sympy
-
 from rpcompile.ir.costs import CostTable
 from rpcompile.ir.graph import LayerGraph
 from rpcompile.ir.hardware import Hardware
@@ -50,7 +48,7 @@ from rpcompile.ir.plan import StagePlan
 from rpcompile.passes.cost.stage_memory import _COLUMNS, _gib, stage_terms
 from rpcompile.passes.cost.host_bytes import round_saved_bytes
 from rpcompile.passes.shard_head import shard_lm_head
-from rpcompile.passes.cost.symbolic import B, S, SymbolicCosts, _default_inputs, chunk_unit, symbolic_costs
+from rpcompile.passes.cost.symbolic import SymbolicCosts, _default_inputs, _sympy, chunk_unit, symbolic_costs, symbols
 
 __all__ = ["SeqLenLimit", "max_seq_len", "seq_len_costs"]
 
@@ -129,6 +127,7 @@ class _Polys:
 def _at_b(e: Any, b: int) -> Any:
     """`e` (a column's sympy expression in B and S: a polynomial or a Max of polynomials) at B = b, as a
     function of S giving whole bytes: `_Polys`, or sympy's lambdify for any other form."""
+    sympy, (B, S) = _sympy(), symbols()
     e = sympy.sympify(e)
     terms = e.args if isinstance(e, sympy.Max) else (e,)
     polys = []

@@ -36,7 +36,6 @@ from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any, Callable, Sequence
 
-import sympy
 import torch
 from tabulate import tabulate
 
@@ -51,8 +50,26 @@ from rpcompile.passes.cost.host_bytes import host_bytes
 
 __all__ = ["SymbolicCosts", "symbolic_costs", "B", "S"]  # max_seq_len, which solves them: seqlen.py
 
-B, S = sympy.symbols("B S", positive=True, integer=True)
-_SYM_B, _SYM_S = B, S
+
+
+def _sympy():
+    """sympy, imported on first use: `import rpcompile` and a `plan` without `max_seq_len` never need it (its
+    import is about 0.2 s of the command)."""
+    import sympy
+    return sympy
+
+
+def symbols() -> tuple[Any, Any]:
+    """The symbols (B, S): sequences per microbatch and sequence length, positive integers (sympy makes equal
+    symbols for equal names and assumptions, so every call's are the same)."""
+    return tuple(_sympy().symbols("B S", positive=True, integer=True))
+
+
+def __getattr__(name: str) -> Any:
+    """`B` and `S` as module attributes (`symbols()`), made on first use (PEP 562)."""
+    if name in ("B", "S"):
+        return symbols()["BS".index(name)]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 _MEMORY = ("param_bytes", "grad_bytes", "act_bytes", "saved_bytes", "peak_bytes")
 
 
@@ -91,7 +108,8 @@ class SymbolicCosts:
         >>> sc.at(B=2, S=100).fwd_flops[1]   # 128 * 2 * 100**2 + 18432 * 2 * 100
         6246400.0
         """
-        env = {_SYM_B: B, _SYM_S: S}
+        sympy = _sympy()
+        env = dict(zip(symbols(), (B, S)))
 
         def ev(exprs, kind):
             return [kind(sympy.sympify(e).subs(env)) for e in exprs]
@@ -207,6 +225,8 @@ class _Fitter:
         self.den = math.lcm(*(x.denominator for row in inv for x in row))
         self.inv = [[int(x * self.den) for x in row] for row in inv]
         self.at = [[f(b, s) for f in self.basis] for b, s in [*pts, check]]  # the monomials at every shape
+        sympy = _sympy()
+        B, S = symbols()
         self.monos = [sympy.Integer(1), S, S ** 2, B, B * S, B * S ** 2] if with_s else [sympy.Integer(1), B]
         self.cache: dict[tuple, tuple[int, ...] | None] = {}
         self.exprs: dict[tuple[int, ...], sympy.Expr] = {}  # numerators -> polynomial
@@ -235,7 +255,7 @@ class _Fitter:
         repeated blocks give the same ones, looked up as whole numbers, not Fractions)."""
         key = tuple(num)
         if key not in self.exprs:
-            self.exprs[key] = sum(sympy.Rational(c, self.den) * m for c, m in zip(key, self.monos))
+            self.exprs[key] = sum(_sympy().Rational(c, self.den) * m for c, m in zip(key, self.monos))
         return self.exprs[key]
 
     def fit(self, samples: Sequence[int], check_value: int) -> sympy.Expr | None:
@@ -265,6 +285,7 @@ def _time_expr(fitter: _Fitter, per_shape: list[Sequence], hw: Hardware, where: 
         if fl is None or by is None:
             raise ValueError(f"{where}: op {op.name} is not polynomial in B, S of degree <= (1, 2)")
         groups[(fl, by, op.dtype)] = groups.get((fl, by, op.dtype), 0) + 1
+    sympy = _sympy()
     bw = sympy.Float(hw.mem_bandwidth)
     expr = mem / bw + launches * sympy.Float(hw.op_latency)
     for (fl, by, dt), n in groups.items():
@@ -292,7 +313,7 @@ def _max(*args: sympy.Expr) -> sympy.Expr:
     other one dominates coefficient-wise; one argument is itself, and equal ones are merged.
     """
     args = tuple(dict.fromkeys(args))
-    return args[0] if len(args) == 1 else sympy.Max(*args, evaluate=False)
+    return args[0] if len(args) == 1 else _sympy().Max(*args, evaluate=False)
 
 
 def _peak_expr(fitter: _Fitter, lives: list[tuple[int, ...]], where: str) -> sympy.Expr:
@@ -309,7 +330,7 @@ def _peak_expr(fitter: _Fitter, lives: list[tuple[int, ...]], where: str) -> sym
     for p in sorted(polys, key=lambda c: -sum(c)):  # a dominating polynomial has the larger coefficient sum
         if not any(all(a >= b for a, b in zip(q, p)) for q in keep):
             keep.append(p)
-    return _max(*(fitter.expr(p) for p in keep)) if keep else sympy.Integer(0)
+    return _max(*(fitter.expr(p) for p in keep)) if keep else _sympy().Integer(0)
 
 
 def symbolic_costs(graph: LayerGraph, inputs: dict[str, torch.Tensor], hardware: Hardware, *,
