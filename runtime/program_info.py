@@ -99,7 +99,8 @@ def forward_only(program: Program) -> Program:
             releases[i.worker].append(i.name)
     out = []
     for i in kept:
-        deps = tuple(replace(r, name=rename.get(r.name, r.name), since=0) for r in i.deps if r.back == 0)
+        deps = tuple(r if r.since == 0 and r.name not in rename else replace(r, name=rename.get(r.name, r.name), since=0)
+                     for r in i.deps if r.back == 0)
         deps = tuple(r for r in deps if r.name in names)
         if i.op in (Op.PARAM_UP, Op.ACT_UP):  # their buffer bounds are rebuilt below, over the kept slots
             deps = tuple(r for r in deps if r.name.split(" ")[1][0] not in ("E", "F"))
@@ -109,7 +110,8 @@ def forward_only(program: Program) -> Program:
         if i.op is Op.ACT_UP:
             done = computes.get(i.worker, [])
             deps += (Ref(done[-2]),) if len(done) >= 2 else ()
-        new = replace(i, op=Op.FORWARD if i.op is Op.FUSED else i.op, deps=deps)
+        new = i if i.op is not Op.FUSED and deps == i.deps else replace(
+            i, op=Op.FORWARD if i.op is Op.FUSED else i.op, deps=deps)
         if new.op is Op.FORWARD:
             computes.setdefault(i.worker, []).append(new.name)
         out.append(new)

@@ -3,6 +3,8 @@
 
    rp_dominated: out[b * nc + c] = 1 when every column of R's row b is <= that of W's row c (buffer b's
        readers, their latest position per lane, all happen before c's writer, whose vector clock is W[c]).
+   rp_and_dominated_t: the same test transposed and and-ed into a square ok: ok[c * n + b] stays 1 only when
+       R's row b is <= W's row c (the entries already 0 are not tested).
    rp_pack: best-fit placement, buffers in the given order, each into the smallest gap between the placed
        buffers it may not share with (ok[k * n + j] == 0), the first such gap by (start, end) order, else
        on top of them.
@@ -25,6 +27,24 @@ void rp_dominated(int nb, int nc, int k, const int *R, const int *W, unsigned ch
                     break;
                 }
             o[c] = (unsigned char)all;
+        }
+    }
+}
+
+void rp_and_dominated_t(int n, int k, const int *R, const int *W, unsigned char *ok)
+{
+    for (int c = 0; c < n; c++) {
+        const int *w = W + (long)c * k;
+        unsigned char *o = ok + (long)c * n;
+        for (int b = 0; b < n; b++) {
+            if (!o[b])
+                continue;
+            const int *r = R + (long)b * k;
+            for (int l = 0; l < k; l++)
+                if (r[l] > w[l]) {
+                    o[b] = 0;
+                    break;
+                }
         }
     }
 }

@@ -137,13 +137,13 @@ def _alternate(buffers: list[HostBuffer], hb: HappensBefore) -> torch.Tensor:
     clocks = hb.clock.view(hb.iterations, hb.size, k)  # [window iteration, instruction, lane]
     ok = _dominated(readers, clocks[0, writes])
     if hb.iterations > 1:  # and c(0)'s readers before b(1)'s writer
-        ok &= _dominated(readers, clocks[1, writes]).T
+        _and_dominated_t(ok, readers, clocks[1, writes])
     return ok
 
 
-def _dominated(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+def _dominated(rows: torch.Tensor, cols: torch.Tensor, native: bool = True) -> torch.Tensor:
     """[b, c] bool: every entry of rows[b] is <= the same entry of cols[c] (int32 rows, in C where it builds)."""
-    lib = _library()
+    lib = _library() if native else None
     rows, cols = rows.contiguous(), cols.contiguous()
     out = torch.zeros(len(rows), len(cols), dtype=torch.bool)
     if lib is not None and out.numel():
@@ -152,6 +152,18 @@ def _dominated(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     for lo in range(0, len(rows), 256):  # [256, c, lanes] at a time
         out[lo:lo + 256] = (rows[lo:lo + 256, None, :] <= cols[None, :, :]).all(-1)
     return out
+
+
+def _and_dominated_t(ok: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> None:
+    """ok &= `_dominated(rows, cols)`.T, in place (square; in C where it builds, testing only the entries still
+    True)."""
+    lib = _library()
+    rows, cols = rows.contiguous(), cols.contiguous()
+    if lib is not None and ok.numel():
+        assert ok.is_contiguous() and ok.shape == (len(rows), len(cols)) == (len(cols), len(rows))
+        lib.rp_and_dominated_t(len(rows), rows.shape[1], rows.data_ptr(), cols.data_ptr(), ok.data_ptr())
+        return
+    ok &= _dominated(rows, cols, native=False).T
 
 
 def assign_buffers(graph: Any, program: Program, dtype: torch.dtype | None = None) -> BufferAssignment:
@@ -237,12 +249,15 @@ def _peak(buffers: list[HostBuffer], size: list[int], ok: torch.Tensor, pos: dic
         return 0
     events = sorted([(pos[b.writer], 0, k) for k, b in enumerate(buffers)]
                     + [(max(pos[r] for r in b.readers), 1, k) for k, b in enumerate(buffers)])
-    live, now, worst = 0, set(), (0, [])
-    for _, end, k in events:  # at one instruction the write comes before a read ends
+    live, top, at = 0, 0, -1
+    for x, (_, end, k) in enumerate(events):  # at one instruction the write comes before a read ends
         live += -size[k] if end else size[k]
+        if live > top:
+            top, at = live, x
+    now: set[int] = set()  # the buffers live just after event `at`
+    for _, end, k in events[:at + 1]:
         (now.discard if end else now.add)(k)
-        if live > worst[0]:
-            worst = (live, sorted(now))
+    worst = (top, sorted(now))
     firsts = range(len(size)) if len(size) <= every else sorted(range(len(size)), key=lambda k: -size[k])[:starts]
     return _clique([worst[1]] + [[k] for k in firsts], size, ok)
 
@@ -291,6 +306,8 @@ def _library() -> ctypes.CDLL | None:
         lib.rp_pack.argtypes = [i32, p, p, p, p]
         lib.rp_clique.restype = ctypes.c_longlong
         lib.rp_clique.argtypes = [i32, i32, p, p, p, p]
+        lib.rp_and_dominated_t.restype = None
+        lib.rp_and_dominated_t.argtypes = [i32, i32, p, p, p]
     return lib
 
 

@@ -141,7 +141,7 @@ def graph_staging(graph: Any, program: Any, io: list, dtype: torch.dtype | None 
     as the HostState keeps their gradients.
     """
     owners = graph.param_owners()
-    sizes = SimpleNamespace(read=lambda n: torch.empty(graph.params[n].shape, device="meta"))
+    sizes = SimpleNamespace(read=lambda n: torch.Size(graph.params[n].shape))  # .numel(), as a tensor's
     elems, _ = chunk_elements(program, io, sizes)
     grads: dict[int, dict] = {}
     for st in io:

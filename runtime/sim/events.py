@@ -23,7 +23,7 @@ import heapq
 from dataclasses import dataclass
 from typing import Sequence
 
-from rpcompile.runtime.sim.native import load, run_native
+from rpcompile.runtime.sim.native import exposed_native, load, run_native
 
 _END, _TRY = 0, 1  # event kinds; completions at a time are handled before starts
 
@@ -212,17 +212,28 @@ def peak_usage(intervals: list[tuple[float, float, int]]) -> int:
 
 
 def exposed_waits(jobs: Jobs, starts: list[float], ends: list[float], transfer: list[bool],
-                  compute: list[bool]) -> list[float]:
+                  compute: list[bool], *, native: bool = True) -> list[float]:
     """Per job: how long a compute job waited on transfers beyond its lane and non-transfer inputs.
 
     A transfer's input is "available" when the non-transfer work behind it ended
     (through chains of transfers); a compute job's exposed wait is its start
     minus the latest of its lane predecessor's end and its deps' availability.
+    Lanes are numbered 0 .. L - 1 (as `simulate` numbers them). In C where the
+    kernel is available (`native.exposed_native`: the same floats), else in Python.
 
     >>> js = Jobs.of([Job(0, 0, 0, 1.0, ()), Job(1, 1, 0, 4.0, (0,)), Job(0, 0, 0, 1.0, (1,))])
     >>> exposed_waits(js, [0.0, 1.0, 5.0], [1.0, 5.0, 6.0], [False, True, False], [True, False, True])
     [0.0, 0.0, 4.0]
     """
+    lib = load() if native else None
+    if lib is not None and len(jobs):
+        return exposed_native(lib, jobs, starts, ends, transfer, compute)
+    return exposed_waits_python(jobs, starts, ends, transfer, compute)
+
+
+def exposed_waits_python(jobs: Jobs, starts: list[float], ends: list[float], transfer: list[bool],
+                         compute: list[bool]) -> list[float]:
+    """`exposed_waits` in Python."""
     n, ptr, idx = len(jobs), jobs.dep_ptr, jobs.dep_idx
     avail = [0.0] * n
     for j in range(n):  # jobs are listed in a topological order

@@ -1,4 +1,5 @@
-"""The simulator's event loop in C (events.c), built once per machine, loaded with ctypes.
+"""The simulator's event loop in C (events.c), built once per machine, loaded with ctypes; with it the memory
+loop (memory.c) and the jobs' dependencies and exposed waits (jobs.c).
 
 `simulate` schedules every instruction of K back-to-back iterations (tens of
 thousands of jobs for a paper model) through `events.run_jobs`; in Python that
@@ -24,7 +25,7 @@ from rpcompile.ir.clib import CLibrary
 from rpcompile.ir.program import Op
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-LIBRARY = CLibrary("rpcompile_sim", sources=tuple(os.path.join(_HERE, f) for f in ("events.c", "memory.c")),
+LIBRARY = CLibrary("rpcompile_sim", sources=tuple(os.path.join(_HERE, f) for f in ("events.c", "memory.c", "jobs.c")),
                    switch="RPCOMPILE_SIM_KERNEL")
 
 
@@ -37,13 +38,50 @@ def load() -> ctypes.CDLL | None:
         lib.rp_run_jobs.argtypes = [i32] + [ptr] * 6 + [i32, i32] + [ptr] * 3
         lib.rp_peaks.restype = i32
         lib.rp_peaks.argtypes = [i32] * 4 + [ptr] * 12 + [i32, i32] + [ptr] * 3
+        lib.rp_expand_deps.restype = ctypes.c_long
+        lib.rp_expand_deps.argtypes = [i32, i32] + [ptr] * 6
+        lib.rp_exposed_waits.restype = None
+        lib.rp_exposed_waits.argtypes = [i32] + [ptr] * 9 + [i32, ptr]
     return lib
+
+
+def expand_native(lib: ctypes.CDLL, deps_of: list[list[tuple[int, int, int]]], iterations: int,
+                  n: int) -> tuple[array.array, array.array]:
+    """`simulator._expand_deps_python` in C (jobs.c): the same (ptr, idx), as int arrays."""
+    flat = [x for dl in deps_of for x in dl]
+    tptr = array.array("i", [0])
+    for dl in deps_of:
+        tptr.append(tptr[-1] + len(dl))
+    cols = [array.array("i", [x[c] for x in flat] or [0]) for c in range(3)]  # back, since, d
+    ptr, idx = array.array("i", bytes(4 * (iterations * n + 1))), array.array("i", bytes(4 * max(1, iterations * len(flat))))
+    got = lib.rp_expand_deps(n, iterations, tptr.buffer_info()[0], *(c.buffer_info()[0] for c in cols),
+                             ptr.buffer_info()[0], idx.buffer_info()[0])
+    del idx[got:]
+    return ptr, idx
+
+
+def exposed_native(lib: ctypes.CDLL, jobs, starts, ends, transfer, compute) -> list[float]:
+    """`events.exposed_waits_python` in C (jobs.c): the same floats."""
+    n = len(jobs)
+    lanes = jobs.lane if isinstance(jobs.lane, array.array) else array.array("i", jobs.lane)
+    n_lanes = max(lanes, default=-1) + 1
+    ins = [_ints(jobs.dep_ptr), _ints(jobs.dep_idx or [0]), bytes(transfer), bytes(compute), lanes,
+           array.array("d", starts), array.array("d", ends)]
+    work, prev, out = array.array("d", bytes(8 * n)), array.array("d", bytes(8 * max(1, n_lanes))), array.array("d", bytes(8 * n))
+    addr = [a.buffer_info()[0] if isinstance(a, array.array) else a for a in ins]
+    lib.rp_exposed_waits(n, *addr, work.buffer_info()[0], prev.buffer_info()[0], n_lanes, out.buffer_info()[0])
+    return out.tolist()
+
+
+def _ints(v) -> array.array:
+    """`v` as a C int array (itself when it is one already)."""
+    return v if isinstance(v, array.array) and v.typecode == "i" else array.array("i", v)
 
 
 def run_native(lib: ctypes.CDLL, n: int, lanes, chans, cols, n_lanes: int, n_chans: int):
     """`events.run_python` in C: (starts, ends, done), or the first job whose lane is already on another channel."""
     ins = [array.array("i", lanes), array.array("i", chans), array.array("i", cols.priority),
-           array.array("d", cols.duration), array.array("i", cols.dep_ptr), array.array("i", cols.dep_idx or [0])]
+           array.array("d", cols.duration), _ints(cols.dep_ptr), _ints(cols.dep_idx or [0])]
     starts, ends, done = array.array("d", bytes(8 * n)), array.array("d", bytes(8 * n)), bytearray(n)
     done_buf = (ctypes.c_ubyte * n).from_buffer(done) if n else None
     rc = lib.rp_run_jobs(n, *(a.buffer_info()[0] for a in ins), n_lanes, n_chans, starts.buffer_info()[0],
@@ -74,7 +112,7 @@ def peaks_native(lib: ctypes.CDLL, program, costs, resident: list[set[int]], siz
     rounds = max((r for _, r in slots), default=0) + 1
     layer_sets = [frozenset(st.layers) for st in stages]
     home = bytes(layer_sets[s] <= resident[w] for w in range(nw) for s in range(len(stages)))
-    ints = {k: array.array("i", v) for k, v in (("op", [code[i.op] for i in instrs]), ("wk", wk),
+    ints = {k: _ints(v) for k, v in (("op", [code[i.op] for i in instrs]), ("wk", wk),
                                               ("ptr", jobs.dep_ptr), ("idx", jobs.dep_idx or [0]),
                                               ("stage", [s for s, _ in slots]), ("round", [r for _, r in slots]))}
     longs = {k: array.array("q", v) for k, v in (("size", [a for a, _ in sizes]), ("work", [b for _, b in sizes]),

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from rpcompile.ir.costs import CostTable
 from rpcompile.passes.partition.timing import steady_state_window
@@ -46,7 +47,7 @@ from rpcompile.ir.plan import StageKind
 from rpcompile.ir.program import COMPUTE_OPS, Instr, Lane, Op, Program
 from rpcompile.runtime.distributed import ring_allreduce_time
 from rpcompile.runtime.sim.events import Jobs, StuckError, exposed_waits, peak_usage, run_jobs
-from rpcompile.runtime.sim.native import load, peaks_native
+from rpcompile.runtime.sim.native import expand_native, load, peaks_native
 from rpcompile.runtime.sim.timeline import Records, Timeline
 
 MASTER_PER_PARAM_BYTE = 2   # fp32 master bytes per byte of 16-bit parameters
@@ -99,7 +100,7 @@ def simulate(program: Program, costs: CostTable, hardware, *, iterations: int = 
     n = len(tmpl)
     pos = program.index()
     moved = _Moved(program, costs)
-    durations = [_duration(i, program, costs, bw, moved) for i in tmpl]
+    durations = _per_kind(_duration, tmpl, program, costs, bw, moved)
     lane_ids: dict[tuple[int, Lane], int] = {}
     channel_ids: dict[tuple[int, str], int] = {}
     deps_of = []
@@ -118,12 +119,17 @@ def simulate(program: Program, costs: CostTable, hardware, *, iterations: int = 
     chan_col: list[int] = []
     wk: list[int] = []  # each job's physical worker: program.shifted(t)'s
     ids: dict[int, tuple[list[int], list[int], list[int]]] = {}  # per rotation: each template's worker, lane, channel
+    # the distinct (template worker, lane, channel) in order of first use: a rotation maps them one to one onto
+    # physical (worker, lane)s, so numbering these in this order numbers the lanes and channels in order of first use
+    kinds: dict[tuple, int] = {}
+    kind_of = [kinds.setdefault((i.worker, lanes[k], chans[k], host[k]), len(kinds)) for k, i in enumerate(tmpl)]
     for t in range(iterations):
         shift = (t * program.shift) % program.gpus
         if shift not in ids:  # ids numbered in order of first use, as the jobs are listed
-            ws = [i.worker if host[k] else (i.worker + shift) % program.gpus for k, i in enumerate(tmpl)]
-            ids[shift] = (ws, [lane_ids.setdefault((w, lanes[k]), len(lane_ids)) for k, w in enumerate(ws)],
-                          [channel_ids.setdefault((w, chans[k]), len(channel_ids)) for k, w in enumerate(ws)])
+            w_of = [w if h else (w + shift) % program.gpus for w, _, _, h in kinds]
+            l_of = [lane_ids.setdefault((w, lane), len(lane_ids)) for w, (_, lane, _, _) in zip(w_of, kinds)]
+            c_of = [channel_ids.setdefault((w, ch), len(channel_ids)) for w, (_, _, ch, _) in zip(w_of, kinds)]
+            ids[shift] = ([w_of[c] for c in kind_of], [l_of[c] for c in kind_of], [c_of[c] for c in kind_of])
         ws, lane_of, chan_of = ids[shift]
         lane_col += lane_of
         chan_col += chan_of
@@ -164,9 +170,19 @@ def simulate(program: Program, costs: CostTable, hardware, *, iterations: int = 
         peak_memory=_peaks(program, costs, moved, wk, jobs, starts, ends), records=records)
 
 
-def _expand_deps(deps_of: list[list[tuple[int, int, int]]], iterations: int, n: int) -> tuple[list[int], list[int]]:
+def _expand_deps(deps_of: list[list[tuple[int, int, int]]], iterations: int, n: int):
     """The dependencies of `iterations` copies of the n templates, as CSR (ptr, idx): template k's deps
-    (back, since, d) in iteration t are job (t - back) * n + d, those with t - back >= 0 and t >= since."""
+    (back, since, d) in iteration t are job (t - back) * n + d, those with t - back >= 0 and t >= since
+    (in C, `native.expand_native`, where the simulator's kernel is available: the same integers)."""
+    lib = load()
+    if lib is not None:
+        return expand_native(lib, deps_of, iterations, n)
+    return _expand_deps_python(deps_of, iterations, n)
+
+
+def _expand_deps_python(deps_of: list[list[tuple[int, int, int]]], iterations: int,
+                        n: int) -> tuple[list[int], list[int]]:
+    """`_expand_deps`' loop in Python."""
     full = [max((max(back, since) for back, since, _ in dl), default=0) for dl in deps_of]  # all deps from here
     offs = [d - back * n for dl in deps_of for back, _, d in dl]  # iteration t's deps, once t >= max(full)
     ends, acc = [], 0
@@ -304,7 +320,7 @@ def _peaks(program: Program, costs: CostTable, moved: _Moved, wk: list[int], job
             for ls in resident]
     lib = load()
     if lib is not None:
-        got = peaks_native(lib, program, costs, resident, [_buffer_size(i, program, costs, moved) for i in program.instrs],
+        got = peaks_native(lib, program, costs, resident, _per_kind(_buffer_size, program.instrs, program, costs, moved),
                            _CONSUMERS, wk, jobs, starts, ends)
         return tuple(b + p for b, p in zip(base, got))
     return tuple(b + p for b, p in zip(base, _peaks_python(program, costs, moved, resident, wk, jobs, starts, ends)))
@@ -329,7 +345,7 @@ def _peaks_python(program: Program, costs: CostTable, moved: _Moved, resident: l
             for d in idx[ptr[j]:ptr[j + 1]]:
                 if wk[d] == w and f[d % n] and e > free_at[d]:
                     free_at[d] = e
-    sizes = [_buffer_size(i, program, costs, moved) for i in program.instrs]
+    sizes = _per_kind(_buffer_size, program.instrs, program, costs, moved)
     # per template: whether it is on a GPU's books at all, and the gradient slot its FUSED / BACKWARD / G writes
     # or reads ((stage, round, its layers), None for other ops)
     counted = [i.op not in (Op.STEP, Op.COPY) for i in program.instrs]
@@ -355,6 +371,20 @@ def _peaks_python(program: Program, costs: CostTable, moved: _Moved, resident: l
     for (_, w, s, _), (a, b) in grads.items():
         intervals[w].append((a, b, sum(costs.grad_bytes[l] for l in stages[s].layers)))
     return [peak_usage(intervals[w]) for w in range(nw)]
+
+
+def _per_kind(fn, instrs, *args) -> list:
+    """[fn(i, *args) for i in instrs], computed once per kind of instruction: `_duration` and `_buffer_size` read
+    only the op, stage, chunk, grad flag, layer and whether the worker is the host (a paper model's program
+    has thousands of instructions of a few hundred kinds)."""
+    seen: dict[tuple, Any] = {}
+    out = []
+    for i in instrs:
+        key = (i.op, i.stage, i.chunk, i.grad, i.layer, i.worker < 0)
+        if key not in seen:
+            seen[key] = fn(i, *args)
+        out.append(seen[key])
+    return out
 
 
 def _buffer_size(i: Instr, program: Program, costs: CostTable, moved: _Moved) -> tuple[int, int]:

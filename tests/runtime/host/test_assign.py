@@ -140,13 +140,15 @@ def test_the_c_loops_give_the_python_versions_assignment(seed, monkeypatch):
     plan = StagePlan.from_str(f"{','.join(map(str, fwd))}|1|{','.join(map(str, fwd[::-1]))}")
     gpus = rng.choice([2, 3, 4])
     program = emit(plan, gpus=gpus, microbatches=gpus * rng.choice([1, 2]), staleness=rng.choice([0, 1]))
+    bufs = A.live_buffers(graph, program)
     monkeypatch.setenv("RPCOMPILE_ASSIGN_KERNEL", "1")
-    c = A.assign_buffers(graph, program)
+    c, c_apart = A.assign_buffers(graph, program), A.apart(bufs, program)
     assert A._library() is not None  # the C path ran (this machine has a compiler)
     monkeypatch.setenv("RPCOMPILE_ASSIGN_KERNEL", "0")
     assert A._library() is None
-    py = A.assign_buffers(graph, program)
+    py, py_apart = A.assign_buffers(graph, program), A.apart(bufs, program)
     assert c == py and c.peak > 0
+    assert torch.equal(c_apart, py_apart) and 0 < int(c_apart.sum()) < c_apart.numel() - len(bufs)
 
 
 def test_a_pair_ordered_only_from_the_second_iteration_on_may_not_share():

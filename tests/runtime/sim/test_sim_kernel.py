@@ -78,14 +78,11 @@ def test_a_damaged_kernel_is_built_again_before_a_process_maps_it(monkeypatch, t
     assert native.load() is not None and run_jobs(jobs) == run_jobs(jobs, native=False)
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_the_c_memory_model_gives_the_python_peaks(seed, monkeypatch):
-    """`simulate`'s peak bytes per worker from memory.c equal the Python loop's, on random RoundPipe programs
-    (staleness 0 and 1, several iterations: gradient slots, buffers freed by later consumers) and on the
-    bound-stage baselines (resident optimizer state)."""
+def random_programs(seed: int):
+    """(costs, hardware, programs): random RoundPipe programs (staleness 0 and 1), two bound-stage baselines, and
+    one with a dependency between compute on two workers."""
     from rpcompile import CostTable, StagePlan
     from rpcompile.passes import emit
-    from rpcompile.runtime import simulate
     from rpcompile.ir.instr import Ref
     from rpcompile.runtime.sim.baselines import gpipe, one_f_one_b
     rng = random.Random(seed)
@@ -107,6 +104,16 @@ def test_the_c_memory_model_gives_the_python_peaks(seed, monkeypatch):
     extra = {"w1 B1.m1": Ref("w0 F0.m0")}
     programs.append(dataclasses.replace(g, instrs=tuple(
         dataclasses.replace(i, deps=i.deps + (extra[i.name],)) if i.name in extra else i for i in g.instrs)))
+    return costs, hw, programs
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_c_memory_model_gives_the_python_peaks(seed, monkeypatch):
+    """`simulate`'s peak bytes per worker from memory.c equal the Python loop's, on random RoundPipe programs
+    (staleness 0 and 1, several iterations: gradient slots, buffers freed by later consumers) and on the
+    bound-stage baselines (resident optimizer state)."""
+    from rpcompile.runtime import simulate
+    costs, hw, programs = random_programs(seed)
     for program in programs:
         monkeypatch.setenv("RPCOMPILE_SIM_KERNEL", "1")
         assert native.load() is not None
@@ -114,3 +121,30 @@ def test_the_c_memory_model_gives_the_python_peaks(seed, monkeypatch):
         monkeypatch.setenv("RPCOMPILE_SIM_KERNEL", "0")
         py = simulate(program, costs, hw, iterations=3)
         assert c.peak_memory == py.peak_memory and max(c.peak_memory) > 0
+        assert c == py  # and everything else: the expanded dependencies and exposed waits of jobs.c too
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_c_job_passes_give_the_python_ones(seed):
+    """jobs.c: the dependencies of K iterations expanded from the template (some reaching back, some from a later
+    iteration on) and the exposed waits are the Python's, integers and floats alike."""
+    from rpcompile.runtime.sim.events import exposed_waits, exposed_waits_python
+    from rpcompile.runtime.sim.simulator import _expand_deps_python
+    rng = random.Random(seed)
+    n, iterations = rng.randint(1, 40), rng.randint(1, 6)
+    deps_of = [[(rng.randint(0, 2), rng.randint(0, 3), rng.randrange(k + 1 if rng.random() < 0.5 else n))
+                for _ in range(rng.randint(0, 3))] for k in range(n)]
+    deps_of = [[(b, s, d) for b, s, d in dl if b > 0 or d < k] for k, dl in enumerate(deps_of)]  # acyclic
+    ptr, idx = native.expand_native(BUILT, deps_of, iterations, n)
+    want = _expand_deps_python(deps_of, iterations, n)
+    assert (list(ptr), list(idx)) == want
+    jobs = random_jobs(rng, rng.randint(1, 300))
+    cols = Jobs.of(jobs)
+    lanes = sorted({j.lane for j in jobs})
+    cols = dataclasses.replace(cols, lane=[lanes.index(j.lane) for j in jobs])  # numbered 0 .. L - 1
+    starts, ends = run_jobs(cols)
+    transfer = [rng.random() < 0.5 for _ in jobs]
+    compute = [not t and rng.random() < 0.8 for t in transfer]
+    got = exposed_waits(cols, starts, ends, transfer, compute)
+    assert got == exposed_waits_python(cols, starts, ends, transfer, compute)
+    assert got == exposed_waits(cols, starts, ends, transfer, compute, native=False) and any(got)

@@ -230,3 +230,25 @@ def test_core_reports_stuck_jobs():
     assert e.value.stuck == [0, 1]
     assert peak_usage([]) == 0 and peak_usage([(0.0, 1.0, 3), (1.0, 2.0, 4)]) == 4
     assert math.isinf(INF)
+
+
+def test_each_job_lasts_its_own_instructions_duration():
+    """Every job of a run lasts what `_duration` gives its own instruction (computed once per kind of
+    instruction: chunks of one stage of different sizes, a B slot's saved-input and gradient uploads of different
+    sizes, layers' steps and copies must not share a duration)."""
+    from rpcompile.runtime.sim.simulator import _Bandwidths, _duration, _Moved
+    costs = CostTable.from_lists(fwd=[1.0, 2.0, 3.0, 4.0], bwd=[2.0, 4.0, 6.0, 8.0],
+                                 act_bytes=[3 * 10**6, 5 * 10**6, 7 * 10**6, 11 * 10**6],
+                                 saved_bytes=[13 * 10**6, 17 * 10**6, 19 * 10**6, 23 * 10**6],
+                                 param_bytes=[29 * 10**6, 31 * 10**6, 37 * 10**6, 41 * 10**6],
+                                 grad_bytes=[43 * 10**6, 47 * 10**6, 53 * 10**6, 59 * 10**6])
+    hw = type("HW", (), dict(h2d_bandwidth=1e9, d2h_bandwidth=2e9, optimizer_bytes_per_s=3e9,
+                             host_memcpy_bandwidth=5e9, link_latency=1e-6))()
+    program = emit(StagePlan.from_str("3|1|3"), gpus=2, microbatches=4, costs=costs)
+    assert len({c.bytes for c in program.chunks if c.stage == 0}) > 1  # a stage's chunks differ in size
+    t = simulate(program, costs, hw, iterations=2)
+    bw, moved = _Bandwidths.of(hw), _Moved(program, costs)
+    want = [_duration(i, program, costs, bw, moved) for i in program.instrs]
+    assert len(set(want)) > 10
+    for j, r in enumerate(t.records):
+        assert r.end - r.start == pytest.approx(want[j % len(want)], rel=1e-9, abs=1e-15), r.name
