@@ -180,12 +180,12 @@ def _passes(model: torch.nn.Module, example: Any, opts: Options, m: int, mode: s
     # 4-5. choose the stage grouping (and, for a hardware target, the round size) and emit the program
     # (measured costs: on the device `estimate_costs` measured them on, CUDA if there is one, else the CPU)
     tie = measured_tie("cuda" if torch.cuda.is_available() else "cpu") if mode == "measure" else 0.0
-    plan, program, timeline, assignment = _plan_and_emit(graph, costs, opts, m, budget, tie=tie)
+    plan, program, timeline, assignment, bound = _plan_and_emit(graph, costs, opts, m, budget, tie=tie)
     # 6. check it: dependencies, coverage, the per-layer rules R1-R5, device memory
     passes.verify(program, costs=costs, memory_budget=budget)
     # 7. place the host buffers of the values crossing cuts in one arena by their live ranges (unless choosing
     # the round size did already); then host memory
-    assignment = assignment or assign_buffers(graph, program, opts.dtype)
+    assignment = assignment or assign_buffers(graph, program, opts.dtype, unplaced=bound)
     if timeline is None:  # a simulated program was chosen among those whose run fits the host: checked already
         _check_host(graph, costs, plan, opts, m, program.round_size, program, assignment)
     return graph, costs, plan, program, m, units, timeline, assignment
@@ -229,7 +229,8 @@ def _plan_and_emit(graph: LayerGraph, costs: CostTable, opts: Options, m: int, b
                    tie: float = 0.0):
     """partition (with `tie`) + emit, at the round size chosen as the Note says: (plan, program, the
     chosen program's simulated Timeline or None without a hardware target, its BufferAssignment if checking
-    the host memory built it, else None).
+    the host memory built it, else None, and its `unshared` assignment if checking built that, else None:
+    `assign_buffers` reuses its buffers).
 
     Note: round size. The partitioner's objective is the compute-only schedule time, and one round
     of all M microbatches uploads every stage's parameters once per iteration instead of M / R
@@ -253,21 +254,21 @@ def _plan_and_emit(graph: LayerGraph, costs: CostTable, opts: Options, m: int, b
     if opts.hardware is None:
         if opts.gpus == 1 and m != default:
             plan, program = emitted(m)
-            fits, assignment = _fits_host(graph, costs, plan, opts, m, m, program)
+            fits, assignment, bound = _fits_host(graph, costs, plan, opts, m, m, program)
             if fits:
-                return plan, program, None, assignment
-        return (*emitted(default), None, None)
+                return plan, program, None, assignment, bound
+        return (*emitted(default), None, None, None)
     best = first = None
     for r in dict.fromkeys((default, m)):
         plan, program = emitted(r)
-        fits, assignment = _fits_host(graph, costs, plan, opts, m, r, program)
-        first = first or (plan, program, None, assignment)
+        fits, assignment, bound = _fits_host(graph, costs, plan, opts, m, r, program)
+        first = first or (plan, program, None, assignment, bound)
         if not fits:
             continue  # a round of r microbatches' saved inputs is more than the host holds: not a choice
         k = steady_iterations(program) if opts.staleness else 1
         timeline = simulate(program, costs, opts.hardware, iterations=k)
         if best is None or timeline.steady_iteration_time < best[0]:
-            best = (timeline.steady_iteration_time, plan, program, timeline, assignment)
+            best = (timeline.steady_iteration_time, plan, program, timeline, assignment, bound)
     if best is None:  # neither fits: the default round's plan, which the host check then refuses by its bytes
         return first
     return best[1:]
@@ -291,21 +292,22 @@ def host_need(graph: LayerGraph, costs: CostTable, plan, opts: Options, program:
 
 
 def _fits_host(graph: LayerGraph, costs: CostTable, plan, opts: Options, m: int, round_size: int,
-               program: Any) -> tuple[bool, Any]:
+               program: Any) -> tuple[bool, Any, Any]:
     """(whether the run fits the host memory at `round_size`, the program's BufferAssignment if this built it,
-    else None): it fits at once if it fits with one buffer per value crossing a cut (`unshared`, an upper
-    bound), else if it fits with the buffers assigned."""
+    else None, its `unshared` one): it fits at once if it fits with one buffer per value crossing a cut
+    (`unshared`, an upper bound), else if it fits with the buffers assigned."""
+    bound = unshared(graph, program, opts.dtype)
     try:  # no arena is larger than one buffer each: fitting with that is fitting
-        _check_host(graph, costs, plan, opts, m, round_size, program, unshared(graph, program, opts.dtype))
-        return True, None
+        _check_host(graph, costs, plan, opts, m, round_size, program, bound)
+        return True, None, bound
     except ValueError:
         pass
-    assignment = assign_buffers(graph, program, opts.dtype)
+    assignment = assign_buffers(graph, program, opts.dtype, unplaced=bound)
     try:
         _check_host(graph, costs, plan, opts, m, round_size, program, assignment)
     except ValueError:
-        return False, assignment
-    return True, assignment
+        return False, assignment, bound
+    return True, assignment, bound
 
 
 def _shard_head(graph: LayerGraph, shards: int | str, costs: CostTable, budget: int | None = None,

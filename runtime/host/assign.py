@@ -34,6 +34,7 @@ live for the whole run (`runtime.host.buffers.pool_buffers`).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import hashlib
 import os
 from typing import Any
@@ -166,17 +167,23 @@ def _and_dominated_t(ok: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -
     ok &= _dominated(rows, cols, native=False).T
 
 
-def assign_buffers(graph: Any, program: Program, dtype: torch.dtype | None = None) -> BufferAssignment:
+def assign_buffers(graph: Any, program: Program, dtype: torch.dtype | None = None,
+                   unplaced: BufferAssignment | None = None) -> BufferAssignment:
     """Place every per-microbatch host buffer of `program` in one arena (best-fit by size, largest first).
 
     Args:
         graph: the traced LayerGraph the program's plan covers.
         program: the Program (`rpcompile.passes.emit`).
         dtype: training dtype (None: each value's own), as for `runtime.host.buffers.transfer_bytes`.
+        unplaced: `unshared(graph, program, dtype)` if the caller has it: its buffers and fingerprint are
+            this program's (not computed again), its offsets are ignored.
     Returns:
         A BufferAssignment whose arena is what the runtime allocates.
     """
-    bufs = live_buffers(graph, program, dtype)
+    if unplaced is None:
+        bufs, digest = live_buffers(graph, program, dtype), fingerprint(program)
+    else:
+        bufs, digest = [dataclasses.replace(b, offset=0) for b in unplaced.buffers], unplaced.program
     ok = apart(bufs, program) if bufs else torch.zeros(0, 0, dtype=torch.bool)
     size = [_up(b.bytes) for b in bufs]
     pos = {i.name: k for k, i in enumerate(program.instrs)}
@@ -185,7 +192,7 @@ def assign_buffers(graph: Any, program: Program, dtype: torch.dtype | None = Non
     at = offset.tolist()
     out = tuple(HostBuffer(b.key, b.shape, b.dtype, at[k], b.writer, b.readers) for k, b in enumerate(bufs))
     arena = max((at[k] + size[k] for k in range(len(bufs))), default=0)
-    return BufferAssignment(fingerprint(program), out, arena, _peak(bufs, size, ok, pos))
+    return BufferAssignment(digest, out, arena, _peak(bufs, size, ok, pos))
 
 
 def unshared(graph: Any, program: Program, dtype: torch.dtype | None = None) -> BufferAssignment:

@@ -255,7 +255,7 @@ def test_with_a_hardware_target_each_emitted_programs_host_memory_is_counted_onc
         return real(graph, costs, plan, round_size=round_size, program=program, **kw)
     monkeypatch.setattr(pipeline, "check_host_memory", counted)
     assigned = []
-    monkeypatch.setattr(pipeline, "assign_buffers", lambda *a: assigned.append(a[1]) or assign_buffers(*a))
+    monkeypatch.setattr(pipeline, "assign_buffers", lambda *a, **kw: assigned.append(a[1]) or assign_buffers(*a, **kw))
     roomy = Hardware.preset("cpu").replace(host_memory=2**34)
     with rpcompile.compile(TinyLlama(CFG), hardware=roomy, gpus=2, example=batch(), microbatches=4,
                            memory_budget=2**18, backend="host") as c:
@@ -270,7 +270,7 @@ def test_a_program_whose_host_check_packed_its_buffers_is_not_packed_again(monke
     real_unshared = pipeline.unshared
     monkeypatch.setattr(pipeline, "unshared", lambda *a: dataclasses.replace(real_unshared(*a), arena=2**60))
     assigned = []
-    monkeypatch.setattr(pipeline, "assign_buffers", lambda *a: assigned.append(a[1]) or assign_buffers(*a))
+    monkeypatch.setattr(pipeline, "assign_buffers", lambda *a, **kw: assigned.append(a[1]) or assign_buffers(*a, **kw))
     roomy = Hardware.preset("cpu").replace(host_memory=2**34)
     with rpcompile.compile(TinyLlama(CFG), hardware=roomy, gpus=2, example=batch(), microbatches=4,
                            memory_budget=2**18, backend="host") as c:

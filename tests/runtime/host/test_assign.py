@@ -149,6 +149,9 @@ def test_the_c_loops_give_the_python_versions_assignment(seed, monkeypatch):
     py, py_apart = A.assign_buffers(graph, program), A.apart(bufs, program)
     assert c == py and c.peak > 0
     assert torch.equal(c_apart, py_apart) and 0 < int(c_apart.sum()) < c_apart.numel() - len(bufs)
+    # the buffers of the program's `unshared` assignment (what choosing the round size made) give the same one
+    bound = A.unshared(graph, program)
+    assert A.assign_buffers(graph, program, unplaced=bound) == py and bound.arena > py.arena
 
 
 def test_a_pair_ordered_only_from_the_second_iteration_on_may_not_share():
