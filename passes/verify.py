@@ -32,6 +32,10 @@ class _Ctx:
         self.ns, self.rr = len(self.stages), program.round_size
         self.pos = {i.name: k for k, i in enumerate(program.instrs)}
         self._order: HappensBefore | None = None
+        self.forward_of: dict[int, int] = {}  # layer -> the first forward group holding it
+        for j, r in enumerate(program.plan.fwd):
+            for layer in r:
+                self.forward_of.setdefault(layer, j)
         self.slots: dict[tuple, list[Instr]] = {}
         for i in program.instrs:
             if not i.is_host:
@@ -150,8 +154,7 @@ def _input(c: _Ctx) -> None:
         if i.op is Op.BACKWARD:
             ups = [(f"w{w} R{i.stage}.m{m}", None), (f"w{w} U{i.stage}.m{m}g", i.stage - 1)]
         elif i.op is Op.RECOMPUTE:
-            prod = [j for j, r in enumerate(c.p.plan.fwd) if st.layers.start - 1 in r]
-            ups = [(ups[0][0], prod[0] if prod else None)]
+            ups = [(ups[0][0], c.forward_of.get(st.layers.start - 1))]
         elif i.stage > 0:
             ups = [(ups[0][0], i.stage - 1)]
         for u, producer in ups:

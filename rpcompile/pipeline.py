@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -136,15 +136,19 @@ def plan_pipeline(model: torch.nn.Module, example: Any, opts: Options, *, mode: 
 
 
 def compile_passes(model: torch.nn.Module, example: Any, opts: Options, *, mode: str = "measure",
-                   frozen: Frozen | None = None):
+                   frozen: Frozen | None = None, emitted: Callable[[CostTable, Any, Any], None] | None = None):
     """`plan_pipeline`, also returning the layer units it traced with (None: the default detection), the
     simulated Timeline that chose the round size (None without a hardware target or when rebuilt) and the
-    program's host `BufferAssignment` (`runtime.host.assign`: what the runtime allocates for it)."""
+    program's host `BufferAssignment` (`runtime.host.assign`: what the runtime allocates for it).
+
+    `emitted(costs, plan, program)`, if given, is called once the program is chosen and emitted, before it is
+    verified and its host buffers are placed (`plan_model` starts its comparison rows there, in a child
+    process, while this one goes on); not on the `frozen` path."""
     m = frozen.microbatches if frozen else opts.microbatches or default_microbatches(batch_size(example), opts.gpus)
     check_batch(example, m)
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}  # measuring runs the layers: keep
     try:                                                                 # running statistics as they were
-        return _rebuild(model, example, opts, frozen) if frozen else _passes(model, example, opts, m, mode)
+        return _rebuild(model, example, opts, frozen) if frozen else _passes(model, example, opts, m, mode, emitted)
     finally:
         with torch.no_grad():
             for n, b in model.named_buffers():
@@ -152,7 +156,7 @@ def compile_passes(model: torch.nn.Module, example: Any, opts: Options, *, mode:
                     b.copy_(buffers[n])
 
 
-def _passes(model: torch.nn.Module, example: Any, opts: Options, m: int, mode: str):
+def _passes(model: torch.nn.Module, example: Any, opts: Options, m: int, mode: str, emitted=None):
     """The passes of `plan_pipeline`, in order.
 
     Note: layer units. Without `layers=`, the decoder blocks are the units. When one block does
@@ -181,6 +185,8 @@ def _passes(model: torch.nn.Module, example: Any, opts: Options, m: int, mode: s
     # (measured costs: on the device `estimate_costs` measured them on, CUDA if there is one, else the CPU)
     tie = measured_tie("cuda" if torch.cuda.is_available() else "cpu") if mode == "measure" else 0.0
     plan, program, timeline, assignment, bound = _plan_and_emit(graph, costs, opts, m, budget, tie=tie)
+    if emitted is not None:
+        emitted(costs, plan, program)
     # 6. check it: dependencies, coverage, the per-layer rules R1-R5, device memory
     passes.verify(program, costs=costs, memory_budget=budget)
     # 7. place the host buffers of the values crossing cuts in one arena by their live ranges (unless choosing

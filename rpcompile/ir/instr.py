@@ -124,7 +124,7 @@ class Instr:
 
     def _text(self) -> str:
         """`name`, formatted from the fields."""
-        o = self.op.value
+        o = self.op._value_  # the member's value, without the `value` property (made for every instruction)
         if self.op in HOST_OPS:
             return f"h {o}.l{self.layer}"
         w = f"w{self.worker} {o}{self.stage}"

@@ -122,38 +122,54 @@ def plan_model(model: str, *, gpus: int = 8, hardware: str | Hardware = "rtx4090
                      built=None if frozen_base else net, optimizer=state["optimizer"], shard=shard) as longest:
         return _plan(net, model, hw, state, longest, servers, gpus=gpus, seq=seq, microbatches=microbatches,
                      microbatch_size=microbatch_size, staleness=staleness, dtype=dtype,
-                     lm_head_shards=lm_head_shards, fp16_accumulation=fp16_accumulation, fused_head=fused_head)
+                     lm_head_shards=lm_head_shards, fp16_accumulation=fp16_accumulation, fused_head=fused_head,
+                     parallel=parallel)
 
 
 def _plan(net, model: str, hw: Hardware, state: dict, longest: Background, servers: int, *, gpus: int, seq: int,
           microbatches: int, microbatch_size: int, staleness: int, dtype, lm_head_shards, fp16_accumulation: bool,
-          fused_head: bool) -> PlanResult:
+          fused_head: bool, parallel: bool = True) -> PlanResult:
     """`plan_model` once the model is built and its parameters' state fits: plan, simulate, compare; the
-    longest sequence comes from `longest`."""
+    longest sequence comes from `longest`. The comparison rows (our schedule at staleness 0, the baselines)
+    need only the costs and the plan: they are simulated in a child process (`Background`, if `parallel`)
+    while this one verifies the program and places its host buffers."""
     example = example_batch(net.config.vocab_size, microbatches * microbatch_size, seq)
     opts = Options(gpus=gpus, microbatches=microbatches, staleness=staleness,
                    optimizer=state["optimizer"], dtype=dtype, loss_fn=None, layers=None,  # its state's bytes
                    lm_head_shards=lm_head_shards, hardware=hw, memory_budget=None, backend="host", seed=0,
                    fp16_accumulation=fp16_accumulation, fused_head=fused_head, shard=state["shard"])
-    graph, costs, plan, program, m, _, chosen, assignment = compile_passes(net, example, opts, mode="predict")
-    host = check_host_memory(graph, costs, plan, microbatches=m, gpus=gpus, round_size=program.round_size,
-                             program=program, assignment=assignment, **state)
     tokens = microbatches * microbatch_size * seq
-    rows = []
-    ours_sync = simulate(passes.emit(plan, gpus=gpus, microbatches=m, round_size=program.round_size,
-                                      staleness=0, costs=costs), costs, hw)
-    k = steady_iterations(program)  # the round size was chosen by this simulation when its window is this one
-    ours = chosen if chosen is not None and chosen.iterations == k else simulate(program, costs, hw, iterations=k)
-    rows.append(("rpcompile (RoundPipe)", ours.steady_iteration_time, tokens / ours.steady_iteration_time,
-                 ours_sync.bubble_ratio, ours.steady_bubble, max(ours.peak_memory) / 2**30,
-                 _fits(ours, hw)))
-    rows += _baseline_rows(costs, gpus, m, tokens, hw)
+    jobs: list[Background] = []
+    try:
+        def emitted(costs, plan, program):
+            jobs.append(Background(parallel, _comparison, costs, plan, program.round_size, gpus, program.microbatches,
+                                   tokens, hw))
+        graph, costs, plan, program, m, _, chosen, assignment = compile_passes(net, example, opts, mode="predict",
+                                                                               emitted=emitted)
+        host = check_host_memory(graph, costs, plan, microbatches=m, gpus=gpus, round_size=program.round_size,
+                                 program=program, assignment=assignment, **state)
+        k = steady_iterations(program)  # the round size was chosen by this simulation when its window is this one
+        ours = chosen if chosen is not None and chosen.iterations == k else simulate(program, costs, hw, iterations=k)
+        sync_bubble, baselines = jobs[0].result()
+    finally:
+        for job in jobs:
+            job.close()
+    rows = [("rpcompile (RoundPipe)", ours.steady_iteration_time, tokens / ours.steady_iteration_time,
+             sync_bubble, ours.steady_bubble, max(ours.peak_memory) / 2**30, _fits(ours, hw)), *baselines]
     max_seq, why = longest.result()
     n_params = sum(v.shape.numel() if hasattr(v.shape, "numel") else _numel(v.shape)
                    for v in graph.params.values())
     whole = host_bytes(graph, microbatches=m, optimizer=state["optimizer"], dtype=dtype)
     return PlanResult(model, n_params, plan, program, costs, tuple(rows), max_seq, why, tokens, host,
                       hw.host_memory, microbatch_size, servers, whole.masters + whole.optimizer)
+
+
+def _comparison(costs, plan, round_size: int, gpus: int, microbatches: int, tokens: int,
+                hw: Hardware) -> tuple[float, list[tuple]]:
+    """(the bubble of our schedule at staleness 0, the baselines' rows): what the plan is compared with."""
+    sync = simulate(passes.emit(plan, gpus=gpus, microbatches=microbatches, round_size=round_size, staleness=0,
+                                costs=costs), costs, hw)
+    return sync.bubble_ratio, _baseline_rows(costs, gpus, microbatches, tokens, hw)
 
 
 def _baseline_rows(costs, gpus: int, microbatches: int, tokens: int, hw: Hardware) -> list[tuple]:

@@ -79,7 +79,7 @@ def live_buffers(graph: Any, program: Program, dtype: torch.dtype | None = None)
         if i.op is not Op.ACT_DOWN:
             continue
         st = io[i.stage]
-        if st.kind.value == "F":
+        if st.kind == "F":  # a str enum equals its value
             keys = [(("a", i.mb, n), n) for n in st.down]
         else:
             keys = [(("g", i.mb, st.layers.start - 1, n), n) for n in st.grad_out]

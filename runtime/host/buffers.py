@@ -122,15 +122,15 @@ def _pool_buffers(graph: Any, program: Any, dtype: torch.dtype | None, io: list,
     m = program.microbatches
     out: dict[tuple, tuple[tuple, torch.dtype]] = {}
     for i in program.instrs:
-        if i.op.value != "D":
+        if i.op != "D":  # str enums equal their values
             continue
         st = io[i.stage]
-        if st.kind.value == "F":
+        if st.kind == "F":
             down = {("a", i.mb, n): n for n in st.down}
         else:
             down = {("g", i.mb, st.layers.start - 1, n): n for n in st.grad_out}
         out.update({("t",) + k: per_mb(graph.values[n], m, dtype) for k, n in down.items() if readers.get(k, 0)})
-        if st.kind.value == "FB":
+        if st.kind == "FB":
             out[("t", "loss", i.mb)] = per_mb(graph.values[graph.loss], m, dtype)
     for j in range(m):
         for n in graph.inputs:

@@ -89,7 +89,7 @@ class StagingPlan:
         """
         slots: list[tuple[tuple[int, int], list]] = []
         for i in program.instrs:
-            if i.op.value == "G":
+            if i.op == "G":  # a str enum equals its value
                 if not slots or slots[-1][0] != (i.stage, i.round):
                     slots.append(((i.stage, i.round), []))
                 slots[-1][1].append(i)

@@ -57,3 +57,16 @@ void rp_exposed_waits(int n, const int *ptr, const int *idx, const unsigned char
         prev[lane[j]] = ends[j];
     }
 }
+
+/* The compute jobs' totals (see `simulator._totals_python`), summed in job order as the Python sums them: per
+ * worker the busy time (end - start) and the exposed wait, per iteration the latest end. */
+void rp_totals(int total, int n, const unsigned char *compute, const int *wk, const double *starts,
+               const double *ends, const double *waits, double *busy, double *exposed, double *ends_t) {
+    int j;
+    for (j = 0; j < total; j++) {
+        if (!compute[j % n]) continue;
+        busy[wk[j]] += ends[j] - starts[j];
+        if (ends[j] > ends_t[j / n]) ends_t[j / n] = ends[j];
+        exposed[wk[j]] += waits[j];
+    }
+}

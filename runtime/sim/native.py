@@ -42,6 +42,8 @@ def load() -> ctypes.CDLL | None:
         lib.rp_expand_deps.argtypes = [i32, i32] + [ptr] * 6
         lib.rp_exposed_waits.restype = None
         lib.rp_exposed_waits.argtypes = [i32] + [ptr] * 9 + [i32, ptr]
+        lib.rp_totals.restype = None
+        lib.rp_totals.argtypes = [i32, i32] + [ptr] * 8
     return lib
 
 
@@ -62,15 +64,39 @@ def expand_native(lib: ctypes.CDLL, deps_of: list[list[tuple[int, int, int]]], i
 
 def exposed_native(lib: ctypes.CDLL, jobs, starts, ends, transfer, compute) -> list[float]:
     """`events.exposed_waits_python` in C (jobs.c): the same floats."""
+    return _exposed(lib, jobs, _doubles(starts), _doubles(ends), bytes(transfer), bytes(compute)).tolist()
+
+
+def totals_native(lib: ctypes.CDLL, jobs, starts, ends, wk: list[int], compute: list[bool], transfer: list[bool],
+                  iterations: int, gpus: int) -> tuple[list[float], list[float], list[float]]:
+    """`simulator._totals_python` in C (jobs.c): (busy per worker, the latest compute end per iteration, exposed
+    wait per worker), the same floats."""
+    starts, ends = _doubles(starts), _doubles(ends)
+    waits = _exposed(lib, jobs, starts, ends, bytes(transfer) * iterations, bytes(compute) * iterations)
+    busy, exposed, ends_t = (array.array("d", bytes(8 * k)) for k in (gpus, gpus, iterations))
+    workers = _ints(wk)  # held while C reads it
+    addr = lambda a: a.buffer_info()[0]  # noqa: E731
+    lib.rp_totals(len(jobs), len(compute), bytes(compute), addr(workers), addr(starts), addr(ends), addr(waits),
+                  addr(busy), addr(exposed), addr(ends_t))
+    return busy.tolist(), ends_t.tolist(), exposed.tolist()
+
+
+def _exposed(lib: ctypes.CDLL, jobs, starts: array.array, ends: array.array, transfer: bytes,
+             compute: bytes) -> array.array:
+    """The exposed wait of every job (jobs.c), as a double array."""
     n = len(jobs)
-    lanes = jobs.lane if isinstance(jobs.lane, array.array) else array.array("i", jobs.lane)
+    lanes = _ints(jobs.lane)
     n_lanes = max(lanes, default=-1) + 1
-    ins = [_ints(jobs.dep_ptr), _ints(jobs.dep_idx or [0]), bytes(transfer), bytes(compute), lanes,
-           array.array("d", starts), array.array("d", ends)]
+    ins = [_ints(jobs.dep_ptr), _ints(jobs.dep_idx or [0]), transfer, compute, lanes, starts, ends]
     work, prev, out = array.array("d", bytes(8 * n)), array.array("d", bytes(8 * max(1, n_lanes))), array.array("d", bytes(8 * n))
     addr = [a.buffer_info()[0] if isinstance(a, array.array) else a for a in ins]
     lib.rp_exposed_waits(n, *addr, work.buffer_info()[0], prev.buffer_info()[0], n_lanes, out.buffer_info()[0])
-    return out.tolist()
+    return out
+
+
+def _doubles(v) -> array.array:
+    """`v` as a C double array (itself when it is one already)."""
+    return v if isinstance(v, array.array) and v.typecode == "d" else array.array("d", v)
 
 
 def _ints(v) -> array.array:

@@ -47,7 +47,7 @@ from rpcompile.ir.plan import StageKind
 from rpcompile.ir.program import COMPUTE_OPS, Instr, Lane, Op, Program
 from rpcompile.runtime.distributed import ring_allreduce_time
 from rpcompile.runtime.sim.events import Jobs, StuckError, exposed_waits, peak_usage, run_jobs
-from rpcompile.runtime.sim.native import expand_native, load, peaks_native
+from rpcompile.runtime.sim.native import expand_native, load, peaks_native, totals_native
 from rpcompile.runtime.sim.timeline import Records, Timeline
 
 MASTER_PER_PARAM_BYTE = 2   # fp32 master bytes per byte of 16-bit parameters
@@ -144,21 +144,14 @@ def simulate(program: Program, costs: CostTable, hardware, *, iterations: int = 
                            f"iteration {j // n} (template numbering):\n"
                            f"{program.grid(mark=tmpl[j % n].name, context=4)}") from None
     compute = [i.op in COMPUTE_OPS for i in tmpl]
-    computes = [j for j in range(iterations * n) if compute[j % n]]  # the compute jobs, in order
-    busy = [0.0] * program.gpus
-    ends_t = [0.0] * iterations
-    for j in computes:
-        busy[wk[j]] += ends[j] - starts[j]
-        if ends[j] > ends_t[j // n]:
-            ends_t[j // n] = ends[j]
+    transfer = [i.op in _TRANSFER_OPS for i in tmpl]
+    lib = load()
+    totals = totals_native if lib is not None and n else lambda _, *a: _totals_python(*a)
+    busy, ends_t, exposed = totals(lib, jobs, starts, ends, wk, compute, transfer, iterations, program.gpus)
     makespan = max(ends, default=0.0)
     steady = _steady(ends_t, program, makespan)
     work = sum(busy)
-    waits = exposed_waits(jobs, starts, ends, [i.op in _TRANSFER_OPS for i in tmpl] * iterations, compute * iterations)
-    exposed = [0.0] * program.gpus
-    for j in computes:
-        exposed[wk[j]] += waits[j]
-    records = Records([i.name for i in tmpl], short, host, [lane.value for lane in lanes], [i.op.value for i in tmpl],
+    records = Records([i.name for i in tmpl], short, host, [lane._value_ for lane in lanes], [i.op._value_ for i in tmpl],
                       wk, starts, ends)
     nw = program.gpus
     return Timeline(
@@ -168,6 +161,25 @@ def simulate(program: Program, costs: CostTable, hardware, *, iterations: int = 
         steady_bubble=1.0 - work / iterations / (nw * steady) if steady > 0 else 0.0,
         exposed_comm=sum(exposed), exposed_per_worker=tuple(exposed),
         peak_memory=_peaks(program, costs, moved, wk, jobs, starts, ends), records=records)
+
+
+def _totals_python(jobs: Jobs, starts: list[float], ends: list[float], wk: list[int], compute: list[bool],
+                   transfer: list[bool], iterations: int, gpus: int) -> tuple[list[float], list[float], list[float]]:
+    """(busy seconds per worker, the latest compute end per iteration, exposed wait per worker) over the compute
+    jobs, summed in job order (`native.totals_native` in C: the same floats)."""
+    n = len(compute)
+    computes = [j for j in range(iterations * n) if compute[j % n]]  # the compute jobs, in order
+    busy = [0.0] * gpus
+    ends_t = [0.0] * iterations
+    for j in computes:
+        busy[wk[j]] += ends[j] - starts[j]
+        if ends[j] > ends_t[j // n]:
+            ends_t[j // n] = ends[j]
+    waits = exposed_waits(jobs, starts, ends, transfer * iterations, compute * iterations, native=False)
+    exposed = [0.0] * gpus
+    for j in computes:
+        exposed[wk[j]] += waits[j]
+    return busy, ends_t, exposed
 
 
 def _expand_deps(deps_of: list[list[tuple[int, int, int]]], iterations: int, n: int):

@@ -96,7 +96,7 @@ def count_readers(program, io: list[StageIO]) -> dict[tuple, int]:
     """Host key (without the iteration) -> number of uploads of one iteration that read it."""
     out: dict[tuple, int] = {}
     for i in program.instrs:
-        if i.op.value == "U":
+        if i.op == "U":  # a str enum equals its value
             for k in up_keys(io, i):
                 out[k] = out.get(k, 0) + 1
     return out
