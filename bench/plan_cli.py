@@ -11,7 +11,8 @@ tree's command runs 3 times per row, each run right after a fresh `import torch,
 row compares the two medians (the machine's speed drifts by tens of percent over minutes here: a pair run
 side by side sees about the same). The "before" command runs on a copy of the tree at `--before`
 (`_common.tree_at`), once, right after, so both see about the same load, and so does the tree at `--same-as` (after issue 33, whose costs the
-command prints since): its plan line and max_seq_len line must be today's. A fresh process that imports
+command prints since): its plan line must be today's, and its max_seq_len line too but where issues 47 and 48
+changed how the host memory is counted (the column says which line differs). A fresh process that imports
 torch and transformers and builds the model on meta with transformers alone (median of 3 per model) shows
 the share of the time that is transformers' (its modeling module's imports, deferred by `import
 transformers`). The table also gives the process's CPU seconds (user + system, its children included: less
@@ -133,10 +134,15 @@ def planners_agree(models: list[str], rev: str) -> dict[str, str]:
 
 
 def _same(new: dict, ref: dict) -> str:
-    """Whether two runs print the same plan and max_seq_len lines (or both refuse the same way)."""
+    """Whether two runs print the same plan and max_seq_len lines (or both refuse the same way); where they do
+    not, which one differs (the max_seq_len line: its number, or only the explanation after it)."""
     if "failed" in new or "failed" in ref:
         return "failed alike" if new.get("failed") == ref.get("failed") else "NO"
-    return "yes" if all(new.get(k) == ref.get(k) for k in ("plan", "max_seq_len")) else "NO"
+    if all(new.get(k) == ref.get(k) for k in ("plan", "max_seq_len")):
+        return "yes"
+    number = [str(x.get("max_seq_len")).split(" tokens")[0] for x in (new, ref)]
+    seq = "its explanation" if number[0] == number[1] else f"{number[1]} -> {number[0]}"
+    return "NO: " + ("plan line" if new.get("plan") != ref.get("plan") else f"max_seq_len ({seq})")
 
 
 def _short(r: dict) -> tuple[str, str]:
@@ -214,7 +220,9 @@ def main() -> None:
               f"included, 3 times per row, each right after a fresh `import torch, transformers` (medians of the "
               f"3; the target of issue 31: at most 3 s plus that import). The tree at {args.before} ran each command once right "
               f"after the current one, and the tree at {args.same_as} (after issue 33: the same costs) right after "
-              f"that: its output must be today's. The transformers column is a fresh process that imports torch "
+              f"that: its plan lines must be today's (since issues 47 and 48 count the host memory as the runtime allocates "
+              f"it, the buffer arena and the undo copies of staleness 1, `max_seq_len` and the words after it may "
+              f"differ: the column says which). The transformers column is a fresh process that imports torch "
               f"and transformers and builds the model on meta with transformers alone (median of 3, no cyclic "
               f"garbage collection, as `plan` runs; its modeling "
               f"module's imports, which `import transformers` defers, are most of it), and how much longer the "

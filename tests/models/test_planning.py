@@ -58,23 +58,28 @@ def test_plan_model_simulates_its_program_once(tmp_path, monkeypatch, staleness)
 
 
 def test_plan_model_finds_the_limit_in_a_child_alongside_with_the_same_result(tmp_path, monkeypatch) -> None:
+    # and the comparison rows (our schedule at staleness 0, the baselines) in another, while it verifies
     import rpcompile.models.planning as planning
-    real, pids = planning._seq_limit, tmp_path / "pids"
+    pids, rows_pids = tmp_path / "pids", tmp_path / "rows_pids"
 
-    def recorded(*args, **kw):  # notes which process computed the limit
-        with open(pids, "a") as f:
-            f.write(f"{os.getpid()}\n")
-        return real(*args, **kw)
-    monkeypatch.setattr(planning, "_seq_limit", recorded)
+    def recorded(real, where):  # notes which process computed it
+        def fn(*args, **kw):
+            with open(where, "a") as f:
+                f.write(f"{os.getpid()}\n")
+            return real(*args, **kw)
+        return fn
+    monkeypatch.setattr(planning, "_seq_limit", recorded(planning._seq_limit, pids))
+    monkeypatch.setattr(planning, "_comparison", recorded(planning._comparison, rows_pids))
     path = config(tmp_path, "llama", model_type="llama")
     hw = Hardware.preset("rtx4090").replace(device_memory=64 * 2**20)
     got = [plan_model(path, gpus=2, hardware=hw, seq=64, microbatches=2, **kw) for kw in ({}, {"parallel": False})]
     assert got[0].max_seq == got[1].max_seq and got[0].max_seq.length > 0
     assert got[0].rows == got[1].rows and str(got[0].plan) == str(got[1].plan)
-    child, here = map(int, pids.read_text().split())
-    assert here == os.getpid()
-    if sys.platform == "linux" and len(os.sched_getaffinity(0)) > 1:
-        assert child != os.getpid()
+    for where in (pids, rows_pids):
+        child, here = map(int, where.read_text().split())
+        assert here == os.getpid()
+        if sys.platform == "linux" and len(os.sched_getaffinity(0)) > 1:
+            assert child != os.getpid()
 
 
 HOSTILE = {  # config.json -> the words of the one-line refusal (file and field)
