@@ -137,11 +137,13 @@ def _same(new: dict, ref: dict) -> str:
     """Whether two runs print the same plan and max_seq_len lines (or both refuse the same way); where they do
     not, which one differs (the max_seq_len line: its number, or only the explanation after it)."""
     if "failed" in new or "failed" in ref:
-        return "failed alike" if new.get("failed") == ref.get("failed") else "NO"
+        if new.get("failed") == ref.get("failed"):
+            return "failed alike"
+        return "NO: both refused, in other words" if "failed" in new and "failed" in ref else "NO"
     if all(new.get(k) == ref.get(k) for k in ("plan", "max_seq_len")):
         return "yes"
-    number = [str(x.get("max_seq_len")).split(" tokens")[0] for x in (new, ref)]
-    seq = "its explanation" if number[0] == number[1] else f"{number[1]} -> {number[0]}"
+    number = [str(x.get("max_seq_len")).split(" tokens")[0].rpartition(": ")[2] for x in (new, ref)]
+    seq = "its explanation" if number[0] == number[1] else f"{number[1]} -> {number[0]} tokens"
     return "NO: " + ("plan line" if new.get("plan") != ref.get("plan") else f"max_seq_len ({seq})")
 
 
