@@ -29,11 +29,14 @@ long rp_expand_deps(int n, int iterations, const int *tptr, const int *back, con
 
 /* Per job: how long a compute job waited on transfers beyond its lane and non-transfer inputs (see
  * `events.exposed_waits_python`). Jobs are in a topological order; lanes are numbered 0 .. n_lanes - 1.
- * `avail` is work space of n doubles, `prev` of n_lanes. */
-void rp_exposed_waits(int n, const int *ptr, const int *idx, const unsigned char *transfer,
-                      const unsigned char *compute, const int *lane, const double *starts, const double *ends,
-                      double *avail, double *prev, int n_lanes, double *out) {
+ * `avail` is work space of n doubles, `prev` of n_lanes. Returns 0, or -1 - j when job j's lane is not one of
+ * those (nothing is read or written out of bounds). */
+int rp_exposed_waits(int n, const int *ptr, const int *idx, const unsigned char *transfer,
+                     const unsigned char *compute, const int *lane, const double *starts, const double *ends,
+                     double *avail, double *prev, int n_lanes, double *out) {
     int j, k, q;
+    for (j = 0; j < n; j++)
+        if (lane[j] < 0 || lane[j] >= n_lanes) return -1 - j;
     for (j = 0; j < n; j++) {
         if (transfer[j]) {
             double a = 0.0;
@@ -56,6 +59,7 @@ void rp_exposed_waits(int n, const int *ptr, const int *idx, const unsigned char
         }
         prev[lane[j]] = ends[j];
     }
+    return 0;
 }
 
 /* The compute jobs' totals (see `simulator._totals_python`), summed in job order as the Python sums them: per

@@ -40,7 +40,7 @@ def load() -> ctypes.CDLL | None:
         lib.rp_peaks.argtypes = [i32] * 4 + [ptr] * 12 + [i32, i32] + [ptr] * 3
         lib.rp_expand_deps.restype = ctypes.c_long
         lib.rp_expand_deps.argtypes = [i32, i32] + [ptr] * 6
-        lib.rp_exposed_waits.restype = None
+        lib.rp_exposed_waits.restype = i32
         lib.rp_exposed_waits.argtypes = [i32] + [ptr] * 9 + [i32, ptr]
         lib.rp_totals.restype = None
         lib.rp_totals.argtypes = [i32, i32] + [ptr] * 8
@@ -90,7 +90,9 @@ def _exposed(lib: ctypes.CDLL, jobs, starts: array.array, ends: array.array, tra
     ins = [_ints(jobs.dep_ptr), _ints(jobs.dep_idx or [0]), transfer, compute, lanes, starts, ends]
     work, prev, out = array.array("d", bytes(8 * n)), array.array("d", bytes(8 * max(1, n_lanes))), array.array("d", bytes(8 * n))
     addr = [a.buffer_info()[0] if isinstance(a, array.array) else a for a in ins]
-    lib.rp_exposed_waits(n, *addr, work.buffer_info()[0], prev.buffer_info()[0], n_lanes, out.buffer_info()[0])
+    rc = lib.rp_exposed_waits(n, *addr, work.buffer_info()[0], prev.buffer_info()[0], n_lanes, out.buffer_info()[0])
+    if rc < 0:
+        raise ValueError(f"job {-1 - rc}'s lane {lanes[-1 - rc]} is not one of 0 .. {n_lanes - 1}")
     return out
 
 

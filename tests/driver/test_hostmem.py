@@ -8,6 +8,7 @@ from rpcompile import CostTable, StagePlan, pipeline
 from rpcompile.ir.hardware import Hardware
 from rpcompile.hostmem import check_host_memory, host_bytes
 from rpcompile.passes import emit, trace
+from rpcompile.runtime import simulate
 from rpcompile.runtime.host.assign import assign_buffers
 from rpcompile.runtime.host.optimizer import HostState
 from rpcompile.models.zoo import LlamaConfig, TinyLlama
@@ -271,11 +272,14 @@ def test_a_program_whose_host_check_packed_its_buffers_is_not_packed_again(monke
     monkeypatch.setattr(pipeline, "unshared", lambda *a: dataclasses.replace(real_unshared(*a), arena=2**60))
     assigned = []
     monkeypatch.setattr(pipeline, "assign_buffers", lambda *a, **kw: assigned.append(a[1]) or assign_buffers(*a, **kw))
+    simulated = []  # both fit once packed: both are simulated, and the faster one is chosen
+    monkeypatch.setattr(pipeline, "simulate", lambda p, *a, **kw: simulated.append(p) or simulate(p, *a, **kw))
     roomy = Hardware.preset("cpu").replace(host_memory=2**34)
     with rpcompile.compile(TinyLlama(CFG), hardware=roomy, gpus=2, example=batch(), microbatches=4,
                            memory_budget=2**18, backend="host") as c:
         assert len(assigned) == 2 and len({id(p) for p in assigned}) == 2, assigned  # once each (was: 3)
         assert any(p is c.program for p in assigned)
+        assert [p.round_size for p in simulated] == [2, 4] and any(p is c.program for p in simulated)
 
 
 def test_the_host_line_names_the_saved_activations_only_where_no_arena_holds_them():

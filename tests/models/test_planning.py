@@ -52,9 +52,15 @@ def test_plan_model_simulates_its_program_once(tmp_path, monkeypatch, staleness)
     r = plan_model(path, gpus=2, hardware="rtx4090", seq=64, microbatches=4, staleness=staleness, seq_limit=False)
     keys = [(id(p), k) for p, k in runs]
     assert len(keys) == len(set(keys)), keys
-    fresh = planning.simulate(r.program, r.costs, Hardware.preset("rtx4090"),
-                              iterations=planning.steady_iterations(r.program))
+    hw = Hardware.preset("rtx4090")
+    fresh = planning.simulate(r.program, r.costs, hw, iterations=planning.steady_iterations(r.program))
     assert r.rows[0][1] == fresh.steady_iteration_time
+    # and the row's other columns: the bubble of the same plan at staleness 0 (the comparison child's), the steady
+    # bubble and the peak of this one
+    sync = planning.simulate(planning.passes.emit(r.plan, gpus=2, microbatches=4, round_size=r.program.round_size,
+                                                  staleness=0, costs=r.costs), r.costs, hw)
+    assert r.rows[0][3:6] == (sync.bubble_ratio, fresh.steady_bubble, max(fresh.peak_memory) / 2**30)
+    assert staleness == 0 or sync.bubble_ratio != fresh.bubble_ratio
 
 
 def test_plan_model_finds_the_limit_in_a_child_alongside_with_the_same_result(tmp_path, monkeypatch) -> None:
