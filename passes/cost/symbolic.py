@@ -31,10 +31,8 @@ solves the memory constraints for the largest S.
 from __future__ import annotations
 
 import math
-import operator
 from dataclasses import dataclass, replace
-from fractions import Fraction
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from tabulate import tabulate
@@ -47,22 +45,12 @@ from rpcompile.passes.shard_head.fused import fused_ce
 from rpcompile.passes.cost.count import LayerCount, count_layers
 from rpcompile.passes.cost.recorder import OpCount, op_rate, priced
 from rpcompile.passes.cost.host_bytes import host_bytes
+from rpcompile.passes.cost.polyfit import Fitter, _sympy, symbols
+
+if TYPE_CHECKING:  # annotations only: sympy is imported on first use
+    import sympy
 
 __all__ = ["SymbolicCosts", "symbolic_costs", "B", "S"]  # max_seq_len, which solves them: seqlen.py
-
-
-
-def _sympy():
-    """sympy, imported on first use: `import rpcompile` and a `plan` without `max_seq_len` never need it (its
-    import is about 0.2 s of the command)."""
-    import sympy
-    return sympy
-
-
-def symbols() -> tuple[Any, Any]:
-    """The symbols (B, S): sequences per microbatch and sequence length, positive integers (sympy makes equal
-    symbols for equal names and assumptions, so every call's are the same)."""
-    return tuple(_sympy().symbols("B S", positive=True, integer=True))
 
 
 def __getattr__(name: str) -> Any:
@@ -190,81 +178,7 @@ def chunk_unit(graph: LayerGraph) -> int | None:
     return unit
 
 
-def _basis(with_s: bool) -> list[Callable[[int, int], int]]:
-    """Monomials in (B, S): 1, S, S^2, B, BS, BS^2 (or 1, B without S)."""
-    if not with_s:
-        return [lambda b, s: 1, lambda b, s: b]
-    return [lambda b, s: 1, lambda b, s: s, lambda b, s: s * s,
-            lambda b, s: b, lambda b, s: b * s, lambda b, s: b * s * s]
-
-
-def _inverse(rows: list[list[Fraction]]) -> list[list[Fraction]]:
-    """Exact inverse of a small square matrix (Gauss-Jordan on Fractions)."""
-    n = len(rows)
-    a = [list(r) + [Fraction(int(i == j)) for j in range(n)] for i, r in enumerate(rows)]
-    for c in range(n):
-        p = next(r for r in range(c, n) if a[r][c] != 0)
-        a[c], a[p] = a[p], a[c]
-        a[c] = [x / a[c][c] for x in a[c]]
-        for r in range(n):
-            if r != c and a[r][c] != 0:
-                a[r] = [x - a[r][c] * y for x, y in zip(a[r], a[c])]
-    return [r[n:] for r in a]
-
-
-class _Fitter:
-    """Exact polynomial fits of integer samples at the fitting shapes, checked at the check shape."""
-
-    def __init__(self, pts: list[tuple[int, int]], check: tuple[int, int], with_s: bool) -> None:
-        self.basis = _basis(with_s)
-        design = [[Fraction(f(b, s)) for f in self.basis] for b, s in pts]
-        if len(design) != len(self.basis):  # B-only: use the first two points
-            design = design[: len(self.basis)]
-        inv = _inverse(design)
-        # in integers: coefficient i is (row i of inv x D) . samples / D, D the inverse's common denominator
-        self.den = math.lcm(*(x.denominator for row in inv for x in row))
-        self.inv = [[int(x * self.den) for x in row] for row in inv]
-        self.at = [[f(b, s) for f in self.basis] for b, s in [*pts, check]]  # the monomials at every shape
-        sympy = _sympy()
-        B, S = symbols()
-        self.monos = [sympy.Integer(1), S, S ** 2, B, B * S, B * S ** 2] if with_s else [sympy.Integer(1), B]
-        self.cache: dict[tuple, tuple[int, ...] | None] = {}
-        self.exprs: dict[tuple[int, ...], sympy.Expr] = {}  # numerators -> polynomial
-
-    def coefficients(self, samples: Sequence[int], check_value: int) -> tuple[Fraction, ...] | None:
-        """The exact coefficients (on `self.monos`) through `samples`, or None if they miss `check_value`."""
-        num = self.numerators(samples, check_value)
-        return None if num is None else tuple(Fraction(c, self.den) for c in num)
-
-    def numerators(self, samples: Sequence[int], check_value: int) -> tuple[int, ...] | None:
-        """`coefficients` x `self.den` (whole numbers), or None if they miss `check_value`."""
-        key = (*samples, check_value)
-        if key not in self.cache:
-            ys = [int(y) for y in samples[: len(self.basis)]]
-            num = [sum(map(operator.mul, row, ys)) for row in self.inv]  # the coefficients x den
-            den, n = self.den, len(self.basis)
-            # the fit goes through its own n points exactly (`inv` is the exact inverse x den): only the
-            # points after them (the check, and in B alone the fitting points past the first two) test it
-            ok = all(sum(map(operator.mul, num, monos)) == int(y) * den
-                     for monos, y in zip(self.at[n:], [*samples, check_value][n:]))
-            self.cache[key] = tuple(num) if ok else None
-        return self.cache[key]
-
-    def expr(self, num: Sequence[int]) -> sympy.Expr:
-        """The polynomial with coefficients `num` / `self.den` (built once per distinct numerators: a model's
-        repeated blocks give the same ones, looked up as whole numbers, not Fractions)."""
-        key = tuple(num)
-        if key not in self.exprs:
-            self.exprs[key] = sum(_sympy().Rational(c, self.den) * m for c, m in zip(key, self.monos))
-        return self.exprs[key]
-
-    def fit(self, samples: Sequence[int], check_value: int) -> sympy.Expr | None:
-        """The polynomial through `samples`, or None if it misses `check_value`."""
-        num = self.numerators(samples, check_value)
-        return None if num is None else self.expr(num)
-
-
-def _time_expr(fitter: _Fitter, per_shape: list[Sequence], hw: Hardware, where: str,
+def _time_expr(fitter: Fitter, per_shape: list[Sequence], hw: Hardware, where: str,
                fp16_accumulation: bool = False) -> sympy.Expr:
     """Memory-bound ops' bytes / bw + launches * op_latency + sum of Max(flops/(peak*eff), bytes/bw) of FLOP ops."""
     per_shape = [[_at_rate(o, fp16_accumulation) for o in priced(ops, hw)] for ops in per_shape]
@@ -299,7 +213,7 @@ def _at_rate(op: OpCount, fp16_accumulation: bool) -> OpCount:
     return op if rate == op.dtype else replace(op, dtype=rate)
 
 
-def _flops_expr(fitter: _Fitter, per_shape: list[Sequence]) -> sympy.Expr | None:
+def _flops_expr(fitter: Fitter, per_shape: list[Sequence]) -> sympy.Expr | None:
     """One phase's FLOPs (a fused region counted once) fitted over the shapes; None if not polynomial."""
     tot = [sum(o.flops for o in ops if o.form != "fused") for ops in per_shape]
     return fitter.fit(tot[:-1], tot[-1])
@@ -316,7 +230,7 @@ def _max(*args: sympy.Expr) -> sympy.Expr:
     return args[0] if len(args) == 1 else _sympy().Max(*args, evaluate=False)
 
 
-def _peak_expr(fitter: _Fitter, lives: list[tuple[int, ...]], where: str) -> sympy.Expr:
+def _peak_expr(fitter: Fitter, lives: list[tuple[int, ...]], where: str) -> sympy.Expr:
     """Max over the exactly fitted live bytes after each op, coefficient-wise dominated ones dropped."""
     if len({len(live) for live in lives}) != 1:
         raise ValueError(f"{where}: the ops change with the shape; cannot fit its peak memory symbolically")
@@ -356,7 +270,7 @@ def symbolic_costs(graph: LayerGraph, inputs: dict[str, torch.Tensor], hardware:
     """
     s0 = _seq_len(graph, inputs)
     pts, check = _points(s0, chunk_unit(graph) if s0 is not None else None)
-    fitter = _Fitter(pts, check, s0 is not None)
+    fitter = Fitter(pts, check, s0 is not None)
     make = make_inputs or (lambda b, s: resize_inputs(graph, inputs, b, s if s0 is not None else None))
     codes: dict[int, tuple] = {}  # the layers' code and parameters, the same at every shape
     runs: list[list[LayerCount]] = [count_layers(graph, make(b, s), progress=progress, codes=codes)

@@ -123,7 +123,7 @@ def run_native(lib: ctypes.CDLL, n: int, lanes, chans, cols, n_lanes: int, n_cha
 
 def peaks_native(lib: ctypes.CDLL, program, costs, resident: list[set[int]], sizes: list[tuple[int, int]],
                  consumers: dict, wk: list[int], jobs, starts: list[float], ends: list[float]) -> list[int]:
-    """`simulator._peaks_python` in C (memory.c): each worker's peak bytes, without its resident state.
+    """`memory._peaks_python` in C (memory.c): each worker's peak bytes, without its resident state.
 
     Args:
         program, costs: what was simulated; resident: per worker, the layers whose optimizer runs on it.
