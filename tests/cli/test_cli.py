@@ -5,6 +5,8 @@ import subprocess
 import sys
 
 import pytest
+
+import rpcompile
 from paths import ROOT  # noqa: E402 - tests/ is on sys.path (tests/conftest.py)
 
 ROOT = ROOT
@@ -182,3 +184,38 @@ def test_only_the_short_commands_run_without_cyclic_garbage_collection(command, 
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "PYTHONPATH": ROOT})
     assert r.stdout.strip().endswith(f"collects {collects}"), r.stdout[-500:] + r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("command, collects", [("plan", False), ("simulate", False), ("train", True)])
+def test_python_dash_m_imports_torch_already_without_the_collector_for_the_short_commands(tmp_path, command,
+                                                                                         collects):
+    # `python -m rpcompile` imports the package (and torch) before __main__ runs: the package decides, from the
+    # interpreter's own command line, so torch's import is not swept (~0.3 s of plan); other commands collect
+    (tmp_path / "sitecustomize.py").write_text(
+        "import gc, sys\n"
+        "class Spy:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'torch':\n"
+        "            print('torch imported, collects', gc.isenabled(), file=sys.stderr)\n"
+        "            sys.meta_path.remove(self)\n"
+        "        return None\n"
+        "sys.meta_path.insert(0, Spy())\n")
+    r = subprocess.run([sys.executable, "-m", "rpcompile", command, "--help"], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), ROOT])})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"torch imported, collects {collects}" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("argv, short", [
+    (["python", "-m", "rpcompile", "plan", "--model", "m"], True),
+    (["python", "-X", "importtime", "-m", "rpcompile", "simulate"], True),
+    (["python", "-I", "-mrpcompile", "plan"], True),
+    (["python", "-m", "rpcompile", "finetune"], False),
+    (["python", "-m", "rpcompile"], False),
+    (["python", "-m", "pytest", "plan"], False),
+    (["python", "-c", "import rpcompile", "-m", "rpcompile", "plan"], False),
+    (["python", "run.py", "-m", "rpcompile", "plan"], False),
+    (["python"], False)])
+def test_the_short_command_is_read_from_the_interpreters_command_line(argv, short):
+    # a library user's `import rpcompile` never turns the collector off: only `python -m rpcompile plan|simulate`
+    assert rpcompile._short_command(argv) is short
