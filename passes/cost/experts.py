@@ -3,7 +3,7 @@
 `meta.moe.balanced_experts` runs transformers' eager experts loop one expert after the other, every
 expert on the same number of tokens, and autograd records each expert's ops for the backward: counting
 such a layer runs E x (forward + backward) expert bodies (qwen3-235b-a22b: 128 experts, most of the
-seven counts `symbolic_costs` makes of a frozen-base model). The counts follow the loop's shape:
+counts `symbolic_costs` makes of a frozen-base model: four for `max_seq_len`). The counts follow the loop's shape:
 
 - the forward's chunk loop is folded (`recorder`), so the forward ops and the forward's live points
   have the same length for any number of experts k, each a sum or a maximum over the iterations that

@@ -1,7 +1,8 @@
 """Exact polynomial fits in the microbatch size B and the sequence length S, for `symbolic_costs`.
 
 A layer's counted FLOPs and bytes at six (B, S) shapes fix the coefficients of 1, S, S^2, B, B*S, B*S^2
-exactly (rational arithmetic on the inverse of the 6 x 6 design matrix); a seventh shape checks the fit.
+exactly (rational arithmetic on the inverse of the 6 x 6 design matrix); a seventh shape checks the fit. At one
+microbatch size (`max_seq_len` asks for one B), three shapes fix 1, S, S^2 and a fourth checks them.
 sympy is imported on first use (`_sympy`): `import rpcompile`, and a `plan` that does not ask for
 `max_seq_len`, never need it.
 """
@@ -30,12 +31,12 @@ def symbols() -> tuple[Any, Any]:
 
 
 
-def _basis(with_s: bool) -> list[Callable[[int, int], int]]:
-    """Monomials in (B, S): 1, S, S^2, B, BS, BS^2 (or 1, B without S)."""
+def _basis(with_s: bool, with_b: bool = True) -> list[Callable[[int, int], int]]:
+    """Monomials in (B, S): 1, S, S^2, B, BS, BS^2; without S: 1, B; without B (one microbatch size): 1, S, S^2."""
     if not with_s:
         return [lambda b, s: 1, lambda b, s: b]
-    return [lambda b, s: 1, lambda b, s: s, lambda b, s: s * s,
-            lambda b, s: b, lambda b, s: b * s, lambda b, s: b * s * s]
+    in_s = [lambda b, s: 1, lambda b, s: s, lambda b, s: s * s]
+    return in_s + [lambda b, s: b, lambda b, s: b * s, lambda b, s: b * s * s] if with_b else in_s
 
 
 def _inverse(rows: list[list[Fraction]]) -> list[list[Fraction]]:
@@ -55,8 +56,8 @@ def _inverse(rows: list[list[Fraction]]) -> list[list[Fraction]]:
 class Fitter:
     """Exact polynomial fits of integer samples at the fitting shapes, checked at the check shape."""
 
-    def __init__(self, pts: list[tuple[int, int]], check: tuple[int, int], with_s: bool) -> None:
-        self.basis = _basis(with_s)
+    def __init__(self, pts: list[tuple[int, int]], check: tuple[int, int], with_s: bool, with_b: bool = True) -> None:
+        self.basis = _basis(with_s, with_b)
         design = [[Fraction(f(b, s)) for f in self.basis] for b, s in pts]
         if len(design) != len(self.basis):  # B-only: use the first two points
             design = design[: len(self.basis)]
@@ -67,7 +68,8 @@ class Fitter:
         self.at = [[f(b, s) for f in self.basis] for b, s in [*pts, check]]  # the monomials at every shape
         sympy = _sympy()
         B, S = symbols()
-        self.monos = [sympy.Integer(1), S, S ** 2, B, B * S, B * S ** 2] if with_s else [sympy.Integer(1), B]
+        monos = [sympy.Integer(1), S, S ** 2, B, B * S, B * S ** 2] if with_s else [sympy.Integer(1), B]
+        self.monos = monos[:len(self.basis)]
         self.cache: dict[tuple, tuple[int, ...] | None] = {}
         self.exprs: dict[tuple[int, ...], sympy.Expr] = {}  # numerators -> polynomial
 

@@ -78,7 +78,7 @@ class SeqLenLimit:
 
 def seq_len_costs(graph: LayerGraph, hardware: Hardware, *, memory_budget: int | None = None,
                   usable: float = 0.9, example: Any = None, optimizer: Any = None,
-                  shard: tuple[int, int] | None = None) -> SymbolicCosts:
+                  shard: tuple[int, int] | None = None, batch: int | None = None) -> SymbolicCosts:
     """The symbolic costs `max_seq_len` solves: `graph` with its LM head sharded and chunked first, as compile does.
 
     Args:
@@ -92,6 +92,8 @@ def seq_len_costs(graph: LayerGraph, hardware: Hardware, *, memory_budget: int |
             state's host bytes.
         shard: (rank, world): the masters and moments are sharded over `world` servers and the parameter
             state's host bytes are server `rank`'s (`host_bytes(shard=)`); None: the whole state.
+        batch: fit at this microbatch size only (`symbolic_costs(batch=)`: 4 counts of the model instead of 7,
+            exact at that B); `max_seq_len` then takes that `microbatch_size` only. None: any B.
     Returns:
         A SymbolicCosts; pass it to `max_seq_len` as often as needed (it is the slow part).
 
@@ -106,7 +108,7 @@ def seq_len_costs(graph: LayerGraph, hardware: Hardware, *, memory_budget: int |
         except ValueError:  # no supported LM head: nothing to shard
             pass
     inputs = graph.flatten_inputs(example) if example is not None else _default_inputs(graph)
-    return symbolic_costs(graph, inputs, hardware, optimizer=optimizer, shard=shard)
+    return symbolic_costs(graph, inputs, hardware, optimizer=optimizer, shard=shard, batch=batch)
 
 
 class _Polys:
@@ -150,6 +152,9 @@ class _Model:
     """The two constraints of the module Note, evaluated at any S."""
 
     def __init__(self, sc: SymbolicCosts, b: int, gpus: int, microbatches: int) -> None:
+        if sc.batch is not None and b != sc.batch:
+            raise ValueError(f"max_seq_len: microbatch_size={b}, but these SymbolicCosts were fitted at "
+                             f"microbatch size {sc.batch} only (seq_len_costs(batch=)); fit them without batch=")
         self.sc, self.gpus, self.microbatches, n = sc, gpus, microbatches, len(sc.names)
         fns: dict[Any, Any] = {}  # one function per distinct expression (repeated blocks share theirs)
         for _, f in _COLUMNS:
@@ -266,18 +271,18 @@ def max_seq_len(graph_or_costs: LayerGraph | SymbolicCosts, hardware: Hardware, 
     n_gpu = gpus or hardware.gpus
     device_cap = memory_budget if memory_budget is not None else int(usable * hardware.device_memory)
     host_cap = host_memory if host_memory is not None else hardware.host_memory
+    if microbatch_size < 1 or n_gpu < 1:
+        raise ValueError(f"microbatch_size and gpus must be >= 1, got {microbatch_size} and {n_gpu}")
     sc = graph_or_costs
     if isinstance(sc, LayerGraph):
         sc = seq_len_costs(sc, hardware, memory_budget=device_cap, example=example, optimizer=optimizer,
-                           shard=shard)
+                           shard=shard, batch=microbatch_size)  # at this B alone: 4 counts, exact at it
     elif optimizer is not None or shard is not None:
         arg = "optimizer=" if optimizer is not None else "shard="
         raise ValueError(f"max_seq_len: {arg} is for a LayerGraph; a SymbolicCosts has the parameter state of the "
                          "optimizer and shard it was fitted for (seq_len_costs(..., optimizer=, shard=))")
     if not isinstance(sc, SymbolicCosts):
         raise TypeError(f"max_seq_len needs a LayerGraph or SymbolicCosts, got {type(sc).__name__}")
-    if microbatch_size < 1 or n_gpu < 1:
-        raise ValueError(f"microbatch_size and gpus must be >= 1, got {microbatch_size} and {n_gpu}")
     model = _Model(sc, microbatch_size, n_gpu, microbatches or n_gpu)
 
     def fits(s: int) -> bool:

@@ -3,7 +3,8 @@
 `symbolic_costs` counts every layer (predict mode, on `meta`) at six (B, S)
 shapes, fits each op's FLOPs, bytes and kernel launches and each memory column
 EXACTLY (rational arithmetic) on the monomials 1, S, S^2, B, B*S, B*S^2, and
-checks the fit on a seventh shape. The same pricing rules as predict mode
+checks the fit on a seventh shape (at one microbatch size, `batch=`, as `max_seq_len` asks: three lengths fit
+1, S, S^2 and a fourth checks them). The same pricing rules as predict mode
 apply (`cost.py` Note: SDPA as one flash op, elementwise ops one kernel each,
 a chunk loop one op per position). Times are sums of per-op rooflines,
 `Max(flops/(peak*eff), bytes/bw)`; `peak_bytes` is the Max over the live bytes
@@ -79,6 +80,7 @@ class SymbolicCosts:
     hardware: Hardware  # the hardware the times are for
     # host bytes of the parameter state by category (`passes.cost.host_bytes.host_bytes`, AdamW, own dtypes)
     host_state: tuple[tuple[str, int], ...] = ()
+    batch: int | None = None  # fitted at this microbatch size only (`symbolic_costs(batch=)`: in S alone); None: any B
 
     def at(self, B: int, S: int = 1) -> CostTable:
         """The CostTable at a concrete microbatch size and sequence length.
@@ -96,6 +98,9 @@ class SymbolicCosts:
         >>> sc.at(B=2, S=100).fwd_flops[1]   # 128 * 2 * 100**2 + 18432 * 2 * 100
         6246400.0
         """
+        if self.batch is not None and B != self.batch:
+            raise ValueError(f"SymbolicCosts.at: these costs were fitted at B = {self.batch} only "
+                             f"(symbolic_costs(batch=)), not at B = {B}")
         sympy = _sympy()
         env = dict(zip(symbols(), (B, S)))
 
@@ -142,25 +147,32 @@ def resize_inputs(graph: LayerGraph, inputs: dict[str, torch.Tensor], b: int, s:
     return out
 
 
-def _points(s0: int | None, unit: int | None = None) -> tuple[list[tuple[int, int]], tuple[int, int]]:
-    """Six fitting shapes (B in {2, 3} x three S) and one check shape.
+def _points(s0: int | None, unit: int | None = None,
+            batch: int | None = None) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+    """Six fitting shapes (B in {2, 3} x three S) and one check shape; at one microbatch size `batch`, three
+    fitting shapes (that B x the three S) and one check shape.
 
     Note: B = 1 and S = 1 are avoided; there some copies (`contiguous` of a size-1 dim) vanish.
     With a chunked LM head (`unit` = its chunk), S is a multiple of the chunk, so every
     chunk is full and a chunk loop's sums are exact polynomials: S in {1, 2, 3} x unit, check
-    4 x unit (a unit of 1 token: {2, 3, 4}, check 5). The head runs B x S / unit chunks at each
-    shape, which is most of the counting, so the multiples are the smallest that fit exactly.
+    4 x unit (a unit of 1 token, or one microbatch size of 1: {2, 3, 4}, check 5). The head runs B x S / unit
+    chunks at each shape, which is most of the counting, so the multiples are the smallest that fit exactly.
+    At one B (1 included) every shape has that B, so what vanishes at B = 1 vanishes at each of them: the
+    fit is exact at that B (and only there), with 4 counts instead of 7.
     """
     if s0 is None:
         return [(2, 1), (3, 1)], (4, 1)
-    if unit:
-        ks = (1, 2, 3) if unit > 1 else (2, 3, 4)
-        return [(b, k * unit) for b in (2, 3) for k in ks], (4, (ks[-1] + 1) * unit)
-    pts = sorted({max(2, math.ceil(s0 / 2)), max(2, math.ceil(3 * s0 / 4)), s0})
-    check = max(2, round(5 * s0 / 8))
-    if len(pts) < 3 or check in pts:
-        pts, check = [s0, s0 + 1, s0 + 2], s0 + 3
-    return [(b, s) for b in (2, 3) for s in pts], (4, check)
+    if unit:  # at least two chunks at every shape: at B = 1 one chunk of S = unit runs no loop
+        ks = (1, 2, 3) if unit > 1 and (batch is None or batch > 1) else (2, 3, 4)
+        seqs, check = [k * unit for k in ks], (ks[-1] + 1) * unit
+    else:
+        seqs = sorted({max(2, math.ceil(s0 / 2)), max(2, math.ceil(3 * s0 / 4)), s0})
+        check = max(2, round(5 * s0 / 8))
+        if len(seqs) < 3 or check in seqs:
+            seqs, check = [s0, s0 + 1, s0 + 2], s0 + 3
+    if batch is not None:
+        return [(batch, s) for s in seqs], (batch, check)
+    return [(b, s) for b in (2, 3) for s in seqs], (4, check)
 
 
 def chunk_unit(graph: LayerGraph) -> int | None:
@@ -250,8 +262,8 @@ def _peak_expr(fitter: Fitter, lives: list[tuple[int, ...]], where: str) -> symp
 def symbolic_costs(graph: LayerGraph, inputs: dict[str, torch.Tensor], hardware: Hardware, *,
                    make_inputs: Callable[[int, int], dict] | None = None, progress: bool = False,
                    fp16_accumulation: bool = False, optimizer: Any = None,
-                   shard: tuple[int, int] | None = None) -> SymbolicCosts:
-    """Fit every layer's predicted costs as exact expressions in B and S.
+                   shard: tuple[int, int] | None = None, batch: int | None = None) -> SymbolicCosts:
+    """Fit every layer's predicted costs as exact expressions in B and S (or in S alone, at one B).
 
     Args:
         graph: the traced model (weights may be on `meta`).
@@ -263,14 +275,19 @@ def symbolic_costs(graph: LayerGraph, inputs: dict[str, torch.Tensor], hardware:
             parameter state's bytes (`host_state`, `passes.cost.host_bytes.host_bytes`).
         shard: (rank, world) with the masters and moments sharded over `world` data-parallel servers: the
             parameter state is what server `rank` holds (`host_bytes(shard=)`); None: the whole state.
+        batch: fit at this microbatch size only (4 counts of the model instead of 7; exact at that B, 1
+            included): the expressions are in S alone and `.at` takes that B only. None: in B and S.
     Returns:
         A SymbolicCosts; `.at(B, S)` equals predict mode at that shape (FLOPs/bytes exactly).
     Raises:
         ValueError: a quantity is not polynomial of the assumed form (names layer and op).
     """
+    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
+        raise ValueError(f"symbolic_costs: batch must be a positive integer or None, got {batch!r}")
     s0 = _seq_len(graph, inputs)
-    pts, check = _points(s0, chunk_unit(graph) if s0 is not None else None)
-    fitter = Fitter(pts, check, s0 is not None)
+    batch = batch if s0 is not None else None  # without a sequence the fit is in B alone
+    pts, check = _points(s0, chunk_unit(graph) if s0 is not None else None, batch)
+    fitter = Fitter(pts, check, s0 is not None, with_b=batch is None)
     make = make_inputs or (lambda b, s: resize_inputs(graph, inputs, b, s if s0 is not None else None))
     codes: dict[int, tuple] = {}  # the layers' code and parameters, the same at every shape
     runs: list[list[LayerCount]] = [count_layers(graph, make(b, s), progress=progress, codes=codes)
@@ -308,7 +325,7 @@ def symbolic_costs(graph: LayerGraph, inputs: dict[str, torch.Tensor], hardware:
     master = _SHORT.get(getattr(optimizer, "master_dtype", torch.float32), "fp32")
     grad = _SHORT.get(getattr(optimizer, "grad_dtype", torch.float32), "fp32")
     return SymbolicCosts(names=tuple(layer.name for layer in graph.layers), **{k: tuple(v) for k, v in cols.items()},
-                         param_numel=numel, hardware=hardware,
+                         param_numel=numel, hardware=hardware, batch=batch,
                          host_state=(("compute copies", state.weights), (f"{master} masters{share}", state.masters),
                                      (f"{grad} gradients", state.grads), (f"optimizer state{share}", state.optimizer),
                                      ("undo copies (staleness 1)", state.undo)))

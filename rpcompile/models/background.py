@@ -1,6 +1,6 @@
 """A pure function's value computed in a forked child process while the caller goes on.
 
-`plan_model` finds the longest trainable sequence (a second trace and seven
+`plan_model` finds the longest trainable sequence (a second trace and four
 counts of the model) this way while it plans and simulates: on two or more
 cores the two overlap. The child starts with the caller's memory as it was at
 the fork (the model already built, nothing copied) and sends the value back

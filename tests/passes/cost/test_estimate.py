@@ -11,7 +11,8 @@ import models as M  # noqa: E402
 from rpcompile import CostTable, Hardware, StagePlan, max_seq_len
 from rpcompile.passes import estimate_costs, shard_lm_head, trace
 from rpcompile.passes.cost import count_layers, layer_times, split_microbatch
-from rpcompile.passes.cost.symbolic import B, S, SymbolicCosts
+from rpcompile.passes.cost.seqlen import seq_len_costs
+from rpcompile.passes.cost.symbolic import B, S, SymbolicCosts, symbolic_costs
 
 MEMORY = ("param_bytes", "grad_bytes", "act_bytes", "saved_bytes", "peak_bytes")
 
@@ -108,6 +109,44 @@ def test_symbolic_costs_at_an_unseen_shape_equal_the_predicted_costs():
         for x, y in zip(at.fwd + at.bwd, pred.fwd + pred.bwd):
             assert x == pytest.approx(y, rel=1e-9)
     assert "B*S**2" in str(sc)
+
+
+def test_symbolic_costs_at_one_microbatch_size_are_exact_there_b_1_included():
+    # max_seq_len fits at the run's B alone (4 counts instead of 7): at B = 1, where size-1 copies vanish and
+    # the fit in B and S (from B = 2, 3) is not the count, the expressions in S equal predict mode
+    pytest.importorskip("transformers")
+    g = trace(M.llama(), M.lm_batch(batch=2, seq=16))
+    hw = Hardware.preset("rtx4090")
+    for b in (1, 2):
+        sc = symbolic_costs(g, g.flatten_inputs(M.lm_batch(batch=b, seq=16)), hw, batch=b)
+        assert sc.batch == b and all(B not in e.free_symbols for e in sc.fwd_flops + sc.peak_bytes)
+        for s in (5, 40):  # not fitting points (S in {8, 12, 16}, check 10)
+            pred = estimate_costs(g, M.lm_batch(batch=b, seq=s), mode="predict", hardware=hw, progress=False)
+            at = sc.at(b, s)
+            assert at.fwd_flops == pred.fwd_flops and at.bwd_flops == pred.bwd_flops
+            for f in MEMORY:
+                assert getattr(at, f) == getattr(pred, f), (b, s, f)
+            for x, y in zip(at.fwd + at.bwd, pred.fwd + pred.bwd):
+                assert x == pytest.approx(y, rel=1e-9)
+        with pytest.raises(ValueError, match=f"fitted at B = {b} only"):
+            sc.at(b + 1, 16)
+        with pytest.raises(ValueError, match=f"fitted at microbatch size {b} only"):
+            max_seq_len(sc, hw, gpus=2, microbatch_size=b + 1)
+    with pytest.raises(ValueError, match="batch must be a positive integer"):
+        symbolic_costs(g, g.flatten_inputs(M.lm_batch(batch=2, seq=16)), hw, batch=0)
+
+
+def test_max_seq_len_of_a_graph_is_that_of_its_costs_fitted_in_b_and_s():
+    # the graph's limit is fitted at its microbatch size alone: the same length and reason as the fit in B, S
+    pytest.importorskip("transformers")
+    g = trace(M.llama(attn="sdpa"), M.lm_batch(batch=2, seq=16))
+    for device, host, binds in ((2, 1024, "device"), (64, 1, "host")):
+        small = Hardware.preset("rtx4090", device_memory=device * 2 ** 20, host_memory=host * 2 ** 20)
+        both = seq_len_costs(g, small)
+        for b in (1, 2, 3):
+            one = max_seq_len(g, small, gpus=2, microbatch_size=b)
+            assert str(one) == str(max_seq_len(both, small, gpus=2, microbatch_size=b)), (b, host)
+            assert one.binding.startswith(binds) and one.length > 100, one
 
 
 def test_max_seq_len_is_the_largest_length_whose_one_layer_stages_fit():

@@ -114,6 +114,21 @@ def test_auto_chunk_follows_the_memory_budget() -> None:
             shard_lm_head(graph, shards=2, chunk=bad)
 
 
+def test_symbolic_costs_of_a_chunked_head_at_one_microbatch_of_one_are_exact() -> None:
+    # at B = 1 the fitting lengths are 2, 3, 4 chunks (check 5): one chunk runs no loop, and its ops differ
+    model, graph = _traced("llama")
+    chunked = shard_lm_head(graph, shards=2, chunk=8)
+    hw = Hardware.preset("rtx4090")
+    sc = symbolic_costs(chunked, chunked.flatten_inputs(M.lm_batch(batch=B, seq=T)), hw, batch=1)
+    for s in (48, 72):  # whole chunks, more of them than at any fitting point
+        pred, at = estimate_costs(chunked, M.lm_batch(batch=1, seq=s), mode="predict", hardware=hw,
+                                  progress=False), sc.at(1, s)
+        assert at.fwd_flops == pred.fwd_flops and at.bwd_flops == pred.bwd_flops
+        assert at.peak_bytes == pred.peak_bytes and at.saved_bytes == pred.saved_bytes
+        for x, y in zip(at.fwd + at.bwd, pred.fwd + pred.bwd):
+            assert x == pytest.approx(y, rel=1e-9)
+
+
 def test_symbolic_costs_of_a_chunked_head_are_exact_at_whole_chunks() -> None:
     model, graph = _traced("llama")
     chunked = shard_lm_head(graph, shards=2, chunk=8)
