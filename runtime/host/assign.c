@@ -51,37 +51,30 @@ void rp_and_dominated_t(int n, int k, const int *R, const int *W, unsigned char 
 
 typedef struct { long long start, end; } span;
 
-static int by_start(const void *a, const void *b)
+static int before(const span *x, const span *y)  /* (start, end) order */
 {
-    const span *x = a, *y = b;
-    if (x->start != y->start)
-        return x->start < y->start ? -1 : 1;
-    if (x->end != y->end)
-        return x->end < y->end ? -1 : 1;
-    return 0;
+    return x->start != y->start ? x->start < y->start : x->end < y->end;
 }
 
 int rp_pack(int n, const int *order, const long long *size, const unsigned char *ok, long long *offset)
 {
+    /* the placed buffers kept in (start, end) order as they are placed (an insertion per buffer), so each new
+       one scans them once, skipping those it may share with: no sort per buffer */
     span *taken = malloc(sizeof(span) * (n ? n : 1));
-    unsigned char *placed = calloc(n ? n : 1, 1);
-    if (!taken || !placed) {
+    int *who = malloc(sizeof(int) * (n ? n : 1));
+    if (!taken || !who) {
         free(taken);
-        free(placed);
+        free(who);
         return -1;
     }
     for (int x = 0; x < n; x++) {
-        int k = order[x], m = 0;
-        for (int j = 0; j < n; j++)
-            if (placed[j] && !ok[(long)k * n + j]) {
-                taken[m].start = offset[j];
-                taken[m].end = offset[j] + size[j];
-                m++;
-            }
-        qsort(taken, m, sizeof(span), by_start);
+        int k = order[x];
+        const unsigned char *row = ok + (long)k * n;
         long long top = 0, best_gap = -1, at = -1;
-        for (int i = 0; i < m; i++) {
-            long long gap = taken[i].start - top;  /* top: the highest end of the spans before this one */
+        for (int i = 0; i < x; i++) {
+            if (row[who[i]])
+                continue;
+            long long gap = taken[i].start - top;  /* top: the highest end of the clashing spans before this one */
             if (gap >= size[k] && (best_gap < 0 || gap < best_gap)) {
                 best_gap = gap;
                 at = top;
@@ -90,44 +83,58 @@ int rp_pack(int n, const int *order, const long long *size, const unsigned char 
                 top = taken[i].end;
         }
         offset[k] = at >= 0 ? at : top;
-        placed[k] = 1;
+        span mine = {offset[k], offset[k] + size[k]};
+        int i = x;
+        while (i > 0 && before(&mine, &taken[i - 1])) {
+            taken[i] = taken[i - 1];
+            who[i] = who[i - 1];
+            i--;
+        }
+        taken[i] = mine;
+        who[i] = k;
     }
     free(taken);
-    free(placed);
+    free(who);
     return 0;
 }
 
 long long rp_clique(int n, int nseeds, const int *seed_ptr, const int *seed_idx, const long long *size,
                     const unsigned char *ok)
 {
-    unsigned char *mask = malloc(n ? n : 1);
-    if (!mask)
+    /* the buffers still addable, in index order, filtered by each one taken: each pick scans only those */
+    int *left = malloc(sizeof(int) * (n ? n : 1));
+    if (!left)
         return -1;
     long long best = 0;
     for (int f = 0; f < nseeds; f++) {
         long long total = 0;
+        int m = 0;
         for (int j = 0; j < n; j++)
-            mask[j] = 1;
+            left[m++] = j;
         for (int e = seed_ptr[f]; e < seed_ptr[f + 1]; e++) {  /* the seed: buffers live together already */
-            int s = seed_idx[e];
+            int s = seed_idx[e], kept = 0;
+            const unsigned char *row = ok + (long)s * n;
             total += size[s];
-            for (int j = 0; j < n; j++)
-                mask[j] = mask[j] && j != s && !ok[(long)s * n + j];
+            for (int i = 0; i < m; i++)
+                if (left[i] != s && !row[left[i]])
+                    left[kept++] = left[i];
+            m = kept;
         }
-        for (;;) {
-            int pick = -1;
-            for (int j = 0; j < n; j++)
-                if (mask[j] && (pick < 0 || size[j] > size[pick]))
-                    pick = j;
-            if (pick < 0)
-                break;
+        while (m > 0) {
+            int pick = left[0], kept = 0;
+            for (int i = 1; i < m; i++)
+                if (size[left[i]] > size[pick])
+                    pick = left[i];
             total += size[pick];
-            for (int j = 0; j < n; j++)
-                mask[j] = mask[j] && j != pick && !ok[(long)pick * n + j];
+            const unsigned char *row = ok + (long)pick * n;
+            for (int i = 0; i < m; i++)
+                if (left[i] != pick && !row[left[i]])
+                    left[kept++] = left[i];
+            m = kept;
         }
         if (total > best)
             best = total;
     }
-    free(mask);
+    free(left);
     return best;
 }
