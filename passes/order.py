@@ -119,7 +119,7 @@ class HappensBefore:
 
     def before(self, a: tuple[int, str], b: tuple[int, str]) -> bool:
         """Whether instance a = (window iteration, name) happens before instance b."""
-        x, y = self.node(*a), self.node(*b)
+        x, y = a[0] * self.size + self.pos[a[1]], b[0] * self.size + self.pos[b[1]]  # `node`, inline (hot)
         c = self._col[x]
         if c < 0:
             raise ValueError(f"{a[1]} runs on a lane this HappensBefore does not track")
