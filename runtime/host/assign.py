@@ -34,7 +34,6 @@ live for the whole run (`runtime.host.buffers.pool_buffers`).
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import hashlib
 import os
 from typing import Any
@@ -183,7 +182,7 @@ def assign_buffers(graph: Any, program: Program, dtype: torch.dtype | None = Non
     if unplaced is None:
         bufs, digest = live_buffers(graph, program, dtype), fingerprint(program)
     else:
-        bufs, digest = [dataclasses.replace(b, offset=0) for b in unplaced.buffers], unplaced.program
+        bufs, digest = list(unplaced.buffers), unplaced.program  # their offsets are not read: placed anew below
     ok = apart(bufs, program) if bufs else torch.zeros(0, 0, dtype=torch.bool)
     size = [_up(b.bytes) for b in bufs]
     pos = {i.name: k for k, i in enumerate(program.instrs)}
