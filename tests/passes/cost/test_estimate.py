@@ -134,6 +134,8 @@ def test_symbolic_costs_at_one_microbatch_size_are_exact_there_b_1_included():
             max_seq_len(sc, hw, gpus=2, microbatch_size=b + 1)
     with pytest.raises(ValueError, match="batch must be a positive integer"):
         symbolic_costs(g, g.flatten_inputs(M.lm_batch(batch=2, seq=16)), hw, batch=0)
+    with pytest.raises(ValueError, match="microbatch_size and gpus must be >= 1"):  # before any fit at B = 0
+        max_seq_len(g, hw, gpus=2, microbatch_size=0)
 
 
 def test_max_seq_len_of_a_graph_is_that_of_its_costs_fitted_in_b_and_s():
