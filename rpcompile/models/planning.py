@@ -115,11 +115,11 @@ def plan_model(model: str, *, gpus: int = 8, hardware: str | Hardware = "rtx4090
     optimizer = AdamW(state_dtype=state_dtype, master_dtype=master_dtype, grad_dtype=grad_dtype)
     state = dict(staleness=staleness, optimizer=optimizer, dtype=dtype, hardware=hw, limit=host_memory, shard=shard)
     check_host_memory(net, microbatches=microbatches, **state)  # the parameters' state alone, before planning
-    # the longest sequence, from the same model traced into sub-blocks (with a frozen base `long_sequence_graph`
-    # builds its own: the experts then run one after the other), found meanwhile in a child process if it may
+    # the longest sequence, from the same model traced into sub-blocks (with a frozen base its experts run one
+    # after the other there: `seq_len_limit`), found meanwhile in a child process if it may
     with Background(parallel and seq_limit, _seq_limit if seq_limit else _not_asked, model, hw, gpus=gpus,
                      microbatch_size=microbatch_size, microbatches=microbatches, frozen_base=frozen_base,
-                     built=None if frozen_base else net, optimizer=state["optimizer"], shard=shard) as longest:
+                     built=net, optimizer=state["optimizer"], shard=shard) as longest:
         return _plan(net, model, hw, state, longest, servers, gpus=gpus, seq=seq, microbatches=microbatches,
                      microbatch_size=microbatch_size, staleness=staleness, dtype=dtype,
                      lm_head_shards=lm_head_shards, fp16_accumulation=fp16_accumulation, fused_head=fused_head,

@@ -10,8 +10,9 @@ without it `build_meta` says how to install it.
 """
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -143,8 +144,9 @@ def long_sequence_graph(name_or_path: str, *, frozen_base: bool = False,
             the other) with a frozen base, since frozen experts have no weight gradients and the
             loop then holds one expert's intermediates at a time; else transformers' default
             (grouped matmuls: a trainable expert loop would build a full-size weight gradient per expert).
-        model: that model already built by `build_meta` with these settings (and frozen as asked),
-            traced instead of building it again (`plan_model` does this); it is not modified.
+        model: that model already built by `build_meta` (and frozen as asked), traced instead of building
+            it again (`plan_model` does this); it is not modified. Its experts run as its config says
+            (`seq_len_limit` switches a frozen base's to "eager" while it traces and counts).
     Returns:
         The LayerGraph (memory-efficient attention, bf16, traced at one sequence of 2048 tokens).
 
@@ -184,7 +186,24 @@ def seq_len_limit(name_or_path: str, hardware: Any = "rtx4090", *, gpus: int | N
     >>> print(seq_len_limit("qwen3-1.7b", host_memory=2048 * 2**30))   # doctest: +SKIP
     """
     hw = Hardware.preset(hardware) if isinstance(hardware, str) else hardware
-    graph = long_sequence_graph(name_or_path, frozen_base=frozen_base, experts_implementation=experts_implementation,
-                                model=model)
-    return max_seq_len(graph, hw, gpus=gpus, microbatch_size=microbatch_size, microbatches=microbatches,
-                       host_memory=host_memory, optimizer=optimizer, shard=shard)
+    impl = experts_implementation or ("eager" if frozen_base else None)
+    with _experts_running(model, impl):  # through the counts too: the traced layers call the model's modules
+        graph = long_sequence_graph(name_or_path, frozen_base=frozen_base, experts_implementation=impl, model=model)
+        return max_seq_len(graph, hw, gpus=gpus, microbatch_size=microbatch_size, microbatches=microbatches,
+                           host_memory=host_memory, optimizer=optimizer, shard=shard)
+
+
+@contextlib.contextmanager
+def _experts_running(model: torch.nn.Module | None, impl: str | None) -> Iterator[None]:
+    """Inside, `model`'s mixture-of-experts layers run `impl` (transformers reads the config's
+    `_experts_implementation` at every call; a model without one, or None, is left as it is); restored after."""
+    cfg = getattr(model, "config", None)
+    old = getattr(cfg, "_experts_implementation", None)
+    if impl is None or old is None or old == impl:
+        yield
+        return
+    cfg._experts_implementation = impl
+    try:
+        yield
+    finally:
+        cfg._experts_implementation = old

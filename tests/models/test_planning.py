@@ -9,7 +9,7 @@ pytest.importorskip("transformers")
 
 from rpcompile.ir.hardware import Hardware  # noqa: E402
 from rpcompile.models.planning import plan_model  # noqa: E402
-from rpcompile.models.presets import seq_len_limit  # noqa: E402
+from rpcompile.models.presets import build_meta, seq_len_limit  # noqa: E402
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             intermediate_size=128, vocab_size=512, tie_word_embeddings=False)
@@ -23,14 +23,32 @@ def config(tmp_path, name: str, **fields) -> str:
 
 @pytest.mark.parametrize("frozen", [False, True])
 def test_plan_model_reports_the_limit_of_the_model_it_planned(tmp_path, frozen) -> None:
-    # a mixture of experts: with a frozen base the limit runs its experts one after the other (eager),
-    # so plan_model must not hand its own (grouped) model to seq_len_limit then
+    # a mixture of experts: with a frozen base the limit runs its experts one after the other (eager), also
+    # where plan_model hands it its own model, built with grouped experts
     path = config(tmp_path, "moe", model_type="qwen3_moe", moe_intermediate_size=256, num_experts=8,
                   num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[])
     hw = Hardware.preset("rtx4090").replace(device_memory=64 * 2**20)
     r = plan_model(path, gpus=2, hardware=hw, seq=64, microbatches=2, frozen_base=frozen)
     alone = seq_len_limit(path, hw, gpus=2, microbatches=2, host_memory=hw.host_memory, frozen_base=frozen)
     assert r.max_seq_why is None and r.max_seq == alone and r.max_seq.length > 0, (r.max_seq, alone)
+
+
+def test_the_limit_of_a_frozen_base_built_grouped_runs_its_experts_eagerly_and_leaves_them_grouped(tmp_path) -> None:
+    # plan_model hands its own model (grouped experts) to seq_len_limit: the limit switches it to the eager loop
+    # for its trace and counts (the same limit as a model built eager), and back after, also when it fails
+    path = config(tmp_path, "moe", model_type="qwen3_moe", moe_intermediate_size=256, num_experts=8,
+                  num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[])
+    hw = Hardware.preset("rtx4090").replace(device_memory=64 * 2**20)
+    net = build_meta(path)
+    for p in net.parameters():
+        p.requires_grad_(p.dim() == 1)
+    assert net.config._experts_implementation == "grouped_mm"
+    kw = dict(gpus=2, microbatches=2, host_memory=hw.host_memory, frozen_base=True)
+    assert seq_len_limit(path, hw, model=net, **kw) == seq_len_limit(path, hw, **kw)
+    assert net.config._experts_implementation == "grouped_mm"
+    with pytest.raises(ValueError):
+        seq_len_limit(path, hw, model=net, microbatch_size=0, **kw)
+    assert net.config._experts_implementation == "grouped_mm"
 
 
 @pytest.mark.parametrize("staleness", [0, 1])
