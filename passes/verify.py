@@ -46,23 +46,15 @@ class _Ctx:
         grid = self.p.grid(mark=name, context=6) if name in self.pos else ""
         raise ProgramError(rule, name, message, grid)
 
-    def node(self, t: int, name: str) -> int:
-        """Window node id of the instance of `name` in window iteration t (0 or 1)."""
-        return t * len(self.p.instrs) + self.pos[name]
-
     def order(self) -> HappensBefore:
         """The happens-before of the window (deps + lane order, every lane), built once."""
         if self._order is None:
             self._order = HappensBefore(self.p, first=FIRST, iterations=2)
         return self._order
 
-    def before(self, a: tuple[int, str], b: tuple[int, str]) -> bool:
-        """Whether instance a = (window iteration, name) is ordered before instance b."""
-        return self.order().before(a, b)
-
     def need(self, rule: str, a: tuple[int, str], b: tuple[int, str], what: str) -> None:
         """Fail `rule` at b unless a is ordered before b."""
-        if not self.order().before(a, b):  # tens of thousands of queries: one call less each
+        if not self.order().before(a, b):
             it = lambda x: f"{x[1]} (iteration t{'+1' if x[0] else ''})"
             self.fail(rule, b[1], f"{what}: {it(b)} is not ordered after {it(a)}")
 
