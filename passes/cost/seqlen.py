@@ -48,7 +48,9 @@ from rpcompile.ir.plan import StagePlan
 from rpcompile.passes.cost.stage_memory import _COLUMNS, _gib, stage_terms
 from rpcompile.passes.cost.host_bytes import round_saved_bytes
 from rpcompile.passes.shard_head import shard_lm_head
-from rpcompile.passes.cost.symbolic import SymbolicCosts, _default_inputs, _sympy, chunk_unit, symbolic_costs, symbols
+from rpcompile.passes.cost import _predict
+from rpcompile.passes.cost.symbolic import (SymbolicCosts, _default_inputs, _sympy, chunk_unit, resize_inputs,
+                                             symbolic_costs, symbols)
 
 __all__ = ["SeqLenLimit", "max_seq_len", "seq_len_costs"]
 
@@ -86,7 +88,8 @@ def seq_len_costs(graph: LayerGraph, hardware: Hardware, *, memory_budget: int |
             the largest other layer and chunked for the device budget (`shard_lm_head(..., chunk="auto",
             memory_budget=)`).
         hardware: prices the ops; its device memory sets the default budget.
-        memory_budget: device bytes per worker (default `usable * hardware.device_memory`).
+        memory_budget: device bytes per worker (default `usable * hardware.device_memory`), as `compile`'s
+            option: the stages get it less the BLAS workspace (`Hardware.stage_budget`).
         example: a batch to fit at (default zeros shaped like the trace's).
         optimizer: the run's optimizer (default AdamW()): its state and master dtypes set the parameter
             state's host bytes.
@@ -99,14 +102,8 @@ def seq_len_costs(graph: LayerGraph, hardware: Hardware, *, memory_budget: int |
 
     >>> sc = seq_len_costs(graph, Hardware.preset("rtx4090"))   # doctest: +SKIP
     """
-    budget = memory_budget if memory_budget is not None else int(usable * hardware.device_memory)
-    if chunk_unit(graph) is None:
-        head = graph.param_bytes(graph.layers[-1])
-        largest = max((graph.param_bytes(lay) for lay in graph.layers[:-1]), default=0)
-        try:  # shards no bigger than the largest other layer
-            graph = shard_lm_head(graph, max(1, -(-head // max(largest, 1))), chunk="auto", memory_budget=budget)
-        except ValueError:  # no supported LM head: nothing to shard
-            pass
+    budget = hardware.stage_budget(memory_budget, usable)
+    graph = _head_by_bytes(graph, budget)
     inputs = graph.flatten_inputs(example) if example is not None else _default_inputs(graph)
     return symbolic_costs(graph, inputs, hardware, optimizer=optimizer, shard=shard, batch=batch)
 
@@ -239,7 +236,8 @@ class _Model:
 def max_seq_len(graph_or_costs: LayerGraph | SymbolicCosts, hardware: Hardware, *, gpus: int | None = None,
                 example: Any = None, microbatch_size: int = 1, microbatches: int | None = None,
                 memory_budget: int | None = None, host_memory: int | None = None, usable: float = 0.9,
-                limit: int = 1 << 24, optimizer: Any = None, shard: tuple[int, int] | None = None) -> SeqLenLimit:
+                limit: int = 1 << 24, optimizer: Any = None, shard: tuple[int, int] | None = None,
+                above: int = 0) -> SeqLenLimit:
     """Largest sequence length S whose training fits the device and host memory, and what binds.
 
     Args:
@@ -250,7 +248,8 @@ def max_seq_len(graph_or_costs: LayerGraph | SymbolicCosts, hardware: Hardware, 
         example: for a LayerGraph, a batch to fit at (default zeros shaped like the trace's).
         microbatch_size: sequences per microbatch (B).
         microbatches: per iteration (default N); sets the round size, so the microbatches in flight.
-        memory_budget: device bytes per worker (default `usable * hardware.device_memory`), as `compile`'s.
+        memory_budget: device bytes per worker (default `usable * hardware.device_memory`), as `compile`'s
+            option: a stage must fit it less the BLAS workspace (`Hardware.stage_budget`), as compile's do.
         host_memory: host bytes (default `hardware.host_memory`), all of it available: the limit
             `compile` checks the run against (`rpcompile.hostmem`), so a length this admits compiles.
         usable: the share of the device memory a worker may use (the default budget), as `compile`'s.
@@ -261,6 +260,9 @@ def max_seq_len(graph_or_costs: LayerGraph | SymbolicCosts, hardware: Hardware, 
         shard: for a LayerGraph, (rank, world) of a run whose masters and moments are sharded over `world`
             data-parallel servers: the host term counts server `rank`'s share, as the admission check of
             that run does (`rpcompile.hostmem.check_host_memory(shard=)`); a SymbolicCosts has it already.
+        above: search the lengths above this one only (they are the ones this graph runs at: `compile` cuts
+            the decoder blocks into sub-blocks only at lengths where a whole block no longer fits a worker,
+            `rpcompile.models.presets.seq_len_limit`); the answer is `above` itself if `above + 1` does not fit.
     Returns:
         A SeqLenLimit: `.length` (0 if even S = 1 does not fit), `.binding` (the constraint the
         next length breaks and its largest term), `.bytes`, `.capacity`, `.terms`; `str()` reads well.
@@ -269,28 +271,53 @@ def max_seq_len(graph_or_costs: LayerGraph | SymbolicCosts, hardware: Hardware, 
     74,752 tokens; at 74,753 the device: backward stage of layer 5 ... needs 21.6 GiB > 21.6 GiB (...)
     """
     n_gpu = gpus or hardware.gpus
-    device_cap = memory_budget if memory_budget is not None else int(usable * hardware.device_memory)
+    device_cap = hardware.stage_budget(memory_budget, usable)
     host_cap = host_memory if host_memory is not None else hardware.host_memory
     if microbatch_size < 1 or n_gpu < 1:
         raise ValueError(f"microbatch_size and gpus must be >= 1, got {microbatch_size} and {n_gpu}")
+    if above < 0 or above >= limit:
+        raise ValueError(f"max_seq_len: above must be in [0, limit = {limit:,}), got {above!r}")
     sc = graph_or_costs
     if isinstance(sc, LayerGraph):
-        sc = seq_len_costs(sc, hardware, memory_budget=device_cap, example=example, optimizer=optimizer,
-                           shard=shard, batch=microbatch_size)  # at this B alone: 4 counts, exact at it
-    elif optimizer is not None or shard is not None:
+        graph = sc
+
+        def search(g: LayerGraph) -> SeqLenLimit:  # at this B alone: 4 counts, exact at it
+            return _search(seq_len_costs(g, hardware, memory_budget=memory_budget, usable=usable, example=example,
+                                         optimizer=optimizer, shard=shard, batch=microbatch_size),
+                           microbatch_size, n_gpu, microbatches, device_cap, host_cap, limit, above)
+        fitted = _head_by_bytes(graph, device_cap)
+        found = search(fitted)
+        if fitted is graph or chunk_unit(graph) is not None or not found.binding.startswith("device"):
+            return found  # no LM head to shard, sharded already, or the host binds (`_head_bytes`: head)
+        # a device limit: again with the LM head as compile shards it at the length after the limit, until that
+        # is the head the limit was found with
+        for _ in range(3):
+            at = _head_as_compiled(graph, hardware, device_cap, example, microbatch_size, found.length + 1)
+            if found.length >= limit or _same_layers(at, fitted) or _head_bytes(graph, at) <= _head_bytes(graph, fitted):
+                break
+            fitted, found = at, search(at)
+        return found
+    if optimizer is not None or shard is not None:
         arg = "optimizer=" if optimizer is not None else "shard="
         raise ValueError(f"max_seq_len: {arg} is for a LayerGraph; a SymbolicCosts has the parameter state of the "
                          "optimizer and shard it was fitted for (seq_len_costs(..., optimizer=, shard=))")
     if not isinstance(sc, SymbolicCosts):
         raise TypeError(f"max_seq_len needs a LayerGraph or SymbolicCosts, got {type(sc).__name__}")
-    model = _Model(sc, microbatch_size, n_gpu, microbatches or n_gpu)
+    return _search(sc, microbatch_size, n_gpu, microbatches, device_cap, host_cap, limit, above)
+
+
+def _search(sc: SymbolicCosts, b: int, gpus: int, microbatches: int | None, device_cap: int, host_cap: int,
+            limit: int, above: int) -> SeqLenLimit:
+    """The longest S in (above, limit] that fits `_Model(sc)` (a doubling then a bisection; assumes that a
+    length fits when a longer one does)."""
+    model = _Model(sc, b, gpus, microbatches or gpus)
 
     def fits(s: int) -> bool:
         return model.explain(s, device_cap, host_cap) is None
 
-    if not fits(1):
-        return model.explain(1, device_cap, host_cap)
-    lo, hi = 1, 2
+    if not fits(above + 1):
+        return model.explain(above + 1, device_cap, host_cap)
+    lo, hi = above + 1, 2 * (above + 1)
     while hi <= limit and fits(hi):
         lo, hi = hi, hi * 2
     hi = min(hi, limit + 1)
@@ -299,3 +326,46 @@ def max_seq_len(graph_or_costs: LayerGraph | SymbolicCosts, hardware: Hardware, 
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     found = model.explain(lo + 1, device_cap, host_cap) if lo < limit else None
     return found or SeqLenLimit(lo, f"the search limit {limit:,}", 0, 0)
+
+
+def _head_as_compiled(graph: LayerGraph, hardware: Hardware, budget: int, example: Any, b: int, s: int) -> LayerGraph:
+    """`graph` (LM head not yet sharded) with its head sharded as compile shards it for microbatches of b x s
+    tokens: shards="auto" balanced by the predicted times at that shape, chunked for `budget`
+    (`rpcompile.pipeline`); `graph` itself if it has no supported LM head."""
+    inputs = graph.flatten_inputs(example) if example is not None else _default_inputs(graph)
+    probe = _predict(graph, resize_inputs(graph, inputs, b, s), hardware, False)
+    try:
+        return shard_lm_head(graph, "auto", costs=probe, chunk="auto", memory_budget=budget, balance="time")
+    except ValueError:  # no supported LM head
+        return graph
+
+
+def _head_by_bytes(graph: LayerGraph, budget: int) -> LayerGraph:
+    """`graph` with a not yet sharded LM head sharded into shards no bigger than the largest other layer and
+    chunked for `budget`; `graph` itself if its head is sharded already or it has no supported LM head."""
+    if chunk_unit(graph) is not None:
+        return graph
+    head = graph.param_bytes(graph.layers[-1])
+    largest = max((graph.param_bytes(lay) for lay in graph.layers[:-1]), default=0)
+    try:
+        return shard_lm_head(graph, max(1, -(-head // max(largest, 1))), chunk="auto", memory_budget=budget)
+    except ValueError:  # no supported LM head: nothing to shard
+        return graph
+
+
+def _head_bytes(graph: LayerGraph, sharded: LayerGraph) -> int:
+    """Parameter bytes of the largest layer that sharding `graph`'s LM head made in `sharded`.
+
+    Note: head. compile shards the LM head by the predicted times at the run's length, `max_seq_len` fits
+    one sharding (shards no bigger than the largest other layer): the limit is searched again with
+    compile's sharding at the length after it only if a device limit binds and compile's shards are
+    bigger (a stage then prefetches or holds more). With shards no bigger, every other stage's bytes are
+    the same and the shards hold less each, so compile's limit is no shorter; fitting a head of many
+    shards costs seconds (each is counted).
+    """
+    return max(sharded.param_bytes(lay) for lay in sharded.layers[len(graph.layers) - 1:])
+
+
+def _same_layers(a: LayerGraph, b: LayerGraph) -> bool:
+    """Whether two shardings of one graph have the same layers (names, hence shards) and chunk."""
+    return [x.name for x in a.layers] == [x.name for x in b.layers] and chunk_unit(a) == chunk_unit(b)

@@ -133,7 +133,8 @@ def example_batch(vocab: int, batch: int, seq: int, device: str = "cpu") -> dict
 
 
 def long_sequence_graph(name_or_path: str, *, frozen_base: bool = False,
-                        experts_implementation: str | None = None, model: torch.nn.Module | None = None):
+                        experts_implementation: str | None = None, model: torch.nn.Module | None = None,
+                        units: str = "sub-blocks"):
     """A preset (or config.json) built on meta and traced for long sequences, with `sublayer_units`.
 
     Args:
@@ -147,18 +148,23 @@ def long_sequence_graph(name_or_path: str, *, frozen_base: bool = False,
         model: that model already built by `build_meta` (and frozen as asked), traced instead of building
             it again (`plan_model` does this); it is not modified. Its experts run as its config says
             (`seq_len_limit` switches a frozen base's to "eager" while it traces and counts).
+        units: "sub-blocks" (norms, attention, MLP as layers: `sublayer_units`) or "blocks" (the decoder
+            blocks as layers, as `compile` traces first).
     Returns:
         The LayerGraph (memory-efficient attention, bf16, traced at one sequence of 2048 tokens).
 
     >>> [layer.name for layer in long_sequence_graph("qwen3-1.7b").layers][1:3]   # doctest: +SKIP
     ['model.layers.0.input_layernorm', 'model.layers.0.self_attn']
     """
+    if units not in ("sub-blocks", "blocks"):
+        raise ValueError(f"long_sequence_graph: units must be 'sub-blocks' or 'blocks', got {units!r}")
     impl = experts_implementation or ("eager" if frozen_base else None)
     net = model if model is not None else build_meta(name_or_path, experts_implementation=impl)
     if frozen_base and model is None:
         for p in net.parameters():
             p.requires_grad_(p.dim() == 1)
-    return trace(net, example_batch(net.config.vocab_size, 1, 2048), layers=sublayer_units(net))
+    layers = sublayer_units(net) if units == "sub-blocks" else None
+    return trace(net, example_batch(net.config.vocab_size, 1, 2048), layers=layers)
 
 
 def seq_len_limit(name_or_path: str, hardware: Any = "rtx4090", *, gpus: int | None = None,
@@ -168,7 +174,15 @@ def seq_len_limit(name_or_path: str, hardware: Any = "rtx4090", *, gpus: int | N
                   shard: tuple[int, int] | None = None):
     """The longest trainable sequence of a preset (or config.json) on `hardware`, and what binds it.
 
-    `rpcompile.max_seq_len` of `long_sequence_graph(name_or_path, ...)`.
+    `rpcompile.max_seq_len` with the layer units `compile` uses at each length (Note).
+
+    Note: layer units. `compile` traces the decoder blocks as layers and cuts them into sub-blocks
+    (`passes.trace.sublayer_units`) only at lengths where a whole block no longer fits a worker
+    (`rpcompile.pipeline`). Sub-blocks mean more cuts, so more saved inputs on the host per token.
+    So the limit is first found with whole blocks; if a block not fitting the device is what stops
+    it, the lengths above are searched with sub-blocks (`max_seq_len(above=)`), and the answer is
+    where that stops (the whole-block length itself if the sub-blocks' host need is already too much
+    one token above it).
 
     Args:
         name_or_path: a preset name (`MODELS`) or a config.json path.
@@ -187,10 +201,23 @@ def seq_len_limit(name_or_path: str, hardware: Any = "rtx4090", *, gpus: int | N
     """
     hw = Hardware.preset(hardware) if isinstance(hardware, str) else hardware
     impl = experts_implementation or ("eager" if frozen_base else None)
-    with _experts_running(model, impl):  # through the counts too: the traced layers call the model's modules
-        graph = long_sequence_graph(name_or_path, frozen_base=frozen_base, experts_implementation=impl, model=model)
-        return max_seq_len(graph, hw, gpus=gpus, microbatch_size=microbatch_size, microbatches=microbatches,
-                           host_memory=host_memory, optimizer=optimizer, shard=shard)
+    kw = dict(gpus=gpus, microbatch_size=microbatch_size, microbatches=microbatches, host_memory=host_memory,
+              optimizer=optimizer, shard=shard)
+    net = model if model is not None else build_meta(name_or_path, experts_implementation=impl)
+    if frozen_base and model is None:
+        for p in net.parameters():
+            p.requires_grad_(p.dim() == 1)
+    with _experts_running(net, impl):  # through the counts too: the traced layers call the model's modules
+        blocks = long_sequence_graph(name_or_path, model=net, units="blocks")
+        found = max_seq_len(blocks, hw, **kw)
+        if not found.binding.startswith("device") or found.length + 1 >= (1 << 24):
+            return found  # the host (or the search limit) stops it while whole blocks still fit
+        try:
+            units = sublayer_units(net)
+        except ValueError:  # no list of decoder blocks to cut: compile refuses the longer lengths too
+            return found
+        sub = trace(net, example_batch(net.config.vocab_size, 1, 2048), layers=units)
+        return max_seq_len(sub, hw, above=found.length, **kw)
 
 
 @contextlib.contextmanager

@@ -9,7 +9,8 @@ pytest.importorskip("transformers")
 
 from rpcompile.ir.hardware import Hardware  # noqa: E402
 from rpcompile.models.planning import plan_model  # noqa: E402
-from rpcompile.models.presets import build_meta, seq_len_limit  # noqa: E402
+from rpcompile.models.presets import build_meta, long_sequence_graph, seq_len_limit  # noqa: E402
+from rpcompile.passes.cost.seqlen import max_seq_len  # noqa: E402
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             intermediate_size=128, vocab_size=512, tie_word_embeddings=False)
@@ -163,3 +164,33 @@ def test_plan_model_with_the_state_sharded_over_servers_counts_server_0s_share(t
         plan_model(path, **run, shard_state=True)
     with pytest.raises(ValueError, match="plan_model: servers must be a positive integer"):
         plan_model(path, **run, servers=0)
+
+
+def _admits(path: str, hw: Hardware, seq: int) -> bool:
+    """Whether `plan` admits the run at `seq` tokens (2 GPUs, 2 microbatches): the device and the host checks."""
+    try:
+        plan_model(path, gpus=2, hardware=hw, seq=seq, microbatches=2, seq_limit=False, parallel=False)
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("host_mib, binds", [(20, "host"), (100_000, "device")])
+def test_the_limit_is_where_plan_stops_admitting_found_by_bisection(tmp_path, host_mib, binds) -> None:
+    # 20 MiB: whole decoder blocks fit a worker up to a length where cutting them into sub-blocks (what compile
+    # does past it) needs more host memory than there is, so plan stops there, not where sub-blocks would stop
+    # (what seq_len_limit assumed at every length); 100,000 MiB: the sub-blocks' own device limit, every stage
+    # within the budget less the BLAS workspace
+    path = config(tmp_path, "llama", model_type="llama")
+    hw = Hardware.preset("rtx4090").replace(device_memory=64 * 2**20, host_memory=host_mib * 2**20)
+    lim = seq_len_limit(path, hw, gpus=2, microbatches=2, host_memory=hw.host_memory)
+    assert lim.binding.startswith(binds), lim
+    lo, hi = 1, 4 * lim.length  # plan admits lo and refuses hi
+    assert _admits(path, hw, lo) and not _admits(path, hw, hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if _admits(path, hw, mid) else (lo, mid)
+    assert lim.length == lo, (lim, lo)
+    if binds == "host":
+        sub = max_seq_len(long_sequence_graph(path), hw, gpus=2, microbatches=2)
+        assert sub.length < lim.length, (sub, lim)

@@ -143,7 +143,7 @@ def test_max_seq_len_of_a_graph_is_that_of_its_costs_fitted_in_b_and_s():
     pytest.importorskip("transformers")
     g = trace(M.llama(attn="sdpa"), M.lm_batch(batch=2, seq=16))
     for device, host, binds in ((2, 1024, "device"), (64, 1, "host")):
-        small = Hardware.preset("rtx4090", device_memory=device * 2 ** 20, host_memory=host * 2 ** 20)
+        small = Hardware.preset("rtx4090", device_memory=device * 2 ** 20, host_memory=host * 2 ** 20, blas_workspace=0)
         both = seq_len_costs(g, small)
         for b in (1, 2, 3):
             one = max_seq_len(g, small, gpus=2, microbatch_size=b)
@@ -154,11 +154,14 @@ def test_max_seq_len_of_a_graph_is_that_of_its_costs_fitted_in_b_and_s():
 def test_max_seq_len_is_the_largest_length_whose_one_layer_stages_fit():
     pytest.importorskip("transformers")
     g = trace(M.llama(attn="sdpa"), M.lm_batch(batch=2, seq=16))
-    small = Hardware.preset("rtx4090", device_memory=2 * 2 ** 20)
+    small = Hardware.preset("rtx4090", device_memory=2 * 2 ** 20, blas_workspace=0)
     sc = estimate_costs(g, M.lm_batch(batch=2, seq=16), mode="predict", hardware=small, symbolic=True)
     lim = max_seq_len(sc, small, gpus=2)
     assert 16 < lim.length < 10 ** 5
     n, cap = len(sc.names), int(0.9 * small.device_memory)
+    # as compile's stages, they fit the budget less the BLAS workspace every worker holds (`stage_budget`)
+    blas = max_seq_len(sc, small.replace(blas_workspace=2 ** 17), gpus=2)
+    assert blas.capacity == cap - 2 ** 17 and blas.length < lim.length, (blas, lim)
     one = StagePlan.from_sizes([1] * (n - 1), 1, [1] * (n - 1))  # the planner's windows at the limit
 
     def device_bytes(s):
