@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
+from typing import Any, Callable
 
 from rpcompile.ir.costs import CostTable
 from rpcompile.ir.graph import LayerGraph
@@ -52,7 +52,7 @@ from rpcompile.passes.cost import _predict
 from rpcompile.passes.cost.symbolic import (SymbolicCosts, _default_inputs, _sympy, chunk_unit, resize_inputs,
                                              symbolic_costs, symbols)
 
-__all__ = ["SeqLenLimit", "max_seq_len", "seq_len_costs"]
+__all__ = ["SeqLenLimit", "max_seq_len", "seq_len_costs", "units_limit"]
 
 @dataclass(frozen=True, slots=True)
 class SeqLenLimit:
@@ -304,6 +304,31 @@ def max_seq_len(graph_or_costs: LayerGraph | SymbolicCosts, hardware: Hardware, 
     if not isinstance(sc, SymbolicCosts):
         raise TypeError(f"max_seq_len needs a LayerGraph or SymbolicCosts, got {type(sc).__name__}")
     return _search(sc, microbatch_size, n_gpu, microbatches, device_cap, host_cap, limit, above)
+
+
+def units_limit(blocks: LayerGraph, sub_blocks: Callable[[], LayerGraph | None], hardware: Hardware,
+                **kwargs: Any) -> SeqLenLimit:
+    """`max_seq_len` with the layer units compile uses at each length.
+
+    Note: compile traces the decoder blocks as layers and cuts them into sub-blocks (norms, attention,
+    MLP: `passes.trace.sublayer_units`) only at lengths where a whole block no longer fits a worker
+    (`rpcompile.pipeline`); sub-blocks mean more cuts, so more saved inputs on the host per token. So the
+    limit is found with whole blocks first; if the device is what stops them, the lengths above are searched
+    with sub-blocks (`max_seq_len(above=)`), and the answer is where that stops (the whole-block length
+    itself if the sub-blocks' host need is already too much one token above it).
+
+    Args:
+        blocks: the model traced with its decoder blocks as layers (the LM head sharded or not).
+        sub_blocks: traces it cut into sub-blocks, called only if needed; None if it has no blocks to cut.
+        hardware, kwargs: as `max_seq_len` (not `above`).
+    """
+    found = max_seq_len(blocks, hardware, **kwargs)
+    if not found.binding.startswith("device"):
+        return found  # the host (or the search limit) stops it while whole blocks still fit
+    sub = sub_blocks()
+    if sub is None:  # no decoder blocks to cut: compile refuses the longer lengths too
+        return found
+    return max_seq_len(sub, hardware, above=found.length, **kwargs)
 
 
 def _search(sc: SymbolicCosts, b: int, gpus: int, microbatches: int | None, device_cap: int, host_cap: int,

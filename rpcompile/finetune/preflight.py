@@ -10,7 +10,8 @@ parameters' host state fits this machine's RAM, plans it with predicted costs
 (`rpcompile.plan_pipeline(mode="predict")`: FLOPs and bytes on a `Hardware` that
 describes this machine's devices), checks the saved activations against the RAM
 again, simulates the program for each worker's device peak, and finds the
-longest sequence that fits (`rpcompile.passes.max_seq_len`; for `--dry-run` only). A run that cannot
+longest sequence that fits (`max_seq_len` with the layer units compile uses at each length,
+`passes.cost.seqlen.units_limit`; for `--dry-run` only). A run that cannot
 fit is refused here, in seconds, with the bytes named (ValueError); `finetune`
 runs it before it loads the weights, and `--dry-run` prints what it found.
 
@@ -43,13 +44,16 @@ from typing import Any
 
 import torch
 
-from rpcompile.api import Options, plan_pipeline
+from rpcompile import passes
+from rpcompile.api import Options
 from rpcompile.finetune.hf import add_lora, trainable_module
 from rpcompile.finetune.packed_attention import use_packed_attention
 from rpcompile.hostmem import HostBytes, check_host_memory
 from rpcompile.ir import hardware as _hardware
 from rpcompile.ir.hardware import Hardware, rate_key
-from rpcompile.passes.cost.seqlen import max_seq_len
+from rpcompile.passes.cost.seqlen import units_limit
+from rpcompile.passes.trace import sublayer_units
+from rpcompile.pipeline import compile_passes
 from rpcompile.runtime import simulate
 
 __all__ = ["Preflight", "preflight", "local_hardware", "meta_model", "resident_bytes", "RUNTIME_BYTES"]
@@ -182,7 +186,7 @@ def preflight(config: Any, example: Any, *, gpus: int, microbatches: int, microb
     opts = Options(gpus=gpus, microbatches=microbatches, staleness=staleness, optimizer=optimizer, dtype=dtype,
                    loss_fn=None, layers=None, lm_head_shards=lm_head_shards, hardware=hw, memory_budget=budget,
                    backend="host", seed=0, fp16_accumulation=fp16_accumulation)
-    graph, costs, plan, program, m = plan_pipeline(module, example, opts, mode="predict")
+    graph, costs, plan, program, m, units, *_ = compile_passes(module, example, opts, mode="predict")
     host = check_host_memory(graph, costs, plan, microbatches=m, gpus=gpus, round_size=program.round_size,
                              program=program, **state)  # with the runtime's transfer buffers (gradient staging)
     timeline = simulate(program, costs, hw)
@@ -198,9 +202,14 @@ def preflight(config: Any, example: Any, *, gpus: int, microbatches: int, microb
     limit, why = None, "not asked"
     try:
         if seq_limit:
-            limit, why = max_seq_len(graph, hw, gpus=gpus, microbatch_size=microbatch_size, microbatches=m,
-                                     memory_budget=budget, host_memory=hw.host_memory, optimizer=optimizer,
-                                     shard=shard), None
+            def sub_blocks():  # the units compile cuts the blocks into where a block does not fit a worker
+                try:
+                    return passes.trace(module, example, layers=sublayer_units(module)) if units is None else None
+                except ValueError:  # no list of decoder blocks to cut
+                    return None
+            limit, why = units_limit(graph, sub_blocks, hw, gpus=gpus, microbatch_size=microbatch_size,
+                                     microbatches=m, memory_budget=budget, host_memory=hw.host_memory,
+                                     optimizer=optimizer, shard=shard), None
     except Exception as exc:  # noqa: BLE001 - reported: the plan and the checks above still stand
         limit, why = None, f"{type(exc).__name__}: {exc}"
     return Preflight(hw, plan, program, peaks, budget, host, hw.host_memory, workers, buffers, limit, why,

@@ -19,7 +19,7 @@ import torch
 from rpcompile.models.attention import register
 from rpcompile.models.model_config import read_model_config
 from rpcompile.ir.hardware import Hardware
-from rpcompile.passes.cost.seqlen import max_seq_len
+from rpcompile.passes.cost.seqlen import units_limit
 from rpcompile.passes.trace import sublayer_units, trace
 
 # name -> (transformers config class, config fields)
@@ -158,11 +158,7 @@ def long_sequence_graph(name_or_path: str, *, frozen_base: bool = False,
     """
     if units not in ("sub-blocks", "blocks"):
         raise ValueError(f"long_sequence_graph: units must be 'sub-blocks' or 'blocks', got {units!r}")
-    impl = experts_implementation or ("eager" if frozen_base else None)
-    net = model if model is not None else build_meta(name_or_path, experts_implementation=impl)
-    if frozen_base and model is None:
-        for p in net.parameters():
-            p.requires_grad_(p.dim() == 1)
+    net = _built(name_or_path, frozen_base, experts_implementation, model)
     layers = sublayer_units(net) if units == "sub-blocks" else None
     return trace(net, example_batch(net.config.vocab_size, 1, 2048), layers=layers)
 
@@ -174,15 +170,8 @@ def seq_len_limit(name_or_path: str, hardware: Any = "rtx4090", *, gpus: int | N
                   shard: tuple[int, int] | None = None):
     """The longest trainable sequence of a preset (or config.json) on `hardware`, and what binds it.
 
-    `rpcompile.max_seq_len` with the layer units `compile` uses at each length (Note).
-
-    Note: layer units. `compile` traces the decoder blocks as layers and cuts them into sub-blocks
-    (`passes.trace.sublayer_units`) only at lengths where a whole block no longer fits a worker
-    (`rpcompile.pipeline`). Sub-blocks mean more cuts, so more saved inputs on the host per token.
-    So the limit is first found with whole blocks; if a block not fitting the device is what stops
-    it, the lengths above are searched with sub-blocks (`max_seq_len(above=)`), and the answer is
-    where that stops (the whole-block length itself if the sub-blocks' host need is already too much
-    one token above it).
+    `rpcompile.max_seq_len` with the layer units `compile` uses at each length
+    (`passes.cost.seqlen.units_limit`: whole decoder blocks, then sub-blocks where a block no longer fits).
 
     Args:
         name_or_path: a preset name (`MODELS`) or a config.json path.
@@ -203,21 +192,30 @@ def seq_len_limit(name_or_path: str, hardware: Any = "rtx4090", *, gpus: int | N
     impl = experts_implementation or ("eager" if frozen_base else None)
     kw = dict(gpus=gpus, microbatch_size=microbatch_size, microbatches=microbatches, host_memory=host_memory,
               optimizer=optimizer, shard=shard)
-    net = model if model is not None else build_meta(name_or_path, experts_implementation=impl)
-    if frozen_base and model is None:
-        for p in net.parameters():
-            p.requires_grad_(p.dim() == 1)
-    with _experts_running(net, impl):  # through the counts too: the traced layers call the model's modules
-        blocks = long_sequence_graph(name_or_path, model=net, units="blocks")
-        found = max_seq_len(blocks, hw, **kw)
-        if not found.binding.startswith("device") or found.length + 1 >= (1 << 24):
-            return found  # the host (or the search limit) stops it while whole blocks still fit
+    net = _built(name_or_path, frozen_base, experts_implementation, model)
+
+    def sub_blocks():
         try:
             units = sublayer_units(net)
-        except ValueError:  # no list of decoder blocks to cut: compile refuses the longer lengths too
-            return found
-        sub = trace(net, example_batch(net.config.vocab_size, 1, 2048), layers=units)
-        return max_seq_len(sub, hw, above=found.length, **kw)
+        except ValueError:  # no list of decoder blocks to cut
+            return None
+        return trace(net, example_batch(net.config.vocab_size, 1, 2048), layers=units)
+    with _experts_running(net, impl):  # through the counts too: the traced layers call the model's modules
+        return units_limit(long_sequence_graph(name_or_path, model=net, units="blocks"), sub_blocks, hw, **kw)
+
+
+def _built(name_or_path: str, frozen_base: bool, experts_implementation: str | None,
+           model: torch.nn.Module | None) -> torch.nn.Module:
+    """`model`, or the preset built on meta (its experts eager with a frozen base, unless told otherwise) with
+    only its 1-D weights trainable if `frozen_base`."""
+    if model is not None:
+        return model
+    impl = experts_implementation or ("eager" if frozen_base else None)
+    net = build_meta(name_or_path, experts_implementation=impl)
+    if frozen_base:
+        for p in net.parameters():
+            p.requires_grad_(p.dim() == 1)
+    return net
 
 
 @contextlib.contextmanager

@@ -183,3 +183,14 @@ def test_resident_bytes_without_proc_is_the_peak_rss_in_bytes(monkeypatch):
     peak = preflight.resident_bytes()
     import resource
     assert peak == resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 and peak >= now
+
+
+def test_dry_run_max_seq_len_cuts_the_blocks_where_compile_does(files, tmp_path, monkeypatch, capsys):
+    """Past the length where a whole decoder block no longer fits a worker, compile cuts the blocks into
+    sub-blocks (norms, attention, MLP): the dry run's limit goes on with them, so what stops it is a
+    sub-block's backward stage, not a whole block's (where the limit stopped before)."""
+    _no_weights(monkeypatch)
+    assert run(files, tmp_path / "o", "--dry-run", "--memory-gib", str(2**22 / 2**30)) == 0
+    found = re.search(r"max_seq_len: ([\d,]+) tokens; at [\d,]+ the device: backward stage of layer \d+ '([\w.]+)'",
+                      capsys.readouterr().out)
+    assert found and re.fullmatch(r"model\.layers\.\d+\.\w+", found.group(2)), found and found.groups()
