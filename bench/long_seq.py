@@ -6,8 +6,10 @@ Two tables, both predicted on the meta device (no weights allocated):
    1, 2 and 8 GPUs with 2048 GiB of host memory (enough not to bind), next to
    the RoundPipe paper's length, and with the preset's own host memory (512
    GiB) together with the term that binds. Qwen3-235B-A22B has its base
-   frozen (LoRA-style). The models are traced with `passes.trace.sublayer_units`
-   (norms, attention and MLP as separate layers; `presets.long_sequence_graph`).
+   frozen (LoRA-style). `presets.seq_len_limit`, what `plan` prints: the
+   decoder blocks as layers while a block fits a worker, cut into norms,
+   attention and MLP (`passes.trace.sublayer_units`) past that length, as
+   compile cuts them.
 2. Per decoder layer at 4 sequences x 2048 tokens per microbatch: forward +
    backward seconds split into matmul / attention / elementwise, plus the whole
    LM head (shards + loss), with eager attention and with SDPA side by side.
@@ -32,8 +34,7 @@ from tabulate import tabulate  # noqa: E402
 from rpcompile.ir.hardware import Hardware  # noqa: E402
 from rpcompile.passes import shard_lm_head, trace  # noqa: E402
 from rpcompile.passes.cost import count_layers, layer_times  # noqa: E402
-from rpcompile.passes.cost.seqlen import max_seq_len, seq_len_costs  # noqa: E402
-from rpcompile.models.presets import MODELS, build_meta, example_batch, long_sequence_graph  # noqa: E402
+from rpcompile.models.presets import MODELS, build_meta, example_batch, seq_len_limit  # noqa: E402
 
 PAPER = {"qwen3-1.7b": 74752, "llama3.1-8b": 50176, "gpt-oss-20b": 39936, "qwen3-32b": 28672,
          "qwen3-235b-a22b": 31744}  # RoundPipe paper, 8x RTX 4090
@@ -45,9 +46,9 @@ GIB = 2 ** 30
 def lengths(name: str, hw: Hardware) -> tuple[list, float]:
     """One row of table 1 and the seconds it took."""
     t0 = time.perf_counter()
-    sc = seq_len_costs(long_sequence_graph(name, frozen_base=name == "qwen3-235b-a22b"), hw)
-    big = [max_seq_len(sc, hw, gpus=g, host_memory=2048 * GIB) for g in (1, 2, 8)]
-    own = max_seq_len(sc, hw, gpus=8)
+    frozen = name == "qwen3-235b-a22b"
+    big = [seq_len_limit(name, hw, gpus=g, host_memory=2048 * GIB, frozen_base=frozen) for g in (1, 2, 8)]
+    own = seq_len_limit(name, hw, gpus=8, frozen_base=frozen)
     row = [name, f"{PAPER[name]:,}", f"{BEFORE[name]:,}", *(f"{r.length:,}" for r in big),
            "yes" if min(r.length for r in big) >= PAPER[name] else "NO", big[-1].binding,
            f"{own.length:,}", own.binding]
@@ -118,7 +119,8 @@ def main() -> None:
     print(t1, "", t2, sep="\n")
     doc = (f"# Long sequences: max_seq_len and per-layer costs (8x RTX 4090, predicted)\n\n{machine_line()}\n\n"
            f"## max_seq_len (bf16, one sequence per microbatch, M = N)\n\n"
-           f"Traced with `passes.trace.sublayer_units`; Qwen3-235B-A22B with its base frozen. `before`: the value "
+           f"`presets.seq_len_limit` (what `plan` prints): whole decoder blocks while one fits a worker, sub-blocks "
+           f"(`passes.trace.sublayer_units`) past that length; Qwen3-235B-A22B with its base frozen. `before`: the value "
            f"when issue 13 was filed. Fitting and solving took "
            f"{', '.join(f'{n} {s:.0f} s' for n, s in spent.items())}.\n\n{t1}\n\n"
            f"## One decoder layer, fwd + bwd ms per microbatch of {args.batch} x {args.seq} tokens\n\n"

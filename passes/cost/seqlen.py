@@ -37,7 +37,7 @@ Note:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any, Callable
 
@@ -328,7 +328,11 @@ def units_limit(blocks: LayerGraph, sub_blocks: Callable[[], LayerGraph | None],
     sub = sub_blocks()
     if sub is None:  # no decoder blocks to cut: compile refuses the longer lengths too
         return found
-    return max_seq_len(sub, hardware, above=found.length, **kwargs)
+    past = max_seq_len(sub, hardware, above=found.length, **kwargs)
+    if past.length > found.length:
+        return past
+    return replace(past, binding=f"{past.binding}, with the decoder blocks cut into sub-blocks (whole, they no "
+                                 f"longer fit a worker)")
 
 
 def _search(sc: SymbolicCosts, b: int, gpus: int, microbatches: int | None, device_cap: int, host_cap: int,

@@ -191,6 +191,7 @@ def test_the_limit_is_where_plan_stops_admitting_found_by_bisection(tmp_path, ho
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if _admits(path, hw, mid) else (lo, mid)
     assert lim.length == lo, (lim, lo)
-    if binds == "host":
+    if binds == "host":  # what stops it: the sub-blocks' host need, one token past the whole blocks' limit
+        assert "with the decoder blocks cut into sub-blocks" in str(lim), lim
         sub = max_seq_len(long_sequence_graph(path), hw, gpus=2, microbatches=2)
         assert sub.length < lim.length, (sub, lim)
