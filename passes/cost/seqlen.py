@@ -16,16 +16,20 @@ Note:
       (`peak_bytes`: saved tensors plus backward transients, the live bytes
       counted op by op) and the inputs, outputs and gradients in flight.
 
-    host: the parameter state plus the saved stage inputs of the microbatches
+    host (an estimate: compile's admission counts the arena of the plan the
+      partitioner picks, `runtime.host.assign`, which may keep more or fewer
+      backward stages; `bench/seq_limit.py` compares the two): the parameter
+      state plus the saved stage inputs of the microbatches
       in flight, with the backward stages as wide as the device allows at that
-      length (each backward stage keeps one saved input per microbatch, so the
-      planner widens them where it can; grown greedily from the last layer).
+      length (grown greedily from the last layer: each backward stage keeps one
+      saved input per microbatch, so these are the fewest host bytes; the
+      partitioner, which chooses for time, need not pick them).
       Parameter state: `passes.cost.host_bytes.host_bytes` by category: every
       parameter's compute copy at its own dtype; a trainable one adds an fp32
       master, an fp32 gradient and two fp32 AdamW moments (16 B); a frozen one
       nothing more; with the masters and moments sharded over servers (`shard=`),
-      one server's share of them. In flight (`round_saved_bytes`, the rule the driver's admission
-      check uses too):
+      one server's share of them. In flight (`round_saved_bytes`, what `host_bytes` counts for a
+      plan without its program):
       iterations run in rounds of R microbatches (`default_round_size(gpus,
       M)`); a round's saved inputs live from its forward to its backward, so at
       most R microbatches hold every backward stage's input. The rotation has no drain: the next
@@ -251,7 +255,8 @@ def max_seq_len(graph_or_costs: LayerGraph | SymbolicCosts, hardware: Hardware, 
         memory_budget: device bytes per worker (default `usable * hardware.device_memory`), as `compile`'s
             option: a stage must fit it less the BLAS workspace (`Hardware.stage_budget`), as compile's do.
         host_memory: host bytes (default `hardware.host_memory`), all of it available: the limit
-            `compile` checks the run against (`rpcompile.hostmem`), so a length this admits compiles.
+            `compile` checks the run against (`rpcompile.hostmem`). The host term is an estimate, not that
+            check's count (module Note): near a host-bound limit, try the length with `plan --seq`.
         usable: the share of the device memory a worker may use (the default budget), as `compile`'s.
         limit: the largest S tried.
         optimizer: for a LayerGraph, the run's `rpcompile.AdamW` / `SGD` (default AdamW()): its state and
