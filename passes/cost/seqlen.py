@@ -52,9 +52,7 @@ from rpcompile.ir.plan import StagePlan
 from rpcompile.passes.cost.stage_memory import _COLUMNS, _gib, stage_terms
 from rpcompile.passes.cost.host_bytes import round_saved_bytes
 from rpcompile.passes.shard_head import shard_lm_head
-from rpcompile.passes.cost import _predict
-from rpcompile.passes.cost.symbolic import (SymbolicCosts, _default_inputs, _sympy, chunk_unit, resize_inputs,
-                                             symbolic_costs, symbols)
+from rpcompile.passes.cost.symbolic import SymbolicCosts, _default_inputs, _sympy, chunk_unit, symbolic_costs, symbols
 
 __all__ = ["SeqLenLimit", "max_seq_len", "seq_len_costs", "units_limit"]
 
@@ -284,25 +282,9 @@ def max_seq_len(graph_or_costs: LayerGraph | SymbolicCosts, hardware: Hardware, 
         raise ValueError(f"max_seq_len: above must be in [0, limit = {limit:,}), got {above!r}")
     sc = graph_or_costs
     if isinstance(sc, LayerGraph):
-        graph = sc
-
-        def search(g: LayerGraph) -> SeqLenLimit:  # at this B alone: 4 counts, exact at it
-            return _search(seq_len_costs(g, hardware, memory_budget=memory_budget, usable=usable, example=example,
-                                         optimizer=optimizer, shard=shard, batch=microbatch_size),
-                           microbatch_size, n_gpu, microbatches, device_cap, host_cap, limit, above)
-        fitted = _head_by_bytes(graph, device_cap)
-        found = search(fitted)
-        if fitted is graph or chunk_unit(graph) is not None or not found.binding.startswith("device"):
-            return found  # no LM head to shard, sharded already, or the host binds (`_head_bytes`: head)
-        # a device limit: again with the LM head as compile shards it at the length after the limit, until that
-        # is the head the limit was found with
-        for _ in range(3):
-            at = _head_as_compiled(graph, hardware, device_cap, example, microbatch_size, found.length + 1)
-            if found.length >= limit or _same_layers(at, fitted) or _head_bytes(graph, at) <= _head_bytes(graph, fitted):
-                break
-            fitted, found = at, search(at)
-        return found
-    if optimizer is not None or shard is not None:
+        sc = seq_len_costs(sc, hardware, memory_budget=memory_budget, usable=usable, example=example,
+                           optimizer=optimizer, shard=shard, batch=microbatch_size)  # at this B alone: 4 counts
+    elif optimizer is not None or shard is not None:
         arg = "optimizer=" if optimizer is not None else "shard="
         raise ValueError(f"max_seq_len: {arg} is for a LayerGraph; a SymbolicCosts has the parameter state of the "
                          "optimizer and shard it was fitted for (seq_len_costs(..., optimizer=, shard=))")
@@ -362,18 +344,6 @@ def _search(sc: SymbolicCosts, b: int, gpus: int, microbatches: int | None, devi
     return found or SeqLenLimit(lo, f"the search limit {limit:,}", 0, 0)
 
 
-def _head_as_compiled(graph: LayerGraph, hardware: Hardware, budget: int, example: Any, b: int, s: int) -> LayerGraph:
-    """`graph` (LM head not yet sharded) with its head sharded as compile shards it for microbatches of b x s
-    tokens: shards="auto" balanced by the predicted times at that shape, chunked for `budget`
-    (`rpcompile.pipeline`); `graph` itself if it has no supported LM head."""
-    inputs = graph.flatten_inputs(example) if example is not None else _default_inputs(graph)
-    probe = _predict(graph, resize_inputs(graph, inputs, b, s), hardware, False)
-    try:
-        return shard_lm_head(graph, "auto", costs=probe, chunk="auto", memory_budget=budget, balance="time")
-    except ValueError:  # no supported LM head
-        return graph
-
-
 def _head_by_bytes(graph: LayerGraph, budget: int) -> LayerGraph:
     """`graph` with a not yet sharded LM head sharded into shards no bigger than the largest other layer and
     chunked for `budget`; `graph` itself if its head is sharded already or it has no supported LM head."""
@@ -385,21 +355,3 @@ def _head_by_bytes(graph: LayerGraph, budget: int) -> LayerGraph:
         return shard_lm_head(graph, max(1, -(-head // max(largest, 1))), chunk="auto", memory_budget=budget)
     except ValueError:  # no supported LM head: nothing to shard
         return graph
-
-
-def _head_bytes(graph: LayerGraph, sharded: LayerGraph) -> int:
-    """Parameter bytes of the largest layer that sharding `graph`'s LM head made in `sharded`.
-
-    Note: head. compile shards the LM head by the predicted times at the run's length, `max_seq_len` fits
-    one sharding (shards no bigger than the largest other layer): the limit is searched again with
-    compile's sharding at the length after it only if a device limit binds and compile's shards are
-    bigger (a stage then prefetches or holds more). With shards no bigger, every other stage's bytes are
-    the same and the shards hold less each, so compile's limit is no shorter; fitting a head of many
-    shards costs seconds (each is counted).
-    """
-    return max(sharded.param_bytes(lay) for lay in sharded.layers[len(graph.layers) - 1:])
-
-
-def _same_layers(a: LayerGraph, b: LayerGraph) -> bool:
-    """Whether two shardings of one graph have the same layers (names, hence shards) and chunk."""
-    return [x.name for x in a.layers] == [x.name for x in b.layers] and chunk_unit(a) == chunk_unit(b)

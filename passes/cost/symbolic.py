@@ -27,7 +27,7 @@ solves the memory constraints for the largest S.
     >>> sc.fwd_flops[1]   # layer 1, model.layers.0: eager attention's S x S scores, the linear layers
     128*B*S**2 + 18432*B*S
     >>> max_seq_len(sc, hw, gpus=8).length   # bound by model.layers.0's backward workspace on a 24 GB card
-    21193
+    21188
 """
 from __future__ import annotations
 
