@@ -203,8 +203,10 @@ def preflight(config: Any, example: Any, *, gpus: int, microbatches: int, microb
     try:
         if seq_limit:
             def sub_blocks():  # the units compile cuts the blocks into where a block does not fit a worker
+                if units is not None:  # planned in sub-blocks already: nothing further to cut
+                    return None
                 try:
-                    return passes.trace(module, example, layers=sublayer_units(module)) if units is None else None
+                    return passes.trace(module, example, layers=sublayer_units(module))
                 except ValueError:  # no list of decoder blocks to cut
                     return None
             limit, why = units_limit(graph, sub_blocks, hw, gpus=gpus, microbatch_size=microbatch_size,

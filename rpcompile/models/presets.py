@@ -135,7 +135,7 @@ def example_batch(vocab: int, batch: int, seq: int, device: str = "cpu") -> dict
 def long_sequence_graph(name_or_path: str, *, frozen_base: bool = False,
                         experts_implementation: str | None = None, model: torch.nn.Module | None = None,
                         units: str = "sub-blocks"):
-    """A preset (or config.json) built on meta and traced for long sequences, with `sublayer_units`.
+    """A preset (or config.json) built on meta and traced for long sequences, with `sublayer_units` (or `units=`).
 
     Args:
         name_or_path: a preset name (`MODELS`) or a config.json path.
@@ -196,10 +196,10 @@ def seq_len_limit(name_or_path: str, hardware: Any = "rtx4090", *, gpus: int | N
 
     def sub_blocks():
         try:
-            units = sublayer_units(net)
+            sublayer_units(net)
         except ValueError:  # no list of decoder blocks to cut
             return None
-        return trace(net, example_batch(net.config.vocab_size, 1, 2048), layers=units)
+        return long_sequence_graph(name_or_path, model=net)
     with _experts_running(net, impl):  # through the counts too: the traced layers call the model's modules
         return units_limit(long_sequence_graph(name_or_path, model=net, units="blocks"), sub_blocks, hw, **kw)
 
