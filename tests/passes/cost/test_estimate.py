@@ -178,6 +178,16 @@ def test_max_seq_len_is_the_largest_length_whose_one_layer_stages_fit():
     assert host.length < lim.length and host.binding.startswith("host: ") and host.bytes > host.capacity
     sharded = max_seq_len(g, small, gpus=2)  # a graph: its LM head is sharded and chunked first
     assert sharded.length >= lim.length and sharded.binding.startswith("device: ")
+    # into the fewest shards no bigger than the largest other layer: one, the embedding being as large as the head
+    # (and unchunked: a chunk would cover every token of the trace here, so the head stays as traced)
+    fitted = seq_len_costs(g, small, batch=1)
+    assert [n for n in fitted.names if n.startswith("lm_head")] == ["lm_head"], fitted.names
+    # the lengths above `above` only: `above` itself when the next does not fit, a longer one else
+    assert max_seq_len(sc, small, gpus=2, above=lim.length).length == lim.length
+    assert max_seq_len(sc, small, gpus=2, above=lim.length // 2).length == lim.length
+    for bad in (-1, 1 << 24):
+        with pytest.raises(ValueError, match="above must be in"):
+            max_seq_len(sc, small, gpus=2, above=bad)
 
 
 def test_llama_8b_on_meta_flops_match_6nt_plus_attention_quickly():
