@@ -23,7 +23,16 @@ Note:
       in flight, with the backward stages as wide as the device allows at that
       length (grown greedily from the last layer: each backward stage keeps one
       saved input per microbatch, so these are the fewest host bytes; the
-      partitioner, which chooses for time, need not pick them).
+      partitioner, which chooses for time, need not pick them). Where those
+      bytes are over the host, the partitioner's own plan at that length
+      (`passes.partition` on these costs, staleness 1) is priced too and the
+      fewer bytes count: the greedy growth is not always the widest (it
+      widens each window from the top down as far as it goes, which can leave
+      narrow ones below, and where its plan fails the exact check it falls back
+      to one layer per stage). qwen3-1.7b in sub-blocks on 8x rtx4090 at
+      130,316 tokens: 85 greedy backward stages, 61 in the partitioner's plan;
+      the limit is 133,738 tokens, admission's boundary, against 130,157 from
+      the greedy windows alone.
       Parameter state: `passes.cost.host_bytes.host_bytes` by category: every
       parameter's compute copy at its own dtype; a trainable one adds an fp32
       master, an fp32 gradient and two fp32 AdamW moments (16 B); a frozen one
@@ -51,6 +60,7 @@ from rpcompile.ir.hardware import Hardware
 from rpcompile.ir.plan import StagePlan
 from rpcompile.passes.cost.stage_memory import _COLUMNS, _gib, stage_terms
 from rpcompile.passes.cost.host_bytes import round_saved_bytes
+from rpcompile.passes.partition import partition
 from rpcompile.passes.shard_head import shard_lm_head
 from rpcompile.passes.cost.symbolic import SymbolicCosts, _default_inputs, _sympy, chunk_unit, symbolic_costs, symbols
 
@@ -154,7 +164,7 @@ class _Model:
         if sc.batch is not None and b != sc.batch:
             raise ValueError(f"max_seq_len: microbatch_size={b}, but these SymbolicCosts were fitted at "
                              f"microbatch size {sc.batch} only (seq_len_costs(batch=)); fit them without batch=")
-        self.sc, self.gpus, self.microbatches, n = sc, gpus, microbatches, len(sc.names)
+        self.sc, self.b, self.gpus, self.microbatches, n = sc, b, gpus, microbatches, len(sc.names)
         fns: dict[Any, Any] = {}  # one function per distinct expression (repeated blocks share theirs)
         for _, f in _COLUMNS:
             for e in getattr(sc, f):
@@ -164,6 +174,7 @@ class _Model:
         self.plan = StagePlan.from_sizes([1] * (n - 1), 1, [1] * (n - 1))
         self.host_state = dict(sc.host_state)
         self.tables: dict[int, CostTable] = {}  # length -> its memory columns (`table`)
+        self.times: tuple[list, list] | None = None  # fwd and bwd seconds as functions of S (`partitioned`)
 
     def table(self, s: int) -> CostTable:
         """The memory columns at length s (built once per length: the search asks for each several times)."""
@@ -213,21 +224,49 @@ class _Model:
         plan = StagePlan.from_sizes([1] * (n - 1), 1, sizes)
         return plan if max(plan.stage_memory(t)) <= cap else self.plan
 
-    def host(self, s: int, cap: int) -> tuple[int, str]:
-        """(host bytes at length s with the widest backward stages that fit `cap`, what the activations are)."""
-        plan = self.windows(s, cap)
-        saved = self.table(s).saved_bytes
-        acts, r = round_saved_bytes(list(saved), plan, self.gpus, self.microbatches)
-        what = f"saved inputs of {len(plan.bwd)} backward stages x {r} microbatches per round (+ the last round's tail)"
-        return sum(self.host_state.values()) + acts, what
+    def partitioned(self, s: int, cap: int) -> StagePlan:
+        """The partitioner's plan at length s (staleness 1, the default round size), priced by these costs, or
+        one layer per stage if it finds none."""
+        if self.times is None:  # float functions of S, one per distinct expression, made on first use
+            sympy, (B, S) = _sympy(), symbols()
+            fns: dict[Any, Any] = {}
+            for e in (*self.sc.fwd, *self.sc.bwd):
+                if e not in fns:
+                    fns[e] = sympy.lambdify(S, sympy.sympify(e).subs(B, self.b), "math")
+            self.times = ([fns[e] for e in self.sc.fwd], [fns[e] for e in self.sc.bwd])
+        fwd, bwd = ([float(fn(s)) for fn in fns] for fns in self.times)
+        t = replace(self.table(s), fwd=tuple(fwd), bwd=tuple(bwd))
+        try:
+            return partition(t, gpus=self.gpus, microbatches=self.microbatches, memory_budget=cap, staleness=1)
+        except ValueError:  # no plan fits the device: the one-layer plan's own device check decides
+            return self.plan
 
-    def explain(self, s: int, device_cap: int, host_cap: int) -> SeqLenLimit | None:
-        """The first constraint that length s breaks, with its terms; None if it fits."""
+    def host(self, s: int, cap: int, host_cap: int | None = None) -> tuple[int, str]:
+        """(host bytes at length s with the widest backward stages that fit `cap`, what the activations are).
+
+        With `host_cap`, where those bytes are over it, the partitioner's plan is priced too and the fewer
+        bytes of the two count: the greedy windows are not always the widest (past lengths where two
+        layers stop fitting a worker here and there, the partitioner keeps wider stages elsewhere).
+        """
+        saved, state = list(self.table(s).saved_bytes), sum(self.host_state.values())
+        plan = self.windows(s, cap)
+        acts, r = round_saved_bytes(saved, plan, self.gpus, self.microbatches)
+        if host_cap is not None and state + acts > host_cap:
+            other = self.partitioned(s, cap)
+            fewer, _ = round_saved_bytes(saved, other, self.gpus, self.microbatches)
+            if fewer < acts:
+                plan, acts = other, fewer
+        return state + acts, (f"saved inputs of {len(plan.bwd)} backward stages x {r} microbatches per round (+ the "
+                              f"last round's tail)")
+
+    def explain(self, s: int, device_cap: int, host_cap: int, partitioned: bool = False) -> SeqLenLimit | None:
+        """The first constraint that length s breaks, with its terms; None if it fits (`partitioned`: the host
+        term also prices the partitioner's plan, `host`)."""
         need, i = self.device(s)
         if need > device_cap:
             where, terms = stage_terms(self.table(s), self.plan, i)
             return SeqLenLimit(s - 1, f"device: {where}, {terms[0][0]}", need, device_cap, tuple(terms))
-        host, what = self.host(s, device_cap)
+        host, what = self.host(s, device_cap, host_cap if partitioned else None)
         if host > host_cap:
             acts = host - sum(self.host_state.values())
             terms = sorted([*self.host_state.items(), (what, acts)], key=lambda t: -t[1])
@@ -324,24 +363,37 @@ def units_limit(blocks: LayerGraph, sub_blocks: Callable[[], LayerGraph | None],
 
 def _search(sc: SymbolicCosts, b: int, gpus: int, microbatches: int | None, device_cap: int, host_cap: int,
             limit: int, above: int) -> SeqLenLimit:
-    """The longest S in (above, limit] that fits `_Model(sc)` (a doubling then a bisection; assumes that a
-    length fits when a longer one does)."""
+    """The longest S in (above, limit] that fits `_Model(sc)`: with the greedy windows' host term (a doubling
+    then a bisection), then, where the host stops those, the lengths above with the partitioner's plan priced
+    too (`_Model.host`; a step doubled from there, then a bisection). Assumes that a length fits when a longer
+    one does."""
     model = _Model(sc, b, gpus, microbatches or gpus)
 
-    def fits(s: int) -> bool:
-        return model.explain(s, device_cap, host_cap) is None
+    def fits(s: int, partitioned: bool = False) -> bool:
+        return model.explain(s, device_cap, host_cap, partitioned) is None
 
     if not fits(above + 1):
         return model.explain(above + 1, device_cap, host_cap)
     lo, hi = above + 1, 2 * (above + 1)
     while hi <= limit and fits(hi):
         lo, hi = hi, hi * 2
-    hi = min(hi, limit + 1)
+    lo = _bisect(fits, lo, min(hi, limit + 1))
+    found = model.explain(lo + 1, device_cap, host_cap) if lo < limit else None
+    if found is not None and found.binding.startswith("host"):  # the greedy windows' host need stops them
+        step = 1
+        while lo + step <= limit and fits(lo + step, True):
+            lo, step = lo + step, 2 * step
+        lo = _bisect(lambda s: fits(s, True), lo, min(lo + step, limit + 1))
+        found = model.explain(lo + 1, device_cap, host_cap, True) if lo < limit else None
+    return found or SeqLenLimit(lo, f"the search limit {limit:,}", 0, 0)
+
+
+def _bisect(fits: Callable[[int], bool], lo: int, hi: int) -> int:
+    """The longest length in [lo, hi) that fits, given that lo does and hi does not (or is past the limit)."""
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    found = model.explain(lo + 1, device_cap, host_cap) if lo < limit else None
-    return found or SeqLenLimit(lo, f"the search limit {limit:,}", 0, 0)
+    return lo
 
 
 def _head_by_bytes(graph: LayerGraph, budget: int) -> LayerGraph:

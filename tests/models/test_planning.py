@@ -10,7 +10,9 @@ pytest.importorskip("transformers")
 from rpcompile.ir.hardware import Hardware  # noqa: E402
 from rpcompile.models.planning import plan_model  # noqa: E402
 from rpcompile.models.presets import build_meta, long_sequence_graph, seq_len_limit  # noqa: E402
-from rpcompile.passes.cost.seqlen import max_seq_len  # noqa: E402
+from rpcompile.passes.cost.host_bytes import round_saved_bytes  # noqa: E402
+from rpcompile.passes.cost.seqlen import max_seq_len, seq_len_costs  # noqa: E402
+from rpcompile.passes.partition import partition  # noqa: E402
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             intermediate_size=128, vocab_size=512, tie_word_embeddings=False)
@@ -195,3 +197,22 @@ def test_the_limit_is_where_plan_stops_admitting_found_by_bisection(tmp_path, ho
         assert "with the decoder blocks cut into sub-blocks" in str(lim), lim
         sub = max_seq_len(long_sequence_graph(path), hw, gpus=2, microbatches=2)
         assert sub.length < lim.length, (sub, lim)
+
+
+def test_the_host_term_prices_the_partitioners_plan_where_the_greedy_windows_are_not_the_widest(tmp_path) -> None:
+    # 8 blocks in sub-blocks on 96 MiB workers: past 11,446 tokens the greedy backward windows (grown from the
+    # last layer) need more than the 40 MiB host, while the partitioner's plan at that length, wider, still fits
+    # up to 11,452; admission counts the partitioner's plan, so the limit is where that one stops fitting too
+    path = config(tmp_path, "llama8", model_type="llama", num_hidden_layers=8)
+    hw = Hardware.preset("rtx4090").replace(device_memory=96 * 2**20, host_memory=40 * 2**20)
+    sc = seq_len_costs(long_sequence_graph(path), hw, batch=1)
+    lim = max_seq_len(sc, hw, gpus=2, microbatches=2)
+    state = sum(n for _, n in sc.host_state)
+
+    def partitioned(s: int) -> int:  # host bytes of the partitioner's plan at length s (round_saved_bytes)
+        c = sc.at(1, s)
+        plan = partition(c, gpus=2, microbatches=2, memory_budget=hw.stage_budget(None, 0.9), staleness=1)
+        return state + round_saved_bytes(list(c.saved_bytes), plan, 2, 2)[0]
+    assert lim.binding.startswith("host"), lim
+    assert partitioned(lim.length) <= hw.host_memory < partitioned(lim.length + 1), lim
+    assert lim.bytes == partitioned(lim.length + 1) and "11 backward stages" in lim.binding, lim

@@ -112,13 +112,19 @@ def test_host_state_counts_frozen_parameters_at_their_own_dtype_only() -> None:
     assert tight.length == 0 and tight.binding == "host: compute copies"  # the state alone does not fit
 
 
+def _small_workers() -> Hardware:
+    """The cpu preset with 16 MiB workers: the tiny Llama's whole model no longer fits one fused stage (which
+    leaves no saved inputs on the host) at the lengths where the host binds, so the state's bytes decide."""
+    return Hardware.preset("cpu").replace(device_memory=16 * 2**20)
+
+
 def test_the_longest_sequence_counts_the_parameter_state_of_the_runs_optimizer() -> None:
     """bf16 AdamW moments (`state_dtype`) take 4 of the 8 bytes per trainable parameter: the host state
     max_seq_len counts is what `host_bytes` counts for that optimizer, so with the host binding a longer
     sequence fits than with fp32 moments; optimizer= with an already fitted SymbolicCosts is refused."""
     model = M.llama(attn="sdpa")
     graph = trace(model, M.lm_batch(batch=2, seq=16))
-    hw = Hardware.preset("cpu")
+    hw = _small_workers()
     lean = rpcompile.AdamW(state_dtype=torch.bfloat16)
     state = dict(seq_len_costs(graph, hw, optimizer=lean).host_state)
     trainable = sum(p.numel() for p in model.parameters())
@@ -141,7 +147,7 @@ def test_the_longest_sequence_counts_one_servers_share_of_state_sharded_over_ser
     shard= with an already fitted SymbolicCosts is refused."""
     model = M.llama(attn="sdpa")
     graph = trace(model, M.lm_batch(batch=2, seq=16))
-    hw = Hardware.preset("cpu")
+    hw = _small_workers()
     state = dict(seq_len_costs(graph, hw, shard=(0, 2)).host_state)
     assert sum(state.values()) == host_bytes(graph, microbatches=1, shard=(0, 2)).total
     whole = host_bytes(graph, microbatches=1)
