@@ -216,3 +216,9 @@ def test_the_host_term_prices_the_partitioners_plan_where_the_greedy_windows_are
     assert lim.binding.startswith("host"), lim
     assert partitioned(lim.length) <= hw.host_memory < partitioned(lim.length + 1), lim
     assert lim.bytes == partitioned(lim.length + 1) and "11 backward stages" in lim.binding, lim
+    # a search limit between the two: the longer search stops there; one below the greedy windows' limit: the
+    # first search stops there
+    for limit in (lim.length - 3, 1000):
+        capped = max_seq_len(sc, hw, gpus=2, microbatches=2, limit=limit)
+        assert (capped.length, capped.binding, capped.bytes, capped.capacity) == (limit, f"the search limit {limit:,}",
+                                                                                 0, 0), capped
