@@ -175,6 +175,7 @@ class _Model:
         self.host_state = dict(sc.host_state)
         self.tables: dict[int, CostTable] = {}  # length -> its memory columns (`table`)
         self.times: tuple[list, list] | None = None  # fwd and bwd seconds as functions of S (`partitioned`)
+        self.plans: dict[tuple[int, int], StagePlan] = {}  # (length, device budget) -> `partitioned`
 
     def table(self, s: int) -> CostTable:
         """The memory columns at length s (built once per length: the search asks for each several times)."""
@@ -234,12 +235,23 @@ class _Model:
                 if e not in fns:
                     fns[e] = sympy.lambdify(S, sympy.sympify(e).subs(B, self.b), "math")
             self.times = ([fns[e] for e in self.sc.fwd], [fns[e] for e in self.sc.bwd])
-        fwd, bwd = ([float(fn(s)) for fn in fns] for fns in self.times)
-        t = replace(self.table(s), fwd=tuple(fwd), bwd=tuple(bwd))
-        try:
-            return partition(t, gpus=self.gpus, microbatches=self.microbatches, memory_budget=cap, staleness=1)
-        except ValueError:  # no plan fits the device: the one-layer plan's own device check decides
-            return self.plan
+        if (s, cap) not in self.plans:
+            fwd, bwd = ([float(fn(s)) for fn in fns] for fns in self.times)
+            t = replace(self.table(s), fwd=tuple(fwd), bwd=tuple(bwd))
+            try:
+                plan = partition(t, gpus=self.gpus, microbatches=self.microbatches, memory_budget=cap, staleness=1)
+            except ValueError:  # no plan fits the device: the one-layer plan's own device check decides
+                plan = self.plan
+            self.plans[(s, cap)] = plan
+        return self.plans[(s, cap)]
+
+    def holds(self, plan: StagePlan, s: int, device_cap: int, host_cap: int) -> bool:
+        """Whether `plan` itself still fits at length s: its stages the device (the partitioner's rule: the
+        stage prefetched is the one N slots later), its saved inputs the host."""
+        t = self.table(s)
+        acts, _ = round_saved_bytes(list(t.saved_bytes), plan, self.gpus, self.microbatches)
+        device = max(plan.stage_memory(t, gpus=self.gpus))
+        return device <= device_cap and sum(self.host_state.values()) + acts <= host_cap
 
     def host(self, s: int, cap: int, host_cap: int | None = None) -> tuple[int, str]:
         """(host bytes at length s with the widest backward stages that fit `cap`, what the activations are).
@@ -380,12 +392,41 @@ def _search(sc: SymbolicCosts, b: int, gpus: int, microbatches: int | None, devi
     lo = _bisect(fits, lo, min(hi, limit + 1))
     found = model.explain(lo + 1, device_cap, host_cap) if lo < limit else None
     if found is not None and found.binding.startswith("host"):  # the greedy windows' host need stops them
-        step = 1
-        while lo + step <= limit and fits(lo + step, True):
-            lo, step = lo + step, 2 * step
-        lo = _bisect(lambda s: fits(s, True), lo, min(lo + step, limit + 1))
+        lo = _refine(model, lo, limit, device_cap, host_cap)
         found = model.explain(lo + 1, device_cap, host_cap, True) if lo < limit else None
     return found or SeqLenLimit(lo, f"the search limit {limit:,}", 0, 0)
+
+
+def _refine(model: _Model, lo: int, limit: int, device_cap: int, host_cap: int) -> int:
+    """The longest length in [lo, limit] that fits with the partitioner's plan priced too, given that lo fits.
+
+    A partition per length tried is the cost (0.1-0.3 s for the paper models in sub-blocks), so the lengths
+    tried are predicted: the plan the partitioner picks at the first length not known to fit keeps fitting
+    (device and host, `_Model.holds`) up to some length, where the partitioner usually changes its plan;
+    that length is tried, and the search goes on from the next, or bisects below it if it does not fit.
+    Where a plan gives no prediction (it fits at its own length only), a step doubled, then a bisection.
+    Assumes that a length fits when a longer one does.
+    """
+    end = limit + 1
+
+    def fits(s: int) -> bool:
+        return model.explain(s, device_cap, host_cap, True) is None
+
+    while lo + 1 < end:
+        s = lo + 1
+        if not fits(s):
+            return lo
+        plan = model.partitioned(s, device_cap)
+        if not model.holds(plan, s, device_cap, host_cap):  # no prediction from this plan
+            step = 1
+            while s + step < end and fits(s + step):
+                s, step = s + step, 2 * step
+            return _bisect(fits, s, min(s + step, end))
+        far = _bisect(lambda x: model.holds(plan, x, device_cap, host_cap), s, end)
+        if not fits(far):  # the partitioner's plan at `far` fits no more: the boundary is below it
+            return _bisect(fits, s, far)
+        lo = far
+    return lo
 
 
 def _bisect(fits: Callable[[int], bool], lo: int, hi: int) -> int:
