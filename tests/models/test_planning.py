@@ -11,6 +11,7 @@ from rpcompile.ir.hardware import Hardware  # noqa: E402
 from rpcompile.models.planning import plan_model  # noqa: E402
 from rpcompile.models.presets import build_meta, long_sequence_graph, seq_len_limit  # noqa: E402
 from rpcompile.passes.cost.host_bytes import round_saved_bytes  # noqa: E402
+from rpcompile.passes.cost import seqlen  # noqa: E402
 from rpcompile.passes.cost.seqlen import max_seq_len, seq_len_costs  # noqa: E402
 from rpcompile.passes.partition import partition  # noqa: E402
 
@@ -199,7 +200,8 @@ def test_the_limit_is_where_plan_stops_admitting_found_by_bisection(tmp_path, ho
         assert sub.length < lim.length, (sub, lim)
 
 
-def test_the_host_term_prices_the_partitioners_plan_where_the_greedy_windows_are_not_the_widest(tmp_path) -> None:
+def test_the_host_term_prices_the_partitioners_plan_where_the_greedy_windows_are_not_the_widest(tmp_path,
+                                                                                               monkeypatch) -> None:
     # 8 blocks in sub-blocks on 96 MiB workers: past 11,446 tokens the greedy backward windows (grown from the
     # last layer) need more than the 40 MiB host, while the partitioner's plan at that length, wider, still fits
     # up to 11,452; admission counts the partitioner's plan, so the limit is where that one stops fitting too
@@ -216,6 +218,11 @@ def test_the_host_term_prices_the_partitioners_plan_where_the_greedy_windows_are
     assert lim.binding.startswith("host"), lim
     assert partitioned(lim.length) <= hw.host_memory < partitioned(lim.length + 1), lim
     assert lim.bytes == partitioned(lim.length + 1) and "11 backward stages" in lim.binding, lim
+    # the lengths the partitioner-priced search tries are predicted from the plans it sees; without a prediction
+    # (a step doubled, then a bisection) it finds the same length
+    monkeypatch.setattr(seqlen._Model, "holds", lambda *args: False)
+    assert max_seq_len(sc, hw, gpus=2, microbatches=2) == lim
+    monkeypatch.undo()
     # a search limit between the two: the longer search stops there; one below the greedy windows' limit: the
     # first search stops there
     for limit in (lim.length - 3, 1000):
