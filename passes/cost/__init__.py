@@ -7,6 +7,7 @@ This folder holds it and what it is built from:
     recorder.py      the op recorder of both modes: FLOPs and bytes per aten op, live device memory
     symbolic.py      costs as exact formulas in the microbatch size B and sequence length S
     seqlen.py        `max_seq_len`: the longest sequence whose training fits, and the term that stops it
+    seqlen_model.py  what that search asks at each length: the device and host bytes of a plan
     stage_memory.py  a stage's device bytes by term, and the refusal message when no plan fits
     host_bytes.py    host memory of a run: what the host state and the activation store hold
 

@@ -11,7 +11,7 @@ from rpcompile.ir.hardware import Hardware  # noqa: E402
 from rpcompile.models.planning import plan_model  # noqa: E402
 from rpcompile.models.presets import build_meta, long_sequence_graph, seq_len_limit  # noqa: E402
 from rpcompile.passes.cost.host_bytes import round_saved_bytes  # noqa: E402
-from rpcompile.passes.cost import seqlen  # noqa: E402
+from rpcompile.passes.cost import seqlen_model  # noqa: E402
 from rpcompile.passes.cost.seqlen import max_seq_len, seq_len_costs  # noqa: E402
 from rpcompile.passes.partition import partition  # noqa: E402
 
@@ -220,7 +220,7 @@ def test_the_host_term_prices_the_partitioners_plan_where_the_greedy_windows_are
     assert lim.bytes == partitioned(lim.length + 1) and "11 backward stages" in lim.binding, lim
     # the lengths the partitioner-priced search tries are predicted from the plans it sees; without a prediction
     # (a step doubled, then a bisection) it finds the same length
-    monkeypatch.setattr(seqlen._Model, "holds", lambda *args: False)
+    monkeypatch.setattr(seqlen_model.SeqLenModel, "holds", lambda *args: False)
     assert max_seq_len(sc, hw, gpus=2, microbatches=2) == lim
     monkeypatch.undo()
     # a search limit between the two: the longer search stops there; one below the greedy windows' limit: the

@@ -1,4 +1,4 @@
-"""`max_seq_len` evaluates the memory columns without sympy per length (`seqlen._at_b`): the same whole
+"""`max_seq_len` evaluates the memory columns without sympy per length (`seqlen_model._at_b`): the same whole
 bytes as the expressions themselves, at every B and S, and sympy's own evaluation for other forms."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 import sympy
 
 from rpcompile.ir.hardware import Hardware
-from rpcompile.passes.cost.seqlen import _at_b, _Model, _Polys
+from rpcompile.passes.cost.seqlen_model import SeqLenModel, _at_b, _Polys
 from rpcompile.passes.cost.polyfit import Fitter
 from rpcompile.passes.cost.symbolic import B, S, SymbolicCosts, _points
 
@@ -64,7 +64,7 @@ def test_the_search_builds_each_lengths_memory_columns_once_and_each_length_gets
     zero = (sympy.Integer(0),) * 3
     sc = SymbolicCosts(names=("a", "b", "c"), fwd=zero, bwd=zero, fwd_flops=zero, bwd_flops=zero, param_numel=0,
                        hardware=Hardware.preset("rtx4090"), **cols)
-    model = _Model(sc, 2, gpus=2, microbatches=2)
+    model = SeqLenModel(sc, 2, gpus=2, microbatches=2)
     first = model.table(10)
     assert model.table(10) is first  # built once
     for s in (10, 11, 1000):  # every length its own columns, whatever was asked before
