@@ -7,12 +7,13 @@ For each model (8x rtx4090, 16 microbatches, the preset's 512 GiB of host memory
 - the admission boundary: the longest N such that `plan --seq N` is admitted (device and host checks), found
   by a bisection over `plan_model(..., seq=N, seq_limit=False)` (what `plan --seq N` runs), starting from
   the printed limit and doubling the step outwards until the answer changes;
-- whether `plan --seq` admits the printed N and refuses N + 1.
+- whether `plan --seq` admits the printed N and refuses N + 1;
+- with `--below K`, whether K lengths evenly spaced below the boundary are admitted too (the bisection assumes so).
 
 Each admission at these lengths takes 1-15 s (tracing and counting at that length, partition, emit, the buffer
 assignment), so the whole run takes several minutes.
 
-    python bench/seq_limit.py [--before REV] [--models qwen3-1.7b llama3.1-8b] [--out seq_limit.md]
+    python bench/seq_limit.py [--before REV] [--models qwen3-1.7b llama3.1-8b] [--below K] [--out seq_limit.md]
 """
 from __future__ import annotations
 
@@ -87,6 +88,9 @@ def main() -> None:
     ap.add_argument("--before", default="HEAD", help="the git revision to compare with (default HEAD)")
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--out", default="seq_limit.md", help="docs/bench/ file to write ('' to print only)")
+    ap.add_argument("--below", type=int, default=0, metavar="K",
+                    help="also try K lengths evenly spaced in [3/4 of the boundary, the boundary): the bisection "
+                         "assumes plan admits every length below one it admits; these check it")
     args = ap.parse_args()
     tree = tree_at(args.before)
     rows, logs = [], []
@@ -100,22 +104,26 @@ def main() -> None:
             past = next((ok for s, ok, _ in log if s == after + 1), None)
             if past is None:
                 past = admits(model, extra, after + 1, log)
+            tried = [edge * 3 // 4 + i * (edge - edge * 3 // 4) // args.below for i in range(args.below)]
+            below = sum(admits(model, extra, s, log) for s in tried if s > 0)
             rows.append([f"{model} {' '.join(extra)}".strip(), f"{before:,}", f"{after:,}", f"{edge:,}",
                          "yes" if at else "no", "no" if not past else "yes", f"{after / edge:.4f}" if edge else "-",
-                         len(log), f"{sum(t for *_, t in log) / len(log):.1f}"])
+                         f"{below}/{len(tried)}" if tried else "-", len(log),
+                         f"{sum(t for *_, t in log) / len(log):.1f}"])
             logs.append((model, log))
             print(rows[-1], flush=True)
     finally:
         shutil.rmtree(tree, ignore_errors=True)
     head = ["model", f"max_seq_len before ({args.before})", "after", "admission boundary", "plan admits it",
-            "plan admits it + 1", "after / boundary", "admissions", "s each"]
+            "plan admits it + 1", "after / boundary", "admitted below", "admissions", "s each"]
     text = "\n\n".join([
         "### seq_limit: the printed `max_seq_len` against the admission boundary (issue 47, criterion 2)",
         machine_line(),
         "`plan --seq 2048` (8x rtx4090, 16 microbatches, 512 GiB of host memory): the `max_seq_len` it prints "
         f"with the package at `{args.before}` and today's; the longest `--seq` that `plan` admits (bisection over "
-        "`plan_model(..., seq_limit=False)`, today's tree); and `plan --seq` at the printed limit and one token "
-        "past it.",
+        "`plan_model(..., seq_limit=False)`, today's tree); `plan --seq` at the printed limit and one token "
+        "past it" + (f"; and how many of {args.below} lengths evenly spaced below the boundary, from 3/4 of it, "
+                     "are admitted too (`--below`)." if args.below else "."),
         tabulate(rows, headers=head, tablefmt="github"),
         "Admissions tried (length: admitted?):\n\n" + "\n".join(
             f"- {m}: " + ", ".join(f"{s:,} {'yes' if ok else 'no'}" for s, ok, _ in log) for m, log in logs)])

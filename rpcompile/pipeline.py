@@ -10,7 +10,7 @@ machine and maybe planning differently.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -24,6 +24,7 @@ from rpcompile.ir.hardware import Hardware
 from rpcompile.ir.plan import StagePlan
 from rpcompile.options import Options, default_microbatches
 from rpcompile.passes.cost.stage_memory import memory_refusal
+from rpcompile.passes.partition.host_lean import host_lean
 from rpcompile.passes.partition.timing import default_round_size
 from rpcompile.passes.trace import sublayer_units
 from rpcompile.runtime import simulate, steady_iterations
@@ -249,35 +250,63 @@ def _plan_and_emit(graph: LayerGraph, costs: CostTable, opts: Options, m: int, b
     2-core CPU 1.00-1.05x eager PyTorch instead of 0.82-0.96x at R = 1, `bench/runtime_cpu.py`;
     a round holds all M microbatches' saved inputs on the host, hence the check); more workers
     take the default.
+
+    Note: host fallback. The partitioner ranks by time alone, and each backward stage keeps one saved
+    input per microbatch in flight on the host. Where no round size's plan fits the host memory, each
+    is tried again with its backward stages as wide as a worker holds (`host_lean`: fewer saved inputs),
+    and the faster of those that fit wins (without a hardware target the first); its report's note says
+    so. Only runs that would otherwise be refused change; `max_seq_len` counts with the same windows.
     """
 
-    def emitted(r: int):
-        plan = passes.partition(costs, gpus=opts.gpus, microbatches=m, round_size=r, memory_budget=budget,
-                                staleness=opts.staleness, tie=tie)
+    def emitted(r: int, plan: StagePlan | None = None):
+        if plan is None:
+            plan = passes.partition(costs, gpus=opts.gpus, microbatches=m, round_size=r, memory_budget=budget,
+                                    staleness=opts.staleness, tie=tie)
         return plan, passes.emit(plan, gpus=opts.gpus, microbatches=m, round_size=r, staleness=opts.staleness,
                                  costs=costs, readers=_shared_readers(graph))
     default = default_round_size(opts.gpus, m)
-    if opts.hardware is None:
-        if opts.gpus == 1 and m != default:
-            plan, program = emitted(m)
-            fits, assignment, bound = _fits_host(graph, costs, plan, opts, m, m, program)
-            if fits:
+    simulated = opts.hardware is not None
+    if simulated:
+        rounds = tuple(dict.fromkeys((default, m)))
+    else:
+        rounds = (m, default) if opts.gpus == 1 and m != default else (default,)
+    best = None
+    refused: dict[int, tuple] = {}  # round size -> the partitioner's plan, program and assignments: over the host
+    for lean in (False, True):  # the partitioner's plans; if none fits the host, the host-lean ones
+        for r in rounds:
+            plan = None
+            if lean:
+                plan = host_lean(refused[r][0], costs, gpus=opts.gpus, memory_budget=budget)
+                if plan is None:
+                    continue
+                plan = _lean_report(plan, refused[r][0], costs, opts, m, r, budget)
+            plan, program = emitted(r, plan)
+            fits, assignment, bound = _fits_host(graph, costs, plan, opts, m, r, program)
+            if not fits:  # a round of r microbatches' saved inputs is more than the host holds: not a choice
+                refused.setdefault(r, (plan, program, None, assignment, bound))
+                continue
+            if not simulated:  # without a hardware target the first that fits (the Note)
                 return plan, program, None, assignment, bound
-        return (*emitted(default), None, None, None)
-    best = first = None
-    for r in dict.fromkeys((default, m)):
-        plan, program = emitted(r)
-        fits, assignment, bound = _fits_host(graph, costs, plan, opts, m, r, program)
-        first = first or (plan, program, None, assignment, bound)
-        if not fits:
-            continue  # a round of r microbatches' saved inputs is more than the host holds: not a choice
-        k = steady_iterations(program) if opts.staleness else 1
-        timeline = simulate(program, costs, opts.hardware, iterations=k)
-        if best is None or timeline.steady_iteration_time < best[0]:
-            best = (timeline.steady_iteration_time, plan, program, timeline, assignment, bound)
-    if best is None:  # neither fits: the default round's plan, which the host check then refuses by its bytes
-        return first
-    return best[1:]
+            k = steady_iterations(program) if opts.staleness else 1
+            timeline = simulate(program, costs, opts.hardware, iterations=k)
+            if best is None or timeline.steady_iteration_time < best[0]:
+                best = (timeline.steady_iteration_time, plan, program, timeline, assignment, bound)
+        if best is not None:
+            return best[1:]
+    return refused[default]  # nothing fits: the default round's plan, which the host check refuses by its bytes
+
+
+def _lean_report(lean: StagePlan, fastest: StagePlan, costs: CostTable, opts: Options, m: int, r: int,
+                 budget: int | None) -> StagePlan:
+    """`lean` (`host_lean` of `fastest`) with its report, whose note says why it was chosen."""
+    def report(plan: StagePlan, note: str = ""):
+        return passes.describe_plan(plan, costs, gpus=opts.gpus, microbatches=m, round_size=r,
+                                    staleness=opts.staleness, memory_budget=budget, note=note)
+    slower = report(lean).iteration_time / report(fastest).iteration_time
+    note = (f"host-lean plan: the partitioner's {fastest.to_str()} keeps the saved inputs of {len(fastest.bwd)} "
+            f"backward stages per microbatch in flight, more than the host memory holds; this one keeps "
+            f"{len(lean.bwd)}, each backward stage as wide as a worker holds (compute time {slower:.2f}x)")
+    return replace(lean, report=report(lean, note))
 
 
 def _check_host(graph: LayerGraph, costs: CostTable, plan, opts: Options, m: int, round_size: int,

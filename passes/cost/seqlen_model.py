@@ -60,6 +60,7 @@ from rpcompile.passes.cost.host_bytes import round_saved_bytes
 from rpcompile.passes.cost.stage_memory import _COLUMNS, _gib, stage_terms
 from rpcompile.passes.cost.symbolic import SymbolicCosts, _sympy, symbols
 from rpcompile.passes.partition import partition
+from rpcompile.passes.partition.host_lean import widest_backward
 
 __all__ = ["SeqLenLimit", "SeqLenModel"]
 
@@ -170,26 +171,12 @@ class SeqLenModel:
         """The plan with the widest backward stages that fit `cap` at length s (fewest saved inputs on the host).
 
         Backward stages are grown greedily from the last layer down with `StagePlan.stage_memory`'s
-        backward-stage terms (prefetch bounded by the largest layer's parameters); the resulting plan
-        is checked with `stage_memory` itself, falling back to one layer per stage if it does not fit.
+        backward-stage terms (prefetch bounded by the largest layer's parameters: `widest_backward`, as
+        compile's `host_lean` fallback grows them); the resulting plan is checked with `stage_memory`
+        itself, falling back to one layer per stage if it does not fit.
         """
         t, n = self.table(s), len(self.sc.names)
-        pre = [0]
-        for i in range(n):
-            pre.append(pre[-1] + t.param_bytes[i] + t.grad_bytes[i] + t.peak_bytes[i])
-        fetch = max(t.param_bytes)
-
-        def need(lo: int, hi: int) -> int:
-            return (pre[hi + 1] - pre[lo] + fetch + 2 * t.saved_bytes[lo] + 2 * t.act_bytes[hi]
-                    + (t.act_bytes[lo - 1] if lo else 0))
-
-        sizes, hi = [], n - 2
-        while hi >= 0:
-            lo = hi
-            while lo > 0 and need(lo - 1, hi) <= cap:
-                lo -= 1
-            sizes.append(hi - lo + 1)
-            hi = lo - 1
+        sizes = widest_backward(t, cap, n - 1, max(t.param_bytes))
         plan = StagePlan.from_sizes([1] * (n - 1), 1, sizes)
         return plan if max(plan.stage_memory(t)) <= cap else self.plan
 

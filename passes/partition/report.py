@@ -21,7 +21,7 @@ __all__ = ["describe_plan", "with_report"]
 
 
 def describe_plan(plan: StagePlan, costs: CostTable, *, gpus: int, microbatches: int, round_size: int | None = None,
-                  staleness: int = 0, memory_budget: int | None = None) -> PlanReport:
+                  staleness: int = 0, memory_budget: int | None = None, note: str = "") -> PlanReport:
     """Evaluate `plan` under `costs`: stage times and memory, t_max, iteration time, bubble.
 
     Args:
@@ -29,6 +29,7 @@ def describe_plan(plan: StagePlan, costs: CostTable, *, gpus: int, microbatches:
         costs: the cost table.
         gpus, microbatches, round_size, staleness: as for `iteration_time`.
         memory_budget: device bytes per worker, shown in the table (None: no limit).
+        note: a line printed under the table (why this plan was chosen, where it is not the partitioner's).
     Returns:
         A PlanReport; `str()` of it is the table.
     """
@@ -39,7 +40,7 @@ def describe_plan(plan: StagePlan, costs: CostTable, *, gpus: int, microbatches:
     return PlanReport(
         stages=plan.stages, times=times, memory=plan.stage_memory(costs, gpus=gpus), t_max=max(times),
         iteration_time=t, bubble_ratio=bubble,
-        gpus=gpus, microbatches=microbatches, staleness=staleness, memory_budget=memory_budget)
+        gpus=gpus, microbatches=microbatches, staleness=staleness, memory_budget=memory_budget, note=note)
 
 
 def with_report(plan: StagePlan, costs: CostTable, **kwargs) -> StagePlan:

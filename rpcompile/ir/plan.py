@@ -223,6 +223,7 @@ class PlanReport:
     microbatches: int               # microbatches per iteration M
     staleness: int                  # 0 or 1, as evaluated
     memory_budget: int | None       # device bytes per worker, None = no limit
+    note: str = ""                  # why this plan and not the partitioner's (compile's host fallback), or ""
 
     def __str__(self) -> str:
         rows = []
@@ -241,7 +242,8 @@ class PlanReport:
         it = "inf" if math.isinf(self.iteration_time) else _fmt(self.iteration_time, True)
         return (f"{table}\nplan {compact}: {len(self.stages)} stages, t_max {_fmt(self.t_max, True)}, "
                 f"iteration {it} ({self.gpus} GPUs, {self.microbatches} microbatches, staleness "
-                f"{self.staleness}), bubble {100 * self.bubble_ratio:.1f}%{budget}")
+                f"{self.staleness}), bubble {100 * self.bubble_ratio:.1f}%{budget}"
+                + (f"\n{self.note}" if self.note else ""))
 
 
 def _check_costs(plan: StagePlan, costs: "CostTable") -> None:
