@@ -67,7 +67,7 @@ def max_seq_len(graph_or_costs: LayerGraph | SymbolicCosts, hardware: Hardware, 
             option: a stage must fit it less the BLAS workspace (`Hardware.stage_budget`), as compile's do.
         host_memory: host bytes (default `hardware.host_memory`), all of it available: the limit
             `compile` checks the run against (`rpcompile.hostmem`). The host term is an estimate, not that
-            check's count (module Note): near a host-bound limit, try the length with `plan --seq`.
+            check's count (`seqlen_model`'s Note): near a host-bound limit, try the length with `plan --seq`.
         usable: the share of the device memory a worker may use (the default budget), as `compile`'s.
         limit: the largest S tried.
         optimizer: for a LayerGraph, the run's `rpcompile.AdamW` / `SGD` (default AdamW()): its state and

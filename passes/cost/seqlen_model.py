@@ -16,23 +16,23 @@ Note:
       (`peak_bytes`: saved tensors plus backward transients, the live bytes
       counted op by op) and the inputs, outputs and gradients in flight.
 
-    host (an estimate: compile's admission counts the arena of the plan the
-      partitioner picks, `runtime.host.assign`, which may keep more or fewer
-      backward stages; `bench/seq_limit.py` compares the two): the parameter
-      state plus the saved stage inputs of the microbatches
-      in flight, with the backward stages as wide as the device allows at that
-      length (grown greedily from the last layer: each backward stage keeps one
-      saved input per microbatch, so these are the fewest host bytes; the
-      partitioner, which chooses for time, need not pick them). Where those
-      bytes are over the host, the partitioner's own plan at that length
-      (`passes.partition` on these costs, staleness 1) is priced too and the
-      fewer bytes count: the greedy growth is not always the widest (it
-      widens each window from the top down as far as it goes, which can leave
-      narrow ones below, and where its plan fails the exact check it falls back
-      to one layer per stage). qwen3-1.7b in sub-blocks on 8x rtx4090 at
-      130,316 tokens: 85 greedy backward stages, 61 in the partitioner's plan;
-      the limit is 133,738 tokens, admission's boundary, against 130,157 from
-      the greedy windows alone.
+    host (an estimate: compile's admission counts the arena of the plan it
+      picks, `runtime.host.assign`; `bench/seq_limit.py` compares the two): the
+      parameter state plus the saved stage inputs of the microbatches in
+      flight, with the backward stages as wide as the device allows at that
+      length (`passes.partition.host_lean.widest_backward`, grown greedily
+      from the last layer: each backward stage keeps one saved input per
+      microbatch, so these are about the fewest host bytes). Compile takes
+      such a plan where the partitioner's, which chooses for time, is over the
+      host (`host_lean`). Where those bytes are over the host, the
+      partitioner's own plan at that length (`passes.partition` on these
+      costs, staleness 1) is priced too and the fewer bytes count: the greedy
+      growth is not always the widest (it widens each window from the top down
+      as far as it goes, which can leave narrow ones below, and where its plan
+      fails the exact check it falls back to one layer per stage). qwen3-1.7b
+      in sub-blocks on 8x rtx4090 at 130,316 tokens: 85 greedy backward
+      stages, 61 in the partitioner's plan; the limit is 133,738 tokens,
+      admission's boundary, against 130,157 from the greedy windows alone.
       Parameter state: `passes.cost.host_bytes.host_bytes` by category: every
       parameter's compute copy at its own dtype; a trainable one adds an fp32
       master, an fp32 gradient and two fp32 AdamW moments (16 B); a frozen one

@@ -14,6 +14,8 @@ This folder holds it and what it is built from:
     even_plans.py  the plans a person would write (even plans, every plan of tiny models)
     ties.py        the tie rule: one canonical plan among those within the tie of the fastest
     report.py      a plan's report: stage times and memory, t_max, iteration time and bubble
+    host_lean.py   compile's fallback where the fastest plan's saved inputs are over the host: the widest
+                   backward stages a worker holds
 
     >>> from rpcompile.ir.costs import CostTable
     >>> c = CostTable.from_lists(fwd=[1e-3] * 8, bwd=[2e-3] * 8)
