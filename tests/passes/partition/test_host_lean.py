@@ -67,6 +67,14 @@ def test_the_lean_plan_fits_the_device_and_keeps_fewer_saved_inputs(seed) -> Non
     except ValueError:  # no plan fits this budget
         return
     lean = host_lean(plan, c, gpus=gpus, memory_budget=budget)
+    # where the windows grown with the largest layer's parameters prefetched fit (the forward stages cut to the
+    # widest of them), they are the plan
+    first = widest_backward(c, budget, sum(len(r) for r in plan.bwd), max(c.param_bytes))
+    widest = max([max(c.param_bytes), *(sum(c.param_bytes[i] for i in r) for r in StagePlan.from_sizes(
+        [len(r) for r in plan.fwd], len(plan.fused), first).bwd)])
+    cand = StagePlan.from_sizes(_split(c, plan.fwd, widest), len(plan.fused), first)
+    if len(first) < len(plan.bwd) and max(cand.stage_memory(c, gpus=gpus)) <= budget:
+        assert lean == cand, (plan.to_str(), lean, cand.to_str())
     if lean is None:
         return
     assert lean.fused == plan.fused
