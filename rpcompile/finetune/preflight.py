@@ -116,7 +116,12 @@ class Preflight:
                 f"host memory: {self.ram_line()}",
                 f"max_seq_len: {seq}",
                 f"predicted iteration: {self.iteration:.3g} s, GEMMs priced at {self.gemm_rate} "
-                f"({self.hardware.flops(self.gemm_rate) / 1e12:g} TFLOP/s peak)"]
+                f"({self.hardware.flops(self.gemm_rate) / 1e12:g} TFLOP/s peak)"] + self._plan_note()
+
+    def _plan_note(self) -> list[str]:
+        """The plan report's note, if compile chose a plan other than the partitioner's (its host fallback)."""
+        report = getattr(self.plan, "report", None)
+        return [report.note] if report is not None and report.note else []
 
 
 def local_hardware(gpus: int, budget: int | None) -> Hardware:

@@ -194,3 +194,21 @@ def test_dry_run_max_seq_len_cuts_the_blocks_where_compile_does(files, tmp_path,
     found = re.search(r"max_seq_len: ([\d,]+) tokens; at [\d,]+ the device: backward stage of layer \d+ '([\w.]+)'",
                       capsys.readouterr().out)
     assert found and re.fullmatch(r"model\.layers\.\d+\.\w+", found.group(2)), found and found.groups()
+
+
+def test_the_dry_run_says_when_compile_chose_its_host_lean_plan() -> None:
+    # where the partitioner's plan is over the host, compile takes the host-lean one and its report says so
+    # (passes.partition.host_lean); the dry run's lines end with that note, after the five findings
+    from rpcompile.finetune.preflight import Preflight
+    from rpcompile.hostmem import HostBytes
+    from rpcompile.ir.costs import CostTable
+    from rpcompile.ir.hardware import Hardware
+    from rpcompile.ir.plan import StagePlan
+    from rpcompile.passes import with_report
+    costs, plan = CostTable.from_lists([1.0] * 3, [2.0] * 3), StagePlan.from_str("1,1|1|1,1")
+    found = dict(hardware=Hardware.preset("cpu"), program=None, peaks=(1, 1), budget=None,
+                 host=HostBytes(0, 40, 40, 80, 0, 0), host_limit=2**30, workers_ram=0, buffers=0, seq_limit=None,
+                 seq_limit_why="-", iteration=1.0, gemm_rate="bfloat16")
+    lean = with_report(plan, costs, gpus=2, microbatches=2, note="host-lean plan: the partitioner's ...")
+    assert Preflight(plan=lean, **found).lines()[5:] == ["host-lean plan: the partitioner's ..."]
+    assert len(Preflight(plan=with_report(plan, costs, gpus=2, microbatches=2), **found).lines()) == 5
