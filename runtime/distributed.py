@@ -128,6 +128,7 @@ class GradReducer:
         self.iteration = 0        # iterations fully reduced (for messages)
         self.error: BaseException | None = None
         self.broken: str | None = None  # why this reducer can no longer be used
+        self.told = False  # whether the caller has had an exception since `broken` was set (else `check` raises it)
         self._cond = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -267,15 +268,27 @@ class GradReducer:
         return int(buf.item())
 
     def check(self) -> None:
-        """Raise if a failure broke this data-parallel run (the processes no longer agree on the step)."""
-        if self.broken is not None:
-            raise RuntimeError(f"distributed training cannot continue after a failure on rank {self.rank}; "
-                               f"restart every process from the last checkpoint (cause: {self.broken})")
+        """Raise if a failure broke this data-parallel run (the processes no longer agree on the step).
+
+        A failure the caller has not been told of yet (a background lane's collective failed after the
+        last call returned) is raised as it is, its own message first; later calls say the run cannot go on.
+        """
+        with self._cond:
+            if self.broken is None:
+                return
+            told, self.told = self.told, True
+        if not told:
+            raise RuntimeError(f"{self.broken}\n(rank {self.rank}: the data-parallel run cannot continue; restart "
+                               f"every process from the last checkpoint)")
+        raise RuntimeError(f"distributed training cannot continue after a failure on rank {self.rank}; "
+                           f"restart every process from the last checkpoint (cause: {self.broken})")
 
     def fail(self, exc: BaseException) -> None:
-        """Mark the run broken after a failure in `step` (another process may be waiting in a collective)."""
+        """Mark the run broken after a failure in `step`, which the caller gets (another process may be
+        waiting in a collective)."""
         with self._cond:
             self.broken = self.broken or f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+            self.told = True
             self._cond.notify_all()
 
     def _collective(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> None:

@@ -151,6 +151,32 @@ def test_a_dead_process_makes_the_other_fail_not_hang(tmp_path):
     assert "cannot continue" in res["again"] or "distributed" in res["again"], res["again"]
 
 
+def test_a_lane_failure_between_steps_reaches_the_caller_as_itself_then_the_run_cannot_continue():
+    # the network lane's collective can fail after a step returned (staleness 1: iteration t's reduction runs
+    # during step t + 1); the next step's check raises that failure itself, named once on its first line (it
+    # raised "cannot continue (cause: distributed ...)" before, a nested name; a CI run of
+    # tests/runtime/test_sharded_state.py's dead-rank test hit it); every later step says the run cannot go on
+    import threading
+    from rpcompile.runtime.distributed import GradReducer
+    r = GradReducer.__new__(GradReducer)  # the fields `_failed` / `check` / `fail` use, no process group
+    r.rank, r.world, r.iteration, r._cond, r.error, r.broken, r.told = 0, 2, 3, threading.Condition(), None, None, False
+    r.check()  # not broken: nothing to raise
+    r._failed("reduce-scatter of layer group 4", RuntimeError("Connection reset by peer"))
+    with pytest.raises(RuntimeError) as first:
+        r.check()
+    line = str(first.value).splitlines()[0]
+    assert line == ("distributed reduce-scatter of layer group 4 in iteration 3 (rank 0 of 2) failed: RuntimeError: "
+                    "Connection reset by peer"), line
+    with pytest.raises(RuntimeError, match=r"^distributed training cannot continue after a failure on rank 0; .*"
+                                           r"\(cause: distributed reduce-scatter of layer group 4"):
+        r.check()
+    told = GradReducer.__new__(GradReducer)  # a failure the caller got from the step itself: later, cannot continue
+    told.rank, told._cond, told.broken, told.told = 1, threading.Condition(), None, False
+    told.fail(RuntimeError("step failed"))
+    with pytest.raises(RuntimeError, match=r"^distributed training cannot continue .*\(cause: RuntimeError: step"):
+        told.check()
+
+
 def test_simulator_adds_the_ring_all_reduce_to_each_host_step():
     from rpcompile import CostTable, StagePlan
     from rpcompile.passes import emit
