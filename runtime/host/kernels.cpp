@@ -15,16 +15,17 @@
 //       copied: exact, the bits rounding would give, NaNs as they are); statistics of the stored values.
 //   adamw(p, g, m, v, out, out_kind, n, threads, factor, decay, w1, beta2, w2, eps, neg_step, bc2_sqrt)
 //       torch.optim.AdamW's single-tensor update of p, m, v with g * factor; out = cast(new p).
-//   adamw_lean(p, g, m, v, out, out_kind, n, threads, factor, ..., bc2_sqrt, key, offset, lean)
+//   adamw_lean(p, g, m, v, out, out_kind, n, threads, factor, ..., bc2_sqrt, key, offset, lean, src)
 //       the same update with bf16 m, v (lean bit 1), a bf16 master p (bit 2) and/or a bf16 gradient g (bit 4;
-//       read and widened) (runtime/host/lean.py): read and widened, the
+//       read and widened) (runtime/host/lean.py); the master is read from src (0: p itself) and written to p (a
+//       bf16 master out of place: the alternating copies of runtime/host/layout.py): read and widened, the
 //       update in float32, stored rounded stochastically with the bits of r = hash32((offset + i) mod 2^32 ^ key):
 //       low 16 for m, high 16 for v, and master_bits(r) = (low 16 ^ high 16 ^ 0x8000) for p (pairwise independent
 //       of each, so one hash serves all three); out = cast(the stored p).
 //   sgd(p, g, buf, out, out_kind, n, threads, factor, wd, momentum, damp, nesterov, first, neg_lr, key, offset,
-//       p_kind, g_kind)
+//       p_kind, g_kind, src)
 //       torch.optim.SGD's update (buf = 0 for no momentum) of an fp32 or a bf16 master p (rounded as above) with
-//       an fp32 or bf16 gradient g;
+//       an fp32 or bf16 gradient g, the master read from src (0: p itself);
 //       out = cast(the stored p).
 //   cast(src, out, out_kind, n, threads, bf16_src=0)
 //       out = cast(src): fp32 -> fp32, bf16 or fp16, round to nearest even (as Tensor.to), or bf16 -> bf16 (a copy);
@@ -257,7 +258,7 @@ template <typename P> inline uint32_t master_draw(uint32_t r) {  // fp32 master:
 namespace {
 
 template <typename O, bool SCALE, typename S, typename P, typename G>
-void adamw_lean_t(P* p, const G* g, S* m, S* v, O* out, int64_t n, int threads, AdamArgs args,
+void adamw_lean_t(const P* src, P* p, const G* g, S* m, S* v, O* out, int64_t n, int threads, AdamArgs args,
                   uint32_t key, uint64_t offset) {
     for_blocks(n, threads, [=](int64_t, int64_t lo, int64_t hi) {
         const AdamArgs a = args;  // a local copy: the loop vectorizes (see for_blocks)
@@ -265,14 +266,14 @@ void adamw_lean_t(P* p, const G* g, S* m, S* v, O* out, int64_t n, int threads, 
         const uint32_t base = static_cast<uint32_t>(offset);  // the element's offset mod 2^32
 #if RP_AVX512
         if constexpr (!std::is_same<O, f16>::value) {  // the AVX-512 loop, then this one for the last < 32
-            lo = v512::adamw_lean<O, SCALE>(p, g, m, v, out, lo, hi, a, k, base);
+            lo = v512::adamw_lean<O, SCALE>(src, p, g, m, v, out, lo, hi, a, k, base);
         }
 #endif
 #pragma omp simd
         for (int64_t i = lo; i < hi; ++i) {
             const float gi = SCALE ? to_float(g[i]) * a.factor : to_float(g[i]);
             const float m0 = to_float(m[i]), v0 = to_float(v[i]);
-            float pi = to_float(p[i]) * a.decay;
+            float pi = to_float(src[i]) * a.decay;
             const float mi = std::fma(a.w1, gi - m0, m0);
             const float vi = std::fma(a.w2 * gi, gi, v0 * a.beta2);
             const float denom = std::sqrt(vi) / a.bc2_sqrt + a.eps;
@@ -296,7 +297,7 @@ struct SgdArgs {
 };
 
 template <typename O, typename P, typename G>
-void sgd_t(P* p, const G* g, float* buf, O* out, int64_t n, int threads, SgdArgs args, uint32_t key,
+void sgd_t(const P* src, P* p, const G* g, float* buf, O* out, int64_t n, int threads, SgdArgs args, uint32_t key,
            uint64_t offset) {
     for_blocks(n, threads, [=](int64_t, int64_t lo, int64_t hi) {
         const SgdArgs a = args;  // a local copy: the loop vectorizes (see for_blocks)
@@ -304,7 +305,7 @@ void sgd_t(P* p, const G* g, float* buf, O* out, int64_t n, int threads, SgdArgs
 #pragma omp simd
         for (int64_t i = lo; i < hi; ++i) {
             float gi = a.factor != 1.0f ? to_float(g[i]) * a.factor : to_float(g[i]);
-            float pi = to_float(p[i]);
+            float pi = to_float(src[i]);
             if (a.wd != 0.0f) gi = std::fma(pi, a.wd, gi);             // grad.add(param, alpha=wd)
             if (a.has_momentum) {
                 const float bi = a.first ? gi : std::fma(gi, a.damp, buf[i] * a.momentum);  // buf.mul_(mom).add_(g)
@@ -365,43 +366,45 @@ template <typename O> struct AdamF {
     }
 };
 template <typename O, typename S, typename P, typename G>
-void adamw_lean_s(O* out, void* p, const void* g, void* m, void* v, int64_t n, int t, AdamArgs a, uint32_t key,
-                  uint64_t off) {
+void adamw_lean_s(O* out, const void* src, void* p, const void* g, void* m, void* v, int64_t n, int t, AdamArgs a,
+                  uint32_t key, uint64_t off) {
+    auto ps = static_cast<const P*>(src);
     auto pp = static_cast<P*>(p);
     auto gg = static_cast<const G*>(g);
     auto mm = static_cast<S*>(m), vv = static_cast<S*>(v);
-    a.factor != 1.0f ? adamw_lean_t<O, true, S, P, G>(pp, gg, mm, vv, out, n, t, a, key, off)
-                     : adamw_lean_t<O, false, S, P, G>(pp, gg, mm, vv, out, n, t, a, key, off);
+    a.factor != 1.0f ? adamw_lean_t<O, true, S, P, G>(ps, pp, gg, mm, vv, out, n, t, a, key, off)
+                     : adamw_lean_t<O, false, S, P, G>(ps, pp, gg, mm, vv, out, n, t, a, key, off);
 }
 template <typename O, typename S, typename P>
-void adamw_lean_g(O* out, void* p, const void* g, void* m, void* v, int64_t n, int t, AdamArgs a, uint32_t key,
-                  uint64_t off, bool bf16_grad) {
-    bf16_grad ? adamw_lean_s<O, S, P, bf16>(out, p, g, m, v, n, t, a, key, off)
-              : adamw_lean_s<O, S, P, float>(out, p, g, m, v, n, t, a, key, off);
+void adamw_lean_g(O* out, const void* src, void* p, const void* g, void* m, void* v, int64_t n, int t, AdamArgs a,
+                  uint32_t key, uint64_t off, bool bf16_grad) {
+    bf16_grad ? adamw_lean_s<O, S, P, bf16>(out, src, p, g, m, v, n, t, a, key, off)
+              : adamw_lean_s<O, S, P, float>(out, src, p, g, m, v, n, t, a, key, off);
 }
 template <typename O> struct AdamLeanF {  // lean: bits 1 bf16 moments, 2 a bf16 master, 4 a bf16 gradient (1..7)
-    static void run(O* out, void* p, const void* g, void* m, void* v, int64_t n, int t, AdamArgs a, uint32_t key,
-                    uint64_t off, int lean) {
+    static void run(O* out, const void* src, void* p, const void* g, void* m, void* v, int64_t n, int t, AdamArgs a,
+                    uint32_t key, uint64_t off, int lean) {
         const bool bg = lean & 4;
         switch (lean & 3) {
-            case 0: adamw_lean_g<O, float, float>(out, p, g, m, v, n, t, a, key, off, bg); break;
-            case 1: adamw_lean_g<O, bf16, float>(out, p, g, m, v, n, t, a, key, off, bg); break;
-            case 2: adamw_lean_g<O, float, bf16>(out, p, g, m, v, n, t, a, key, off, bg); break;
-            default: adamw_lean_g<O, bf16, bf16>(out, p, g, m, v, n, t, a, key, off, bg); break;
+            case 0: adamw_lean_g<O, float, float>(out, src, p, g, m, v, n, t, a, key, off, bg); break;
+            case 1: adamw_lean_g<O, bf16, float>(out, src, p, g, m, v, n, t, a, key, off, bg); break;
+            case 2: adamw_lean_g<O, float, bf16>(out, src, p, g, m, v, n, t, a, key, off, bg); break;
+            default: adamw_lean_g<O, bf16, bf16>(out, src, p, g, m, v, n, t, a, key, off, bg); break;
         }
     }
 };
 template <typename O, typename P>
-void sgd_g(O* out, void* p, const void* g, float* buf, int64_t n, int t, SgdArgs a, uint32_t key, uint64_t off,
-           bool bf16_grad) {
-    bf16_grad ? sgd_t<O, P, bf16>(static_cast<P*>(p), static_cast<const bf16*>(g), buf, out, n, t, a, key, off)
-              : sgd_t<O, P, float>(static_cast<P*>(p), static_cast<const float*>(g), buf, out, n, t, a, key, off);
+void sgd_g(O* out, const void* src, void* p, const void* g, float* buf, int64_t n, int t, SgdArgs a, uint32_t key,
+           uint64_t off, bool bf16_grad) {
+    auto ps = static_cast<const P*>(src);
+    bf16_grad ? sgd_t<O, P, bf16>(ps, static_cast<P*>(p), static_cast<const bf16*>(g), buf, out, n, t, a, key, off)
+              : sgd_t<O, P, float>(ps, static_cast<P*>(p), static_cast<const float*>(g), buf, out, n, t, a, key, off);
 }
 template <typename O> struct SgdF {
-    static void run(O* out, void* p, const void* g, float* buf, int64_t n, int t, SgdArgs a, uint32_t key,
-                    uint64_t off, bool bf16_master, bool bf16_grad) {
-        bf16_master ? sgd_g<O, bf16>(out, p, g, buf, n, t, a, key, off, bf16_grad)
-                    : sgd_g<O, float>(out, p, g, buf, n, t, a, key, off, bf16_grad);
+    static void run(O* out, const void* src, void* p, const void* g, float* buf, int64_t n, int t, SgdArgs a,
+                    uint32_t key, uint64_t off, bool bf16_master, bool bf16_grad) {
+        bf16_master ? sgd_g<O, bf16>(out, src, p, g, buf, n, t, a, key, off, bf16_grad)
+                    : sgd_g<O, float>(out, src, p, g, buf, n, t, a, key, off, bf16_grad);
     }
 };
 template <typename O> struct CastF {
@@ -486,38 +489,40 @@ PyObject* adamw(PyObject*, PyObject* args) {
 }
 
 PyObject* adamw_lean(PyObject*, PyObject* args) {
-    unsigned long long p, g, m, v, out, offset;
+    unsigned long long p, g, m, v, out, offset, src = 0;
     unsigned int key;
     int kind, threads, lean;
     long long n;
     double factor, decay, w1, beta2, w2, eps, neg_step, bc2_sqrt;
-    if (!PyArg_ParseTuple(args, "KKKKKiLiddddddddIKi", &p, &g, &m, &v, &out, &kind, &n, &threads, &factor, &decay,
-                          &w1, &beta2, &w2, &eps, &neg_step, &bc2_sqrt, &key, &offset, &lean))
+    if (!PyArg_ParseTuple(args, "KKKKKiLiddddddddIKi|K", &p, &g, &m, &v, &out, &kind, &n, &threads, &factor, &decay,
+                          &w1, &beta2, &w2, &eps, &neg_step, &bc2_sqrt, &key, &offset, &lean, &src))
         return nullptr;
-    if (lean < 1 || lean > 7) {
+    if (lean < 0 || lean > 7 || (lean == 0 && src == 0)) {
         PyErr_Format(PyExc_ValueError, "adamw_lean: unknown lean mode %d", lean);
         return nullptr;
     }
     AdamArgs a{float(factor), float(decay), float(w1), float(beta2), float(w2), float(eps), float(neg_step),
                float(bc2_sqrt)};
-    return released<AdamLeanF>(kind, out, reinterpret_cast<void*>(p), reinterpret_cast<const void*>(g),
+    return released<AdamLeanF>(kind, out, reinterpret_cast<const void*>(src ? src : p), reinterpret_cast<void*>(p),
+                               reinterpret_cast<const void*>(g),
                                reinterpret_cast<void*>(m), reinterpret_cast<void*>(v), int64_t(n), threads, a,
                                uint32_t(key), uint64_t(offset), lean);
 }
 
 PyObject* sgd(PyObject*, PyObject* args) {
-    unsigned long long p, g, buf, out, offset;
+    unsigned long long p, g, buf, out, offset, src = 0;
     unsigned int key;
     int kind, threads, nesterov, first, has_momentum, bf16_master, bf16_grad;
     long long n;
     double factor, wd, momentum, damp, neg_lr;
-    if (!PyArg_ParseTuple(args, "KKKKiLidddddpppIKpp", &p, &g, &buf, &out, &kind, &n, &threads, &factor, &wd,
+    if (!PyArg_ParseTuple(args, "KKKKiLidddddpppIKpp|K", &p, &g, &buf, &out, &kind, &n, &threads, &factor, &wd,
                           &momentum, &damp, &neg_lr, &nesterov, &first, &has_momentum, &key, &offset, &bf16_master,
-                          &bf16_grad))
+                          &bf16_grad, &src))
         return nullptr;
     SgdArgs a{float(factor), float(wd), float(momentum), float(damp), float(neg_lr), bool(nesterov), bool(first),
               bool(has_momentum)};
-    return released<SgdF>(kind, out, reinterpret_cast<void*>(p), reinterpret_cast<const void*>(g),
+    return released<SgdF>(kind, out, reinterpret_cast<const void*>(src ? src : p), reinterpret_cast<void*>(p),
+                          reinterpret_cast<const void*>(g),
                           reinterpret_cast<float*>(buf), int64_t(n), threads, a, uint32_t(key), uint64_t(offset),
                           bool(bf16_master), bool(bf16_grad));
 }

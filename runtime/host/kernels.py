@@ -80,7 +80,7 @@ class Kernels:
 
     def adamw(self, p: Tensor, g: Tensor, m: Tensor, v: Tensor, out: Tensor | None, *, factor: float, lr: float,
               betas: tuple[float, float], eps: float, weight_decay: float, step: int, key: int = 0,
-              offset: int = 0) -> None:
+              offset: int = 0, src: Tensor | None = None) -> None:
         """AdamW step `step` (1-based) of p, m, v with the gradient g * factor; out (if given) = cast(new p).
 
         The scalars are formed as torch.optim.AdamW forms them (Python floats, then float32). m and v
@@ -89,9 +89,12 @@ class Kernels:
         A bf16 value is read and widened, the update is
         the same float32 arithmetic, and the new value is rounded stochastically with the bits that `key`
         and `offset` (p's first element's offset in its group's buffers) choose (runtime/host/lean.py);
-        out is then cast from the stored bf16 weight.
+        out is then cast from the stored bf16 weight. `src`: read the master from it (p's dtype and size) and
+        write the new one to p, out of place (a bf16 master's alternating copies, runtime/host/layout.py);
+        None: p in place.
         """
         master = _lean_dtype("adamw", p)
+        _check_src("adamw", src, p)
         grad = _lean_dtype("adamw", g)
         _check("adamw", g, grad, p.numel())
         state = _lean_dtype("adamw", m)
@@ -104,20 +107,23 @@ class Kernels:
         scalars = (factor, 1 - lr * weight_decay, 1 - b1, b2, 1 - b2, eps, -(lr / bc1), bc2 ** 0.5)
         args = (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), _ptr(out), _kind(out), p.numel(), _threads())
         lean = (state == torch.bfloat16) | (master == torch.bfloat16) << 1 | (grad == torch.bfloat16) << 2
-        if not lean:
+        if not lean and src is None:
             self.module.adamw(*args, *scalars)
-        else:  # lean mode bits: 1 bf16 moments, 2 a bf16 master, 4 a bf16 gradient
-            self.module.adamw_lean(*args, *scalars, key & M32, offset, lean)
+        else:  # lean mode bits: 1 bf16 moments, 2 a bf16 master, 4 a bf16 gradient (0 only out of place)
+            self.module.adamw_lean(*args, *scalars, key & M32, offset, lean, _ptr(src))
 
     def sgd(self, p: Tensor, g: Tensor, buf: Tensor | None, out: Tensor | None, *, factor: float, lr: float,
-            momentum: float, weight_decay: float, nesterov: bool, first: bool, key: int = 0, offset: int = 0) -> None:
+            momentum: float, weight_decay: float, nesterov: bool, first: bool, key: int = 0, offset: int = 0,
+            src: Tensor | None = None) -> None:
         """SGD step of p (and the momentum buffer `buf`, None without momentum) with g * factor; out = cast(new p).
 
         `first`: the buffer's first step (it becomes the gradient, as torch's clone). p is the float32 or
         bf16 master (`SGD(master_dtype=torch.bfloat16)`: rounded stochastically as in `adamw`, `key` and
-        `offset` choosing the bits); g is float32 or bf16 (`grad_dtype=torch.bfloat16`), buf float32.
+        `offset` choosing the bits); g is float32 or bf16 (`grad_dtype=torch.bfloat16`), buf float32. `src`: as
+        for `adamw`, the master read from it and the new one written to p.
         """
         master = _lean_dtype("sgd", p)
+        _check_src("sgd", src, p)
         _check("sgd", g, _lean_dtype("sgd", g), p.numel())
         if buf is not None:
             _check("sgd", buf, torch.float32, p.numel())
@@ -125,7 +131,7 @@ class Kernels:
             _check("sgd", out, out.dtype, p.numel())
         self.module.sgd(p.data_ptr(), g.data_ptr(), _ptr(buf), _ptr(out), _kind(out), p.numel(), _threads(),
                         factor, weight_decay, momentum, 1.0, -lr, nesterov, first, buf is not None,
-                        key & M32, offset, master == torch.bfloat16, g.dtype == torch.bfloat16)
+                        key & M32, offset, master == torch.bfloat16, g.dtype == torch.bfloat16, _ptr(src))
 
     def cast(self, src: Tensor, out: Tensor) -> None:
         """out = src.to(out.dtype) (fp32 src: fp32, bf16 or fp16 out, round to nearest even; a bf16 src: bf16 out), in
@@ -134,6 +140,16 @@ class Kernels:
         _check("cast", src, torch.bfloat16 if same else torch.float32, src.numel())
         _check("cast", out, out.dtype, src.numel())
         self.module.cast(src.data_ptr(), out.data_ptr(), _kind(out), src.numel(), _threads(), int(same))
+
+
+def _check_src(op: str, src: Tensor | None, p: Tensor) -> None:
+    """An out-of-place master's source: p's dtype and size, contiguous, and not overlapping p unless it is p."""
+    if src is None:
+        return
+    _check(op, src, p.dtype, p.numel())
+    a, b, n = src.data_ptr(), p.data_ptr(), p.numel() * p.element_size()
+    if a != b and a < b + n and b < a + n:
+        raise ValueError(f"{op}: the master's source overlaps its destination without being it")
 
 
 def _check(op: str, t: Tensor, dtype: torch.dtype, n: int) -> None:

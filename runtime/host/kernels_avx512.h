@@ -118,11 +118,12 @@ inline void store(P* p, S* m, S* v, O* o, int64_t i, const Update& x, const Upda
     put(o, i, copy_bits<O, P, CHECKED>(px), copy_bits<O, P, CHECKED>(py));
 }
 
-// adamw_lean_t's loop over [lo, hi) in steps of 32; returns where it stopped (the scalar loop does the rest).
+// adamw_lean_t's loop over [lo, hi) in steps of 32, the master read from src and written to p (the same pointer in
+// place); returns where it stopped (the scalar loop does the rest).
 // O: no output, float32 or bf16 (fp16 copies take the scalar loop).
 template <typename O, bool SCALE, typename S, typename P, typename G>
-int64_t adamw_lean(P* p, const G* g, S* m, S* v, O* o, int64_t lo, int64_t hi, const AdamArgs& a, uint32_t key,
-                   uint32_t base) {
+int64_t adamw_lean(const P* src, P* p, const G* g, S* m, S* v, O* o, int64_t lo, int64_t hi, const AdamArgs& a,
+                   uint32_t key, uint32_t base) {
     const Consts c{_mm512_set1_ps(a.factor), _mm512_set1_ps(a.decay), _mm512_set1_ps(a.w1),
                    _mm512_set1_ps(a.beta2), _mm512_set1_ps(a.w2), _mm512_set1_ps(a.eps),
                    _mm512_set1_ps(a.neg_step), _mm512_set1_ps(a.bc2_sqrt),
@@ -132,9 +133,9 @@ int64_t adamw_lean(P* p, const G* g, S* m, S* v, O* o, int64_t lo, int64_t hi, c
                             _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
     int64_t i = lo;
     for (; i + 32 <= hi; i += 32) {
-        const Update x = update<SCALE>(p, g, m, v, i, at, c);
+        const Update x = update<SCALE>(src, g, m, v, i, at, c);
         at = _mm512_add_epi32(at, sixteen);
-        const Update y = update<SCALE>(p, g, m, v, i + 16, at, c);
+        const Update y = update<SCALE>(src, g, m, v, i + 16, at, c);
         at = _mm512_add_epi32(at, sixteen);
         if (__builtin_expect(has_nan(x) || has_nan(y), 0)) store<true>(p, m, v, o, i, x, y);
         else store<false>(p, m, v, o, i, x, y);

@@ -160,8 +160,10 @@ class TorchLean:
     """The lean update in torch operations: the fallback of the kernels' `adamw` and `sgd` (same signatures)."""
 
     def adamw(self, p: Tensor, g: Tensor, m: Tensor, v: Tensor, out: Tensor | None, *, factor: float, lr: float,
-              betas: tuple[float, float], eps: float, weight_decay: float, step: int, key: int, offset: int) -> None:
-        """AdamW step `step` (1-based) of p and m, v with g * factor; out (if given) = cast(new p).
+              betas: tuple[float, float], eps: float, weight_decay: float, step: int, key: int, offset: int,
+              src: Tensor | None = None) -> None:
+        """AdamW step `step` (1-based) of p and m, v with g * factor; out (if given) = cast(new p); `src`: the master
+        read from it, the new one written to p (None: p in place).
 
         p is an fp32 or bf16 master, m and v both fp32 or both bf16, g an fp32 or bf16 gradient (widened).
         torch.optim.AdamW's float32 operations (which kernels.cpp's update follows), chunk by chunk, the
@@ -175,7 +177,7 @@ class TorchLean:
             hi = min(lo + CHUNK, p.numel())
             gi = g[lo:hi].float() * factor if factor != 1.0 else g[lo:hi].float()
             mi, vi = (m[lo:hi].float(), v[lo:hi].float()) if lean_m else (m[lo:hi], v[lo:hi])  # fp32: in place
-            pi = p[lo:hi].float() if lean_p else p[lo:hi]
+            pi = _read(p, src, lo, hi)
             pi.mul_(1 - lr * weight_decay)
             mi.lerp_(gi, 1 - b1)
             vi.mul_(b2).addcmul_(gi, gi, value=1 - b2)
@@ -187,17 +189,18 @@ class TorchLean:
                 v[lo:hi] = stochastic_round(vi, r >> 16)
 
     def sgd(self, p: Tensor, g: Tensor, buf: Tensor | None, out: Tensor | None, *, factor: float, lr: float,
-            momentum: float, weight_decay: float, nesterov: bool, first: bool, key: int, offset: int) -> None:
+            momentum: float, weight_decay: float, nesterov: bool, first: bool, key: int, offset: int,
+            src: Tensor | None = None) -> None:
         """SGD step of an fp32 or bf16 master p (fp32 momentum `buf`, None without momentum) with an fp32 or bf16
         gradient g * factor, as torch.optim.SGD's float32 operations (kernels.cpp's `sgd`); a bf16 weight rounded
         stochastically.
 
-        `first`: the buffer's first step (it becomes the gradient, as torch's clone).
+        `first`: the buffer's first step (it becomes the gradient, as torch's clone). `src`: as for `adamw`.
         """
         for lo in range(0, p.numel(), CHUNK):
             hi = min(lo + CHUNK, p.numel())
             gi = g[lo:hi].float() * factor if factor != 1.0 else g[lo:hi].float()
-            pi = p[lo:hi].float()
+            pi = _read(p, src, lo, hi)
             if weight_decay != 0.0:
                 gi = gi.add(pi, alpha=weight_decay)  # grad.add(param, alpha=wd)
             if buf is not None:
@@ -208,11 +211,21 @@ class TorchLean:
             _store(p, pi, lo, hi, random_bits(offset + lo, hi - lo, key) if p.dtype == torch.bfloat16 else None, out)
 
 
+def _read(p: Tensor, src: Tensor | None, lo: int, hi: int) -> Tensor:
+    """The master's elements [lo, hi) in float32 to update: p's own view where an fp32 p is updated in place, else
+    a new tensor (widened bf16, or a copy of an out-of-place fp32 source)."""
+    if src is None:
+        return p[lo:hi].float()  # fp32: the view itself
+    return src[lo:hi].to(torch.float32, copy=True)
+
+
 def _store(p: Tensor, pi: Tensor, lo: int, hi: int, r: Tensor | None, out: Tensor | None) -> None:
-    """The new weight `pi` (float32) into p[lo:hi]: as is (fp32 p, then pi is p's view) or rounded stochastically
-    with `master_bits(r)` (bf16 p; r: the elements' `random_bits`); out[lo:hi] (if given) = cast(the stored
-    weight)."""
+    """The new weight `pi` (float32) into p[lo:hi]: as is (fp32 p: nothing to do where pi is p's view) or rounded
+    stochastically with `master_bits(r)` (bf16 p; r: the elements' `random_bits`); out[lo:hi] (if given) =
+    cast(the stored weight)."""
     if p.dtype == torch.bfloat16:
         p[lo:hi] = stochastic_round(pi, master_bits(r))
+    elif pi.data_ptr() != p[lo:hi].data_ptr():
+        p[lo:hi] = pi
     if out is not None:
         out[lo:hi] = p[lo:hi].to(out.dtype)

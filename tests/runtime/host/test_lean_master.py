@@ -268,3 +268,37 @@ def test_a_bf16_master_trains_like_fp32_where_round_to_nearest_learns_nothing(mo
     monkeypatch.setattr(lean_mod, "random_bits", lambda offset, n, key: torch.full((n,), 0x80008000))
     n0, n1 = train_small_steps(adamw(master_dtype=BF16))
     assert n0 - n1 < 0.1 * drop, (n0 - n1, drop)
+
+
+@needs_kernels
+@pytest.mark.parametrize("master, state, grad", [(BF16, BF16, torch.float32), (BF16, torch.float32, BF16),
+                                                 (torch.float32, BF16, torch.float32),
+                                                 (torch.float32, torch.float32, torch.float32)])
+def test_an_out_of_place_step_reads_the_source_writes_the_destination_and_equals_the_step_in_place(master, state,
+                                                                                                  grad):
+    # the alternating copies (runtime/host/layout.py `Alternation`): the master read from one buffer, written to the other;
+    # the kernels' vector body, its scalar tail and the torch fallback all the same bits as the step in place
+    for n in (17, 70_001):
+        p, g, m, v = start(n, seed=n + 1)
+        p, g, m, v = p.to(master), g.to(grad), m.to(state), v.to(state)
+        for opt in (K, TorchLean()):
+            src, dst = p.clone(), torch.full_like(p, 7.0)
+            inplace, m1, v1, m2, v2 = p.clone(), m.clone(), v.clone(), m.clone(), v.clone()
+            kw = dict(factor=0.7, lr=3e-4, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1, step=2, key=99, offset=5)
+            opt.adamw(inplace, g, m1, v1, None, **kw)
+            opt.adamw(dst, g, m2, v2, None, src=src, **kw)
+            assert torch.equal(bits(dst), bits(inplace)) and torch.equal(bits(src), bits(p)), (n, opt)
+            assert torch.equal(bits(m1), bits(m2)) and torch.equal(bits(v1), bits(v2)), (n, opt)
+            if master == BF16:
+                src, dst, inplace = p.clone(), torch.zeros_like(p), p.clone()
+                b1, b2 = torch.ones(n), torch.ones(n)
+                skw = dict(factor=0.5, lr=1e-2, momentum=0.9, weight_decay=0.01, nesterov=False, first=False,
+                           key=3, offset=1)
+                opt.sgd(inplace, g, b1, None, **skw)
+                opt.sgd(dst, g, b2, None, src=src, **skw)
+                assert torch.equal(bits(dst), bits(inplace)) and torch.equal(bits(src), bits(p)), (n, opt)
+                assert torch.equal(b1, b2)
+    p = torch.zeros(64, dtype=BF16)
+    with pytest.raises(ValueError, match="overlaps"):
+        K.adamw(p[8:40], torch.zeros(32), torch.zeros(32), torch.zeros(32), None, factor=1.0, lr=1e-3,
+                betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, step=1, src=p[0:32])
