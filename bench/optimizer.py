@@ -10,14 +10,21 @@ AdamW (weight decay 0.01) and a bf16 compute copy. Rows:
 
 - rpcompile kernels, staleness 0: `accumulate_grad` (writes the fp32 gradient and takes its
   statistics), `grads_complete`, `step(l, copy=True)` (the update writes the bf16 copy), `copy(l)`.
-- rpcompile kernels, staleness 1: the same with `copy(l)` (a cast pass) before `step(l)`: the copy
-  must happen before the step there (DESIGN.md idea 7), so it cannot share the update's pass; and before
-  the copy, the runtime's undo copy of what it overwrites (`runtime.host_lanes.back_up`: an iteration's
-  copies may have to be undone until it commits).
+- rpcompile kernels, staleness 1: `step(l)` with the compute copies alternating between two buffers (the
+  update's pass writes the new ones into the buffer the iteration uploaded from, `HostState.alternate`),
+  as the runtime runs it unless the state is sharded.
+- rpcompile kernels, staleness 1, copy pass: what sharded state runs (and every staleness-1 run did before
+  the alternating copies): `copy(l)` (a cast pass) before `step(l)` (the next iteration reads the version
+  before the update, DESIGN.md idea 7, so it cannot share the update's pass), and before the copy the
+  runtime's undo copy of what it overwrites (`runtime.host_lanes.back_up`: an iteration's copies may have
+  to be undone until it commits).
 - rpcompile kernels, bf16 moments (`AdamW(state_dtype=torch.bfloat16)`), staleness 0 and 1: the same
   calls, the moments read and written as bf16 (rounded stochastically; 14 bytes per parameter).
 - rpcompile kernels, bf16 moments and master (`master_dtype=torch.bfloat16` too: 12 bytes per parameter),
   and bf16 moments, master and gradients (`grad_dtype=torch.bfloat16` too: 10 bytes), staleness 0 and 1.
+  At staleness 1 every row alternates its compute copies between two buffers as the runtime does
+  (runtime/host/layout.py `Alternation`, `HostState.alternate`): the update's pass writes the new copies
+  (a bf16 master: the new master) into the other buffer, with no copy pass and no undo copy.
 - rpcompile, torch kernels (`impl="foreach"`: eager bits) on the same flat buffers.
 - torch equivalent: grad copy into `.grad`, `clip_grad_norm_`, fused AdamW, bf16 copy.
 - torch fused AdamW step alone; DeepSpeed's CPUAdam step alone (if `deepspeed` is installed and
@@ -51,6 +58,7 @@ from rpcompile.runtime.host_lanes import back_up, copied_regions, undo_buffers  
 
 Case = Callable[[], float]
 CLIP = 1.0
+ALTERNATING = "accumulate, complete, step (alternating copies)"  # a staleness-1 row's calls
 BYTES_FUSED = 36  # per parameter: land (2 read + 4 write) + update (16 read + 12 write + 2 copy)
 
 
@@ -75,9 +83,11 @@ def bf16_grads(total: int, groups: int) -> list[torch.Tensor]:
     return [torch.randn(total // groups, generator=g).to(torch.bfloat16) for _ in range(groups)]
 
 
-def ours(total: int, groups: int, staleness: int, impl: str = "fused", **lean: torch.dtype) -> Case:
+def ours(total: int, groups: int, staleness: int, impl: str = "fused", alternate: bool = True,
+         **lean: torch.dtype) -> Case:
     """One iteration of HostState's host side over every group (`lean`: AdamW's state_dtype, master_dtype and
-    grad_dtype, default float32)."""
+    grad_dtype, default float32; `alternate=False`: at staleness 1 the copy pass and its undo copy, as sharded
+    state runs it)."""
     params = {f"layer{l}.weight": torch.nn.Parameter(torch.randn(total // groups)) for l in range(groups)}
     state = HostState(params, {n: (l,) for l, n in enumerate(params)}, groups, dtype=torch.bfloat16,
                       optimizer=rpcompile.AdamW(lr=1e-4, max_grad_norm=CLIP, impl=impl, **lean))
@@ -94,12 +104,15 @@ def ours(total: int, groups: int, staleness: int, impl: str = "fused", **lean: t
             if staleness == 0:
                 state.step(l, copy=True)
                 state.copy(l)
+            elif alternating:  # the step writes the other buffer: nothing to copy or undo
+                state.step(l)
             else:
                 for key, region in copied_regions(state, l).items():  # the runtime's undo copy (host_lanes)
                     back_up(state, region, undo[key][0])
                 state.copy(l)
                 state.step(l)
-    undo = undo_buffers(state)
+    alternating = staleness == 1 and alternate and state.alternate(0)  # what the runtime does (HostLanes)
+    undo = {} if alternating else undo_buffers(state)
     return timed(run)
 
 
@@ -201,10 +214,12 @@ def main(argv: list[str] | None = None) -> str:
     ds = deepspeed_alone(total, groups)
     cases: list[tuple[str, str, Case]] = [
         ("rpcompile kernels, staleness 0", "accumulate, complete, step(copy=True), copy", ours(total, groups, 0)),
-        ("rpcompile kernels, staleness 1", "accumulate, complete, undo copy, copy, step", ours(total, groups, 1)),
+        ("rpcompile kernels, staleness 1", ALTERNATING, ours(total, groups, 1)),
+        ("rpcompile kernels, staleness 1, copy pass", "accumulate, complete, undo copy, copy, step",
+         ours(total, groups, 1, alternate=False)),
         *[(f"rpcompile kernels, {what}, staleness {s}", how, ours(total, groups, s, **lean))
           for what, lean in LEAN.items()
-          for s, how in ((0, "accumulate, complete, step(copy=True), copy"), (1, "accumulate, complete, undo copy, copy, step"))],
+          for s, how in ((0, "accumulate, complete, step(copy=True), copy"), (1, ALTERNATING))],
         ("rpcompile, torch kernels (impl=foreach)", "accumulate, complete, step, copy",
          ours(total, groups, 0, "foreach")),
         ("torch equivalent", "grad copy, clip_grad_norm_, fused AdamW, bf16 copy", torch_equivalent(total, groups)),
@@ -244,11 +259,12 @@ def main(argv: list[str] | None = None) -> str:
             f"DeepSpeed CPUAdam: {'timed above' if not isinstance(ds, str) else 'not available: ' + ds}.\n\n"
             "`of memcpy rate` is the memcpy row's time over the row's: 1.0 means the row moves its parameters\n"
             "as fast as a copy of 36 bytes per parameter (the fused design's traffic: a 2-byte read and 4-byte\n"
-            "write while the gradient lands, 16 bytes read and 14 written in the update). Staleness 1 moves 44\n"
-            "(its copy is its own pass: 4 read, 2 written; the undo copy before it 2 read, 2 written). The bf16\n"
-            "moment rows move 28 (36 at staleness 1): their update reads 12 bytes and writes 10; with a bf16 master\n"
-            "too 24 (30: the update reads 10 and writes 8, the copy reads 2 and writes 2); with bf16 gradients too\n"
-            "20 (26: the gradient lands as 2 read and 2 written, the update reads 8 and writes 8).\n"
+            "write while the gradient lands, 16 bytes read and 14 written in the update). Staleness 1 moves the\n"
+            "same with alternating copies (the update's pass writes the copy into the other buffer), 44 with the\n"
+            "copy pass (4 read, 2 written; the undo copy before it 2 read, 2 written). The bf16 moment rows move\n"
+            "28: their update reads 12 bytes and writes 10; with a bf16 master too 24 (the update reads 10 and\n"
+            "writes 8: the master out of place, no copy); with bf16 gradients too 20 (the gradient lands as 2 read\n"
+            "and 2 written, the update reads 8 and writes 8).\n"
             "`vs fp32 state` is the fp32 row's time of the same\n"
             "staleness over theirs (issue 48 asks 1.2 or more on one thread). One thread's fp32 update is bound by\n"
             "memory, the lean ones nearer by their arithmetic (the float32 update, one lowbias32 hash and up to three\n"

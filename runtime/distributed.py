@@ -146,6 +146,7 @@ class GradReducer:
                 self._collective(f"broadcast of {name!r}", dist.broadcast, buf, src=src, group=self.group)
                 with torch.no_grad():
                     t.copy_(buf.to(t.device))
+        self.state.masters_changed()  # the alternating copies' own buffers: cast from the masters received
 
     def attach(self, runtime: Any) -> None:
         """Count, from `runtime`'s program, the gradient writes that complete each group; start the thread.

@@ -366,6 +366,7 @@ class Runtime(RuntimeReports):
         self._check_open()
         self.recovery.drain()
         self.state.on_settle()  # sharded state: the last compute copies gathered from the other ranks too
+        self.state.settle()  # alternating copies: masters and compute copies back where their views point
         if self.ctx.failure.error is not None:
             self.recovery.recover()
         self.recovery.prune()

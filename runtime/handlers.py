@@ -23,6 +23,7 @@ import torch
 
 from rpcompile.ir.program import Op
 from rpcompile.runtime.compute_handlers import ComputeHandlers
+from rpcompile.runtime.host.layout import upload_sources
 from rpcompile.runtime.streams.devices import tensor_bytes
 from rpcompile.runtime.stage.cuts import up_keys
 from rpcompile.runtime.streams.pool import poison
@@ -183,11 +184,13 @@ class IssueHandlers(ComputeHandlers):
         pu = self.workers[w].streams["param_up"]
         slot = self._slot(t, ins.stage, ins.round, w, pu)
         copies, blocks, flat = self.layouts[ins.stage].uploads[ins.chunk], self.state.blocks, slot.flat
+        alt = self.state.upload_alternates(t)  # blocks whose trainable part t reads from the masters' buffer
 
         def run() -> None:
             for c in copies:
-                flat[c.dtype].get()[c.dst:c.dst + c.numel].copy_(blocks[c.src_block][c.src:c.src + c.numel],
-                                                                   non_blocking=True)
+                dst = flat[c.dtype].get()
+                for src, lo, hi in upload_sources(blocks[c.src_block], alt.get(c.src_block), c.src, c.src + c.numel):
+                    dst[c.dst + lo - c.src:c.dst + hi - c.src].copy_(src[lo:hi], non_blocking=True)
         label = self.its.label(t, ins, w)
         pu.submit(run, label, t)
         ev = pu.record(t, label)

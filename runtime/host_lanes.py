@@ -14,6 +14,12 @@ program's order (which makes the fp32 gradient sums bit-reproducible):
 - copy: COPY.l after the uploads that read the old version (R1, one host wait)
   and the step that made the new one; with staleness 1 the overwritten copy
   is backed up until the iteration commits, so a failure can be undone.
+  Unless the masters are sharded, the compute copies alternate between two
+  buffers at staleness 1 (runtime/host/layout.py `Alternation`): STEP.l writes
+  the new copies (a bf16 master with bf16 copies: the new master) into the
+  buffer the iteration uploaded from, in the update's pass, after COPY.l's
+  event (its R1 wait), and COPY.l only marks that the version the next
+  iteration reads is made: no copy pass, no undo copy.
 
 `HostLanes` owns these threads and everything they keep between iterations;
 the issuers reach it only for a host event (R2) and a G chunk's staging buffer.
@@ -100,7 +106,8 @@ class HostLanes:
         self.committed = its.first
         self.skipped: list[int] = []
         self._backups: dict[int, dict] = {}
-        self._backup_bufs = undo_buffers(state) if its.program.staleness == 1 else {}
+        self.alternating = state.alternate(its.first if its.program.staleness == 1 else None)
+        self._backup_bufs = undo_buffers(state) if its.program.staleness == 1 and not self.alternating else {}
         ctx.stats.add(None, "host_allocations", len(self._backup_bufs))
         self._bad: dict[int, int] = {}
         self._lock = threading.Lock()
@@ -215,6 +222,8 @@ class HostLanes:
         fuse = info.program.staleness == 0  # the copy follows the step at once: write it in the update's pass
         if fuse:  # R1 for the copy: also after COPY.l's uploads (implied by the gradients; `verify` checks it)
             self._host_deps(t, info.by_name[f"h C.l{o.layer}"], info, skip=(t, o.name))
+        elif self.alternating:  # R1: the step writes the buffer iteration t uploaded from, once COPY.l has seen
+            self._until_done(t, o.name, self.events[(t, f"h C.l{o.layer}")].wait)  # those uploads done
         if self.committed <= t:  # the first step: every gradient of t is in, t can no longer fail
             self._check_finite(t)
             with self._lock:  # atomic with `fail_caller`: t commits, or it is abandoned, never both
@@ -260,6 +269,9 @@ class HostLanes:
     def _copy_one(self, t: int, c, info: Any) -> None:
         """One COPY of the copy lane."""
         self._host_deps(t, c, info)
+        if self.alternating:  # the step before wrote the version the next iteration reads
+            self.events[(t, c.name)]._set()
+            return
         with self._lock:
             if info.program.staleness == 1 and t >= self.committed:
                 bak = self._backups.setdefault(t, {})

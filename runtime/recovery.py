@@ -102,6 +102,7 @@ class Recovery:
         u = self.ctx.failure.failed_from
         u = min(u, self.its.t)
         self.host.undo_from(u)  # compute copies restored, events and non-finite records dropped
+        self.state.settle()  # alternating copies: masters and compute copies back where their views point
         self.state.discard_grads()  # the abandoned iteration's partial gradients
         self.handlers.forget_from(u)
         self.routes.forget_from(u)  # the abandoned forwards' routing: no recompute will take it

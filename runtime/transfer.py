@@ -23,6 +23,8 @@ import threading
 import zlib
 from typing import Any, Callable
 
+import torch
+
 from rpcompile.ir.program import Op, Ref
 from rpcompile.runtime.streams.host import DEADLINE_FLOOR_S
 
@@ -135,11 +137,15 @@ def check_pinned(state: Any, kind: str) -> None:
 
     `cudaMemcpyAsync` from pageable memory stages through a driver buffer and may block the host, so
     every parameter upload would stall its issuer. `compile` pins; a HostState built by hand needs
-    `pin_memory=True`.
+    `pin_memory=True`. Unsharded bf16 masters too: at staleness 1 uploads read them every other iteration
+    (runtime/host/layout.py `Alternation`).
     """
     if kind != "cuda":
         return
     pageable = [k for k, b in state.blocks.items() if not b.is_pinned()]
+    pageable += [(g, "bf16 masters (uploaded in turn with the copies at staleness 1)") for g, m in
+                 enumerate(state.flat.masters) if m.dtype == torch.bfloat16 and state.shard is None and m.numel()
+                 and not m.is_pinned()]
     if pageable:
         raise ValueError(f"HostState: {len(pageable)} compute-copy block(s) are not pinned (first: layer group "
                          f"{pageable[0][0]}, {pageable[0][1]}); CUDA workers upload from pinned memory only: build "

@@ -34,7 +34,9 @@ input; the rotation has no drain (the next round, with staleness 1 also the
 next iteration's first, starts on a worker as soon as it is free), so the last
 N - 1 backward stages of the previous round still hold theirs and count once
 more. With staleness 1 the runtime also keeps one more copy of the trainable parameters' compute copies
-(`undo`: what an iteration's COPYs overwrote before it committed, restored if it fails). An estimate for
+(`undo`: the second buffer they alternate with, runtime/host/layout.py `Alternation`; sharded, what an
+iteration's COPYs overwrote before it committed, restored if it fails), except where a bf16 master with
+bf16 compute copies is that second buffer. An estimate for
 admission, not an allocator trace: Python overheads are left out, and the runtime's transfer buffers
 (gradient staging, the host pool) are added by `rpcompile.hostmem` when it has the program.
 """
@@ -73,8 +75,10 @@ class HostBytes:
     master_size: int = 4  # bytes of one master element: 4 (fp32), 2 (bf16, `master_dtype=torch.bfloat16`)
     servers: int = 1   # W: with W > 1 `masters` and `optimizer` are one server's share of the state sharded over W
                        # data-parallel servers (`host_bytes(shard=)`); the rest is whole on every server
-    undo: int = 0      # staleness 1: one more copy of the trainable parameters' compute copies (`trainable_weights`),
-                       # the version an iteration's COPYs overwrote before it committed, to undo them if it fails
+    undo: int = 0      # staleness 1: one more copy of the trainable parameters' compute copies (`trainable_weights`):
+                       # the second buffer they alternate with (runtime/host/layout.py `Alternation`; none where a
+                       # bf16 master is that buffer), or, sharded, the version an iteration's COPYs overwrote
+                       # before it committed, to undo them if it fails
 
     @property
     def state_per_param(self) -> float:
@@ -93,15 +97,20 @@ class HostBytes:
 
         >>> HostBytes(0, 40, 40, 40, 0, 0, trainable=10, trainable_weights=20).per_param_line()
         'parameter state: 14.0 B per trainable parameter (compute copy 2.0, master 4.0, gradient 4.0, optimizer state 4.0)'
-        >>> HostBytes(0, 40, 40, 40, 0, 0, trainable=10, trainable_weights=20, undo=20).per_param_line()[-50:]
-        'state 4.0; staleness 1 adds 2.0 for the undo copy)'
+        >>> HostBytes(0, 40, 40, 40, 0, 0, trainable=10, trainable_weights=20, undo=20).per_param_line()[-55:]
+        ' 4.0; staleness 1 adds 2.0 for the second compute copy)'
         """
         t = self.trainable or 1
         where = f" on one server of {self.servers} (its share of the masters and moments)" if self.servers > 1 else ""
-        undo = f"; staleness 1 adds {self.undo / t:.1f} for the undo copy" if self.undo else ""
+        undo = f"; staleness 1 adds {self.undo / t:.1f} for the {'undo copy' if self.servers > 1 else 'second compute copy'}" if self.undo else ""
         return (f"parameter state{where}: {self.state_per_param:.1f} B per trainable parameter (compute copy "
                 f"{self.trainable_weights / t:.1f}, master {self.masters / t:.1f}, gradient {self.grads / t:.1f}, "
                 f"optimizer state {self.optimizer / t:.1f}{undo})")
+
+    @property
+    def undo_name(self) -> str:
+        """What `undo` holds: "second compute copies", or, sharded, "undo copies"."""
+        return "undo copies" if self.servers > 1 else "second compute copies"
 
     @property
     def total(self) -> int:
@@ -118,8 +127,9 @@ class HostBytes:
         parts = [f"weights {_gib(self.weights)}", f"{kind} masters {_gib(self.masters)}{share}",
                  f"gradients {_gib(self.grads)}", f"optimizer state {_gib(self.optimizer)}{share}"]
         if self.undo:
-            parts.append(f"undo copies {_gib(self.undo)} (staleness 1: the trainable weights' copies an unfinished "
-                         f"iteration overwrote)")
+            why = ("the trainable weights' copies an unfinished iteration overwrote" if self.servers > 1 else
+                   "the trainable weights' copies alternate between two buffers")
+            parts.append(f"{self.undo_name} {_gib(self.undo)} (staleness 1: {why})")
         if self.in_flight and not self.arena:
             parts.append(f"saved activations {_gib(self.activations)} for {self.in_flight} microbatches per round "
                          f"(+ the previous round's last stages)")
@@ -142,7 +152,9 @@ def host_bytes(model: Any, costs: Any = None, plan: Any = None, *, microbatches:
         costs, plan: the CostTable and StagePlan; without them the activations count 0.
         microbatches: M per iteration.
         staleness: 0 or 1; with 1 the runtime keeps one more copy of the trainable parameters' compute copies
-            (`undo`: what an iteration's COPYs overwrote before it committed, restored if it fails).
+            (`undo`: the second buffer they alternate with; sharded, the undo copy of what an iteration's COPYs
+            overwrote before it committed), except where a bf16 master with bf16 compute copies (unsharded)
+            is that second buffer.
         optimizer: `rpcompile.AdamW` (default; its `state_dtype` sets the moments' bytes, `master_dtype` the
             masters', `grad_dtype` the gradients') or `rpcompile.SGD` (its `master_dtype` and `grad_dtype`).
         dtype: training dtype of the compute copies; None keeps each parameter's own.
@@ -168,8 +180,11 @@ def host_bytes(model: Any, costs: Any = None, plan: Any = None, *, microbatches:
         else _ADAM_MOMENTS
     state_size = getattr(optimizer, "state_dtype", torch.float32).itemsize  # SGD's momentum: fp32
     master_size, grad_size = master_dtype(optimizer).itemsize, grad_dtype(optimizer).itemsize
+    bf16_master = master_dtype(optimizer) == torch.bfloat16 and world == 1
     weights = trainable = params = own_weights = 0
+    bf16_copies = True  # every trainable compute copy is bf16
     for numel, own, train in _parameters(model):
+        bf16_copies = bf16_copies and (not train or (dtype or own) == torch.bfloat16)
         weights += numel * (dtype or own).itemsize
         trainable += numel if train else 0
         own_weights += numel * (dtype or own).itemsize if train else 0
@@ -179,15 +194,20 @@ def host_bytes(model: Any, costs: Any = None, plan: Any = None, *, microbatches:
         exact = layout.bytes(state, state_size)
         weights, trainable, own_weights = exact["weights"], exact["grads"] // fp32, exact["trainable_weights"]
         flat = layout.flat  # one per layer group
+        second = sum((s.stop - s.start) * s.dtype.itemsize for segs in layout.segments  # groups whose copies
+                     if not (bf16_master and all(s.dtype == torch.bfloat16 for s in segs)) for s in segs)  # get a B
+    else:
+        second = 0 if bf16_master and bf16_copies else own_weights
     own = sum(hi - lo for lo, hi in (shard_slices(n, world)[rank] for n in flat))  # this rank's slices
     saved = in_flight = 0
     if plan is not None:
         if gpus is None:
             raise ValueError("host_bytes: gpus is needed with a plan (the rounds' saved inputs depend on it)")
         saved, in_flight = round_saved_bytes(list(costs.saved_bytes), plan, gpus, microbatches, round_size)
+    # a bf16 master with bf16 compute copies is the second buffer they alternate with (runtime/host/layout.py)
     return HostBytes(weights, own * master_size, trainable * grad_size, own * state_size * state, saved,
                      in_flight, trainable=params, trainable_weights=own_weights, master_size=master_size,
-                     servers=world, undo=own_weights if staleness == 1 else 0)
+                     servers=world, undo=(second if world == 1 else own_weights) if staleness == 1 else 0)
 
 
 def _shard(shard: Any) -> tuple[int, int]:

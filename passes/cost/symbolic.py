@@ -328,7 +328,7 @@ def symbolic_costs(graph: LayerGraph, inputs: dict[str, torch.Tensor], hardware:
                          param_numel=numel, hardware=hardware, batch=batch,
                          host_state=(("compute copies", state.weights), (f"{master} masters{share}", state.masters),
                                      (f"{grad} gradients", state.grads), (f"optimizer state{share}", state.optimizer),
-                                     ("undo copies (staleness 1)", state.undo)))
+                                     (f"{state.undo_name} (staleness 1)", state.undo)))
 
 
 _SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}  # a state dtype, as printed

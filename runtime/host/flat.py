@@ -20,6 +20,7 @@ optimizers of `impl="foreach"/"single"` (and the fallback without a C++ compiler
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -28,6 +29,7 @@ from rpcompile.ir.host_layout import HostLayout, shard_slices
 from rpcompile.ir.optim import SGD, AdamW, grad_dtype, master_dtype
 from rpcompile.runtime.host.kernels import Kernels
 from rpcompile.runtime.host.lean import TorchLean, rounding_key
+from rpcompile.runtime.host.pinned import pinned_zeros
 
 __all__ = ["FlatGroups", "moment_names", "state_dtype", "master_dtype", "grad_dtype"]
 
@@ -60,18 +62,21 @@ class FlatGroups:
             gradients stay whole). A parameter's `master` / `moment` views are then 1-D: the part of it
             this rank owns (possibly empty). `step` and `cast` cover the owned part only, at the same
             element offsets (so the same rounding bits) as one process.
+        pin: pin the bf16 masters of an unsharded state (`pinned_zeros`'s `pin`): at staleness 1 they alternate
+            with the compute copies as what uploads read (runtime/host/layout.py `Alternation`).
     """
 
     def __init__(self, layout: HostLayout, params: Mapping[str, Tensor], moments: Sequence[str],
                  dtype: torch.dtype = torch.float32, seed: int = 0, master: torch.dtype = torch.float32,
-                 grad: torch.dtype = torch.float32, shard: tuple[int, int] | None = None) -> None:
+                 grad: torch.dtype = torch.float32, shard: tuple[int, int] | None = None, pin: Any = False) -> None:
         self.layout = layout
         self.seed = seed  # the stochastic rounding's seed (runtime/host/lean.py)
         self.shard = shard if shard and shard[1] > 1 else None  # (rank, world) when sharded; None: whole
         rank, world = shard or (0, 1)
         self.owned = [shard_slices(n, world)[rank] for n in layout.flat]  # group -> [lo, hi) held here
-        self.masters = [torch.zeros(hi - lo, dtype=master) for lo, hi in self.owned]  # group -> flat masters
-        # (of the owned slice; gaps: zeros)
+        pin = pin if master == torch.bfloat16 and self.shard is None else False
+        self.masters = [pinned_zeros(hi - lo, master, pin if hi > lo else False)  # group -> flat masters
+                        for lo, hi in self.owned]  # (of the owned slice; gaps: zeros)
         self.grads = [torch.zeros(n, dtype=grad) for n in layout.flat]  # group -> flat gradients (fp32 or bf16)
         self.moments = [{k: torch.zeros(hi - lo, dtype=dtype) for k in moments}  # group -> name -> flat buffer
                         for lo, hi in self.owned]
@@ -132,13 +137,15 @@ class FlatGroups:
 
     def step(self, kernels: Kernels | TorchLean, config: AdamW | SGD, group: int, names: Sequence[str],
              counts: dict[str, int], decayed: frozenset[str], *, factor: float, lr: float,
-             out: Mapping[torch.dtype, Tensor] | None) -> None:
+             out: Mapping[torch.dtype, Tensor] | None, alt: tuple[Mapping, Mapping] | None = None) -> None:
         """One kernel call per run of `names`: the update with gradient * factor; counts += 1 for each name.
 
         Args:
             kernels: the C++ kernels, or `TorchLean` (bf16 moments, masters or gradients without them).
             decayed: the names weight decay applies to (`config.decay` resolved).
             out: compute dtype -> the group's compute block to write the new masters into (None: no copy).
+            alt: (read, write), segment index -> the buffer the masters are read from and the one the new
+                masters are written to, out of place (`Alternation.sources`, unsharded); None: in place.
         """
         p, g, mom = self.masters[group], self.grads[group], self.moments[group]
         own_lo, own_hi = self.owned[group]
@@ -148,16 +155,18 @@ class FlatGroups:
                 continue
             s, a, b = self.layout.segments[group][seg], lo - own_lo, hi - own_lo  # a, b: in the owned buffers
             o = None if out is None else out[s.dtype][lo - s.start:hi - s.start]
+            dst, src = (p[a:b], None) if alt is None else (alt[1][seg][lo - s.start:hi - s.start],
+                                                             alt[0][seg][lo - s.start:hi - s.start])
             wd = config.weight_decay if decay else 0.0
             key = rounding_key(self.seed, group, done + 1)
             if isinstance(config, AdamW):
-                kernels.adamw(p[a:b], g[lo:hi], mom["exp_avg"][a:b], mom["exp_avg_sq"][a:b], o, factor=factor,
+                kernels.adamw(dst, g[lo:hi], mom["exp_avg"][a:b], mom["exp_avg_sq"][a:b], o, factor=factor,
                               lr=lr, betas=config.betas, eps=config.eps, weight_decay=wd, step=done + 1,
-                              key=key, offset=lo)
+                              key=key, offset=lo, src=src)
             else:
                 buf = mom["momentum_buffer"][a:b] if "momentum_buffer" in mom else None
-                kernels.sgd(p[a:b], g[lo:hi], buf, o, factor=factor, lr=lr, momentum=config.momentum,
-                            weight_decay=wd, nesterov=config.nesterov, first=done == 0, key=key, offset=lo)
+                kernels.sgd(dst, g[lo:hi], buf, o, factor=factor, lr=lr, momentum=config.momentum,
+                            weight_decay=wd, nesterov=config.nesterov, first=done == 0, key=key, offset=lo, src=src)
         for n in names:
             counts[n] += 1
 

@@ -1,4 +1,5 @@
-"""Flat memory layouts: host blocks per layer group, device slots per stage, chunk copy plans.
+"""Flat memory layouts: host blocks per layer group, device slots per stage, chunk copy plans, and the
+alternating second home of the blocks' trainable part at staleness 1 (`Alternation`).
 
 Host: the compute copies of one layer group (per dtype) are views into one
 block, so pinning costs one allocation per group (`pin_memory` rounds every
@@ -20,13 +21,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from rpcompile.runtime.host.pinned import pinned_zeros
 from rpcompile.ir.host_layout import ALIGN, aligned, block_offsets
 
-__all__ = ["Slot", "StageLayout", "host_blocks", "stage_layouts", "slot_capacities", "ALIGN", "aligned"]
+__all__ = ["Slot", "StageLayout", "host_blocks", "stage_layouts", "slot_capacities", "ALIGN", "aligned", "Alternation",
+           "upload_sources"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,3 +185,121 @@ def slot_capacities(program, layouts: dict[int, StageLayout]) -> tuple[dict, dic
                     grads[(phys, d)] = max(grads.get((phys, d), 0), k)
             t += 1
     return params, grads
+
+
+# -- alternating copies ---------------------------------------------------------------------------------------
+class Alternation:
+    """Two buffers for each trainable group's compute copies, trading places every step (staleness 1).
+
+    At staleness 1 iteration t uploads the weights W(t-1) while its step makes W(t+1) from W(t), so the host
+    keeps the version the next iteration reads beside the one being made. Two buffers per trainable segment of
+    a group do it without a copy pass: A, the block's trainable part (what `HostState.compute` views), and B.
+    Step t writes the new compute copies into the buffer iteration t uploaded from (after those uploads, R1),
+    and iteration t + 1 uploads from the other, which step t - 1 wrote. Nothing is written before the commit
+    (the iteration's first step), so a failed iteration leaves nothing to undo: where the copy pass needed an
+    undo copy of what it overwrote, B takes its place, at the same bytes.
+
+    B is the bf16 master itself where the group's masters and every one of its compute copies are bf16 (they
+    are interchangeable: the step reads the master from one buffer and writes the new one into the other, out
+    of place, so the pair costs 4 bytes a parameter instead of 6); else a buffer of its own, written by the
+    update's pass (`out`, the cast the copy pass made) while the master is updated in place.
+
+    Which buffer iteration t uploads from follows from the iteration number: every iteration flips each group
+    once (a skipped step copies across what it would have written), so iteration t reads A when t - base is
+    even. `settle()`, where nothing is in flight, swaps a group's buffers after an odd number of flips, so that
+    A holds the compute copies the next iteration reads and B the master (or its cast): what
+    `HostState.compute`, `HostState.master`, `state_dict` and an evaluation read.
+
+    Args:
+        state: the HostState (layout, blocks, flat masters, kernels), unsharded (`HostState.alternate`).
+        first: the first iteration the runtime runs: it uploads from A.
+        pin: `pinned_zeros`'s `pin` for the buffers of their own (uploads read them).
+
+    Attributes:
+        pairs: group -> [(A, B)], one per segment (segment-relative views of equal length).
+        shared: group -> whether B is the group's bf16 master.
+        flips: group -> steps since the last settle; base: group -> an iteration that uploads from A (mod 2).
+    """
+
+    def __init__(self, state: Any, first: int, pin: Any = False) -> None:
+        self.state = state
+        self.pairs: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.shared: dict[int, bool] = {}
+        for g, segs in enumerate(state.layout.segments):
+            if not state.groups[g]:
+                continue
+            master = state.flat.masters[g]
+            self.shared[g] = master.dtype == torch.bfloat16 and all(s.dtype == torch.bfloat16 for s in segs)
+            self.pairs[g] = [(state.blocks[(g, s.dtype)][:s.stop - s.start],
+                              master[s.start:s.stop] if self.shared[g] else pinned_zeros(s.stop - s.start, s.dtype, pin))
+                             for s in segs]
+        self.flips = {g: 0 for g in self.pairs}
+        self.base = {g: first for g in self.pairs}
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Cast the masters into the buffers of their own (settled: at the start, after the masters changed)."""
+        for g, shared in self.shared.items():
+            if not shared:
+                self.state.flat.cast(self.state.kernels, g, self._by_dtype(g, [b for _, b in self.pairs[g]]))
+
+    def _by_dtype(self, group: int, bufs: list[torch.Tensor]) -> dict[torch.dtype, torch.Tensor]:
+        """Segment buffers as `FlatGroups.step`'s `out` / `cast`'s blocks: dtype -> buffer (one segment each)."""
+        return {s.dtype: b for s, b in zip(self.state.layout.segments[group], bufs)}
+
+    def sources(self, group: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(read, write) per segment: the buffer a shared master is read from, and the buffer the new copies
+        (a shared master: the new master) go to, the one this iteration uploaded from."""
+        a = [x for x, _ in self.pairs[group]]
+        b = [y for _, y in self.pairs[group]]
+        return (a, b) if self.flips[group] % 2 else (b, a)
+
+    def out(self, group: int) -> dict[torch.dtype, torch.Tensor]:
+        """dtype -> the buffer this step writes the group's compute copies into (a B of its own)."""
+        return self._by_dtype(group, self.sources(group)[1])
+
+    def carry(self, group: int) -> None:
+        """A shared master not updated now keeps its value: copy it into the buffer the step writes."""
+        read, write = self.sources(group)
+        for src, dst in zip(read, write):
+            dst.copy_(src)
+
+    def flip(self, group: int) -> None:
+        """The group's step is done: its new copies are in the buffer it wrote."""
+        self.flips[group] += 1
+
+    def uploads(self, t: int, evaluation: bool) -> dict[tuple, torch.Tensor]:
+        """(layer, dtype) -> B for each block whose trainable part iteration t uploads from B (the block's first
+        `len(B)` elements); an evaluation (after a flush: settled) reads A."""
+        if evaluation:
+            return {}
+        return {(g, b.dtype): b for g, pairs in self.pairs.items() if (t - self.base[g]) % 2 for _, b in pairs}
+
+    def settle(self) -> None:
+        """Nothing in flight: the compute copies the next iteration reads back into A, the master (or its cast)
+        into B."""
+        for g, pairs in self.pairs.items():
+            if self.flips[g] % 2:
+                for a, b in pairs:
+                    tmp = a.clone()
+                    a.copy_(b)
+                    b.copy_(tmp)
+            self.base[g] += self.flips[g]
+            self.flips[g] = 0
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every B (what uploads read every other iteration)."""
+        return [b for pairs in self.pairs.values() for _, b in pairs]
+
+
+def upload_sources(block: torch.Tensor, alt: torch.Tensor | None, lo: int, hi: int) -> list[tuple]:
+    """[(tensor, lo, hi)]: where elements [lo, hi) of a compute-copy block are read from; `alt` (None, or the
+    buffer holding the block's first `len(alt)` elements this iteration, `Alternation.uploads`) before the rest.
+
+    >>> [(t.numel(), a, b) for t, a, b in upload_sources(torch.zeros(10), torch.ones(4), 2, 7)]
+    [(4, 2, 4), (10, 4, 7)]
+    """
+    if alt is None or lo >= alt.numel():
+        return [(block, lo, hi)]
+    cut = min(hi, alt.numel())
+    return [(alt, lo, cut)] + ([(block, cut, hi)] if cut < hi else [])

@@ -57,9 +57,10 @@ from rpcompile.ir.optim import SGD, AdamW, DynamicLossScale, decay_names, make_t
 from rpcompile.runtime.host.flat import FlatGroups, grad_dtype, master_dtype, moment_names, state_dtype
 from rpcompile.runtime.host.grad_stats import GradStats, ScaleVerdict, _IterStats
 from rpcompile.runtime.host.kernels import load_kernels
-from rpcompile.runtime.host.layout import host_blocks, view
+from rpcompile.runtime.host.layout import Alternation, host_blocks, view
 from rpcompile.runtime.host.lean import TorchLean
 from rpcompile.runtime.host.pinned import pinning
+from rpcompile.runtime.program_info import EVAL_BASE
 from rpcompile.runtime.stage.runner import tracked_buffers
 from rpcompile.runtime.host.state_io import StateIO
 
@@ -154,7 +155,8 @@ class HostState(GradStats, StateIO):
         self.layout = host_layout([(n, p.numel(), dtype or p.dtype, layer_of[n], n in trainable)
                                    for n, p in params.items()], num_layers)  # offsets of every host buffer
         self.flat = FlatGroups(self.layout, trainable, moment_names(optimizer), state_dtype(optimizer),
-                               seed, master_dtype(optimizer), grad_dtype(optimizer), shard)  # masters, grads, moments
+                               seed, master_dtype(optimizer), grad_dtype(optimizer), shard, pin)  # masters, grads,
+        # moments (bf16 masters pinned as the blocks: at staleness 1 uploads read them in turn, `alternate`)
         self.shard = shard  # (rank, world) of sharded masters and moments; None: whole
         self.master: dict[str, Tensor] = self.flat.master  # trainable canonical -> master (fp32 or bf16; a view)
         self.grad: dict[str, Tensor] = self.flat.grad  # trainable canonical -> fp32/bf16 buffer (valid if written
@@ -217,6 +219,8 @@ class HostState(GradStats, StateIO):
         self.on_totals: Any = None  # sharded state: iteration -> (sum of squares, non-finite) over every rank
         self.gather: Any = None  # sharded state: (group, owned slice as float32) -> the group's whole flat buffer
         self.on_settle: Any = _settled  # sharded state: wait until every compute copy made is gathered
+        self.alt: Alternation | None = None  # staleness 1: the compute copies alternate between two buffers
+        self._pin = pin  # what the alternating copies' own buffers are pinned with
 
     def _torch_optimizer(self, group: Sequence[str]) -> torch.optim.Optimizer:
         """torch's optimizer over the group's master views, its state already the views of the flat moments."""
@@ -263,6 +267,37 @@ class HostState(GradStats, StateIO):
         """The compute copy of `name` (what a parameter upload reads; not a copy, do not modify)."""
         return self.compute[self.canonical(name)]
 
+    # -- alternating copies (runtime/host/layout.py `Alternation`) ---------------------------------------
+    def alternate(self, first: int | None) -> bool:
+        """Settle, then let the compute copies alternate between two buffers from iteration `first` on (None:
+        stop; runtime/host/layout.py `Alternation`).
+
+        The runtime calls this at staleness 1 (`HostLanes`): each `step` then writes the new compute copies (a
+        bf16 master with bf16 copies: the new master) into the buffer its iteration uploaded from, and `copy`
+        has nothing to do. Returns whether they alternate (not where the masters are sharded: the copies are
+        gathered from the other ranks, `runtime.sharded`).
+        """
+        self.settle()
+        self.alt = Alternation(self, first, self._pin) if first is not None and eligible(self) else None
+        return self.alt is not None
+
+    def masters_changed(self) -> None:
+        """The masters were written outside `step` (settled; e.g. a data-parallel broadcast): recast the
+        alternating copies' own buffers from them."""
+        self.settle()
+        if self.alt is not None:
+            self.alt.refresh()
+
+    def settle(self) -> None:
+        """Nothing in flight: put the masters back where `master` points and the copies where `compute` does."""
+        if self.alt is not None:
+            self.alt.settle()
+
+    def upload_alternates(self, t: int) -> dict[tuple, Tensor]:
+        """(layer, dtype) -> the buffer iteration t's uploads read the block's trainable part from, where it is
+        not the block's own (`Alternation.uploads`); {} without alternation."""
+        return {} if self.alt is None else self.alt.uploads(t, t >= EVAL_BASE)
+
     def step(self, layer: int, copy: bool = False) -> None:
         """Apply this iteration's gradient of group `layer` to its masters, then zero the buffers.
 
@@ -278,6 +313,10 @@ class HostState(GradStats, StateIO):
                 kernels (staleness 0: `step(l, copy=True)` then `copy(l)`, which has nothing left to do
                 unless some parameter of the group had no gradient). The caller then guarantees R1 for
                 this call as for `copy(layer)`.
+
+        With alternating copies (`alternate`) the new compute copies go to the buffer this iteration uploaded
+        from, in the update's pass (the caller guarantees R1 for it, as for `copy(layer)`); a skipped step
+        writes the unchanged ones.
         """
         group = self.groups[layer]
         self._complete(layer, strict=False)
@@ -290,21 +329,30 @@ class HostState(GradStats, StateIO):
         with self._locks[layer]:
             fresh = self._fresh[layer]
             apply = fresh and (st is None or not st.found_inf) and u not in self._skips
+            shared = self.alt is not None and self.alt.shared[layer]  # a bf16 master is one of the two buffers
+            alt = self.alt.sources(layer) if shared else None  # (read, write): the master out of place
+            if shared and not (apply and len(fresh) == len(group)):
+                self.alt.carry(layer)  # the masters not updated now keep their value in the new buffer
+            own = self.alt is not None and not shared  # a buffer of its own takes the new copies
+            written = False  # whether the update's pass wrote them
             if apply and self._landed:
                 factor = torch.ones((), dtype=torch.float32)  # unscale and clip: one float32 factor, as eager's
                 if self._unscale[layer] is not None and self._unscale[layer] != 1.0:  # two multiplications
                     factor = factor * (1.0 / self._unscale[layer])
                 if st is not None and st.coef is not None:
                     factor = factor * st.coef
-                out = {d: self.blocks[(layer, d)] for d in {s.dtype for s in self.layout.segments[layer]}}
-                copy_now = copy and self.kernels is not None  # TorchLean's steps leave the copies to `copy`
+                out = self.alt.out(layer) if own else {d: self.blocks[(layer, d)]
+                                                       for d in {s.dtype for s in self.layout.segments[layer]}}
+                copy_now = (copy or own) and self.kernels is not None  # TorchLean's steps leave the copies to `copy`
                 self.flat.step(self.kernels or self._lean, self.config, layer, [n for n in group if n in fresh],
-                               self.counts, self.decay, factor=float(factor), lr=self.lr, out=out if copy_now else None)
-                self._copied[layer] = copy_now and len(fresh) == len(group)  # else `copy` casts the group's others
+                               self.counts, self.decay, factor=float(factor), lr=self.lr,
+                               out=out if copy_now else None, alt=alt)
+                written = copy_now and len(fresh) == len(group)
+                self._copied[layer] = written and self.alt is None  # else `copy` casts the group's others
             elif apply and self._lean is not None:  # unscaled in grads_complete; the clip coefficient here
                 factor = 1.0 if st is None or st.coef is None else float(st.coef.float())
                 self.flat.step(self._lean, self.config, layer, [n for n in group if n in fresh], self.counts,
-                               self.decay, factor=factor, lr=self.lr, out=None)  # `copy` casts (no kernels)
+                               self.decay, factor=factor, lr=self.lr, out=None, alt=alt)  # `copy` casts (no kernels)
             elif apply:
                 for n in group:
                     self.master[n].grad = self.grad[n] if n in fresh else None
@@ -313,8 +361,12 @@ class HostState(GradStats, StateIO):
                 self._optims[layer].step()
                 for n in fresh:
                     self.counts[n] += 1
+            if own and not written:  # the copies the update's pass did not write (a skip, the torch path)
+                self.flat.cast(self.kernels, layer, self.alt.out(layer))
             fresh.clear()  # zeroes the buffers logically (the next write overwrites)
             self._stepped[layer] += 1
+            if self.alt is not None:
+                self.alt.flip(layer)
         if st is not None:
             with self._cond:
                 st.stepped += 1
@@ -354,9 +406,13 @@ class HostState(GradStats, StateIO):
     def copy(self, layer: int) -> None:
         """Master -> compute copy (cast to the training dtype, in place) for group `layer` (R1/R2: caller).
 
-        With the kernels one pass per segment of the group (none after `step(layer, copy=True)`).
+        With the kernels one pass per segment of the group (none after `step(layer, copy=True)`). The runtime
+        does not call it while the copies alternate (the steps write them); a caller may between runs, settled
+        (after a flush), to make the copies the next iteration reads the masters (e.g. at the end of a run).
         """
         with self._locks[layer]:
+            if self.alt is not None and self.alt.flips.get(layer, 0):
+                raise RuntimeError(f"copy({layer}): the alternating copies are not settled (flush first)")
             if (self.kernels is not None or self.shard is not None) and not self._copied[layer]:
                 self.flat.cast(self.kernels, layer, {s.dtype: self.blocks[(layer, s.dtype)]
                                                      for s in self.layout.segments[layer]})
@@ -364,3 +420,8 @@ class HostState(GradStats, StateIO):
                 for n in self.groups[layer]:
                     self.compute[n].copy_(self.master[n])
             self._copied[layer] = False
+
+
+def eligible(state: HostState) -> bool:
+    """Whether `state`'s compute copies can alternate between two buffers (`HostState.alternate`): unsharded."""
+    return state.shard is None

@@ -110,7 +110,8 @@ def test_plan_prints_the_parameter_state_per_trainable_parameter_beside_the_host
         at = next(i for i, line in enumerate(lines) if line.startswith("host memory:"))
         assert rc == 0 and lines[at + 1] == (
             f"parameter state: {per} B per trainable parameter (compute copy 2.0, master 4.0, gradient 4.0, "
-            f"optimizer state {'8.0' if dtype == 'fp32' else '4.0'}; staleness 1 adds 2.0 for the undo copy), {dtype} moments (--state-dtype)"), out
+            f"optimizer state {'8.0' if dtype == 'fp32' else '4.0'}; staleness 1 adds 2.0 for the second compute copy), "
+            f"{dtype} moments (--state-dtype)"), out
         assert lines[at].endswith(" needed of 512.0 GiB (rtx4090 preset): fits"), lines[at]  # one server: not "each"
         outs[dtype] = [line for i, line in enumerate(lines) if i not in (at, at + 1) and "planned in" not in line]
     longest = {d: next(k for k, line in enumerate(out) if line.startswith("max_seq_len")) for d, out in outs.items()}
@@ -124,7 +125,7 @@ def test_plan_prints_the_parameter_state_per_trainable_parameter_beside_the_host
     at = next(i for i, line in enumerate(lines) if line.startswith("host memory:"))
     assert rc == 0 and lines[at + 1] == (
         "parameter state: 12.0 B per trainable parameter (compute copy 2.0, master 2.0, gradient 4.0, optimizer "
-        "state 4.0; staleness 1 adds 2.0 for the undo copy), bf16 moments (--state-dtype), bf16 master (--master-dtype)"), out
+        "state 4.0), bf16 moments (--state-dtype), bf16 master (--master-dtype)"), out  # the master is the second copy
     assert "bf16 masters" in lines[at]
     rc, _, err = run_plan(capsys, *small, "--master-dtype", "fp16")
     assert rc == 2 and "--master-dtype" in err and len(err.strip().splitlines()) == 1, err
@@ -133,7 +134,7 @@ def test_plan_prints_the_parameter_state_per_trainable_parameter_beside_the_host
     at = next(i for i, line in enumerate(lines) if line.startswith("host memory:"))
     assert rc == 0 and lines[at + 1] == (
         "parameter state: 10.0 B per trainable parameter (compute copy 2.0, master 2.0, gradient 2.0, optimizer "
-        "state 4.0; staleness 1 adds 2.0 for the undo copy), bf16 moments (--state-dtype), bf16 master (--master-dtype), bf16 gradients "
+        "state 4.0), bf16 moments (--state-dtype), bf16 master (--master-dtype), bf16 gradients "
         "(--grad-dtype)"), out
     rc, _, err = run_plan(capsys, *small, "--grad-dtype", "fp16")
     assert rc == 2 and "--grad-dtype" in err and len(err.strip().splitlines()) == 1, err

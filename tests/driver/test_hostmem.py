@@ -315,7 +315,11 @@ def test_a_sharded_count_holds_the_ranks_slice_of_each_groups_masters_and_moment
             assert (need.masters, need.optimizer) == (own * master, own * moments), (world, r)
             assert (need.weights, need.grads, need.trainable, need.servers) == (whole.weights, whole.grads,
                                                                                   whole.trainable, world)
-            assert need.total == whole.total - (whole.masters + whole.optimizer) + need.masters + need.optimizer
+            # a sharded bf16 master keeps the undo copy (only whole ones alternate with their compute copies)
+            assert need.total == (whole.total - (whole.masters + whole.optimizer) + need.masters + need.optimizer
+                                  + need.undo - whole.undo)
+            assert need.undo == whole.trainable_weights
+            assert whole.undo == (0 if master == 2 and dtype is torch.bfloat16 else whole.trainable_weights)
             assert need.state_per_param == (need.trainable_weights + need.masters + need.grads
                                             + need.optimizer) / need.trainable < whole.state_per_param
         assert sum(s.masters + s.optimizer for s in shares) == whole.masters + whole.optimizer
@@ -353,26 +357,29 @@ def test_a_sharded_run_is_admitted_on_one_servers_share_and_refused_naming_it():
 
 
 @pytest.mark.parametrize("frozen", [False, True])
-def test_staleness_1_keeps_one_undo_copy_of_the_trainable_weights_allocated_once_and_counted(frozen):
-    # an iteration's COPYs overwrite compute copies before it commits; to undo them if it fails the runtime keeps
-    # what they overwrote: the trainable parameters' copies only (a frozen base's never change), in buffers
-    # allocated before the first step, which host_bytes counts
+def test_staleness_1_keeps_a_second_copy_of_the_trainable_weights_allocated_once_and_counted(frozen):
+    # at staleness 1 the next iteration reads the version before the update: the trainable parameters' compute
+    # copies alternate between two buffers (a frozen base's never change), the second allocated before the first
+    # step (runtime/host/layout.py `Alternation`), which host_bytes counts; no undo copy is kept
     model = TinyLlama(CFG)
     if frozen:  # LoRA-style: only the 1-D weights (norms) train
         for p in model.parameters():
             p.requires_grad_(p.dim() == 1)
     with rpcompile.compile(model, gpus=2, example=batch(), backend="host", staleness=1,
                            dtype=torch.bfloat16) as c:
-        lanes = c._runtime.host
-        before = {k: [b.data_ptr() for b in bufs] for k, bufs in lanes._backup_bufs.items()}
+        alt = c.state.alt
+
+        def second():
+            return [b.data_ptr() for _, pairs in sorted(alt.pairs.items()) for _, b in pairs]
+        before = second()
         for _ in range(3):
             c.step(batch())
         c.flush()
-        kept = sum(b.nbytes for bufs in lanes._backup_bufs.values() for b in bufs)
+        kept = sum(b.nbytes for b in alt.buffers())
         need = host_bytes(c.graph, microbatches=c.microbatches, staleness=1, optimizer=c.options.optimizer,
                           dtype=torch.bfloat16)
-        assert kept == need.undo == need.trainable_weights > 0
-        assert {k: [b.data_ptr() for b in bufs] for k, bufs in lanes._backup_bufs.items()} == before  # none added
+        assert kept == need.undo == need.trainable_weights > 0 and c._runtime.host._backup_bufs == {}
+        assert c.state.alt is alt and second() == before  # none added
         assert need.undo < need.weights if frozen else need.undo == need.weights
     assert host_bytes(c.graph, microbatches=c.microbatches, staleness=0, optimizer=c.options.optimizer,
                       dtype=torch.bfloat16).undo == 0

@@ -89,7 +89,8 @@ def test_backward_fault_keeps_last_completed_step(staleness, dtype):
     """Layer 2 raises in backward during iteration 2: raised in < 5 s naming the instruction (grid shown);
     masters, optimizer state, compute copies and grad buffers equal those after flush() of step 1; the next
     calls work and the run ends bit-identical to a run that never failed. (Staleness 1: the compute copies
-    iteration 2's COPYs overwrote are restored from the undo copies; bf16 ones are written by the kernels.)"""
+    alternate between two buffers, and iteration 2 wrote neither before it failed; the copy pass with its undo
+    copies, what sharded state runs, is tests/runtime/test_host_lanes.py's.)"""
     g = _graph()
     clean, s_clean = _runtime(g, staleness, dtype)
     with clean:

@@ -1,7 +1,9 @@
 """The host lanes' undo copies (runtime/host_lanes.py): at staleness 1 an iteration's COPYs overwrite compute
 copies before it commits; what they overwrite (each group's trainable parameters' copies, never a frozen one's)
 is kept in buffers allocated with the runtime, and `undo_from` puts it back bit for bit.
-(The end-to-end check, a backward fault undone and retried, is tests/runtime/test_faults.py's.)"""
+(The end-to-end check, a backward fault undone and retried, is tests/runtime/test_faults.py's.) The copy pass and
+its undo copies are what sharded state runs; an unsharded state's copies alternate between two buffers instead
+(tests/runtime/test_alternate.py), so these tests switch that off."""
 from __future__ import annotations
 
 import pytest
@@ -13,9 +15,16 @@ from rpcompile.hostmem import host_bytes
 from rpcompile.passes import emit, trace
 from rpcompile.runtime.executor import Runtime
 from rpcompile.runtime.host_lanes import copied_regions
+import rpcompile.runtime.host.optimizer as host_optimizer
 from rpcompile.runtime.host.optimizer import HostState
 
 PLAN, GPUS, MBS = "2,2|1|1,3", 2, 4  # llama: 5 layers
+
+
+@pytest.fixture(autouse=True)
+def copy_pass(monkeypatch):
+    """Every state takes the copy pass and its undo copies (not the alternating copies)."""
+    monkeypatch.setattr(host_optimizer, "eligible", lambda state: False)
 
 
 def _runtime(staleness: int, dtype: torch.dtype | None, frozen: bool, impl: str = "fused"):
