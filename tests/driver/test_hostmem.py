@@ -328,6 +328,13 @@ def test_a_sharded_count_holds_the_ranks_slice_of_each_groups_masters_and_moment
         assert shares[0].per_param_line().startswith(f"parameter state on one server of {world} ")
     assert host_bytes(graph, microbatches=2, optimizer=optimizer, dtype=dtype, shard=(0, 1)) == whole
     assert "shares" not in str(whole) and whole.per_param_line().startswith("parameter state: ")  # not sharded
+    # the staleness-1 copy is named for what it is: the second buffer whole, the undo copy sharded
+    if whole.undo:
+        assert "second compute copies" in str(whole) and "undo copies" not in str(whole)
+        assert whole.per_param_line().endswith("for the second compute copy)")
+    sharded = host_bytes(graph, microbatches=2, optimizer=optimizer, dtype=dtype, shard=(0, 2))
+    assert "undo copies" in str(sharded) and "second compute" not in str(sharded)
+    assert sharded.per_param_line().endswith("for the undo copy)")
 
 
 def test_a_sharded_module_count_slices_its_trainable_elements_and_a_bad_shard_is_refused():

@@ -224,3 +224,22 @@ def test_an_upload_reads_the_alternate_buffer_for_the_blocks_trainable_part_only
     assert _sources(block, alt, 1, 3) == [(alt, 1, 3)]
     assert _sources(block, alt, 0, 4) == [(alt, 0, 4)]
     assert _sources(block, alt, 2, 7) == [(alt, 2, 4), (block, 4, 7)]
+
+
+def test_the_masters_changed_outside_a_step_are_cast_into_the_second_buffers_and_copy_waits_for_a_settle():
+    # a data-parallel broadcast writes rank 0's masters into every process (`masters_changed`); `copy`, which
+    # finetune calls at the end of a run, needs the buffers settled
+    state = HostState.from_graph(_graph(), optimizer=AdamW(lr=1e-2), dtype=BF16)
+    assert state.alternate(0)
+    grp = next(iter(state.alt.pairs))
+    for n in state.groups[grp]:
+        state.master[n].add_(1.0)
+    state.masters_changed()
+    for (a, b), s in zip(state.alt.pairs[grp], state.layout.segments[grp]):
+        assert torch.equal(b, state.flat.masters[grp][s.start:s.stop].to(BF16)) and not torch.equal(a, b)
+    state.alt.flip(grp)
+    with pytest.raises(RuntimeError, match="not settled"):
+        state.copy(grp)
+    state.settle()
+    state.copy(grp)
+    assert all(torch.equal(state.compute[n], state.master[n].to(BF16)) for n in state.groups[grp])
