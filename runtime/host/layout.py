@@ -237,6 +237,11 @@ class Alternation:
         self.base = {g: first for g in self.pairs}
         self.refresh()
 
+    def restart(self, first: int) -> None:
+        """Settled: a new runtime's first iteration `first` uploads from A; the masters may have changed."""
+        self.base = {g: first for g in self.pairs}
+        self.refresh()
+
     def refresh(self) -> None:
         """Cast the masters into the buffers of their own (settled: at the start, after the masters changed)."""
         for g, shared in self.shared.items():

@@ -278,7 +278,12 @@ class HostState(GradStats, StateIO):
         gathered from the other ranks, `runtime.sharded`).
         """
         self.settle()
-        self.alt = Alternation(self, first, self._pin) if first is not None and eligible(self) else None
+        if first is None or not eligible(self):
+            self.alt = None
+        elif self.alt is not None:  # a later runtime on this state: the same buffers (pinned once), recast
+            self.alt.restart(first)
+        else:
+            self.alt = Alternation(self, first, self._pin)
         return self.alt is not None
 
     def masters_changed(self) -> None:

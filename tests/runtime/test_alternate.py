@@ -243,3 +243,22 @@ def test_the_masters_changed_outside_a_step_are_cast_into_the_second_buffers_and
     state.settle()
     state.copy(grp)
     assert all(torch.equal(state.compute[n], state.master[n].to(BF16)) for n in state.groups[grp])
+
+
+def test_a_later_runtime_on_the_same_state_keeps_its_second_buffers_and_recasts_them():
+    # a replan or a load makes a new runtime on the same state: the buffers (pinned on CUDA) are not made again
+    g = _graph()
+    state = HostState.from_graph(g, optimizer=AdamW(lr=1e-2), dtype=BF16)
+    rt, _ = _runtime(g, None, state=state)
+    with rt:
+        rt.step(BATCHES[0])
+        rt.flush()
+    alt, ptrs = state.alt, [b.data_ptr() for b in state.alt.buffers()]
+    for n in state.master:
+        state.master[n].mul_(0.5)  # changed between the runs (a load)
+    rt, _ = _runtime(g, None, state=state, start=1)
+    with rt:
+        assert state.alt is alt and [b.data_ptr() for b in alt.buffers()] == ptrs and set(alt.base.values()) == {1}
+        for grp, pairs in alt.pairs.items():
+            for (_, b), s in zip(pairs, state.layout.segments[grp]):
+                assert torch.equal(b, state.flat.masters[grp][s.start:s.stop].to(BF16))
