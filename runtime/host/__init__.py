@@ -6,7 +6,8 @@ downloads gradients into it and steps it; the driver saves and loads it.
     optimizer.py  `HostState`: compute copies, fp32 masters, gradients, moments; the optimizer worker
     grad_stats.py its gradient statistics: gradients landing, norms and clipping, loss scale, the barrier
     state_io.py   its snapshots: fp32 weights, and a state_dict that resumes a run bit for bit
-    layout.py     flat memory layouts: host blocks per layer group, device slots per stage, chunk copies
+    layout.py     flat memory layouts: host blocks per layer group, device slots per stage, chunk copies, and the
+                  alternating copies of staleness 1
     pinned.py     pinned host memory at its exact size (cudaHostRegister): compute copies, transfer buffers
     buffers.py    the runtime's transfer buffers (gradient staging, host pool) counted before a run
     staging.py    gradient staging: a ring of K buffers shared by every stage, one accumulation unit at a time

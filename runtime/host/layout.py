@@ -26,10 +26,11 @@ from typing import Any
 import torch
 
 from rpcompile.runtime.host.pinned import pinned_zeros
+from rpcompile.runtime.program_info import EVAL_BASE
 from rpcompile.ir.host_layout import ALIGN, aligned, block_offsets
 
 __all__ = ["Slot", "StageLayout", "host_blocks", "stage_layouts", "slot_capacities", "ALIGN", "aligned", "Alternation",
-           "upload_sources"]
+           "AlternatingCopies", "upload_sources"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,6 +296,51 @@ class Alternation:
     def buffers(self) -> list[torch.Tensor]:
         """Every B (what uploads read every other iteration)."""
         return [b for pairs in self.pairs.values() for _, b in pairs]
+
+
+class AlternatingCopies:
+    """`HostState`'s side of the alternating copies (a mixin; see runtime/host/optimizer.py): turning them on for a
+    runtime, settling them, and which buffers an iteration's uploads read. Uses `alt`, `_pin` and `shard`."""
+
+    def alternate(self, first: int | None) -> bool:
+        """Settle, then let the compute copies alternate between two buffers from iteration `first` on (None:
+        stop; `Alternation`).
+
+        The runtime calls this at staleness 1 (`HostLanes`): each `step` then writes the new compute copies (a
+        bf16 master with bf16 copies: the new master) into the buffer its iteration uploaded from, and `copy`
+        has nothing to do. Returns whether they alternate (not where the masters are sharded: the copies are
+        gathered from the other ranks, `runtime.sharded`).
+        """
+        self.settle()
+        if first is None or not eligible(self):
+            self.alt = None
+        elif self.alt is not None:  # a later runtime on this state: the same buffers (pinned once), recast
+            self.alt.restart(first)
+        else:
+            self.alt = Alternation(self, first, self._pin)
+        return self.alt is not None
+
+    def masters_changed(self) -> None:
+        """The masters were written outside `step` (settled; e.g. a data-parallel broadcast): recast the
+        alternating copies' own buffers from them."""
+        self.settle()
+        if self.alt is not None:
+            self.alt.refresh()
+
+    def settle(self) -> None:
+        """Nothing in flight: put the masters back where `master` points and the copies where `compute` does."""
+        if self.alt is not None:
+            self.alt.settle()
+
+    def upload_alternates(self, t: int) -> dict[tuple, torch.Tensor]:
+        """(layer, dtype) -> the buffer iteration t's uploads read the block's trainable part from, where it is
+        not the block's own (`Alternation.uploads`); {} without alternation."""
+        return {} if self.alt is None else self.alt.uploads(t, t >= EVAL_BASE)
+
+
+def eligible(state: Any) -> bool:
+    """Whether `state`'s compute copies can alternate between two buffers (`HostState.alternate`): unsharded."""
+    return state.shard is None
 
 
 def upload_sources(block: torch.Tensor, alt: torch.Tensor | None, lo: int, hi: int) -> list[tuple]:

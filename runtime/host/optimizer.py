@@ -39,8 +39,10 @@ Note:
     `step(l)` wait until every trainable group has called `grads_complete` for
     the iteration; that side (gradients landing, the per-iteration reductions,
     the barrier, the loss scale) is the `GradStats` mixin of runtime/host/grad_stats.py,
-    and the snapshots are the `StateIO` mixin of runtime/host/state_io.py. This
-    module holds the update: the state's construction, `step`, `copy`, `set_lr`.
+    the snapshots are the `StateIO` mixin of runtime/host/state_io.py, and the
+    staleness-1 copies that alternate between two buffers are the `AlternatingCopies`
+    mixin of runtime/host/layout.py. This module holds the update: the state's
+    construction, `step`, `copy`, `set_lr`.
 """
 from __future__ import annotations
 
@@ -57,10 +59,9 @@ from rpcompile.ir.optim import SGD, AdamW, DynamicLossScale, decay_names, make_t
 from rpcompile.runtime.host.flat import FlatGroups, grad_dtype, master_dtype, moment_names, state_dtype
 from rpcompile.runtime.host.grad_stats import GradStats, ScaleVerdict, _IterStats
 from rpcompile.runtime.host.kernels import load_kernels
-from rpcompile.runtime.host.layout import Alternation, host_blocks, view
+from rpcompile.runtime.host.layout import AlternatingCopies, host_blocks, view
 from rpcompile.runtime.host.lean import TorchLean
 from rpcompile.runtime.host.pinned import pinning
-from rpcompile.runtime.program_info import EVAL_BASE
 from rpcompile.runtime.stage.runner import tracked_buffers
 from rpcompile.runtime.host.state_io import StateIO
 
@@ -80,7 +81,7 @@ def _copied_now(layer: int, done: Any) -> None:
     done()
 
 
-class HostState(GradStats, StateIO):
+class HostState(GradStats, StateIO, AlternatingCopies):
     """Compute copies, masters (fp32 or bf16), optimizer state and gradient buffers on the host.
 
     Args:
@@ -219,7 +220,7 @@ class HostState(GradStats, StateIO):
         self.on_totals: Any = None  # sharded state: iteration -> (sum of squares, non-finite) over every rank
         self.gather: Any = None  # sharded state: (group, owned slice as float32) -> the group's whole flat buffer
         self.on_settle: Any = _settled  # sharded state: wait until every compute copy made is gathered
-        self.alt: Alternation | None = None  # staleness 1: the compute copies alternate between two buffers
+        self.alt: Any = None  # an Alternation at staleness 1: the compute copies alternate between two buffers
         self._pin = pin  # what the alternating copies' own buffers are pinned with
 
     def _torch_optimizer(self, group: Sequence[str]) -> torch.optim.Optimizer:
@@ -266,42 +267,6 @@ class HostState(GradStats, StateIO):
     def read(self, name: str) -> Tensor:
         """The compute copy of `name` (what a parameter upload reads; not a copy, do not modify)."""
         return self.compute[self.canonical(name)]
-
-    # -- alternating copies (runtime/host/layout.py `Alternation`) ---------------------------------------
-    def alternate(self, first: int | None) -> bool:
-        """Settle, then let the compute copies alternate between two buffers from iteration `first` on (None:
-        stop; runtime/host/layout.py `Alternation`).
-
-        The runtime calls this at staleness 1 (`HostLanes`): each `step` then writes the new compute copies (a
-        bf16 master with bf16 copies: the new master) into the buffer its iteration uploaded from, and `copy`
-        has nothing to do. Returns whether they alternate (not where the masters are sharded: the copies are
-        gathered from the other ranks, `runtime.sharded`).
-        """
-        self.settle()
-        if first is None or not eligible(self):
-            self.alt = None
-        elif self.alt is not None:  # a later runtime on this state: the same buffers (pinned once), recast
-            self.alt.restart(first)
-        else:
-            self.alt = Alternation(self, first, self._pin)
-        return self.alt is not None
-
-    def masters_changed(self) -> None:
-        """The masters were written outside `step` (settled; e.g. a data-parallel broadcast): recast the
-        alternating copies' own buffers from them."""
-        self.settle()
-        if self.alt is not None:
-            self.alt.refresh()
-
-    def settle(self) -> None:
-        """Nothing in flight: put the masters back where `master` points and the copies where `compute` does."""
-        if self.alt is not None:
-            self.alt.settle()
-
-    def upload_alternates(self, t: int) -> dict[tuple, Tensor]:
-        """(layer, dtype) -> the buffer iteration t's uploads read the block's trainable part from, where it is
-        not the block's own (`Alternation.uploads`); {} without alternation."""
-        return {} if self.alt is None else self.alt.uploads(t, t >= EVAL_BASE)
 
     def step(self, layer: int, copy: bool = False) -> None:
         """Apply this iteration's gradient of group `layer` to its masters, then zero the buffers.
@@ -426,7 +391,3 @@ class HostState(GradStats, StateIO):
                     self.compute[n].copy_(self.master[n])
             self._copied[layer] = False
 
-
-def eligible(state: HostState) -> bool:
-    """Whether `state`'s compute copies can alternate between two buffers (`HostState.alternate`): unsharded."""
-    return state.shard is None

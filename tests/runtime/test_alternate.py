@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import models
+import rpcompile.runtime.host.layout as host_layout
 import rpcompile.runtime.host.optimizer as host_optimizer
 from rpcompile import SGD, AdamW, StagePlan
 from rpcompile.hostmem import host_bytes
@@ -42,7 +43,7 @@ def _runtime(graph, optimizer, *, frozen=False, staleness=1, start=0, state=None
 
 def _off(monkeypatch):
     """Alternation off: every state takes the copy lane's cast and the undo copies (the oracle)."""
-    monkeypatch.setattr(host_optimizer, "eligible", lambda state: False)
+    monkeypatch.setattr(host_layout, "eligible", lambda state: False)
 
 
 def _train(graph, optimizer, steps, *, frozen=False, evaluate_at=None, dtype=BF16):

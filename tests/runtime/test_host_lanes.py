@@ -15,7 +15,7 @@ from rpcompile.hostmem import host_bytes
 from rpcompile.passes import emit, trace
 from rpcompile.runtime.executor import Runtime
 from rpcompile.runtime.host_lanes import copied_regions
-import rpcompile.runtime.host.optimizer as host_optimizer
+import rpcompile.runtime.host.layout as host_layout
 from rpcompile.runtime.host.optimizer import HostState
 
 PLAN, GPUS, MBS = "2,2|1|1,3", 2, 4  # llama: 5 layers
@@ -24,7 +24,7 @@ PLAN, GPUS, MBS = "2,2|1|1,3", 2, 4  # llama: 5 layers
 @pytest.fixture(autouse=True)
 def copy_pass(monkeypatch):
     """Every state takes the copy pass and its undo copies (not the alternating copies)."""
-    monkeypatch.setattr(host_optimizer, "eligible", lambda state: False)
+    monkeypatch.setattr(host_layout, "eligible", lambda state: False)
 
 
 def _runtime(staleness: int, dtype: torch.dtype | None, frozen: bool, impl: str = "fused"):
