@@ -8,20 +8,23 @@
 //
 //   land(dst, src, src_kind, n, add, threads, divisor) -> (sum of squares, non-finite)
 //       dst[i] = ((add ? dst[i] : 0) + float(src[i])) / divisor (no division when divisor is 1);
-//       statistics of the result, in the same pass. dst == src: in place (data parallel: the average).
+//       statistics of the result, in the same pass. dst == src: in place (data parallel: the average). A first
+//       landing (no sum, no division) of 1 MiB or more with non-temporal stores (the squares in that loop's order).
 //   land_bf16(dst, src, src_kind, n, add, threads, divisor, key, offset) -> (sum of squares, non-finite)
 //       the same into a bf16 dst (`grad_dtype=torch.bfloat16`): the sum and division in float32, stored rounded
 //       stochastically with the low 16 bits of hash32((offset + i) mod 2^32 ^ key) (a bf16 src written alone is
 //       copied: exact, the bits rounding would give, NaNs as they are); statistics of the stored values.
 //   adamw(p, g, m, v, out, out_kind, n, threads, factor, decay, w1, beta2, w2, eps, neg_step, bc2_sqrt)
-//       torch.optim.AdamW's single-tensor update of p, m, v with g * factor; out = cast(new p).
+//       torch.optim.AdamW's single-tensor update of p, m, v with g * factor; out = cast(new p) (a bf16 out of
+//       1 MiB or more with non-temporal stores, as cast's).
 //   adamw_lean(p, g, m, v, out, out_kind, n, threads, factor, ..., bc2_sqrt, key, offset, lean, src)
 //       the same update with bf16 m, v (lean bit 1), a bf16 master p (bit 2) and/or a bf16 gradient g (bit 4;
 //       read and widened) (runtime/host/lean.py); the master is read from src (0: p itself) and written to p (a
 //       bf16 master out of place: the alternating copies of runtime/host/layout.py): read and widened, the
 //       update in float32, stored rounded stochastically with the bits of r = hash32((offset + i) mod 2^32 ^ key):
 //       low 16 for m, high 16 for v, and master_bits(r) = (low 16 ^ high 16 ^ 0x8000) for p (pairwise independent
-//       of each, so one hash serves all three); out = cast(the stored p).
+//       of each, so one hash serves all three); out = cast(the stored p). A bf16 out of 1 MiB or more, else (no
+//       out) a bf16 p written out of place, with non-temporal stores.
 //   sgd(p, g, buf, out, out_kind, n, threads, factor, wd, momentum, damp, nesterov, first, neg_lr, key, offset,
 //       p_kind, g_kind, src)
 //       torch.optim.SGD's update (buf = 0 for no momentum) of an fp32 or a bf16 master p (rounded as above) with
@@ -46,6 +49,11 @@ namespace {
 constexpr int64_t BLOCK = 1 << 16;  // elements per OpenMP work item (handed out dynamically: a loaded
                                     // machine stalls no thread at a barrier) and per partial sum (fixed: the
                                     // statistics do not depend on the thread count)
+
+// A buffer written whole this large (a compute copy, a gradient's first landing) is written around the cache
+// (non-temporal stores, with AVX-512): a smaller one likely stays in the cache for what reads it next (the uploads, the
+// update), where streaming would send it to memory.
+constexpr int64_t STREAM_MIN_BYTES = int64_t{1} << 20;
 
 using bf16 = uint16_t;
 struct f16 {  // IEEE half bits; converted with c10's branch-free bit arithmetic, which vectorizes (GCC
@@ -119,16 +127,36 @@ void for_blocks(int64_t n, int threads, Body body) {  // body(block, lo, hi) for
 // is at most 2^256 and at least 2^-298 (exact in double), and a block of 2^16 of them sums to at most 2^272, far
 // from double's overflow; an inf or NaN makes the sum inf or NaN (squares are never negative: no inf - inf). So
 // the non-finite flag costs no work per element.
+// A first landing (no sum, no division) of a large gradient writes it around the cache: an update reads it much later.
+// Its statistics then add the squares in another order (the AVX-512 loop's), fixed by the element offsets and dst's
+// alignment, which the same buffers keep from run to run.
+}  // namespace
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define RP_STREAMED_LANDING 1
+namespace v512 {  // kernels_avx512.h, included below
+template <typename S> int64_t land_stream(const S* src, float* dst, int64_t lo, int64_t hi, double* s);
+}
+#else
+#define RP_STREAMED_LANDING 0
+#endif
+namespace {
+
 template <typename S, bool ADD, bool DIV>
 void land_t(float* dst, const S* src, int64_t n, int threads, float divisor, double* sumsq, int* bad) {
     const int64_t nb = blocks(n);
     std::vector<double> part(nb);
     std::vector<int> nonfinite(nb);
+    [[maybe_unused]] const bool stream = !ADD && !DIV && !std::is_same<S, f16>::value && n * 4 >= STREAM_MIN_BYTES;
     for_blocks(n, threads, [&](int64_t b, int64_t lo, int64_t hi) {
         float* const d = dst;  // locals, not the closure's references: the loop vectorizes (see for_blocks)
         const S* const in = src;
         const float div = divisor;
         double s = 0.0;
+#if RP_STREAMED_LANDING
+        if constexpr (!ADD && !DIV && !std::is_same<S, f16>::value) {
+            if (stream) lo = v512::land_stream(in, d, lo, hi, &s);  // then this loop for the tail
+        }
+#endif
 #pragma omp simd reduction(+ : s)
         for (int64_t i = lo; i < hi; ++i) {
             const float y = ADD ? d[i] + to_float(in[i]) : to_float(in[i]);
@@ -260,33 +288,57 @@ namespace {
 template <typename O, bool SCALE, typename S, typename P, typename G>
 void adamw_lean_t(const P* src, P* p, const G* g, S* m, S* v, O* out, int64_t n, int threads, AdamArgs args,
                   uint32_t key, uint64_t offset) {
+    // the buffer this update only writes, streamed when large: the bf16 copy, else a bf16 master written out of place
+    const bool large = n * 2 >= STREAM_MIN_BYTES;
+    [[maybe_unused]] const bool stream_copy = std::is_same<O, bf16>::value && large;
+    [[maybe_unused]] const bool stream_master = std::is_same<O, NoOut>::value && std::is_same<P, bf16>::value &&
+                                                static_cast<const void*>(src) != static_cast<const void*>(p) && large;
     for_blocks(n, threads, [=](int64_t, int64_t lo, int64_t hi) {
         const AdamArgs a = args;  // a local copy: the loop vectorizes (see for_blocks)
         const uint32_t k = key;
         const uint32_t base = static_cast<uint32_t>(offset);  // the element's offset mod 2^32
+        auto scalar = [=](int64_t from, int64_t to) {  // the update of [from, to), element by element
+#pragma omp simd
+            for (int64_t i = from; i < to; ++i) {
+                const float gi = SCALE ? to_float(g[i]) * a.factor : to_float(g[i]);
+                const float m0 = to_float(m[i]), v0 = to_float(v[i]);
+                float pi = to_float(src[i]) * a.decay;
+                const float mi = std::fma(a.w1, gi - m0, m0);
+                const float vi = std::fma(a.w2 * gi, gi, v0 * a.beta2);
+                const float denom = std::sqrt(vi) / a.bc2_sqrt + a.eps;
+                pi = pi + a.neg_step * mi / denom;
+                const uint32_t at = base + static_cast<uint32_t>(i);
+                constexpr bool drawn = std::is_same<S, bf16>::value || std::is_same<P, bf16>::value;
+                const uint32_t r = drawn ? hash32(at ^ k) : 0u;
+                m[i] = keep<S>(mi, r & 0xFFFFu);
+                v[i] = keep<S>(vi, r >> 16);
+                const P stored = keep<P>(pi, master_draw<P>(r));
+                p[i] = stored;
+                store(out, i, to_float(stored));
+            }
+        };
 #if RP_AVX512
-        if constexpr (!std::is_same<O, f16>::value) {  // the AVX-512 loop, then this one for the last < 32
-            lo = v512::adamw_lean<O, SCALE>(src, p, g, m, v, out, lo, hi, a, k, base);
+        auto aligned = [=](const void* buf, int64_t lo, int64_t hi) {  // up to buf's first 64-byte boundary here
+            int64_t at = lo;
+            while (at < hi && (reinterpret_cast<uintptr_t>(static_cast<const bf16*>(buf) + at) & 63) != 0) ++at;
+            scalar(lo, at);
+            return at;
+        };
+        if constexpr (std::is_same<O, bf16>::value) {  // then the AVX-512 loop, streaming from there
+            if (stream_copy) lo = v512::adamw_lean<O, SCALE, v512::STREAM_COPY>(src, p, g, m, v, out,
+                                                                                aligned(out, lo, hi), hi, a, k, base);
+        }
+        if constexpr (std::is_same<O, NoOut>::value && std::is_same<P, bf16>::value) {
+            if (stream_master) lo = v512::adamw_lean<O, SCALE, v512::STREAM_MASTER>(src, p, g, m, v, out,
+                                                                                    aligned(p, lo, hi), hi, a, k, base);
+        }
+        if constexpr (!std::is_same<O, f16>::value) {  // the AVX-512 loop, then the scalar one for the last < 32
+            if (!stream_copy && !stream_master) {
+                lo = v512::adamw_lean<O, SCALE, v512::CACHED>(src, p, g, m, v, out, lo, hi, a, k, base);
+            }
         }
 #endif
-#pragma omp simd
-        for (int64_t i = lo; i < hi; ++i) {
-            const float gi = SCALE ? to_float(g[i]) * a.factor : to_float(g[i]);
-            const float m0 = to_float(m[i]), v0 = to_float(v[i]);
-            float pi = to_float(src[i]) * a.decay;
-            const float mi = std::fma(a.w1, gi - m0, m0);
-            const float vi = std::fma(a.w2 * gi, gi, v0 * a.beta2);
-            const float denom = std::sqrt(vi) / a.bc2_sqrt + a.eps;
-            pi = pi + a.neg_step * mi / denom;
-            const uint32_t at = base + static_cast<uint32_t>(i);
-            constexpr bool drawn = std::is_same<S, bf16>::value || std::is_same<P, bf16>::value;
-            const uint32_t r = drawn ? hash32(at ^ k) : 0u;
-            m[i] = keep<S>(mi, r & 0xFFFFu);
-            v[i] = keep<S>(vi, r >> 16);
-            const P stored = keep<P>(pi, master_draw<P>(r));
-            p[i] = stored;
-            store(out, i, to_float(stored));
-        }
+        scalar(lo, hi);
     });
 }
 
@@ -322,8 +374,6 @@ void sgd_t(const P* src, P* p, const G* g, float* buf, O* out, int64_t n, int th
 }
 
 // ---- cast: the compute copy ------------------------------------------------------------------------
-constexpr int64_t STREAM_MIN_BYTES = int64_t{1} << 20;  // a bf16 copy this large is written around the cache (a
-// smaller one likely stays in the cache for the uploads that read it next, where streaming would send them to memory)
 
 template <typename O>
 void cast_t(const float* src, O* out, int64_t n, int threads) {
@@ -362,6 +412,12 @@ bool by_kind(int kind, void* out, Args... args) {  // dispatch on the output kin
 
 template <typename O> struct AdamF {
     static void run(O* out, float* p, const float* g, float* m, float* v, int64_t n, int t, AdamArgs a) {
+        if (RP_AVX512 && std::is_same<O, bf16>::value && n * 2 >= STREAM_MIN_BYTES) {  // the lean loop with fp32
+            // values (the same operations, so the same bits), for its streamed copy
+            a.factor != 1.0f ? adamw_lean_t<O, true, float, float, float>(p, p, g, m, v, out, n, t, a, 0, 0)
+                             : adamw_lean_t<O, false, float, float, float>(p, p, g, m, v, out, n, t, a, 0, 0);
+            return;
+        }
         a.factor != 1.0f ? adamw_t<O, true>(p, g, m, v, out, n, t, a) : adamw_t<O, false>(p, g, m, v, out, n, t, a);
     }
 };

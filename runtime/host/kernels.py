@@ -58,7 +58,9 @@ class Kernels:
     def land(self, dst: Tensor, src: Tensor, *, add: bool, divisor: float = 1.0, key: int = 0,
              offset: int = 0) -> tuple[float, bool]:
         """dst = ((dst if add else 0) + src) / divisor (fp32 dst, any float src; src may be dst: in place);
-        returns (sum of squares, non-finite) of the new dst, taken in the same pass.
+        returns (sum of squares, non-finite) of the new dst, taken in the same pass. A first landing (add=False,
+        divisor 1) of 1 MiB or more of fp32 goes around the cache (non-temporal stores, with AVX-512; the squares then
+        add in that loop's order, the same for the same buffers).
 
         A bf16 dst (`grad_dtype=torch.bfloat16`) gets the float32 result rounded stochastically with the
         bits that `key` and `offset` (dst's first element's offset in its group's buffers) choose
@@ -91,7 +93,8 @@ class Kernels:
         and `offset` (p's first element's offset in its group's buffers) choose (runtime/host/lean.py);
         out is then cast from the stored bf16 weight. `src`: read the master from it (p's dtype and size) and
         write the new one to p, out of place (a bf16 master's alternating copies, runtime/host/layout.py);
-        None: p in place.
+        None: p in place. A bf16 out of 1 MiB or more (else, with no out, a bf16 p written out of place) goes
+        around the cache (non-temporal stores, with AVX-512), with the same bits.
         """
         master = _lean_dtype("adamw", p)
         _check_src("adamw", src, p)

@@ -63,6 +63,14 @@ inline I pack(I a, I b) {  // the high halves of a's and b's 16 lanes, in order:
 }
 inline void put(bf16* dst, int64_t i, I a, I b) { _mm512_storeu_si512(dst + i, pack(a, b)); }
 inline void put(NoOut*, int64_t, I, I) {}
+// A bf16 buffer the update only writes (its compute copy, a bf16 master out of place): around the cache (non-temporal)
+// when STREAM, which needs dst + i on a 64-byte boundary (the caller's loop aligns it), so a line written whole is not
+// read first. Other buffers: `put`.
+template <bool STREAM> inline void put_to(bf16* dst, int64_t i, I a, I b) {
+    if (STREAM) _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), pack(a, b));
+    else put(dst, i, a, b);
+}
+template <bool STREAM, typename T> inline void put_to(T* dst, int64_t i, I a, I b) { put(dst, i, a, b); }
 
 // The compute copy's bits from the stored master's (`keep`'s) for an output of type O.
 template <typename O, typename P, bool CHECKED> inline I copy_bits(I stored) {
@@ -108,20 +116,25 @@ inline bool has_nan(const Update& u) {
     return (_mm512_cmp_ps_mask(u.m, u.v, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(u.p, u.p, _CMP_UNORD_Q)) != 0;
 }
 
+// How the update writes the buffer it only writes: through the cache, or streamed (the compute copy; with no copy, a
+// bf16 master written out of place).
+enum Stream { CACHED = 0, STREAM_COPY = 1, STREAM_MASTER = 2 };
+
 // 32 elements' values into their buffers from i: two updates' roundings and stores.
-template <bool CHECKED, typename O, typename S, typename P>
+template <bool CHECKED, int STREAM, typename O, typename S, typename P>
 inline void store(P* p, S* m, S* v, O* o, int64_t i, const Update& x, const Update& y) {
     put(m, i, keep<S, CHECKED>(x.m, x.rm), keep<S, CHECKED>(y.m, y.rm));
     put(v, i, keep<S, CHECKED>(x.v, x.rv), keep<S, CHECKED>(y.v, y.rv));
     const I px = keep<P, CHECKED>(x.p, x.rp), py = keep<P, CHECKED>(y.p, y.rp);
-    put(p, i, px, py);
-    put(o, i, copy_bits<O, P, CHECKED>(px), copy_bits<O, P, CHECKED>(py));
+    put_to<STREAM == STREAM_MASTER>(p, i, px, py);
+    put_to<STREAM == STREAM_COPY>(o, i, copy_bits<O, P, CHECKED>(px), copy_bits<O, P, CHECKED>(py));
 }
 
 // adamw_lean_t's loop over [lo, hi) in steps of 32, the master read from src and written to p (the same pointer in
 // place); returns where it stopped (the scalar loop does the rest).
-// O: no output, float32 or bf16 (fp16 copies take the scalar loop).
-template <typename O, bool SCALE, typename S, typename P, typename G>
+// O: no output, float32 or bf16 (fp16 copies take the scalar loop). STREAM: a `Stream`; the buffer streamed starts a
+// 64-byte line at lo (the caller's scalar loop does the elements before it).
+template <typename O, bool SCALE, int STREAM, typename S, typename P, typename G>
 int64_t adamw_lean(const P* src, P* p, const G* g, S* m, S* v, O* o, int64_t lo, int64_t hi, const AdamArgs& a,
                    uint32_t key, uint32_t base) {
     const Consts c{_mm512_set1_ps(a.factor), _mm512_set1_ps(a.decay), _mm512_set1_ps(a.w1),
@@ -137,9 +150,10 @@ int64_t adamw_lean(const P* src, P* p, const G* g, S* m, S* v, O* o, int64_t lo,
         at = _mm512_add_epi32(at, sixteen);
         const Update y = update<SCALE>(src, g, m, v, i + 16, at, c);
         at = _mm512_add_epi32(at, sixteen);
-        if (__builtin_expect(has_nan(x) || has_nan(y), 0)) store<true>(p, m, v, o, i, x, y);
-        else store<false>(p, m, v, o, i, x, y);
+        if (__builtin_expect(has_nan(x) || has_nan(y), 0)) store<true, STREAM>(p, m, v, o, i, x, y);
+        else store<false, STREAM>(p, m, v, o, i, x, y);
     }
+    if (STREAM != CACHED) _mm_sfence();  // the streamed lines before this thread's next stores (see stream_bf16)
     return i;
 }
 
@@ -163,6 +177,39 @@ inline int64_t stream_bf16(const S* src, bf16* out, int64_t lo, int64_t hi) {
     _mm_sfence();  // this thread's streamed lines before its next stores (the kernel's return: the caller's event)
     return i;
 }
+
+// land_t's first landing of a large gradient over [lo, hi): up to dst's first 64-byte boundary one value at a time,
+// then 16 a step with non-temporal stores, the squares added in double in two vectors of 8 lanes (reduced at the end,
+// after the head's); returns where it stopped (the caller's loop does the tail and adds its squares to *s).
+inline V widen(const float* x) { return load(x); }
+inline V widen(const bf16* x) {  // 16 values
+    const I w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+template <typename S>
+int64_t land_stream(const S* src, float* dst, int64_t lo, int64_t hi, double* s) {
+    int64_t i = lo;
+    double head = 0.0;
+    for (; i < hi && (reinterpret_cast<uintptr_t>(dst + i) & 63) != 0; ++i) {
+        const float x = to_float(src[i]);
+        dst[i] = x;
+        head += static_cast<double>(x) * static_cast<double>(x);
+    }
+    __m512d a = _mm512_setzero_pd(), b = a;
+    for (; i + 16 <= hi; i += 16) {
+        const V x = widen(src + i);
+        _mm512_stream_ps(dst + i, x);
+        const __m512d low = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
+        const __m512d high = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+        a = _mm512_add_pd(a, _mm512_mul_pd(low, low));
+        b = _mm512_add_pd(b, _mm512_mul_pd(high, high));
+    }
+    _mm_sfence();  // the streamed lines before this thread's next stores
+    *s = head + _mm512_reduce_add_pd(_mm512_add_pd(a, b));
+    return i;
+}
+template int64_t land_stream<float>(const float*, float*, int64_t, int64_t, double*);
+template int64_t land_stream<bf16>(const bf16*, float*, int64_t, int64_t, double*);
 
 }  // namespace v512
 #define RP_AVX512 1

@@ -53,30 +53,6 @@ def test_cast_is_bitwise_to_dtype(dtype):
     assert torch.equal(out[~nan].view(bits), ref[~nan].view(bits))  # bitwise: signed zeros, ties, overflow
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])  # an fp32 master's copy, a bf16 master's
-def test_a_large_bf16_copy_written_around_the_cache_has_the_same_bits_and_stays_in_its_view(src_dtype, threads):
-    # 1 MiB and more of bf16 streams (non-temporal stores from out's first 64-byte boundary): a view that starts
-    # 3 elements into its buffer has a scalar head, whole blocks of 32 and a tail; NaNs land in each part
-    n = 700_001
-    x = specials(n, seed=3)
-    x[[1, 40, 1000, n // 2, n - 5]] = float("nan")
-    x = x.to(src_dtype)
-    whole = torch.full((n + 10,), -7.0, dtype=torch.bfloat16)
-    out = whole[3:3 + n]
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        K.cast(x, out)
-    finally:
-        torch.set_num_threads(old)
-    ref = x.to(torch.bfloat16)
-    nan = ref.isnan()
-    assert torch.equal(out.isnan(), nan)
-    assert torch.equal(out[~nan].view(torch.int16), ref[~nan].view(torch.int16))
-    assert (whole[:3] == -7).all() and (whole[3 + n:] == -7).all()  # nothing written outside the view
-
-
 @pytest.mark.parametrize("src_dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_landing_writes_the_gradient_and_its_statistics_in_one_pass(src_dtype):
     g = torch.Generator().manual_seed(1)
