@@ -4,7 +4,6 @@ undo copy. The oracle is the same run with alternation off (the copy lane's cast
 sharded state runs): every loss, master, compute copy and moment bit for bit."""
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
@@ -15,10 +14,11 @@ import rpcompile.runtime.host.optimizer as host_optimizer
 from rpcompile import SGD, AdamW, StagePlan
 from rpcompile.hostmem import host_bytes
 from rpcompile.passes import emit, trace
-from rpcompile.runtime.executor import Runtime, RuntimeFailure
+from rpcompile.runtime.executor import Runtime
 from rpcompile.runtime.host.layout import upload_sources as _sources
 from rpcompile.runtime.host.optimizer import HostState
-from tests.runtime.test_faults import BATCHES, GPUS, MBS, PLAN, Boom, _graph, _inject, _same, _snapshot
+from tests.runtime.test_faults import (BATCHES, GPUS, MBS, PLAN, _graph, _inject, _same, _snapshot,
+                                      clean_snapshots, fail_iteration_2)
 
 BF16 = torch.bfloat16
 LEAN = AdamW(lr=1e-2, weight_decay=0.1, state_dtype=BF16, master_dtype=BF16)
@@ -117,28 +117,13 @@ def test_the_buffers_alternate_each_step_and_a_flush_puts_them_back():
 @pytest.mark.parametrize("opt", [LEAN, AdamW(lr=1e-2)], ids=["bf16-master", "fp32"])
 def test_a_fault_before_the_commit_needs_no_undo_and_the_retry_is_bit_for_bit(opt):
     g = _graph()
-    clean, s_clean = _runtime(g, opt)
-    with clean:
-        clean.step(BATCHES[0]), clean.step(BATCHES[1])
-        clean.flush()
-        want = _snapshot(s_clean)
-        clean.step(BATCHES[2]), clean.step(BATCHES[3])
-        clean.flush()
-        final = _snapshot(s_clean)
+    want, final = clean_snapshots(*_runtime(g, opt))
     rt, state = _runtime(g, opt, lane_delay=5)
     _inject(rt, 2, iteration=2)
     with rt:
         assert rt.host.alternating
-        rt.step(BATCHES[0]), rt.step(BATCHES[1])  # no flush: iteration 1's steps may still be in flight
-        Boom.armed["on"] = True
-        t0 = time.perf_counter()
-        try:
-            with pytest.raises(RuntimeFailure) as err:
-                rt.step(BATCHES[2])
-                rt.flush()
-        finally:
-            Boom.armed["on"] = False
-        assert time.perf_counter() - t0 < 5.0 and err.value.iteration == 2
+        err, took = fail_iteration_2(rt)
+        assert took < 5.0 and err.iteration == 2
         _same(_snapshot(state), want)
         rt.step(BATCHES[2]), rt.step(BATCHES[3])
         rt.flush()
@@ -263,3 +248,35 @@ def test_a_later_runtime_on_the_same_state_keeps_its_second_buffers_and_recasts_
         for grp, pairs in alt.pairs.items():
             for (_, b), s in zip(pairs, state.layout.segments[grp]):
                 assert torch.equal(b, state.flat.masters[grp][s.start:s.stop].to(BF16))
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16-moments"])
+def test_a_group_with_compute_copies_of_two_dtypes_alternates_each_segment_bit_for_bit(monkeypatch, mode):
+    # the norms in bf16, the rest fp32, each parameter training in its own dtype; the key projections and the
+    # post-attention norms frozen: a block's group holds one segment per dtype, the second one starting past the
+    # first, and each dtype's block has frozen weights after its trainable part. Each segment alternates with a
+    # buffer of its own length
+    def graph():
+        model = models.llama()
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.data = p.data.to(BF16)
+            p.requires_grad_("k_proj" not in name and "post_attention_layernorm" not in name)
+        return trace(model, models.lm_batch(batch=4, seq=8))
+
+    g = graph()
+    rt, state = _runtime(g, MODES[mode], dtype=None)
+    with rt:
+        mixed = [grp for grp, segs in enumerate(state.layout.segments) if len(segs) > 1]
+        assert mixed and all(segs[1].start > 0 for segs in map(state.layout.segments.__getitem__, mixed))
+        assert all(state.blocks[(grp, s.dtype)].numel() > s.stop - s.start  # frozen weights after the segment
+                   for grp in mixed for s in state.layout.segments[grp])
+        for grp in mixed:
+            for (a, b), s in zip(state.alt.pairs[grp], state.layout.segments[grp]):
+                assert a.dtype == b.dtype == s.dtype and a.numel() == b.numel() == s.stop - s.start
+    got = _train(g, MODES[mode], 5, evaluate_at=2, dtype=None)
+    _off(monkeypatch)
+    want = _train(graph(), MODES[mode], 5, evaluate_at=2, dtype=None)
+    assert got[3] and not want[3]
+    assert got[0] == want[0] and got[1] == want[1]
+    _same(got[2], want[2])

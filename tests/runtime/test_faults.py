@@ -84,6 +84,32 @@ def _runtime(graph, staleness: int, dtype: torch.dtype | None = None, **kw):
 BATCHES = [models.lm_batch(batch=4, seq=8, seed=s) for s in range(4)]
 
 
+def clean_snapshots(rt: Runtime, state) -> tuple[dict, dict]:
+    """(`_snapshot` after BATCHES[0:2], after BATCHES[0:4]) of a run that never fails, flushed at each."""
+    with rt:
+        rt.step(BATCHES[0]), rt.step(BATCHES[1])
+        rt.flush()
+        want = _snapshot(state)
+        rt.step(BATCHES[2]), rt.step(BATCHES[3])
+        rt.flush()
+        return want, _snapshot(state)
+
+
+def fail_iteration_2(rt: Runtime) -> tuple[RuntimeFailure, float]:
+    """Iterations 0 and 1 (no flush: iteration 1's steps may still be in flight), then 2 with `Boom` armed:
+    (the RuntimeFailure it raised, seconds from its start until then)."""
+    rt.step(BATCHES[0]), rt.step(BATCHES[1])
+    Boom.armed["on"] = True
+    t0 = time.perf_counter()
+    try:
+        with pytest.raises(RuntimeFailure) as err:  # step returns with the loss: the backward tail may
+            rt.step(BATCHES[2])                     # fail after it; the next call raises it
+            rt.flush()
+    finally:
+        Boom.armed["on"] = False
+    return err.value, time.perf_counter() - t0
+
+
 @pytest.mark.parametrize("staleness, dtype", [(0, None), (1, None), (1, torch.bfloat16)])
 def test_backward_fault_keeps_last_completed_step(staleness, dtype):
     """Layer 2 raises in backward during iteration 2: raised in < 5 s naming the instruction (grid shown);
@@ -92,30 +118,15 @@ def test_backward_fault_keeps_last_completed_step(staleness, dtype):
     alternate between two buffers, and iteration 2 wrote neither before it failed; the copy pass with its undo
     copies, what sharded state runs, is tests/runtime/test_host_lanes.py's.)"""
     g = _graph()
-    clean, s_clean = _runtime(g, staleness, dtype)
-    with clean:
-        clean.step(BATCHES[0]), clean.step(BATCHES[1])
-        clean.flush()
-        want = _snapshot(s_clean)
-        clean.step(BATCHES[2]), clean.step(BATCHES[3])
-        clean.flush()
-        final = _snapshot(s_clean)
+    want, final = clean_snapshots(*_runtime(g, staleness, dtype))
     rt, state = _runtime(g, staleness, dtype, lane_delay=5)
     _inject(rt, 2, iteration=2)
     with rt:
-        rt.step(BATCHES[0]), rt.step(BATCHES[1])  # no flush: iteration 1's steps may still be in flight
-        Boom.armed["on"] = True
-        t0 = time.perf_counter()
-        try:
-            with pytest.raises(RuntimeFailure) as err:  # step returns with the loss: the backward tail may
-                rt.step(BATCHES[2])                     # fail after it; the next call raises it
-                rt.flush()
-        finally:
-            Boom.armed["on"] = False
-        assert time.perf_counter() - t0 < 5.0
-        msg = str(err.value)
-        assert err.value.iteration == 2 and (" B" in err.value.instr or " X" in err.value.instr)
-        assert "injected backward fault" in msg and f">>{err.value.instr.split(' ', 1)[1]}<<" in msg
+        err, took = fail_iteration_2(rt)
+        assert took < 5.0
+        msg = str(err)
+        assert err.iteration == 2 and (" B" in err.instr or " X" in err.instr)
+        assert "injected backward fault" in msg and f">>{err.instr.split(' ', 1)[1]}<<" in msg
         _same(_snapshot(state), want)
         rt.step(BATCHES[2]), rt.step(BATCHES[3])
         rt.flush()
