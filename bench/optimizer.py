@@ -1,7 +1,7 @@
 """The host optimizer at memory speed: rpcompile's whole host side vs torch's, vs a memcpy.
 
 Usage:
-    python bench/optimizer.py [--params 48e6] [--groups 24] [--reps 5] [--threads 1,2] [--no-compile]
+    python bench/optimizer.py [--params 48e6] [--groups 24] [--reps 5] [--runs 1] [--threads 1,2] [--no-compile]
                               [--out optimizer.md]
 
 Every row handles the same parameters (split evenly over `--groups` layer groups of one tensor
@@ -35,7 +35,9 @@ AdamW (weight decay 0.01) and a bf16 compute copy. Rows:
   a fresh destination, as the update's read-modify-write buffers): a second floor.
 
 The median of `--reps` timed calls after one warm-up per row; rows run round-robin so machine load
-hits them alike. One table per torch thread count in `--threads` (every row uses that many threads).
+hits them alike. With `--runs K` that is done K times per thread count: a row's time is the median of its K
+medians, and a second table gives the range of the lean rows' ratio to the fp32 state over the K runs (on a
+shared machine one run's ratio moves by 0.1 or more). One table per torch thread count in `--threads` (every row uses that many threads).
 """
 from __future__ import annotations
 
@@ -200,12 +202,19 @@ def compiled(total: int, groups: int) -> Case:
     return timed(run)
 
 
+def _vs_fp32(med: dict[str, float], name: str) -> float:
+    """The fp32 state's time at the staleness of row `name` over the row's (its speed-up over the fp32 state)."""
+    return med[f"rpcompile kernels, staleness {name[-1]}"] / med[name]
+
+
 def main(argv: list[str] | None = None) -> str:
     """Run the benchmark, print the table and write docs/bench/<--out>; returns the markdown."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--params", type=float, default=48e6, help="total parameters")
     ap.add_argument("--groups", type=int, default=24, help="layer groups (one tensor each)")
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
+    ap.add_argument("--runs", type=int, default=1, help="repeat each table's round-robin this often (median of "
+                    "the runs' medians, and the range of the lean rows' ratios)")
     ap.add_argument("--threads", default="1,2", help="torch thread counts, one table each")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile row (its first compile is slow)")
     ap.add_argument("--out", default="optimizer.md", help="file name under docs/bench ('' = none)")
@@ -237,24 +246,33 @@ def main(argv: list[str] | None = None) -> str:
     tables = []
     for threads in [int(x) for x in args.threads.split(",")]:
         torch.set_num_threads(threads)
-        for _, _, run in cases:  # warm-up: first touch, lazy state, thread pools
-            run()
-        times = [[run() for _, _, run in cases] for _ in range(args.reps)]  # round-robin
-        med = {name: statistics.median(t[i] for t in times) for i, (name, _, _) in enumerate(cases)}
+        runs = []  # per run: row name -> median seconds
+        for _ in range(args.runs):
+            for _, _, run in cases:  # warm-up: first touch, lazy state, thread pools
+                run()
+            times = [[run() for _, _, run in cases] for _ in range(args.reps)]  # round-robin
+            runs.append({name: statistics.median(t[i] for t in times) for i, (name, _, _) in enumerate(cases)})
+        med = {name: statistics.median(r[name] for r in runs) for name, _, _ in cases}
         eq, mc = med["torch equivalent"], med["memcpy, 18 B/param"]
-        fp32 = {s: med[f"rpcompile kernels, staleness {s}"] for s in (0, 1)}  # the bf16 rows' speed-up is over these
         rows = [(name, how, f"{med[name] * 1e3:.1f}", f"{total / med[name] / 1e6:.0f}", f"{eq / med[name]:.2f}",
-                 f"{mc / med[name]:.2f}", f"{fp32[int(name[-1])] / med[name]:.2f}" if "bf16" in name else "")
+                 f"{mc / med[name]:.2f}", f"{_vs_fp32(med, name):.2f}" if "bf16" in name else "")
                 for name, how, _ in cases]
         tables.append(f"### {threads} thread{'s' if threads > 1 else ''} (load average {os.getloadavg()[0]:.1f})\n\n"
                       + tabulate(rows, headers=["path", "what is timed", "ms / iteration", "Mparam/s",
                                                 "vs torch equivalent", "of memcpy rate (36 B/param)",
                                                 "vs fp32 state"],
                                  tablefmt="github"))
+        if args.runs > 1:
+            spread = [(name, *(f"{f(_vs_fp32(r, name) for r in runs):.2f}" for f in (min, statistics.median, max)))
+                      for name, _, _ in cases if "bf16" in name]
+            tables.append(f"`vs fp32 state` over the {args.runs} runs ({threads} thread{'s' if threads > 1 else ''})"
+                          f"\n\n" + tabulate(spread, headers=["path", "lowest", "median", "highest"],
+                                                tablefmt="github"))
     text = (f"# The host optimizer at memory speed\n\n{machine_line()}  \n"
             f"{os.cpu_count()} cores shared with other users; the load average is given per table  \n"
             f"{total / 1e6:.0f}M fp32 parameters in {groups} groups, bf16 gradients in, AdamW, clipping at "
-            f"{CLIP}, bf16 compute copy; median of {args.reps} after one warm-up, rows interleaved\n\n"
+            f"{CLIP}, bf16 compute copy; median of {args.reps} after one warm-up, rows interleaved"
+            f"{f'; {args.runs} runs, each row the median of their medians' if args.runs > 1 else ''}\n\n"
             + "\n\n".join(tables) + "\n\n"
             f"DeepSpeed CPUAdam: {'timed above' if not isinstance(ds, str) else 'not available: ' + ds}.\n\n"
             "`of memcpy rate` is the memcpy row's time over the row's: 1.0 means the row moves its parameters\n"
