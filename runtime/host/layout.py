@@ -222,7 +222,7 @@ class Alternation:
         flips: group -> steps since the last settle; base: group -> an iteration that uploads from A (mod 2).
     """
 
-    def __init__(self, state: Any, first: int, pin: Any = False) -> None:
+    def __init__(self, state: Any, first: int, pin: Any) -> None:
         self.state = state
         self.pairs: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.shared: dict[int, bool] = {}
