@@ -127,7 +127,8 @@ void for_blocks(int64_t n, int threads, Body body) {  // body(block, lo, hi) for
 // is at most 2^256 and at least 2^-298 (exact in double), and a block of 2^16 of them sums to at most 2^272, far
 // from double's overflow; an inf or NaN makes the sum inf or NaN (squares are never negative: no inf - inf). So
 // the non-finite flag costs no work per element.
-// A first landing (no sum, no division) of a large gradient writes it around the cache: an update reads it much later.
+// A first landing (no sum, no division) of a large gradient writes it around the cache: an update reads it much later
+// (a bf16 gradient's: the copy of a bf16 one).
 // Its statistics then add the squares in another order (the AVX-512 loop's), fixed by the element offsets and dst's
 // alignment, which the same buffers keep from run to run.
 }  // namespace
@@ -135,6 +136,7 @@ void for_blocks(int64_t n, int threads, Body body) {  // body(block, lo, hi) for
 #define RP_STREAMED_LANDING 1
 namespace v512 {  // kernels_avx512.h, included below
 template <typename S> int64_t land_stream(const S* src, float* dst, int64_t lo, int64_t hi, double* s);
+int64_t land_stream(const uint16_t* src, uint16_t* dst, int64_t lo, int64_t hi, double* s);  // a bf16 copy
 }
 #else
 #define RP_STREAMED_LANDING 0
@@ -183,12 +185,19 @@ void land_bf16_t(bf16* dst, const S* src, int64_t n, int threads, float divisor,
     const int64_t nb = blocks(n);
     std::vector<double> part(nb);
     std::vector<int> nonfinite(nb);
+    [[maybe_unused]] const bool stream = n * 2 >= STREAM_MIN_BYTES;  // a large copy (below) streams
     for_blocks(n, threads, [&](int64_t b, int64_t lo, int64_t hi) {
         bf16* const d = dst;  // locals, not the closure's references: the loop vectorizes (see for_blocks)
         const S* const in = src;
         const float div = divisor;
         const uint32_t k = key, base = static_cast<uint32_t>(offset);
         constexpr bool copy = std::is_same<S, bf16>::value && !ADD && !DIV;  // exact: the bits rounding would give
+        double s = 0.0;
+#if RP_STREAMED_LANDING
+        if constexpr (copy) {
+            if (stream) lo = v512::land_stream(in, d, lo, hi, &s);  // then the loop below for the tail
+        }
+#endif
         if constexpr (!copy) {
 #pragma omp simd
             for (int64_t i = lo; i < hi; ++i) {
@@ -197,8 +206,8 @@ void land_bf16_t(bf16* dst, const S* src, int64_t n, int threads, float divisor,
                 d[i] = round_stochastic(x, hash32((base + static_cast<uint32_t>(i)) ^ k) & 0xFFFFu);
             }
         }
-        double s = 0.0;  // the statistics of the stored block, still in the cache (GCC does not vectorize the
-                         // rounding and this reduction as one loop); a copy's in the copying loop
+        // the statistics of the stored block, still in the cache (GCC does not vectorize the rounding and this
+        // reduction as one loop); a copy's in the copying loop
 #pragma omp simd reduction(+ : s)
         for (int64_t i = lo; i < hi; ++i) {
             if constexpr (copy) d[i] = in[i];

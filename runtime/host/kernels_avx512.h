@@ -211,6 +211,34 @@ int64_t land_stream(const S* src, float* dst, int64_t lo, int64_t hi, double* s)
 template int64_t land_stream<float>(const float*, float*, int64_t, int64_t, double*);
 template int64_t land_stream<bf16>(const bf16*, float*, int64_t, int64_t, double*);
 
+// The same for a bf16 gradient's first landing of a bf16 one (a copy), 32 values a step, the squares in four
+// vectors of 8 lanes.
+int64_t land_stream(const bf16* src, bf16* dst, int64_t lo, int64_t hi, double* s) {
+    int64_t i = lo;
+    double head = 0.0;
+    for (; i < hi && (reinterpret_cast<uintptr_t>(dst + i) & 63) != 0; ++i) {
+        dst[i] = src[i];
+        const float x = to_float(src[i]);
+        head += static_cast<double>(x) * static_cast<double>(x);
+    }
+    __m512d acc[4] = {_mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd()};
+    for (; i + 32 <= hi; i += 32) {
+        const I x = _mm512_loadu_si512(src + i);
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), x);
+        const V lo16 = widen(src + i), hi16 = widen(src + i + 16);
+        const V halves[2] = {lo16, hi16};
+        for (int k = 0; k < 2; ++k) {
+            const __m512d a = _mm512_cvtps_pd(_mm512_castps512_ps256(halves[k]));
+            const __m512d b = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(halves[k]), 1)));
+            acc[2 * k] = _mm512_add_pd(acc[2 * k], _mm512_mul_pd(a, a));
+            acc[2 * k + 1] = _mm512_add_pd(acc[2 * k + 1], _mm512_mul_pd(b, b));
+        }
+    }
+    _mm_sfence();  // the streamed lines before this thread's next stores
+    *s = head + _mm512_reduce_add_pd(_mm512_add_pd(_mm512_add_pd(acc[0], acc[1]), _mm512_add_pd(acc[2], acc[3])));
+    return i;
+}
+
 }  // namespace v512
 #define RP_AVX512 1
 #else

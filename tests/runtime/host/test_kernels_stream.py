@@ -123,3 +123,23 @@ def test_a_bf16_master_stepped_out_of_place_streams_the_new_one_with_the_bits_of
     assert same_bits(dst, ref_dst) and same_bits(m, ref_m) and same_bits(v, ref_v)
     assert same_bits(src, before)  # the source is only read
     assert (whole[:3] == -7).all() and (whole[3 + N:] == -7).all()  # nothing written outside the view
+
+
+def test_a_large_first_bf16_landing_of_a_bf16_gradient_streams_the_copy_and_takes_its_statistics():
+    # grad_dtype=torch.bfloat16: a bf16 gradient's first write is stored exactly (a copy), 1.2 MB of it streamed
+    n = 600_001
+    src = torch.randn(n, generator=torch.Generator().manual_seed(5)).to(BF16)
+    whole = torch.full((n + 40,), -7.0, dtype=BF16)
+    dst = whole[3:3 + n]
+    with threads(1):
+        sq, bad = K.land(dst, src, add=False, key=77, offset=3)
+    assert same_bits(dst, src) and not bad
+    assert (whole[:3] == -7).all() and (whole[3 + n:] == -7).all()  # nothing written outside the view
+    assert sq == pytest.approx(float((src.double() ** 2).sum()), rel=1e-12)
+    with threads(2):  # fixed blocks: the same sum with any thread count
+        assert K.land(whole[3:3 + n], src, add=False, key=77, offset=3) == (sq, bad)
+    for at in (1, 64, 4096, n - 2):  # the head, the first vector, a later block, the tail
+        part = src.clone()
+        part[at] = float("nan")
+        assert K.land(dst, part, add=False, key=77, offset=3)[1], at
+        assert same_bits(dst, part)
