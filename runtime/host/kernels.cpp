@@ -13,7 +13,8 @@
 //   land_bf16(dst, src, src_kind, n, add, threads, divisor, key, offset) -> (sum of squares, non-finite)
 //       the same into a bf16 dst (`grad_dtype=torch.bfloat16`): the sum and division in float32, stored rounded
 //       stochastically with the low 16 bits of hash32((offset + i) mod 2^32 ^ key) (a bf16 src written alone is
-//       copied: exact, the bits rounding would give, NaNs as they are); statistics of the stored values.
+//       copied: exact, the bits rounding would give, NaNs as they are; 1 MiB or more with non-temporal stores);
+//       statistics of the stored values.
 //   adamw(p, g, m, v, out, out_kind, n, threads, factor, decay, w1, beta2, w2, eps, neg_step, bc2_sqrt)
 //       torch.optim.AdamW's single-tensor update of p, m, v with g * factor; out = cast(new p) (a bf16 out of
 //       1 MiB or more with non-temporal stores, as cast's).

@@ -59,8 +59,8 @@ class Kernels:
              offset: int = 0) -> tuple[float, bool]:
         """dst = ((dst if add else 0) + src) / divisor (fp32 dst, any float src; src may be dst: in place);
         returns (sum of squares, non-finite) of the new dst, taken in the same pass. A first landing (add=False,
-        divisor 1) of 1 MiB or more of fp32 goes around the cache (non-temporal stores, with AVX-512; the squares then
-        add in that loop's order, the same for the same buffers).
+        divisor 1) of 1 MiB or more (an fp32 dst, or a bf16 one from a bf16 src: a copy) goes around the cache
+        (non-temporal stores, with AVX-512; the squares then add in that loop's order, the same for the same buffers).
 
         A bf16 dst (`grad_dtype=torch.bfloat16`) gets the float32 result rounded stochastically with the
         bits that `key` and `offset` (dst's first element's offset in its group's buffers) choose
