@@ -136,8 +136,7 @@ void for_blocks(int64_t n, int threads, Body body) {  // body(block, lo, hi) for
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define RP_STREAMED_LANDING 1
 namespace v512 {  // kernels_avx512.h, included below
-template <typename S> int64_t land_stream(const S* src, float* dst, int64_t lo, int64_t hi, double* s);
-int64_t land_stream(const uint16_t* src, uint16_t* dst, int64_t lo, int64_t hi, double* s);  // a bf16 copy
+template <typename S, typename D> int64_t land_stream(const S* src, D* dst, int64_t lo, int64_t hi, double* s);
 }
 #else
 #define RP_STREAMED_LANDING 0

@@ -178,66 +178,47 @@ inline int64_t stream_bf16(const S* src, bf16* out, int64_t lo, int64_t hi) {
     return i;
 }
 
-// land_t's first landing of a large gradient over [lo, hi): up to dst's first 64-byte boundary one value at a time,
-// then 16 a step with non-temporal stores, the squares added in double in two vectors of 8 lanes (reduced at the end,
-// after the head's); returns where it stopped (the caller's loop does the tail and adds its squares to *s).
-inline V widen(const float* x) { return load(x); }
-inline V widen(const bf16* x) {  // 16 values
-    const I w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+// A first landing of a large gradient over [lo, hi) (land_t's into fp32; land_bf16_t's copy of a bf16 one into bf16):
+// up to dst's first 64-byte boundary one value at a time, then a line a step (16 or 32 values) with non-temporal
+// stores, the squares added in double in two vectors of 8 lanes (reduced at the end, after the head's); returns where
+// it stopped (the caller's loop does the tail and adds its squares to *s).
+inline void add_squares(V x, __m512d& a, __m512d& b) {  // x's 16 squares, the low 8 into a, the high 8 into b
+    const __m512d low = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
+    const __m512d high = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+    a = _mm512_add_pd(a, _mm512_mul_pd(low, low));
+    b = _mm512_add_pd(b, _mm512_mul_pd(high, high));
 }
-template <typename S>
-int64_t land_stream(const S* src, float* dst, int64_t lo, int64_t hi, double* s) {
+template <typename S, typename D>
+int64_t land_stream(const S* src, D* dst, int64_t lo, int64_t hi, double* s) {
+    constexpr bool copy = std::is_same<D, bf16>::value;  // a bf16 dst takes a bf16 src's bits as they are
     int64_t i = lo;
     double head = 0.0;
     for (; i < hi && (reinterpret_cast<uintptr_t>(dst + i) & 63) != 0; ++i) {
         const float x = to_float(src[i]);
-        dst[i] = x;
+        if constexpr (copy) dst[i] = src[i];
+        else dst[i] = x;
         head += static_cast<double>(x) * static_cast<double>(x);
     }
     __m512d a = _mm512_setzero_pd(), b = a;
-    for (; i + 16 <= hi; i += 16) {
-        const V x = widen(src + i);
-        _mm512_stream_ps(dst + i, x);
-        const __m512d low = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
-        const __m512d high = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
-        a = _mm512_add_pd(a, _mm512_mul_pd(low, low));
-        b = _mm512_add_pd(b, _mm512_mul_pd(high, high));
+    constexpr int64_t step = 64 / sizeof(D);
+    for (; i + step <= hi; i += step) {
+        if constexpr (copy) {
+            _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), _mm512_loadu_si512(src + i));
+            add_squares(load(src + i), a, b);
+            add_squares(load(src + i + 16), a, b);
+        } else {
+            const V x = load(src + i);
+            _mm512_stream_ps(dst + i, x);
+            add_squares(x, a, b);
+        }
     }
     _mm_sfence();  // the streamed lines before this thread's next stores
     *s = head + _mm512_reduce_add_pd(_mm512_add_pd(a, b));
     return i;
 }
-template int64_t land_stream<float>(const float*, float*, int64_t, int64_t, double*);
-template int64_t land_stream<bf16>(const bf16*, float*, int64_t, int64_t, double*);
-
-// The same for a bf16 gradient's first landing of a bf16 one (a copy), 32 values a step, the squares in four
-// vectors of 8 lanes.
-int64_t land_stream(const bf16* src, bf16* dst, int64_t lo, int64_t hi, double* s) {
-    int64_t i = lo;
-    double head = 0.0;
-    for (; i < hi && (reinterpret_cast<uintptr_t>(dst + i) & 63) != 0; ++i) {
-        dst[i] = src[i];
-        const float x = to_float(src[i]);
-        head += static_cast<double>(x) * static_cast<double>(x);
-    }
-    __m512d acc[4] = {_mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd()};
-    for (; i + 32 <= hi; i += 32) {
-        const I x = _mm512_loadu_si512(src + i);
-        _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), x);
-        const V lo16 = widen(src + i), hi16 = widen(src + i + 16);
-        const V halves[2] = {lo16, hi16};
-        for (int k = 0; k < 2; ++k) {
-            const __m512d a = _mm512_cvtps_pd(_mm512_castps512_ps256(halves[k]));
-            const __m512d b = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(halves[k]), 1)));
-            acc[2 * k] = _mm512_add_pd(acc[2 * k], _mm512_mul_pd(a, a));
-            acc[2 * k + 1] = _mm512_add_pd(acc[2 * k + 1], _mm512_mul_pd(b, b));
-        }
-    }
-    _mm_sfence();  // the streamed lines before this thread's next stores
-    *s = head + _mm512_reduce_add_pd(_mm512_add_pd(_mm512_add_pd(acc[0], acc[1]), _mm512_add_pd(acc[2], acc[3])));
-    return i;
-}
+template int64_t land_stream<float, float>(const float*, float*, int64_t, int64_t, double*);
+template int64_t land_stream<bf16, float>(const bf16*, float*, int64_t, int64_t, double*);
+template int64_t land_stream<bf16, bf16>(const bf16*, bf16*, int64_t, int64_t, double*);
 
 }  // namespace v512
 #define RP_AVX512 1

@@ -235,8 +235,7 @@ class Alternation:
                               master[s.start:s.stop] if self.shared[g] else pinned_zeros(s.stop - s.start, s.dtype, pin))
                              for s in segs]
         self.flips = {g: 0 for g in self.pairs}
-        self.base = {g: first for g in self.pairs}
-        self.refresh()
+        self.restart(first)
 
     def restart(self, first: int) -> None:
         """Settled: a new runtime's first iteration `first` uploads from A; the masters may have changed."""

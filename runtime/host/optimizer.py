@@ -59,7 +59,7 @@ from rpcompile.ir.optim import SGD, AdamW, DynamicLossScale, decay_names, make_t
 from rpcompile.runtime.host.flat import FlatGroups, grad_dtype, master_dtype, moment_names, state_dtype
 from rpcompile.runtime.host.grad_stats import GradStats, ScaleVerdict, _IterStats
 from rpcompile.runtime.host.kernels import load_kernels
-from rpcompile.runtime.host.layout import AlternatingCopies, host_blocks, view
+from rpcompile.runtime.host.layout import AlternatingCopies, Alternation, host_blocks, view
 from rpcompile.runtime.host.lean import TorchLean
 from rpcompile.runtime.host.pinned import pinning
 from rpcompile.runtime.stage.runner import tracked_buffers
@@ -220,7 +220,7 @@ class HostState(GradStats, StateIO, AlternatingCopies):
         self.on_totals: Any = None  # sharded state: iteration -> (sum of squares, non-finite) over every rank
         self.gather: Any = None  # sharded state: (group, owned slice as float32) -> the group's whole flat buffer
         self.on_settle: Any = _settled  # sharded state: wait until every compute copy made is gathered
-        self.alt: Any = None  # an Alternation at staleness 1: the compute copies alternate between two buffers
+        self.alt: Alternation | None = None  # staleness 1: the compute copies alternate between two buffers
         self._pin = pin  # what the alternating copies' own buffers are pinned with
 
     def _torch_optimizer(self, group: Sequence[str]) -> torch.optim.Optimizer:
@@ -390,4 +390,3 @@ class HostState(GradStats, StateIO, AlternatingCopies):
                 for n in self.groups[layer]:
                     self.compute[n].copy_(self.master[n])
             self._copied[layer] = False
-
