@@ -12,7 +12,7 @@ downloads gradients into it and steps it; the driver saves and loads it.
     buffers.py    the runtime's transfer buffers (gradient staging, host pool) counted before a run
     staging.py    gradient staging: a ring of K buffers shared by every stage, one accumulation unit at a time
     flat.py       each layer group's masters, gradients and moments as flat fp32 buffers, parameters as views
-    kernels.py    the memory-speed optimizer passes (kernels.cpp, built once per machine with
+    kernels.py    the memory-speed optimizer passes (kernels.cpp and its kernels_*.h, built once per machine with
                   torch.utils.cpp_extension): statistics while a gradient lands, one update pass per group
     assign.py     the buffer assignment: the download buffers' live ranges packed into one arena (assign.c)
     shard_comm.py sharded state's collectives over gloo: reduce-scatter (rank-order sums), all-gather, wire

@@ -1,13 +1,12 @@
 // The lean AdamW update (kernels.cpp's adamw_lean) in AVX-512 intrinsics, 32 elements a step.
 //
-// Included by kernels.cpp at file scope, after its scalar helpers. GCC vectorises the scalar loop too, but not well
-// for 16-bit buffers: it loads each one twice, narrows with two cross-lane moves where one permute packs 32 values,
-// recomputes a bf16 master's bf16 copy through a float round trip, and tests NaN with integer compares. On one
-// core that made the lean update compute-bound (the divides, a hash and three roundings per element), no faster
-// than the fp32 one that moves twice the bytes. Each operation here is the scalar loop's (the same IEEE float32
-// operations in the same order, FMA where it has std::fma, the same integer hash and rounding), so the bits are
-// the scalar loop's, which does the tail of a block (fewer than 32 left) and everything on a CPU without
-// AVX-512 (F and BW).
+// Included by kernels_update.h at file scope, after the scalar helpers. GCC vectorises the scalar loop too, but not
+// well for 16-bit buffers: it loads each one twice, narrows with two cross-lane moves where one permute packs 32
+// values, recomputes a bf16 master's bf16 copy through a float round trip, and tests NaN with integer compares. On one
+// core that made the lean update compute-bound (the divides, a hash and three roundings per element), no faster than
+// the fp32 one that moves twice the bytes. Each operation here is the scalar loop's (the same IEEE float32 operations
+// in the same order, FMA where it has std::fma, the same integer hash and rounding), so the bits are the scalar loop's,
+// which does the tail of a block (fewer than 32 left) and everything on a CPU without AVX-512 (F and BW).
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
