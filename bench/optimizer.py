@@ -207,6 +207,21 @@ def _vs_fp32(med: dict[str, float], name: str) -> float:
     return med[f"rpcompile kernels, staleness {name[-1]}"] / med[name]
 
 
+def paired(rounds: list[dict[str, float]], names: list[str]) -> list[tuple[str, ...]]:
+    """Per lean row: the lowest, quartiles and highest of its speed-up over the fp32 state within each round-robin
+    (the two timed seconds apart, so a load that comes and goes over minutes moves both alike).
+
+    >>> paired([{"rpcompile kernels, staleness 1": 3.0, "x, staleness 1": 2.0}] * 3, ["x, staleness 1"])
+    [('x, staleness 1', '1.50', '1.50', '1.50', '1.50', '1.50')]
+    """
+    rows = []
+    for name in names:
+        r = sorted(_vs_fp32(t, name) for t in rounds)
+        q = statistics.quantiles(r, n=4, method="inclusive") if len(r) > 1 else r * 3
+        rows.append((name, *(f"{x:.2f}" for x in (r[0], q[0], q[1], q[2], r[-1]))))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> str:
     """Run the benchmark, print the table and write docs/bench/<--out>; returns the markdown."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -247,11 +262,13 @@ def main(argv: list[str] | None = None) -> str:
     for threads in [int(x) for x in args.threads.split(",")]:
         torch.set_num_threads(threads)
         runs = []  # per run: row name -> median seconds
+        rounds = []  # every round-robin of every run: row name -> seconds
         for _ in range(args.runs):
             for _, _, run in cases:  # warm-up: first touch, lazy state, thread pools
                 run()
             times = [[run() for _, _, run in cases] for _ in range(args.reps)]  # round-robin
             runs.append({name: statistics.median(t[i] for t in times) for i, (name, _, _) in enumerate(cases)})
+            rounds += [{name: t[i] for i, (name, _, _) in enumerate(cases)} for t in times]
         med = {name: statistics.median(r[name] for r in runs) for name, _, _ in cases}
         eq, mc = med["torch equivalent"], med["memcpy, 18 B/param"]
         rows = [(name, how, f"{med[name] * 1e3:.1f}", f"{total / med[name] / 1e6:.0f}", f"{eq / med[name]:.2f}",
@@ -268,6 +285,11 @@ def main(argv: list[str] | None = None) -> str:
             tables.append(f"`vs fp32 state` over the {args.runs} runs ({threads} thread{'s' if threads > 1 else ''})"
                           f"\n\n" + tabulate(spread, headers=["path", "lowest", "median", "highest"],
                                                 tablefmt="github"))
+        tables.append(f"`vs fp32 state` paired: the ratio within each round-robin, over its {len(rounds)} rounds "
+                      f"({threads} thread{'s' if threads > 1 else ''})\n\n"
+                      + tabulate(paired(rounds, [name for name, _, _ in cases if "bf16" in name]),
+                                 headers=["path", "lowest", "quartile 1", "median", "quartile 3", "highest"],
+                                 tablefmt="github"))
     text = (f"# The host optimizer at memory speed\n\n{machine_line()}  \n"
             f"{os.cpu_count()} cores shared with other users; the load average is given per table  \n"
             f"{total / 1e6:.0f}M fp32 parameters in {groups} groups, bf16 gradients in, AdamW, clipping at "
@@ -286,7 +308,9 @@ def main(argv: list[str] | None = None) -> str:
             "the copy, a bf16 master stepped out of place) are written around the cache (non-temporal stores), so\n"
             "no line of theirs is read first.\n"
             "`vs fp32 state` is the fp32 row's time of the same\n"
-            "staleness over theirs (issue 48 asks 1.2 or more). One thread's fp32 update is bound by memory, the\n"
+            "staleness over theirs (issue 48 asks 1.2 or more); the paired table takes that ratio within each\n"
+            "round-robin, where the two rows ran seconds apart, so load that comes and goes over minutes moves\n"
+            "both alike. One thread's fp32 update is bound by memory, the\n"
             "lean ones by their arithmetic (the float32 update, one lowbias32 hash and up to three roundings an\n"
             "element: runtime/host/kernels_avx512.h), so on one thread they gain less than the bytes they save\n"
             "(36/28, 36/24, 36/20); with every core the ratios rise. Compare ratios within one table, not across\n"
