@@ -139,13 +139,16 @@ class GradReducer:
         """Give every process rank 0's compute copies and fp32 masters (at compile, before any step)."""
         dev = self._device(self.group)
         src = dist.get_global_rank(self.group, 0) if self.group is not dist.group.WORLD else 0
-        for table in (self.state.compute, self.state.master):
+        for table, master in ((self.state.compute, False), (self.state.master, True)):
             for name in sorted(table):
                 t = table[name]
                 buf = t.detach().to(dev, copy=True)
                 self._collective(f"broadcast of {name!r}", dist.broadcast, buf, src=src, group=self.group)
                 with torch.no_grad():
-                    t.copy_(buf.to(t.device))
+                    if master:  # as the master dtype stores it (a split master's value is not a view)
+                        self.state.flat.set_master(name, buf.to(t.device))
+                    else:
+                        t.copy_(buf.to(t.device))
         self.state.masters_changed()  # the alternating copies' own buffers: cast from the masters received
 
     def attach(self, runtime: Any) -> None:

@@ -36,7 +36,8 @@ N - 1 backward stages of the previous round still hold theirs and count once
 more. With staleness 1 the runtime also keeps one more copy of the trainable parameters' compute copies
 (`undo`: the second buffer they alternate with, runtime/host/layout.py `Alternation`; sharded, what an
 iteration's COPYs overwrote before it committed, restored if it fails), except where a bf16 master with
-bf16 compute copies is that second buffer. An estimate for
+bf16 compute copies is that second buffer, or the bf16 half of a split fp32 master (bf16 moments, unsharded:
+`rpcompile.runtime.host.lean`; the master still counts 4 bytes, its two halves). An estimate for
 admission, not an allocator trace: Python overheads are left out, and the runtime's transfer buffers
 (gradient staging, the host pool) are added by `rpcompile.hostmem` when it has the program.
 """
@@ -48,7 +49,7 @@ from typing import Any
 import torch
 
 from rpcompile.ir.host_layout import host_layout, shard_slices
-from rpcompile.ir.optim import SGD, grad_dtype, master_dtype
+from rpcompile.ir.optim import SGD, grad_dtype, master_dtype, split_masters
 from rpcompile.ir.plan import StagePlan
 from rpcompile.passes.partition.timing import default_round_size
 
@@ -73,6 +74,7 @@ class HostBytes:
     arena: int = 0     # of `buffers`: the host arena holding the values that cross cuts, the saved stage inputs
                        # among them (`runtime.host.assign`); with it, `activations` is 0 (they are in the arena)
     master_size: int = 4  # bytes of one master element: 4 (fp32), 2 (bf16, `master_dtype=torch.bfloat16`)
+    split: bool = False  # fp32 masters kept in two halves, the bf16 one the copies' second buffer (`split_masters`)
     servers: int = 1   # W: with W > 1 `masters` and `optimizer` are one server's share of the state sharded over W
                        # data-parallel servers (`host_bytes(shard=)`); the rest is whole on every server
     undo: int = 0      # staleness 1: one more copy of the trainable parameters' compute copies (`trainable_weights`):
@@ -124,7 +126,8 @@ class HostBytes:
     def __str__(self) -> str:
         kind = "fp32" if self.master_size == 4 else "bf16"
         share = f" (1 of {self.servers} shares)" if self.servers > 1 else ""
-        parts = [f"weights {_gib(self.weights)}", f"{kind} masters {_gib(self.masters)}{share}",
+        split = " (split: bf16 halves and low halves)" if self.split else ""
+        parts = [f"weights {_gib(self.weights)}", f"{kind} masters {_gib(self.masters)}{share}{split}",
                  f"gradients {_gib(self.grads)}", f"optimizer state {_gib(self.optimizer)}{share}"]
         if self.undo:
             why = ("the trainable weights' copies an unfinished iteration overwrote" if self.servers > 1 else
@@ -154,7 +157,7 @@ def host_bytes(model: Any, costs: Any = None, plan: Any = None, *, microbatches:
         staleness: 0 or 1; with 1 the runtime keeps one more copy of the trainable parameters' compute copies
             (`undo`: the second buffer they alternate with; sharded, the undo copy of what an iteration's COPYs
             overwrote before it committed), except where a bf16 master with bf16 compute copies (unsharded)
-            is that second buffer.
+            is that second buffer, or a split float32 master's bf16 half (`split_masters`: bf16 moments).
         optimizer: `rpcompile.AdamW` (default; its `state_dtype` sets the moments' bytes, `master_dtype` the
             masters', `grad_dtype` the gradients') or `rpcompile.SGD` (its `master_dtype` and `grad_dtype`).
         dtype: training dtype of the compute copies; None keeps each parameter's own.
@@ -180,7 +183,9 @@ def host_bytes(model: Any, costs: Any = None, plan: Any = None, *, microbatches:
         else _ADAM_MOMENTS
     state_size = getattr(optimizer, "state_dtype", torch.float32).itemsize  # SGD's momentum: fp32
     master_size, grad_size = master_dtype(optimizer).itemsize, grad_dtype(optimizer).itemsize
-    bf16_master = master_dtype(optimizer) == torch.bfloat16 and world == 1
+    # a bf16 master, or a split one's bf16 half, is the second buffer bf16 compute copies alternate with
+    split = split_masters(optimizer, shard)
+    bf16_master = (master_dtype(optimizer) == torch.bfloat16 and world == 1) or split
     weights = trainable = params = own_weights = 0
     bf16_copies = True  # every trainable compute copy is bf16
     for numel, own, train in _parameters(model):
@@ -207,7 +212,7 @@ def host_bytes(model: Any, costs: Any = None, plan: Any = None, *, microbatches:
     # a bf16 master with bf16 compute copies is the second buffer they alternate with (runtime/host/layout.py)
     return HostBytes(weights, own * master_size, trainable * grad_size, own * state_size * state, saved,
                      in_flight, trainable=params, trainable_weights=own_weights, master_size=master_size,
-                     servers=world, undo=(second if world == 1 else own_weights) if staleness == 1 else 0)
+                     split=split, servers=world, undo=(second if world == 1 else own_weights) if staleness == 1 else 0)
 
 
 def _shard(shard: Any) -> tuple[int, int]:

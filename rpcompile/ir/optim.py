@@ -46,6 +46,15 @@ Note:
     float32 and stored rounded stochastically (`rpcompile.runtime.host.lean.grad_key`: its own key per
     layer group, iteration and write), since round to nearest drops a contribution below half an ulp of
     the running sum. The update reads the bf16 gradient and widens it: the math stays float32.
+
+Note:
+    With `state_dtype=torch.bfloat16` and the default float32 master, an unsharded state keeps each master
+    split in two 16-bit halves (`split_masters`; AReno's split, `rpcompile.runtime.host.lean`): the bf16
+    half is the compute copy itself (the float32 value rounded to nearest, ties away from zero, where
+    round-to-nearest-even differs on 1 value in 65,536), the other half the 16 bits that make the master
+    exact again. The update is the float32 one, with the same master and moment bits; at staleness 1 the
+    compute copies alternate with the bf16 halves, so the master and its copies take 6 bytes a
+    parameter instead of 8, and the update writes no copy of its own.
 """
 from __future__ import annotations
 
@@ -56,7 +65,7 @@ from typing import Any, Union
 import torch
 
 __all__ = ["AdamW", "SGD", "DynamicLossScale", "IMPLS", "STATE_DTYPES", "MASTER_DTYPES", "Decay", "decay_names",
-           "make_torch_optimizer", "dtype_name", "master_dtype", "grad_dtype", "GRAD_DTYPES"]
+           "make_torch_optimizer", "dtype_name", "master_dtype", "grad_dtype", "GRAD_DTYPES", "split_masters"]
 
 Decay = Union[None, frozenset, Callable[[str], bool]]  # which parameters weight decay applies to (see the Note)
 
@@ -82,6 +91,18 @@ def master_dtype(config: Any) -> torch.dtype:
     torch.bfloat16
     """
     return getattr(config, "master_dtype", torch.float32)
+
+
+def split_masters(config: Any, shard: tuple[int, int] | None = None) -> bool:
+    """Whether a host state of `config` keeps its float32 masters split in two bf16-sized halves (module Note):
+    AdamW with bf16 moments and float32 masters, unsharded (`shard`: (rank, world) of a sharded state).
+
+    >>> split_masters(AdamW(state_dtype=torch.bfloat16)), split_masters(AdamW()), split_masters(
+    ...     AdamW(state_dtype=torch.bfloat16), shard=(0, 2))
+    (True, False, False)
+    """
+    return (isinstance(config, AdamW) and config.state_dtype == torch.bfloat16
+            and master_dtype(config) == torch.float32 and (shard is None or shard[1] == 1))
 
 
 def grad_dtype(config: Any) -> torch.dtype:

@@ -4,6 +4,8 @@ The moments are float32, or bf16 with `AdamW(state_dtype=torch.bfloat16)`; the m
 with `master_dtype=torch.bfloat16` (both rounded stochastically with the keys of
 `rpcompile.runtime.host.lean`: `FlatGroups.seed`, the group and the step count); the gradients float32, or
 bf16 with `grad_dtype=torch.bfloat16` (written by `HostState.accumulate_grad`, runtime/host/grad_stats.py).
+Float32 masters beside bf16 moments are split (`split`, runtime/host/lean.py): `masters` holds their bf16
+halves and `lows` the other halves, and `master` gives their float32 values.
 
 Each trainable parameter's master, gradient and moments are views into its group's flat
 buffers, at the offsets `rpcompile.ir.host_layout.host_layout` gives, so one kernel call steps a whole
@@ -28,7 +30,7 @@ from torch import Tensor
 from rpcompile.ir.host_layout import HostLayout, shard_slices
 from rpcompile.ir.optim import SGD, AdamW, grad_dtype, master_dtype
 from rpcompile.runtime.host.kernels import Kernels
-from rpcompile.runtime.host.lean import TorchLean, rounding_key
+from rpcompile.runtime.host.lean import SplitMasters, TorchLean, join, rounding_key
 from rpcompile.runtime.host.pinned import pinned_zeros
 
 __all__ = ["FlatGroups", "moment_names", "state_dtype", "master_dtype", "grad_dtype"]
@@ -62,21 +64,31 @@ class FlatGroups:
             gradients stay whole). A parameter's `master` / `moment` views are then 1-D: the part of it
             this rank owns (possibly empty). `step` and `cast` cover the owned part only, at the same
             element offsets (so the same rounding bits) as one process.
-        pin: pin the bf16 masters of an unsharded state (`pinned_zeros`'s `pin`): at staleness 1 they alternate
-            with the compute copies as what uploads read (runtime/host/layout.py `Alternation`).
+        pin: pin the bf16 masters (or split masters' bf16 halves) of an unsharded state (`pinned_zeros`'s `pin`):
+            at staleness 1 they alternate with the compute copies as what uploads read (runtime/host/layout.py
+            `Alternation`).
+        split: keep float32 masters split (`rpcompile.ir.optim.split_masters`; unsharded, float32 `master`).
     """
 
     def __init__(self, layout: HostLayout, params: Mapping[str, Tensor], moments: Sequence[str],
                  dtype: torch.dtype = torch.float32, seed: int = 0, master: torch.dtype = torch.float32,
-                 grad: torch.dtype = torch.float32, shard: tuple[int, int] | None = None, pin: Any = False) -> None:
+                 grad: torch.dtype = torch.float32, shard: tuple[int, int] | None = None, pin: Any = False,
+                 split: bool = False) -> None:
         self.layout = layout
         self.seed = seed  # the stochastic rounding's seed (runtime/host/lean.py)
         self.shard = shard if shard and shard[1] > 1 else None  # (rank, world) when sharded; None: whole
+        if split and (self.shard is not None or master != torch.float32):
+            raise ValueError("FlatGroups: split masters are float32 masters of an unsharded state")
+        self.split = split  # masters: bf16 halves, `lows` the others (runtime/host/lean.py)
+        self.master_dtype = master  # the masters' values' dtype (split: float32)
         rank, world = shard or (0, 1)
         self.owned = [shard_slices(n, world)[rank] for n in layout.flat]  # group -> [lo, hi) held here
-        pin = pin if master == torch.bfloat16 and self.shard is None else False
-        self.masters = [pinned_zeros(hi - lo, master, pin if hi > lo else False)  # group -> flat masters
+        stored = torch.bfloat16 if split else master  # what `masters` holds
+        pin = pin if stored == torch.bfloat16 and self.shard is None else False
+        self.masters = [pinned_zeros(hi - lo, stored, pin if hi > lo else False)  # group -> flat masters
                         for lo, hi in self.owned]  # (of the owned slice; gaps: zeros)
+        self.lows = [torch.zeros(hi - lo, dtype=torch.int16) if split else None  # group -> split masters' low
+                     for lo, hi in self.owned]  # halves (None: not split)
         self.grads = [torch.zeros(n, dtype=grad) for n in layout.flat]  # group -> flat gradients (fp32 or bf16)
         self.moments = [{k: torch.zeros(hi - lo, dtype=dtype) for k in moments}  # group -> name -> flat buffer
                         for lo, hi in self.owned]
@@ -85,13 +97,25 @@ class FlatGroups:
         # name, segment index) in offset order
         self.group = {n: g for g, names in enumerate(layout.members) for n in names}  # trainable name -> group
         self.numel = {n: p.numel() for n, p in params.items()}  # trainable name -> elements
-        self.master = {n: self._owned(self.masters, n, p.shape) for n, p in params.items()}  # name -> master view
+        # name -> master view (split: name -> its float32 value, read from the halves' views)
+        self.master: dict[str, Tensor] | SplitMasters = {n: self._owned(self.masters, n, p.shape)
+                                                          for n, p in params.items()}
+        if split:
+            self.master = SplitMasters(self.master, {n: self._view(self.lows, n, p.shape) for n, p in params.items()})
         self.grad = {n: self._view(self.grads, n, p.shape) for n, p in params.items()}
         self.moment = {n: {k: self._owned([m[k] for m in self.moments], n, p.shape) for k in moments}
                        for n, p in params.items()}
         for n, p in params.items():
             a, b = self.part(n)
-            self.master[n].copy_(p.detach() if self.shard is None else p.detach().reshape(-1)[a:b])
+            self.set_master(n, p.detach() if self.shard is None else p.detach().reshape(-1)[a:b])
+
+    def set_master(self, name: str, value: Tensor) -> None:
+        """Write `value` (the master's shape; sharded: its owned part) into `name`'s master, as the master dtype
+        stores it (to nearest into bf16; split into its halves)."""
+        if self.split:
+            self.master.set(name, value)
+        else:
+            self.master[name].copy_(value)
 
     def _view(self, flats: list[Tensor], name: str, shape: torch.Size) -> Tensor:
         """The view of `name` in its group's buffer of `flats`."""
@@ -160,9 +184,10 @@ class FlatGroups:
             wd = config.weight_decay if decay else 0.0
             key = rounding_key(self.seed, group, done + 1)
             if isinstance(config, AdamW):
+                low = None if self.lows[group] is None else self.lows[group][a:b]  # a split master's other halves
                 kernels.adamw(dst, g[lo:hi], mom["exp_avg"][a:b], mom["exp_avg_sq"][a:b], o, factor=factor,
                               lr=lr, betas=config.betas, eps=config.eps, weight_decay=wd, step=done + 1,
-                              key=key, offset=lo, src=src)
+                              key=key, offset=lo, src=src, low=low)
             else:
                 buf = mom["momentum_buffer"][a:b] if "momentum_buffer" in mom else None
                 kernels.sgd(dst, g[lo:hi], buf, o, factor=factor, lr=lr, momentum=config.momentum,
@@ -173,13 +198,16 @@ class FlatGroups:
     def cast(self, kernels: Kernels | None, group: int, out: Mapping[torch.dtype, Tensor]) -> None:
         """Write every master of `group` (sharded: its owned slice) into its compute copy (`out`: dtype -> the
         group's block), one call a segment (the kernels' cast, also of a bf16 master into a bf16 copy; else
-        torch's copy, a plain copy into bf16 and exact into float32)."""
+        torch's copy, a plain copy into bf16 and exact into float32). A split master's bf16 copy is its bf16
+        half; another dtype's is cast from its float32 value."""
         own_lo, own_hi = self.owned[group]
         for s in self.layout.segments[group]:
             lo, hi = max(s.start, own_lo), min(s.stop, own_hi)
             if lo >= hi:
                 continue
             src, dst = self.masters[group][lo - own_lo:hi - own_lo], out[s.dtype][lo - s.start:hi - s.start]
+            if self.split and dst.dtype != torch.bfloat16:
+                src = join(src, self.lows[group][lo - own_lo:hi - own_lo])  # the float32 values
             if kernels is not None and (src.dtype == torch.float32 or src.dtype == dst.dtype == torch.bfloat16):
                 kernels.cast(src, dst)
             else:

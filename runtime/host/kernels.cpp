@@ -27,7 +27,9 @@
 //       update in float32, stored rounded stochastically with the bits of r = hash32((offset + i) mod 2^32 ^ key):
 //       low 16 for m, high 16 for v, and master_bits(r) = (low 16 ^ high 16 ^ 0x8000) for p (pairwise independent
 //       of each, so one hash serves all three); out = cast(the stored p). A bf16 out of 1 MiB or more, else (no
-//       out) a bf16 p written out of place, with non-temporal stores.
+//       out) a bf16 p written out of place, with non-temporal stores. Lean bit 8: a split master instead (an exact
+//       fp32 one in two 16-bit halves: hi in p and src, lo in `low`, kernels_update.h's split_value), stored
+//       whole, not rounded; a bf16 out is hi itself.
 //   sgd(p, g, buf, out, out_kind, n, threads, factor, wd, momentum, damp, nesterov, first, neg_lr, key, offset,
 //       p_kind, g_kind, src)
 //       torch.optim.SGD's update (buf = 0 for no momentum) of an fp32 or a bf16 master p (rounded as above) with
@@ -71,26 +73,32 @@ template <typename O> struct AdamF {
         a.factor != 1.0f ? adamw_t<O, true>(p, g, m, v, out, n, t, a) : adamw_t<O, false>(p, g, m, v, out, n, t, a);
     }
 };
-template <typename O, typename S, typename P, typename G>
+template <typename O, typename S, typename P, typename G, bool SPLIT>
 void adamw_lean_s(O* out, const void* src, void* p, const void* g, void* m, void* v, int64_t n, int t, AdamArgs a,
-                  uint32_t key, uint64_t off) {
+                  uint32_t key, uint64_t off, uint16_t* low) {
     auto ps = static_cast<const P*>(src);
     auto pp = static_cast<P*>(p);
     auto gg = static_cast<const G*>(g);
     auto mm = static_cast<S*>(m), vv = static_cast<S*>(v);
-    a.factor != 1.0f ? adamw_lean_t<O, true, S, P, G>(ps, pp, gg, mm, vv, out, n, t, a, key, off)
-                     : adamw_lean_t<O, false, S, P, G>(ps, pp, gg, mm, vv, out, n, t, a, key, off);
+    a.factor != 1.0f ? adamw_lean_t<O, true, S, P, G, SPLIT>(ps, pp, gg, mm, vv, out, n, t, a, key, off, low)
+                     : adamw_lean_t<O, false, S, P, G, SPLIT>(ps, pp, gg, mm, vv, out, n, t, a, key, off, low);
 }
-template <typename O, typename S, typename P>
+template <typename O, typename S, typename P, bool SPLIT = false>
 void adamw_lean_g(O* out, const void* src, void* p, const void* g, void* m, void* v, int64_t n, int t, AdamArgs a,
-                  uint32_t key, uint64_t off, bool bf16_grad) {
-    bf16_grad ? adamw_lean_s<O, S, P, bf16>(out, src, p, g, m, v, n, t, a, key, off)
-              : adamw_lean_s<O, S, P, float>(out, src, p, g, m, v, n, t, a, key, off);
+                  uint32_t key, uint64_t off, bool bf16_grad, uint16_t* low = nullptr) {
+    bf16_grad ? adamw_lean_s<O, S, P, bf16, SPLIT>(out, src, p, g, m, v, n, t, a, key, off, low)
+              : adamw_lean_s<O, S, P, float, SPLIT>(out, src, p, g, m, v, n, t, a, key, off, low);
 }
-template <typename O> struct AdamLeanF {  // lean: bits 1 bf16 moments, 2 a bf16 master, 4 a bf16 gradient (1..7)
+// lean: bits 1 bf16 moments, 2 a bf16 master, 4 a bf16 gradient, 8 a split master (hi in p, lo in `low`; not with 2)
+template <typename O> struct AdamLeanF {
     static void run(O* out, const void* src, void* p, const void* g, void* m, void* v, int64_t n, int t, AdamArgs a,
-                    uint32_t key, uint64_t off, int lean) {
+                    uint32_t key, uint64_t off, int lean, uint16_t* low) {
         const bool bg = lean & 4;
+        if (lean & 8) {
+            lean & 1 ? adamw_lean_g<O, bf16, bf16, true>(out, src, p, g, m, v, n, t, a, key, off, bg, low)
+                     : adamw_lean_g<O, float, bf16, true>(out, src, p, g, m, v, n, t, a, key, off, bg, low);
+            return;
+        }
         switch (lean & 3) {
             case 0: adamw_lean_g<O, float, float>(out, src, p, g, m, v, n, t, a, key, off, bg); break;
             case 1: adamw_lean_g<O, bf16, float>(out, src, p, g, m, v, n, t, a, key, off, bg); break;
@@ -195,16 +203,17 @@ PyObject* adamw(PyObject*, PyObject* args) {
 }
 
 PyObject* adamw_lean(PyObject*, PyObject* args) {
-    unsigned long long p, g, m, v, out, offset, src = 0;
+    unsigned long long p, g, m, v, out, offset, src = 0, low = 0;
     unsigned int key;
     int kind, threads, lean;
     long long n;
     double factor, decay, w1, beta2, w2, eps, neg_step, bc2_sqrt;
-    if (!PyArg_ParseTuple(args, "KKKKKiLiddddddddIKi|K", &p, &g, &m, &v, &out, &kind, &n, &threads, &factor, &decay,
-                          &w1, &beta2, &w2, &eps, &neg_step, &bc2_sqrt, &key, &offset, &lean, &src))
+    if (!PyArg_ParseTuple(args, "KKKKKiLiddddddddIKi|KK", &p, &g, &m, &v, &out, &kind, &n, &threads, &factor, &decay,
+                          &w1, &beta2, &w2, &eps, &neg_step, &bc2_sqrt, &key, &offset, &lean, &src, &low))
         return nullptr;
-    if (lean < 0 || lean > 7 || (lean == 0 && src == 0)) {
-        PyErr_Format(PyExc_ValueError, "adamw_lean: unknown lean mode %d", lean);
+    if (lean < 0 || lean > 15 || (lean == 0 && src == 0) || ((lean & 8) != 0) != (low != 0) || (lean & 10) == 10) {
+        PyErr_Format(PyExc_ValueError, "adamw_lean: unknown lean mode %d (or a split master's lo halves missing)",
+                     lean);
         return nullptr;
     }
     AdamArgs a{float(factor), float(decay), float(w1), float(beta2), float(w2), float(eps), float(neg_step),
@@ -212,7 +221,7 @@ PyObject* adamw_lean(PyObject*, PyObject* args) {
     return released<AdamLeanF>(kind, out, reinterpret_cast<const void*>(src ? src : p), reinterpret_cast<void*>(p),
                                reinterpret_cast<const void*>(g),
                                reinterpret_cast<void*>(m), reinterpret_cast<void*>(v), int64_t(n), threads, a,
-                               uint32_t(key), uint64_t(offset), lean);
+                               uint32_t(key), uint64_t(offset), lean, reinterpret_cast<uint16_t*>(low));
 }
 
 PyObject* sgd(PyObject*, PyObject* args) {
@@ -256,7 +265,7 @@ PyMethodDef methods[] = {
     {"adamw", adamw, METH_VARARGS, "adamw(p, g, m, v, out, kind, n, threads, factor, decay, w1, beta2, w2, eps, "
                                    "neg_step, bc2_sqrt)"},
     {"adamw_lean", adamw_lean, METH_VARARGS, "adamw_lean(p, g, m, v, out, kind, n, threads, factor, decay, w1, "
-                                             "beta2, w2, eps, neg_step, bc2_sqrt, key, offset, lean)"},
+                                             "beta2, w2, eps, neg_step, bc2_sqrt, key, offset, lean, src=0, low=0)"},
     {"sgd", sgd, METH_VARARGS, "sgd(p, g, buf, out, kind, n, threads, factor, wd, momentum, damp, neg_lr, "
                                "nesterov, first, has_momentum, key, offset, bf16_master, bf16_grad)"},
     {"cast", cast, METH_VARARGS, "cast(src, out, kind, n, threads, bf16_src=0)"},

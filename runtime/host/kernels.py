@@ -84,7 +84,7 @@ class Kernels:
 
     def adamw(self, p: Tensor, g: Tensor, m: Tensor, v: Tensor, out: Tensor | None, *, factor: float, lr: float,
               betas: tuple[float, float], eps: float, weight_decay: float, step: int, key: int = 0,
-              offset: int = 0, src: Tensor | None = None) -> None:
+              offset: int = 0, src: Tensor | None = None, low: Tensor | None = None) -> None:
         """AdamW step `step` (1-based) of p, m, v with the gradient g * factor; out (if given) = cast(new p).
 
         The scalars are formed as torch.optim.AdamW forms them (Python floats, then float32). m and v
@@ -97,9 +97,19 @@ class Kernels:
         write the new one to p, out of place (a bf16 master's alternating copies, runtime/host/layout.py);
         None: p in place. A bf16 out of 1 MiB or more (else, with no out, a bf16 p written out of place) goes
         around the cache (non-temporal stores, with AVX-512), with the same bits.
+        `low` (int16, p's size): p is a split master's hi halves (bf16) and `low` its lo halves, an exact float32
+        master (runtime/host/lean.py); it is updated as the float32 one is and stored whole, and a bf16 out
+        takes hi.
         """
         master = _lean_dtype("adamw", p)
         _check_src("adamw", src, p)
+        if low is not None:
+            if master != torch.bfloat16:
+                raise ValueError(f"adamw: a split master's hi halves are bfloat16, got {p.dtype}")
+            if (low.device.type != "cpu" or not low.is_contiguous() or low.dtype != torch.int16
+                    or low.numel() != p.numel()):
+                raise ValueError(f"host kernel adamw: a split master's lo halves need contiguous CPU int16 of "
+                                 f"{p.numel()} elements, got {low.dtype} {tuple(low.shape)} on {low.device}")
         grad = _lean_dtype("adamw", g)
         _check("adamw", g, grad, p.numel())
         state = _lean_dtype("adamw", m)
@@ -111,11 +121,13 @@ class Kernels:
         bc1, bc2 = 1 - b1 ** step, 1 - b2 ** step
         scalars = (factor, 1 - lr * weight_decay, 1 - b1, b2, 1 - b2, eps, -(lr / bc1), bc2 ** 0.5)
         args = (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), _ptr(out), _kind(out), p.numel(), _threads())
-        lean = (state == torch.bfloat16) | (master == torch.bfloat16) << 1 | (grad == torch.bfloat16) << 2
+        split = low is not None
+        lean = ((state == torch.bfloat16) | (master == torch.bfloat16 and not split) << 1
+                | (grad == torch.bfloat16) << 2 | split << 3)
         if not lean and src is None:
             self.module.adamw(*args, *scalars)
-        else:  # lean mode bits: 1 bf16 moments, 2 a bf16 master, 4 a bf16 gradient (0 only out of place)
-            self.module.adamw_lean(*args, *scalars, key & M32, offset, lean, _ptr(src))
+        else:  # lean mode bits: 1 bf16 moments, 2 a bf16 master, 4 a bf16 gradient, 8 split (0 only out of place)
+            self.module.adamw_lean(*args, *scalars, key & M32, offset, lean, _ptr(src), _ptr(low))
 
     def sgd(self, p: Tensor, g: Tensor, buf: Tensor | None, out: Tensor | None, *, factor: float, lr: float,
             momentum: float, weight_decay: float, nesterov: bool, first: bool, key: int = 0, offset: int = 0,

@@ -88,24 +88,37 @@ struct Update {  // 16 elements' new values in float32, and the random bits each
     I rm, rv, rp;
 };
 
+// A split master's 16 values from i: (hi << 16) + lo, lo sign-extended (kernels_update.h's split_value).
+inline V load_split(const bf16* hi, const uint16_t* lo, int64_t i) {
+    const I h = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + i))),
+                                  16);
+    const I l = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + i)));
+    return _mm512_castsi512_ps(_mm512_add_epi32(h, l));
+}
+template <bool SPLIT, typename P> inline V load_master(const P* p, const uint16_t* low, int64_t i) {
+    if constexpr (SPLIT) return load_split(p, low, i);
+    else return load(p + i);
+}
+
 // 16 elements from i, at their offsets `at` (mod 2^32): the scalar loop's update.
-template <bool SCALE, typename S, typename P, typename G>
-inline Update update(const P* p, const G* g, const S* m, const S* v, int64_t i, I at, const Consts& c) {
+template <bool SCALE, bool SPLIT, typename S, typename P, typename G>
+inline Update update(const P* p, const uint16_t* low, const G* g, const S* m, const S* v, int64_t i, I at,
+                     const Consts& c) {
     V gi = load(g + i);
     if (SCALE) gi = _mm512_mul_ps(gi, c.factor);
     const V m0 = load(m + i), v0 = load(v + i);
-    V pi = _mm512_mul_ps(load(p + i), c.decay);
+    V pi = _mm512_mul_ps(load_master<SPLIT>(p, low, i), c.decay);
     const V mi = _mm512_fmadd_ps(c.w1, _mm512_sub_ps(gi, m0), m0);
     const V vi = _mm512_fmadd_ps(_mm512_mul_ps(c.w2, gi), gi, _mm512_mul_ps(v0, c.beta2));
     const V denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), c.bc2_sqrt), c.eps);
     pi = _mm512_add_ps(pi, _mm512_div_ps(_mm512_mul_ps(c.neg_step, mi), denom));
     const I low16 = _mm512_set1_epi32(0xFFFF);
     I r = _mm512_setzero_si512(), high = r, rp = r;
-    if (std::is_same<S, bf16>::value || std::is_same<P, bf16>::value) {
+    if (std::is_same<S, bf16>::value || (std::is_same<P, bf16>::value && !SPLIT)) {
         r = hash32(_mm512_xor_si512(at, c.key));
         high = _mm512_srli_epi32(r, 16);
     }
-    if (std::is_same<P, bf16>::value) {  // master_bits: (r ^ high ^ 0x8000) & 0xFFFF, the xor and the mask as one
+    if (std::is_same<P, bf16>::value && !SPLIT) {  // master_bits: (r ^ high ^ 0x8000) & 0xFFFF, the xor and the mask as one
         rp = _mm512_ternarylogic_epi32(_mm512_xor_si512(r, high), _mm512_set1_epi32(0x8000), low16, 0x28);
     }
     return Update{mi, vi, pi, _mm512_and_si512(r, low16), high, rp};
@@ -119,23 +132,41 @@ inline bool has_nan(const Update& u) {
 // bf16 master written out of place).
 enum Stream { CACHED = 0, STREAM_COPY = 1, STREAM_MASTER = 2 };
 
-// 32 elements' values into their buffers from i: two updates' roundings and stores.
-template <bool CHECKED, int STREAM, typename O, typename S, typename P>
-inline void store(P* p, S* m, S* v, O* o, int64_t i, const Update& x, const Update& y) {
+inline I pack_low(I a, I b) {  // the low halves of a's and b's 16 lanes, in order (pack's other half)
+    const I even = _mm512_setr_epi32(0x20000, 0x60004, 0xA0008, 0xE000C, 0x120010, 0x160014, 0x1A0018, 0x1E001C,
+                                     0x220020, 0x260024, 0x2A0028, 0x2E002C, 0x320030, 0x360034, 0x3A0038, 0x3E003C);
+    return _mm512_permutex2var_epi16(a, even, b);
+}
+
+// 32 elements' values into their buffers from i: two updates' roundings and stores. SPLIT: the master's bits u (a
+// NaN the canonical one) as hi = the high half of u + 0x8000 into p (and a bf16 copy), lo = u's low half into low.
+template <bool CHECKED, int STREAM, bool SPLIT, typename O, typename S, typename P>
+inline void store(P* p, uint16_t* low, S* m, S* v, O* o, int64_t i, const Update& x, const Update& y) {
     put(m, i, keep<S, CHECKED>(x.m, x.rm), keep<S, CHECKED>(y.m, y.rm));
     put(v, i, keep<S, CHECKED>(x.v, x.rv), keep<S, CHECKED>(y.v, y.rv));
-    const I px = keep<P, CHECKED>(x.p, x.rp), py = keep<P, CHECKED>(y.p, y.rp);
-    put_to<STREAM == STREAM_MASTER>(p, i, px, py);
-    put_to<STREAM == STREAM_COPY>(o, i, copy_bits<O, P, CHECKED>(px), copy_bits<O, P, CHECKED>(py));
+    if constexpr (SPLIT) {
+        const I zero = _mm512_setzero_si512(), half = _mm512_set1_epi32(0x8000);
+        const I ux = with_nan<CHECKED>(x.p, _mm512_castps_si512(x.p), zero);
+        const I uy = with_nan<CHECKED>(y.p, _mm512_castps_si512(y.p), zero);
+        const I hx = _mm512_add_epi32(ux, half), hy = _mm512_add_epi32(uy, half);
+        put_to<STREAM == STREAM_MASTER>(p, i, hx, hy);
+        _mm512_storeu_si512(low + i, pack_low(ux, uy));
+        if constexpr (std::is_same<O, bf16>::value) put_to<STREAM == STREAM_COPY>(o, i, hx, hy);
+        else put_to<STREAM == STREAM_COPY>(o, i, ux, uy);
+    } else {
+        const I px = keep<P, CHECKED>(x.p, x.rp), py = keep<P, CHECKED>(y.p, y.rp);
+        put_to<STREAM == STREAM_MASTER>(p, i, px, py);
+        put_to<STREAM == STREAM_COPY>(o, i, copy_bits<O, P, CHECKED>(px), copy_bits<O, P, CHECKED>(py));
+    }
 }
 
 // adamw_lean_t's loop over [lo, hi) in steps of 32, the master read from src and written to p (the same pointer in
 // place); returns where it stopped (the scalar loop does the rest).
 // O: no output, float32 or bf16 (fp16 copies take the scalar loop). STREAM: a `Stream`; the buffer streamed starts a
 // 64-byte line at lo (the caller's scalar loop does the elements before it).
-template <typename O, bool SCALE, int STREAM, typename S, typename P, typename G>
+template <typename O, bool SCALE, int STREAM, bool SPLIT, typename S, typename P, typename G>
 int64_t adamw_lean(const P* src, P* p, const G* g, S* m, S* v, O* o, int64_t lo, int64_t hi, const AdamArgs& a,
-                   uint32_t key, uint32_t base) {
+                   uint32_t key, uint32_t base, uint16_t* low) {
     const Consts c{_mm512_set1_ps(a.factor), _mm512_set1_ps(a.decay), _mm512_set1_ps(a.w1),
                    _mm512_set1_ps(a.beta2), _mm512_set1_ps(a.w2), _mm512_set1_ps(a.eps),
                    _mm512_set1_ps(a.neg_step), _mm512_set1_ps(a.bc2_sqrt),
@@ -145,12 +176,12 @@ int64_t adamw_lean(const P* src, P* p, const G* g, S* m, S* v, O* o, int64_t lo,
                             _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
     int64_t i = lo;
     for (; i + 32 <= hi; i += 32) {
-        const Update x = update<SCALE>(src, g, m, v, i, at, c);
+        const Update x = update<SCALE, SPLIT>(src, low, g, m, v, i, at, c);
         at = _mm512_add_epi32(at, sixteen);
-        const Update y = update<SCALE>(src, g, m, v, i + 16, at, c);
+        const Update y = update<SCALE, SPLIT>(src, low, g, m, v, i + 16, at, c);
         at = _mm512_add_epi32(at, sixteen);
-        if (__builtin_expect(has_nan(x) || has_nan(y), 0)) store<true, STREAM>(p, m, v, o, i, x, y);
-        else store<false, STREAM>(p, m, v, o, i, x, y);
+        if (__builtin_expect(has_nan(x) || has_nan(y), 0)) store<true, STREAM, SPLIT>(p, low, m, v, o, i, x, y);
+        else store<false, STREAM, SPLIT>(p, low, m, v, o, i, x, y);
     }
     if (STREAM != CACHED) _mm_sfence();  // the streamed lines before this thread's next stores (see stream_bf16)
     return i;

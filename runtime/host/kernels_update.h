@@ -44,13 +44,27 @@ template <typename P> inline uint32_t master_draw(uint32_t r) {  // fp32 master:
     return std::is_same<P, bf16>::value ? master_bits(r) : 0u;
 }
 
+// A split master (SPLIT: an exact fp32 master stored as two 16-bit halves, AReno's): hi, its bf16 copy rounded to
+// nearest with ties away from zero, and lo, the 16 bits that make it whole again: value bits = (hi << 16) + lo, lo
+// read as a signed 16-bit number. hi = (u + 0x8000) >> 16 and lo = the low 16 bits of u; a NaN is stored as the
+// canonical one (0x7FC00000, as the roundings store it), so u + 0x8000 never wraps.
+inline float split_value(bf16 hi, uint16_t lo) {
+    return bits_to_float((static_cast<uint32_t>(hi) << 16) + static_cast<uint32_t>(static_cast<int16_t>(lo)));
+}
+inline uint32_t split_bits(float x) {  // x's bits, a NaN the canonical one
+    const uint32_t u = float_to_bits(x);
+    return (u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC00000u : u;
+}
+inline bf16 split_hi(uint32_t u) { return static_cast<bf16>((u + 0x8000u) >> 16); }
+
 }  // namespace
 #include "kernels_avx512.h"  // v512::adamw_lean: the loop below in AVX-512 intrinsics, where the CPU has them
 namespace {
 
-template <typename O, bool SCALE, typename S, typename P, typename G>
+// SPLIT: P is bf16 (the masters' hi halves, read from src and written to p) and `low` their lo halves (in place).
+template <typename O, bool SCALE, typename S, typename P, typename G, bool SPLIT = false>
 void adamw_lean_t(const P* src, P* p, const G* g, S* m, S* v, O* out, int64_t n, int threads, AdamArgs args,
-                  uint32_t key, uint64_t offset) {
+                  uint32_t key, uint64_t offset, uint16_t* low = nullptr) {
     // the buffer this update only writes, streamed when large: the bf16 copy, else a bf16 master written out of place
     const bool large = n * 2 >= STREAM_MIN_BYTES;
     [[maybe_unused]] const bool stream_copy = std::is_same<O, bf16>::value && large;
@@ -65,19 +79,30 @@ void adamw_lean_t(const P* src, P* p, const G* g, S* m, S* v, O* out, int64_t n,
             for (int64_t i = from; i < to; ++i) {
                 const float gi = SCALE ? to_float(g[i]) * a.factor : to_float(g[i]);
                 const float m0 = to_float(m[i]), v0 = to_float(v[i]);
-                float pi = to_float(src[i]) * a.decay;
+                float pi;
+                if constexpr (SPLIT) pi = split_value(src[i], low[i]) * a.decay;
+                else pi = to_float(src[i]) * a.decay;
                 const float mi = std::fma(a.w1, gi - m0, m0);
                 const float vi = std::fma(a.w2 * gi, gi, v0 * a.beta2);
                 const float denom = std::sqrt(vi) / a.bc2_sqrt + a.eps;
                 pi = pi + a.neg_step * mi / denom;
                 const uint32_t at = base + static_cast<uint32_t>(i);
-                constexpr bool drawn = std::is_same<S, bf16>::value || std::is_same<P, bf16>::value;
+                constexpr bool drawn = std::is_same<S, bf16>::value || (std::is_same<P, bf16>::value && !SPLIT);
                 const uint32_t r = drawn ? hash32(at ^ k) : 0u;
                 m[i] = keep<S>(mi, r & 0xFFFFu);
                 v[i] = keep<S>(vi, r >> 16);
-                const P stored = keep<P>(pi, master_draw<P>(r));
-                p[i] = stored;
-                store(out, i, to_float(stored));
+                if constexpr (SPLIT) {
+                    const uint32_t u = split_bits(pi);
+                    const bf16 h = split_hi(u);
+                    p[i] = h;
+                    low[i] = static_cast<uint16_t>(u);
+                    if constexpr (std::is_same<O, bf16>::value) out[i] = h;  // the bf16 copy is hi itself
+                    else store(out, i, bits_to_float(u));
+                } else {
+                    const P stored = keep<P>(pi, master_draw<P>(r));
+                    p[i] = stored;
+                    store(out, i, to_float(stored));
+                }
             }
         };
 #if RP_AVX512
@@ -88,16 +113,16 @@ void adamw_lean_t(const P* src, P* p, const G* g, S* m, S* v, O* out, int64_t n,
             return at;
         };
         if constexpr (std::is_same<O, bf16>::value) {  // then the AVX-512 loop, streaming from there
-            if (stream_copy) lo = v512::adamw_lean<O, SCALE, v512::STREAM_COPY>(src, p, g, m, v, out,
-                                                                                aligned(out, lo, hi), hi, a, k, base);
+            if (stream_copy) lo = v512::adamw_lean<O, SCALE, v512::STREAM_COPY, SPLIT>(
+                src, p, g, m, v, out, aligned(out, lo, hi), hi, a, k, base, low);
         }
         if constexpr (std::is_same<O, NoOut>::value && std::is_same<P, bf16>::value) {
-            if (stream_master) lo = v512::adamw_lean<O, SCALE, v512::STREAM_MASTER>(src, p, g, m, v, out,
-                                                                                    aligned(p, lo, hi), hi, a, k, base);
+            if (stream_master) lo = v512::adamw_lean<O, SCALE, v512::STREAM_MASTER, SPLIT>(
+                src, p, g, m, v, out, aligned(p, lo, hi), hi, a, k, base, low);
         }
         if constexpr (!std::is_same<O, f16>::value) {  // the AVX-512 loop, then the scalar one for the last < 32
             if (!stream_copy && !stream_master) {
-                lo = v512::adamw_lean<O, SCALE, v512::CACHED>(src, p, g, m, v, out, lo, hi, a, k, base);
+                lo = v512::adamw_lean<O, SCALE, v512::CACHED, SPLIT>(src, p, g, m, v, out, lo, hi, a, k, base, low);
             }
         }
 #endif

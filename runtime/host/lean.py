@@ -1,5 +1,6 @@
 """Lean host state: bf16 AdamW moments (`state_dtype=torch.bfloat16`) and bf16 masters (`master_dtype=
-torch.bfloat16`, AdamW and SGD): the stochastic rounding, and the update in torch operations.
+torch.bfloat16`, AdamW and SGD): the stochastic rounding, and the update in torch operations; and the split
+float32 masters beside bf16 moments (`split`, `join`, `SplitMasters`).
 
 The moments are stored in bf16; each step widens them to float32, updates them and the weight in
 float32 (torch.optim.AdamW's formulas, as the fp32 kernels), and stores them rounded stochastically:
@@ -36,17 +37,34 @@ same float32 operations in the same order and a correctly rounded square root (`
 vectorised float32 sqrt is not always), so it computes the same float32 values and takes the same
 rounding decisions: the same bits.
 
+Split masters (AReno's split): an exact float32 master kept as two 16-bit halves, so that its bf16 half
+is the compute copy instead of a second buffer beside it.
+
+With `AdamW(state_dtype=torch.bfloat16)` and float32 masters, an unsharded state keeps each master this way
+(`FlatGroups.split`): `hi`, the bf16 value the forward uses (the float32 value rounded to nearest, ties away from
+zero), and `lo`, the 16 bits that make it whole again. The update reads both, computes in float32 exactly as with a
+float32 master (the same bits), and writes both back; at staleness 1 the hi halves alternate with the compute copies
+as a bf16 master does (runtime/host/layout.py `Alternation`), so master and copies cost 6 bytes a parameter instead
+of 8, and the update writes no separate copy.
+
+For bits u of a float32 value (a NaN stored as the canonical 0x7FC00000, as the roundings store it):
+hi = (u + 0x8000) >> 16, lo = u mod 2^16, and u = (hi << 16) + lo with lo read as a signed 16-bit number. The
+copy differs from round-to-nearest-even only on exact ties (low 16 bits 0x8000: 1 value in 65,536). The kernels
+do the same (runtime/host/kernels_update.h `split_value`, `split_hi`).
+
     >>> x = torch.tensor([1.0 + 2**-9])   # halfway between two bf16 values
     >>> sorted({stochastic_round(x, torch.tensor([r])).item() for r in (0, 0x7FFF, 0x8000, 0xFFFF)})
     [1.0, 1.0078125]
 """
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+
 import torch
 from torch import Tensor
 
 __all__ = ["hash32", "rounding_key", "master_bits", "grad_key", "random_bits", "stochastic_round", "sqrt_rn",
-           "TorchLean", "M32", "land"]
+           "TorchLean", "M32", "land", "split", "join", "split_into", "SplitMasters"]
 
 M32 = 0xFFFFFFFF  # 32-bit mask
 _C1, _C2 = 0x7FEB352D, 0x846CA68B  # lowbias32's multipliers
@@ -121,7 +139,7 @@ def stochastic_round(x: Tensor, r16: Tensor) -> Tensor:
     bits = x.view(torch.int32).to(torch.int64) & M32
     out = (bits + r16) >> 16
     out = torch.where(x.isnan(), 0x7FC0, out)
-    return (out - (out >= 0x8000).to(torch.int64) * 0x10000).to(torch.int16).view(torch.bfloat16)
+    return _int16(out).view(torch.bfloat16)
 
 
 def sqrt_rn(x: Tensor) -> Tensor:
@@ -161,9 +179,10 @@ class TorchLean:
 
     def adamw(self, p: Tensor, g: Tensor, m: Tensor, v: Tensor, out: Tensor | None, *, factor: float, lr: float,
               betas: tuple[float, float], eps: float, weight_decay: float, step: int, key: int, offset: int,
-              src: Tensor | None = None) -> None:
+              src: Tensor | None = None, low: Tensor | None = None) -> None:
         """AdamW step `step` (1-based) of p and m, v with g * factor; out (if given) = cast(new p); `src`: the master
-        read from it, the new one written to p (None: p in place).
+        read from it, the new one written to p (None: p in place). `low`: p (and src) are a split master's hi halves
+        and `low` its lo halves (`split`): float32 arithmetic, stored whole; a bf16 out takes hi.
 
         p is an fp32 or bf16 master, m and v both fp32 or both bf16, g an fp32 or bf16 gradient (widened).
         torch.optim.AdamW's float32 operations (which kernels.cpp's update follows), chunk by chunk, the
@@ -172,18 +191,23 @@ class TorchLean:
         """
         b1, b2 = betas
         bc1, bc2 = 1 - b1 ** step, 1 - b2 ** step
-        lean_m, lean_p = m.dtype == torch.bfloat16, p.dtype == torch.bfloat16
+        lean_m, lean_p = m.dtype == torch.bfloat16, p.dtype == torch.bfloat16 and low is None
         for lo in range(0, p.numel(), CHUNK):  # torch.optim.AdamW's single-tensor operations, in its order
             hi = min(lo + CHUNK, p.numel())
             gi = g[lo:hi].float() * factor if factor != 1.0 else g[lo:hi].float()
             mi, vi = (m[lo:hi].float(), v[lo:hi].float()) if lean_m else (m[lo:hi], v[lo:hi])  # fp32: in place
-            pi = _read(p, src, lo, hi)
+            pi = _read(p, src, lo, hi) if low is None else join((p if src is None else src)[lo:hi], low[lo:hi])
             pi.mul_(1 - lr * weight_decay)
             mi.lerp_(gi, 1 - b1)
             vi.mul_(b2).addcmul_(gi, gi, value=1 - b2)
             pi.addcdiv_(mi, (sqrt_rn(vi) / bc2 ** 0.5).add_(eps), value=-(lr / bc1))
             r = random_bits(offset + lo, hi - lo, key) if lean_m or lean_p else None
-            _store(p, pi, lo, hi, r, out)
+            if low is None:
+                _store(p, pi, lo, hi, r, out)
+            else:
+                split_into(pi, p[lo:hi], low[lo:hi])
+                if out is not None:
+                    out[lo:hi] = p[lo:hi] if out.dtype == torch.bfloat16 else join(p[lo:hi], low[lo:hi]).to(out.dtype)
             if lean_m:
                 m[lo:hi] = stochastic_round(mi, r & 0xFFFF)
                 v[lo:hi] = stochastic_round(vi, r >> 16)
@@ -229,3 +253,74 @@ def _store(p: Tensor, pi: Tensor, lo: int, hi: int, r: Tensor | None, out: Tenso
         p[lo:hi] = pi
     if out is not None:
         out[lo:hi] = p[lo:hi].to(out.dtype)
+
+
+# ---- split masters (module docstring) ----------------------------------------------------------------------
+
+_NAN = 0x7FC00000  # the canonical NaN's bits
+
+
+def _bits(x: Tensor) -> Tensor:
+    """x's float32 bits as int64 in [0, 2^32), a NaN the canonical one."""
+    u = x.float().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    return torch.where(x.isnan(), _NAN, u)
+
+
+def _int16(x: Tensor) -> Tensor:
+    """int64 values in [0, 2^16) as int16 with the same 16 bits."""
+    return (x - (x >= 0x8000).to(torch.int64) * 0x10000).to(torch.int16)
+
+
+def split(x: Tensor) -> tuple[Tensor, Tensor]:
+    """(hi as bfloat16, lo as int16) of float32 `x` (module docstring), both of x's shape.
+
+    >>> x = torch.tensor([1.0, -2.5, 1.00390625, float("nan")])
+    >>> hi, lo = split(x)
+    >>> join(hi, lo)[:3].tolist(), hi.float().tolist()[:3], bool(join(hi, lo)[3].isnan())
+    ([1.0, -2.5, 1.00390625], [1.0, -2.5, 1.0078125], True)
+    """
+    u = _bits(x)
+    return _int16((u + 0x8000) >> 16).view(torch.bfloat16), _int16(u & 0xFFFF)
+
+
+def split_into(x: Tensor, hi: Tensor, lo: Tensor) -> None:
+    """hi[...], lo[...] = split(x) (views of x's shape, written in place)."""
+    h, l = split(x)
+    hi.copy_(h)
+    lo.copy_(l)
+
+
+def join(hi: Tensor, lo: Tensor) -> Tensor:
+    """The float32 value of a split master (a new tensor of hi's shape)."""
+    u = (hi.view(torch.int16).to(torch.int64) << 16) + lo.to(torch.int64)
+    u = u & 0xFFFFFFFF
+    return (u - (u >= 0x80000000).to(torch.int64) * 0x100000000).to(torch.int32).view(torch.float32)
+
+
+class SplitMasters(Mapping):
+    """name -> the float32 value of a split master: a new tensor at each read (a view cannot span two halves), so
+    write with `set`, never into what a read returns.
+
+    Args:
+        hi, lo: name -> the views of its bf16 halves and of its int16 ones (the parameter's shape).
+
+    >>> m = SplitMasters({"w": torch.zeros(2, dtype=torch.bfloat16)}, {"w": torch.zeros(2, dtype=torch.int16)})
+    >>> m.set("w", torch.tensor([1.0, 3.14159])); m["w"].tolist() == torch.tensor([1.0, 3.14159]).tolist()
+    True
+    """
+
+    def __init__(self, hi: Mapping[str, Tensor], lo: Mapping[str, Tensor]) -> None:
+        self.hi, self.lo = dict(hi), dict(lo)
+
+    def __getitem__(self, name: str) -> Tensor:
+        return join(self.hi[name], self.lo[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.hi)
+
+    def __len__(self) -> int:
+        return len(self.hi)
+
+    def set(self, name: str, value: Tensor) -> None:
+        """Write float32 `value` (the parameter's shape, or as many elements) into `name`'s halves."""
+        split_into(value.reshape(self.hi[name].shape), self.hi[name], self.lo[name])

@@ -55,12 +55,12 @@ import torch
 from torch import Tensor
 
 from rpcompile.ir.host_layout import host_layout
-from rpcompile.ir.optim import SGD, AdamW, DynamicLossScale, decay_names, make_torch_optimizer
+from rpcompile.ir.optim import SGD, AdamW, DynamicLossScale, decay_names, make_torch_optimizer, split_masters
 from rpcompile.runtime.host.flat import FlatGroups, grad_dtype, master_dtype, moment_names, state_dtype
 from rpcompile.runtime.host.grad_stats import GradStats, ScaleVerdict, _IterStats
 from rpcompile.runtime.host.kernels import load_kernels
 from rpcompile.runtime.host.layout import AlternatingCopies, Alternation, host_blocks, view
-from rpcompile.runtime.host.lean import TorchLean
+from rpcompile.runtime.host.lean import TorchLean, split as split_master
 from rpcompile.runtime.host.pinned import pinning
 from rpcompile.runtime.stage.runner import tracked_buffers
 from rpcompile.runtime.host.state_io import StateIO
@@ -155,11 +155,14 @@ class HostState(GradStats, StateIO, AlternatingCopies):
         layer_of = {n: self.owners[n][0] if self.owners[n] else 0 for n in params}  # group of its compute copy
         self.layout = host_layout([(n, p.numel(), dtype or p.dtype, layer_of[n], n in trainable)
                                    for n, p in params.items()], num_layers)  # offsets of every host buffer
+        split = split_masters(optimizer, shard)  # fp32 masters in two halves, one the bf16 copy (runtime/host/lean.py)
         self.flat = FlatGroups(self.layout, trainable, moment_names(optimizer), state_dtype(optimizer),
-                               seed, master_dtype(optimizer), grad_dtype(optimizer), shard, pin)  # masters, grads,
-        # moments (bf16 masters pinned as the blocks: at staleness 1 uploads read them in turn, `alternate`)
+                               seed, master_dtype(optimizer), grad_dtype(optimizer), shard, pin, split)  # masters,
+        # grads, moments (bf16 masters, or halves, pinned as the blocks: at staleness 1 uploads read them in turn)
         self.shard = shard  # (rank, world) of sharded masters and moments; None: whole
-        self.master: dict[str, Tensor] = self.flat.master  # trainable canonical -> master (fp32 or bf16; a view)
+        # trainable canonical -> master (fp32 or bf16; a view; split fp32 masters: their values, read from the halves
+        # and written with `flat.set_master`)
+        self.master: Mapping[str, Tensor] = self.flat.master
         self.grad: dict[str, Tensor] = self.flat.grad  # trainable canonical -> fp32/bf16 buffer (valid if written
         # this iteration; a view)
         # compute copies: views into one block per (lowest owner layer, dtype), pinned with CUDA (uploads read them);
@@ -167,6 +170,9 @@ class HostState(GradStats, StateIO, AlternatingCopies):
         order, lean = self.layout.where, master_dtype(optimizer) != torch.float32  # lean: copies start as masters
         first = {n: params[n].detach().to(master_dtype(optimizer)) if lean and n in self.master else params[n].detach()
                  for n in order}
+        if split:  # a bf16 copy of a split master is its bf16 half (rounded with ties away from zero)
+            first.update({n: split_master(self.master[n])[0] for n in trainable
+                          if (dtype or params[n].dtype) == torch.bfloat16})
         self.blocks, self.where = host_blocks({n: first[n].to(dtype or params[n].dtype) for n in order},
                                               layer_of, pin=pin)
         self.compute: dict[str, Tensor] = {n: view(self.blocks, self.where[n], tuple(p.shape))  # training dtype
@@ -383,10 +389,10 @@ class HostState(GradStats, StateIO, AlternatingCopies):
         with self._locks[layer]:
             if self.alt is not None and self.alt.flips.get(layer, 0):
                 raise RuntimeError(f"copy({layer}): the alternating copies are not settled (flush first)")
-            if (self.kernels is not None or self.shard is not None) and not self._copied[layer]:
+            if (self.kernels is not None or self.shard is not None or self.flat.split) and not self._copied[layer]:
                 self.flat.cast(self.kernels, layer, {s.dtype: self.blocks[(layer, s.dtype)]
                                                      for s in self.layout.segments[layer]})
-            elif self.kernels is None and self.shard is None:
+            elif self.kernels is None and self.shard is None and not self.flat.split:
                 for n in self.groups[layer]:
                     self.compute[n].copy_(self.master[n])
             self._copied[layer] = False

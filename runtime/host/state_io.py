@@ -63,8 +63,7 @@ class StateIO:
 
     def _master_dtype(self) -> torch.dtype:
         """The dtype of this state's masters."""
-        return self.flat.masters[0].dtype if self.flat.masters else getattr(self.config, "master_dtype",
-                                                                             torch.float32)
+        return self.flat.master_dtype
 
     def parameters_fp32(self) -> dict[str, Tensor]:
         """Current weights in fp32: masters (bf16 ones widened), or compute copies for frozen parameters (fresh
@@ -171,7 +170,10 @@ class StateIO:
             lo, hi = max(a, c), min(b, d)
             if lo >= hi:
                 continue
-            self.master[n].view(-1)[lo - a:hi - a] = sd["master"][n].reshape(-1)[lo - c:hi - c]
+            if self.flat.split:  # unsharded: whole
+                self.flat.set_master(n, sd["master"][n])
+            else:
+                self.master[n].view(-1)[lo - a:hi - a] = sd["master"][n].reshape(-1)[lo - c:hi - c]
             saved = sd["optim"].get(n, {})
             for k, t in self.flat.moment[n].items():
                 if k in saved:

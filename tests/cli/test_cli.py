@@ -110,8 +110,10 @@ def test_plan_prints_the_parameter_state_per_trainable_parameter_beside_the_host
         at = next(i for i, line in enumerate(lines) if line.startswith("host memory:"))
         assert rc == 0 and lines[at + 1] == (
             f"parameter state: {per} B per trainable parameter (compute copy 2.0, master 4.0, gradient 4.0, "
-            f"optimizer state {'8.0' if dtype == 'fp32' else '4.0'}; staleness 1 adds 2.0 for the second compute copy), "
+            f"optimizer state {'8.0' if dtype == 'fp32' else '4.0'}"
+            f"{'; staleness 1 adds 2.0 for the second compute copy' if dtype == 'fp32' else ''}), "  # split: none
             f"{dtype} moments (--state-dtype)"), out
+        assert ("fp32 masters 6.4 GiB (split: bf16 halves and low halves)" in lines[at]) == (dtype == "bf16")
         assert lines[at].endswith(" needed of 512.0 GiB (rtx4090 preset): fits"), lines[at]  # one server: not "each"
         outs[dtype] = [line for i, line in enumerate(lines) if i not in (at, at + 1) and "planned in" not in line]
     longest = {d: next(k for k, line in enumerate(out) if line.startswith("max_seq_len")) for d, out in outs.items()}

@@ -79,8 +79,9 @@ def test_alternating_copies_train_bit_for_bit_as_the_copy_pass(monkeypatch, mode
 
 def test_a_bf16_master_with_bf16_copies_is_the_second_buffer_else_the_copies_get_one_of_their_own():
     g = _graph()
-    for opt, dtype, shared in ((LEAN, BF16, True), (AdamW(lr=1e-2, state_dtype=BF16), BF16, False),
-                               (LEAN, None, False), (AdamW(lr=1e-2), None, False)):
+    for opt, dtype, shared in ((LEAN, BF16, True), (AdamW(lr=1e-2, state_dtype=BF16), BF16, True),  # split
+                               (AdamW(lr=1e-2), BF16, False), (LEAN, None, False),
+                               (AdamW(lr=1e-2, state_dtype=BF16), None, False), (AdamW(lr=1e-2), None, False)):
         rt, state = _runtime(g, opt, dtype=dtype)
         with rt:
             assert rt.host.alternating and rt.host._backup_bufs == {}
@@ -188,7 +189,8 @@ def test_a_state_dict_after_an_odd_step_resumes_bit_for_bit(opt):
 
 
 @pytest.mark.parametrize("frozen", [False, True])
-@pytest.mark.parametrize("opt", [LEAN, AdamW(lr=1e-2, state_dtype=BF16)], ids=["bf16-master", "fp32-master"])
+@pytest.mark.parametrize("opt", [LEAN, AdamW(lr=1e-2, state_dtype=BF16), AdamW(lr=1e-2)],
+                         ids=["bf16-master", "split-master", "fp32-master"])
 def test_the_second_buffers_are_what_host_bytes_counts_and_no_undo_copy_is_kept(frozen, opt):
     g = _graph()
     rt, state = _runtime(g, opt, frozen=frozen)
@@ -198,8 +200,11 @@ def test_the_second_buffers_are_what_host_bytes_counts_and_no_undo_copy_is_kept(
         assert rt.host._backup_bufs == {}
         need = host_bytes(rt.graph, microbatches=MBS, staleness=1, optimizer=opt, dtype=BF16)
         own = sum(b.nbytes for g_, pairs in state.alt.pairs.items() if not state.alt.shared[g_] for _, b in pairs)
-        assert need.undo == own == (0 if opt is LEAN else need.trainable_weights) and need.trainable_weights > 0
-        assert need.masters == sum(m.nbytes for m in state.flat.masters)
+        second = 0 if opt.master_dtype == BF16 or opt.state_dtype == BF16 else need.trainable_weights
+        assert need.undo == own == second and need.trainable_weights > 0
+        lows = sum(t.nbytes for t in state.flat.lows if t is not None)  # a split master's other halves
+        assert need.masters == sum(m.nbytes for m in state.flat.masters) + lows
+        assert (lows > 0) == (opt.state_dtype == BF16 and opt.master_dtype == torch.float32)
 
 
 def test_an_upload_reads_the_alternate_buffer_for_the_blocks_trainable_part_only():
