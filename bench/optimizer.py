@@ -92,7 +92,8 @@ def ours(total: int, groups: int, staleness: int, impl: str = "fused", alternate
     state runs it)."""
     params = {f"layer{l}.weight": torch.nn.Parameter(torch.randn(total // groups)) for l in range(groups)}
     state = HostState(params, {n: (l,) for l, n in enumerate(params)}, groups, dtype=torch.bfloat16,
-                      optimizer=rpcompile.AdamW(lr=1e-4, max_grad_norm=CLIP, impl=impl, **lean))
+                      optimizer=rpcompile.AdamW(lr=1e-4, max_grad_norm=CLIP, impl=impl, **lean),
+                      staleness=staleness)  # as the runtime makes it (split fp32 masters at staleness 1)
     assert (state.kernels is not None) == (impl == "fused"), "the kernels did not build"
     grads = dict(zip(params, bf16_grads(total, groups)))
     del params
@@ -301,10 +302,10 @@ def main(argv: list[str] | None = None) -> str:
             "as fast as a copy of 36 bytes per parameter (the fused design's traffic: a 2-byte read and 4-byte\n"
             "write while the gradient lands, 16 bytes read and 14 written in the update). Staleness 1 moves the\n"
             "same with alternating copies (the update's pass writes the copy into the other buffer), 44 with the\n"
-            "copy pass (4 read, 2 written; the undo copy before it 2 read, 2 written). The bf16 moment rows keep\n"
-            "the fp32 master split in two bf16-sized halves (one the compute copy) and move 26 at staleness 1:\n"
-            "their update reads 12 bytes and writes 8 (the copy half out of place, no copy of its own), 28 at\n"
-            "staleness 0 (the copy written too); with a bf16 master too 24 (the update reads 10 and writes 8: the\n"
+            "copy pass (4 read, 2 written; the undo copy before it 2 read, 2 written). The bf16 moment rows move\n"
+            "28 at staleness 0 (the update reads 12 bytes and writes 10); at staleness 1 they keep the fp32 master\n"
+            "split in two bf16-sized halves (one the compute copy) and move 26 (the update reads 12 and writes 8:\n"
+            "the copy half out of place, no copy of its own); with a bf16 master too 24 (the update reads 10 and writes 8: the\n"
             "master out of place, no copy); with bf16 gradients too 20 (the gradient lands as 2 read and 2\n"
             "written, the update reads 8 and writes 8). The buffers written whole (a gradient's first landing,\n"
             "the copy, a bf16 master or half stepped out of place) are written around the cache (non-temporal\n"

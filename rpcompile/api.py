@@ -210,7 +210,8 @@ class Compiled(Training, Snapshots):
             self._variants.put(self._signature, self._variant())
             self.state = HostState.from_graph(self.graph, optimizer=opts.optimizer, dtype=opts.dtype,
                                               loss_scale=opts.loss_scale, seed=opts.seed,  # bf16 moments' rounding
-                                              pin_memory=opts.backend != "host", shard=shard)  # pinned where CUDA is
+                                              pin_memory=opts.backend != "host", shard=shard,  # pinned where CUDA is
+                                              staleness=opts.staleness)  # 1: split fp32 masters beside bf16 moments
             self.options = dataclasses.replace(opts, optimizer=self.state.config)  # decay resolved to names
             if resume is not None:  # a checkpoint of another model or plan is refused before any thread starts
                 checkpoint.check(resume)

@@ -184,7 +184,7 @@ def host_bytes(model: Any, costs: Any = None, plan: Any = None, *, microbatches:
     state_size = getattr(optimizer, "state_dtype", torch.float32).itemsize  # SGD's momentum: fp32
     master_size, grad_size = master_dtype(optimizer).itemsize, grad_dtype(optimizer).itemsize
     # a bf16 master, or a split one's bf16 half, is the second buffer bf16 compute copies alternate with
-    split = split_masters(optimizer, shard)
+    split = split_masters(optimizer, shard, staleness)
     bf16_master = (master_dtype(optimizer) == torch.bfloat16 and world == 1) or split
     weights = trainable = params = own_weights = 0
     bf16_copies = True  # every trainable compute copy is bf16

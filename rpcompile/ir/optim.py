@@ -54,7 +54,8 @@ Note:
     round-to-nearest-even differs on 1 value in 65,536), the other half the 16 bits that make the master
     exact again. The update is the float32 one, with the same master and moment bits; at staleness 1 the
     compute copies alternate with the bf16 halves, so the master and its copies take 6 bytes a
-    parameter instead of 8, and the update writes no copy of its own.
+    parameter instead of 8, and the update writes no copy of its own. Only at staleness 1: at 0 there is
+    no second buffer to save.
 """
 from __future__ import annotations
 
@@ -93,15 +94,17 @@ def master_dtype(config: Any) -> torch.dtype:
     return getattr(config, "master_dtype", torch.float32)
 
 
-def split_masters(config: Any, shard: tuple[int, int] | None = None) -> bool:
+def split_masters(config: Any, shard: tuple[int, int] | None = None, staleness: int = 1) -> bool:
     """Whether a host state of `config` keeps its float32 masters split in two bf16-sized halves (module Note):
-    AdamW with bf16 moments and float32 masters, unsharded (`shard`: (rank, world) of a sharded state).
+    AdamW with bf16 moments and float32 masters, unsharded (`shard`: (rank, world) of a sharded state), at
+    staleness 1 (where the bf16 halves save the compute copies' second buffer; at 0 there is none to save).
 
     >>> split_masters(AdamW(state_dtype=torch.bfloat16)), split_masters(AdamW()), split_masters(
-    ...     AdamW(state_dtype=torch.bfloat16), shard=(0, 2))
-    (True, False, False)
+    ...     AdamW(state_dtype=torch.bfloat16), shard=(0, 2)), split_masters(AdamW(state_dtype=torch.bfloat16),
+    ...     staleness=0)
+    (True, False, False, False)
     """
-    return (isinstance(config, AdamW) and config.state_dtype == torch.bfloat16
+    return (isinstance(config, AdamW) and config.state_dtype == torch.bfloat16 and staleness == 1
             and master_dtype(config) == torch.float32 and (shard is None or shard[1] == 1))
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import rpcompile
+from rpcompile.ir.optim import split_masters
 from rpcompile.runtime.host import kernels as kmod
 from rpcompile.runtime.host import optimizer as optmod
 from rpcompile.runtime.host.lean import TorchLean, join, split
@@ -228,3 +229,24 @@ def test_split_masters_take_no_second_buffer_at_staleness_1_and_host_bytes_count
     assert need.masters == 72 * 4 and need.undo == 0 and lows == his  # split: 4 bytes, no second copy
     fp32 = host_bytes(model, microbatches=1, staleness=1, optimizer=rpcompile.AdamW(), dtype=BF16)
     assert fp32.undo == 72 * 2
+
+
+def test_only_fp32_masters_beside_bf16_moments_of_an_unsharded_state_are_split():
+    lean = rpcompile.AdamW(state_dtype=BF16)
+    assert split_masters(lean) and split_masters(lean, shard=(0, 1))  # one server: whole
+    assert not split_masters(lean, shard=(0, 2)) and not split_masters(lean, shard=(1, 3))
+    assert not split_masters(rpcompile.AdamW()) and not split_masters(rpcompile.AdamW(state_dtype=BF16,
+                                                                                       master_dtype=BF16))
+    assert not split_masters(rpcompile.SGD(lr=0.1, momentum=0.9))
+
+
+def test_at_staleness_0_the_masters_stay_whole(monkeypatch):
+    """No second buffer to save there: the split would only add work to the update."""
+    from rpcompile.passes.cost.host_bytes import host_bytes
+    assert not state("foreach", True, monkeypatch, staleness=0).flat.split
+    assert state("foreach", True, monkeypatch, staleness=1).flat.split
+    model = torch.nn.Linear(8, 8).to(BF16)
+    need = [host_bytes(model, microbatches=1, staleness=s, optimizer=rpcompile.AdamW(state_dtype=BF16), dtype=BF16)
+            for s in (0, 1)]
+    assert [n.split for n in need] == [False, True] and [n.masters for n in need] == [72 * 4] * 2
+    assert "split" not in str(need[0]) and "(split: bf16 halves and low halves)" in str(need[1])
