@@ -35,14 +35,17 @@ AdamW (weight decay 0.01) and a bf16 compute copy. Rows:
   a fresh destination, as the update's read-modify-write buffers): a second floor.
 
 The median of `--reps` timed calls after one warm-up per row; rows run round-robin so machine load
-hits them alike. With `--runs K` that is done K times per thread count: a row's time is the median of its K
+hits them alike. Each run builds every row afresh, in an order shuffled per run (`build`: where a row's
+buffers lie moves its time). With `--runs K` that is done K times per thread count: a row's time is the median of its K
 medians, and a second table gives the range of the lean rows' ratio to the fp32 state over the K runs (on a
 shared machine one run's ratio moves by 0.1 or more). One table per torch thread count in `--threads` (every row uses that many threads).
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import os
+import random
 import statistics
 import sys
 import time
@@ -203,6 +206,27 @@ def compiled(total: int, groups: int) -> Case:
     return timed(run)
 
 
+def build(makers: list[Callable[[], Case]], seed: int) -> list[Case]:
+    """Every row's case (in the rows' order), built in an order shuffled by `seed`.
+
+    Where a row's buffers lie in memory moves its time: on a Xeon VM, 1 GiB buffers allocated one after another
+    took 89-136 ms each for the same in-place add_, and the row built first ran 5-20% slower than when built
+    later (its landing alone 35 instead of 18 ms). Built in one fixed order, the fp32 state (the first row, which
+    every `vs fp32 state` divides by) would carry that every run; so each run builds its rows afresh in another
+    order, and the runs' medians spread the luck over the rows.
+
+        >>> order = []
+        >>> build([lambda i=i: order.append(i) or i for i in range(4)], seed=1)
+        [0, 1, 2, 3]
+        >>> sorted(order) == [0, 1, 2, 3] and order != [0, 1, 2, 3]
+        True
+    """
+    order = list(range(len(makers)))
+    random.Random(seed).shuffle(order)
+    built = {i: makers[i]() for i in order}
+    return [built[i] for i in range(len(makers))]
+
+
 def _vs_fp32(med: dict[str, float], name: str) -> float:
     """The fp32 state's time at the staleness of row `name` over the row's (its speed-up over the fp32 state)."""
     return med[f"rpcompile kernels, staleness {name[-1]}"] / med[name]
@@ -237,37 +261,41 @@ def main(argv: list[str] | None = None) -> str:
     args = ap.parse_args(argv)
     total, groups = int(args.params) // args.groups * args.groups, args.groups
     ds = deepspeed_alone(total, groups)
-    cases: list[tuple[str, str, Case]] = [
-        ("rpcompile kernels, staleness 0", "accumulate, complete, step(copy=True), copy", ours(total, groups, 0)),
-        ("rpcompile kernels, staleness 1", ALTERNATING, ours(total, groups, 1)),
+    S0 = "accumulate, complete, step(copy=True), copy"
+    cases: list[tuple[str, str, Callable[[], Case]]] = [  # each row's name, calls and the function building it
+        ("rpcompile kernels, staleness 0", S0, lambda: ours(total, groups, 0)),
+        ("rpcompile kernels, staleness 1", ALTERNATING, lambda: ours(total, groups, 1)),
         ("rpcompile kernels, staleness 1, copy pass", "accumulate, complete, undo copy, copy, step",
-         ours(total, groups, 1, alternate=False)),
-        *[(f"rpcompile kernels, {what}, staleness {s}", how, ours(total, groups, s, **lean))
-          for what, lean in LEAN.items()
-          for s, how in ((0, "accumulate, complete, step(copy=True), copy"), (1, ALTERNATING))],
+         lambda: ours(total, groups, 1, alternate=False)),
+        *[(f"rpcompile kernels, {what}, staleness {s}", how, lambda s=s, lean=lean: ours(total, groups, s, **lean))
+          for what, lean in LEAN.items() for s, how in ((0, S0), (1, ALTERNATING))],
         ("rpcompile, torch kernels (impl=foreach)", "accumulate, complete, step, copy",
-         ours(total, groups, 0, "foreach")),
-        ("torch equivalent", "grad copy, clip_grad_norm_, fused AdamW, bf16 copy", torch_equivalent(total, groups)),
-        ("torch fused AdamW alone", "step", torch_fused_alone(total, groups)),
-        ("memcpy, 18 B/param", "copy_ (36 B of traffic per param)", memcpy(total)),
-        ("stream in place, 18 B/param", "add_ (36 B of traffic per param)", stream(total))]
+         lambda: ours(total, groups, 0, "foreach")),
+        ("torch equivalent", "grad copy, clip_grad_norm_, fused AdamW, bf16 copy",
+         lambda: torch_equivalent(total, groups)),
+        ("torch fused AdamW alone", "step", lambda: torch_fused_alone(total, groups)),
+        ("memcpy, 18 B/param", "copy_ (36 B of traffic per param)", lambda: memcpy(total)),
+        ("stream in place, 18 B/param", "add_ (36 B of traffic per param)", lambda: stream(total))]
     if not isinstance(ds, str):
-        cases.insert(5, ("DeepSpeed CPUAdam alone", "step (adamw_mode)", ds))
+        cases.insert(5, ("DeepSpeed CPUAdam alone", "step (adamw_mode)", lambda: deepspeed_alone(total, groups)))
     if not args.no_compile:
         t = time.perf_counter()
         case = compiled(total, groups)
         case()  # the first call compiles
         cases.insert(3, ("torch.compile of the fused passes", f"land, clip, AdamW+copy (compiled in "
-                                                              f"{time.perf_counter() - t:.0f} s)", case))
+                                                              f"{time.perf_counter() - t:.0f} s)", lambda: case))
     tables = []
     for threads in [int(x) for x in args.threads.split(",")]:
         torch.set_num_threads(threads)
         runs = []  # per run: row name -> median seconds
         rounds = []  # every round-robin of every run: row name -> seconds
-        for _ in range(args.runs):
-            for _, _, run in cases:  # warm-up: first touch, lazy state, thread pools
+        for r in range(args.runs):
+            built = build([make for _, _, make in cases], seed=threads * 1000 + r)
+            for run in built:  # warm-up: first touch, lazy state, thread pools
                 run()
-            times = [[run() for _, _, run in cases] for _ in range(args.reps)]  # round-robin
+            times = [[run() for run in built] for _ in range(args.reps)]  # round-robin
+            del built
+            gc.collect()  # this run's buffers go before the next run's are allocated
             runs.append({name: statistics.median(t[i] for t in times) for i, (name, _, _) in enumerate(cases)})
             rounds += [{name: t[i] for i, (name, _, _) in enumerate(cases)} for t in times]
         med = {name: statistics.median(r[name] for r in runs) for name, _, _ in cases}
@@ -313,11 +341,12 @@ def main(argv: list[str] | None = None) -> str:
             "`vs fp32 state` is the fp32 row's time of the same\n"
             "staleness over theirs (issue 48 asks 1.2 or more); the paired table takes that ratio within each\n"
             "round-robin, where the two rows ran seconds apart, so load that comes and goes over minutes moves\n"
-            "both alike. One thread's fp32 update is bound by memory, the\n"
-            "lean ones by their arithmetic (the float32 update, one lowbias32 hash and up to three roundings an\n"
-            "element: runtime/host/kernels_avx512.h), so on one thread they gain less than the bytes they save\n"
-            "(36/26, 36/24, 36/20); with every core the ratios rise. Compare ratios within one table, not across\n"
-            "runs.\n"
+            "both alike. Each run builds its rows afresh in a shuffled order (`build`: where a row's buffers\n"
+            "lie moves its time). On one thread the lean rows gain less than the bytes they save (36/26, 36/24,\n"
+            "36/20): on an AMD EPYC the lean updates were bound by their arithmetic (the float32 update, one\n"
+            "lowbias32 hash and up to three roundings an element: runtime/host/kernels_avx512.h); on a Xeon by\n"
+            "memory latency until the loop prefetched its streams, and since then by memory, at fewer bytes a\n"
+            "second than the fp32 update's. Compare ratios within one table, not across runs.\n"
             "torch's copy_ into a fresh destination also reads it first (write-allocate), so the memcpy row\n"
             "moves more than 36 bytes per parameter; the in-place stream row (read and written, as the update's\n"
             "buffers) is the tighter floor: compare its ms with ours.\n"
