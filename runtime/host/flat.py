@@ -31,7 +31,7 @@ from rpcompile.ir.host_layout import HostLayout, shard_slices
 from rpcompile.ir.optim import SGD, AdamW, grad_dtype, master_dtype
 from rpcompile.runtime.host.kernels import Kernels
 from rpcompile.runtime.host.lean import SplitMasters, TorchLean, join, rounding_key
-from rpcompile.runtime.host.pinned import pinned_zeros
+from rpcompile.runtime.host.pinned import host_buffers, pinned_buffers
 
 __all__ = ["FlatGroups", "moment_names", "state_dtype", "master_dtype", "grad_dtype"]
 
@@ -64,7 +64,7 @@ class FlatGroups:
             gradients stay whole). A parameter's `master` / `moment` views are then 1-D: the part of it
             this rank owns (possibly empty). `step` and `cast` cover the owned part only, at the same
             element offsets (so the same rounding bits) as one process.
-        pin: pin the bf16 masters (or split masters' bf16 halves) of an unsharded state (`pinned_zeros`'s `pin`):
+        pin: pin the bf16 masters (or split masters' bf16 halves) of an unsharded state (`pinned_buffers`'s `pin`):
             at staleness 1 they alternate with the compute copies as what uploads read (runtime/host/layout.py
             `Alternation`).
         split: keep float32 masters split (`rpcompile.ir.optim.split_masters`; unsharded, float32 `master`).
@@ -85,13 +85,14 @@ class FlatGroups:
         self.owned = [shard_slices(n, world)[rank] for n in layout.flat]  # group -> [lo, hi) held here
         stored = torch.bfloat16 if split else master  # what `masters` holds
         pin = pin if stored == torch.bfloat16 and self.shard is None else False
-        self.masters = [pinned_zeros(hi - lo, stored, pin if hi > lo else False)  # group -> flat masters
-                        for lo, hi in self.owned]  # (of the owned slice; gaps: zeros)
-        self.lows = [torch.zeros(hi - lo, dtype=torch.int16) if split else None  # group -> split masters' low
-                     for lo, hi in self.owned]  # halves (None: not split)
-        self.grads = [torch.zeros(n, dtype=grad) for n in layout.flat]  # group -> flat gradients (fp32 or bf16)
-        self.moments = [{k: torch.zeros(hi - lo, dtype=dtype) for k in moments}  # group -> name -> flat buffer
-                        for lo, hi in self.owned]
+        held = [hi - lo for lo, hi in self.owned]  # group -> elements held here
+        self.masters = pinned_buffers([(n, stored) for n in held], pin)  # group -> flat masters (of the owned
+        # slice; gaps: zeros)
+        self.lows = host_buffers(held, torch.int16) if split else [None] * len(held)  # group -> split masters'
+        # low halves (None: not split)
+        self.grads = host_buffers(layout.flat, grad)  # group -> flat gradients (fp32 or bf16)
+        by_name = {k: host_buffers(held, dtype) for k in moments}
+        self.moments = [{k: by_name[k][g] for k in moments} for g in range(len(held))]  # group -> name -> flat
         self.order = [[(layout.master[n], n, next(i for i, s in enumerate(segs) if s.start <= layout.master[n] < s.stop))
                        for n in names] for names, segs in zip(layout.members, layout.segments)]  # group -> (offset,
         # name, segment index) in offset order

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from rpcompile.runtime.host.pinned import pinned_zeros
+from rpcompile.runtime.host.pinned import pinned_buffers
 from rpcompile.runtime.program_info import EVAL_BASE
 from rpcompile.ir.host_layout import ALIGN, aligned, block_offsets
 
@@ -79,7 +79,8 @@ def host_blocks(tensors: Mapping[str, torch.Tensor], layer_of: Mapping[str, int]
         (blocks, where): (layer, dtype) -> flat block; name -> ((layer, dtype), element offset).
     """
     where, sizes = block_offsets((n, (layer_of[n], t.dtype), t.numel()) for n, t in tensors.items())
-    blocks = {k: pinned_zeros(n, k[1], pin) for k, n in sizes.items()}  # gaps: zeros; pinned at exact size
+    blocks = dict(zip(sizes, pinned_buffers([(n, k[1]) for k, n in sizes.items()], pin)))  # gaps: zeros;
+    # pinned at exact size, or pageable in one block per dtype (on huge pages)
     for n, t in tensors.items():
         key, off = where[n]
         blocks[key][off:off + t.numel()].copy_(t.detach().reshape(-1))
@@ -214,7 +215,7 @@ class Alternation:
     Args:
         state: the HostState (layout, blocks, flat masters, kernels), unsharded (`HostState.alternate`).
         first: the first iteration the runtime runs: it uploads from A.
-        pin: `pinned_zeros`'s `pin` for the buffers of their own (uploads read them).
+        pin: `pinned_buffers`'s `pin` for the buffers of their own (uploads read them).
 
     Attributes:
         pairs: group -> [(A, B)], one per segment (segment-relative views of equal length).
@@ -226,14 +227,21 @@ class Alternation:
         self.state = state
         self.pairs: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.shared: dict[int, bool] = {}
+        own = []  # (group, segment index) of each B that is a buffer of its own
         for g, segs in enumerate(state.layout.segments):
             if not state.groups[g]:
                 continue
             master = state.flat.masters[g]
             self.shared[g] = master.dtype == torch.bfloat16 and all(s.dtype == torch.bfloat16 for s in segs)
+            own += [] if self.shared[g] else [(g, i) for i in range(len(segs))]
+        segments = state.layout.segments
+        made = dict(zip(own, pinned_buffers([(segments[g][i].stop - segments[g][i].start, segments[g][i].dtype)
+                                             for g, i in own], pin)))
+        for g in self.shared:
+            master = state.flat.masters[g]
             self.pairs[g] = [(state.blocks[(g, s.dtype)][:s.stop - s.start],
-                              master[s.start:s.stop] if self.shared[g] else pinned_zeros(s.stop - s.start, s.dtype, pin))
-                             for s in segs]
+                              master[s.start:s.stop] if self.shared[g] else made[(g, i)])
+                             for i, s in enumerate(segments[g])]
         self.flips = {g: 0 for g in self.pairs}
         self.restart(first)
 
