@@ -13,6 +13,9 @@ AdamW (weight decay 0.01) and a bf16 compute copy. Rows:
 - rpcompile kernels, staleness 1: `step(l)` with the compute copies alternating between two buffers (the
   update's pass writes the new ones into the buffer the iteration uploaded from, `HostState.alternate`),
   as the runtime runs it unless the state is sharded.
+- rpcompile kernels, staleness 1, 4 KiB pages: the same with the host state allocated without the huge-page
+  advice (`RPCOMPILE_HUGE_PAGES=0` while it is built; runtime/host/pinned.py): what huge pages gain where
+  transparent huge pages are in `madvise` mode (in `always` mode this row gets them too).
 - rpcompile kernels, staleness 1, copy pass: what sharded state runs (and every staleness-1 run did before
   the alternating copies): `copy(l)` (a cast pass) before `step(l)` (the next iteration reads the version
   before the update, DESIGN.md idea 7, so it cannot share the update's pass), and before the copy the
@@ -59,6 +62,7 @@ from tabulate import tabulate  # noqa: E402
 
 import rpcompile  # noqa: E402
 from rpcompile.runtime.host.optimizer import HostState  # noqa: E402
+from rpcompile.runtime.host.pinned import HUGE_PAGES_ENV  # noqa: E402
 from rpcompile.runtime.host_lanes import back_up, copied_regions, undo_buffers  # noqa: E402
 
 Case = Callable[[], float]
@@ -120,6 +124,19 @@ def ours(total: int, groups: int, staleness: int, impl: str = "fused", alternate
     alternating = staleness == 1 and alternate and state.alternate(0)  # what the runtime does (HostLanes)
     undo = {} if alternating else undo_buffers(state)
     return timed(run)
+
+
+def small_pages(make: Callable[[], Case]) -> Case:
+    """`make()` with the huge-page advice off while it allocates (the host state on 4 KiB pages in `madvise` mode)."""
+    before = os.environ.get(HUGE_PAGES_ENV)
+    os.environ[HUGE_PAGES_ENV] = "0"
+    try:
+        return make()
+    finally:
+        if before is None:
+            del os.environ[HUGE_PAGES_ENV]
+        else:
+            os.environ[HUGE_PAGES_ENV] = before
 
 
 def torch_params(total: int, groups: int) -> list[torch.nn.Parameter]:
@@ -267,6 +284,8 @@ def main(argv: list[str] | None = None) -> str:
     cases: list[tuple[str, str, Callable[[], Case]]] = [  # each row's name, calls and the function building it
         ("rpcompile kernels, staleness 0", S0, lambda: ours(total, groups, 0)),
         ("rpcompile kernels, staleness 1", ALTERNATING, lambda: ours(total, groups, 1)),
+        ("rpcompile kernels, staleness 1, 4 KiB pages", ALTERNATING,
+         lambda: small_pages(lambda: ours(total, groups, 1))),
         ("rpcompile kernels, staleness 1, copy pass", "accumulate, complete, undo copy, copy, step",
          lambda: ours(total, groups, 1, alternate=False)),
         *[(f"rpcompile kernels, {what}, staleness {s}", how, lambda s=s, lean=lean: ours(total, groups, s, **lean))
@@ -279,12 +298,14 @@ def main(argv: list[str] | None = None) -> str:
         ("memcpy, 18 B/param", "copy_ (36 B of traffic per param)", lambda: memcpy(total)),
         ("stream in place, 18 B/param", "add_ (36 B of traffic per param)", lambda: stream(total))]
     if ds_missing is None:
-        cases.insert(5, ("DeepSpeed CPUAdam alone", "step (adamw_mode)", lambda: deepspeed_alone(total, groups)))
+        at = [name for name, _, _ in cases].index("torch fused AdamW alone") + 1
+        cases.insert(at, ("DeepSpeed CPUAdam alone", "step (adamw_mode)", lambda: deepspeed_alone(total, groups)))
     if not args.no_compile:
         t = time.perf_counter()
         case = compiled(total, groups)
         case()  # the first call compiles
-        cases.insert(3, ("torch.compile of the fused passes", f"land, clip, AdamW+copy (compiled in "
+        at = [name for name, _, _ in cases].index("rpcompile kernels, staleness 1, copy pass") + 1
+        cases.insert(at, ("torch.compile of the fused passes", f"land, clip, AdamW+copy (compiled in "
                                                               f"{time.perf_counter() - t:.0f} s)", lambda: case))
     tables = []
     for threads in [int(x) for x in args.threads.split(",")]:
