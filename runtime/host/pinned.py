@@ -61,8 +61,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["PinnedAllocator", "CudaRegistrar", "pinning", "pinned_zeros", "pinned_buffers", "host_zeros", "host_buffers", "mapped", "advise_huge",
-           "huge_pages_wanted", "PAGE", "HUGE", "HUGE_PAGES_ENV"]
+__all__ = ["PinnedAllocator", "CudaRegistrar", "pinning", "pinned_zeros", "pinned_buffers", "host_zeros",
+           "host_buffers", "mapped", "advise_huge", "huge_pages_wanted", "PAGE", "HUGE", "HUGE_PAGES_ENV"]
 
 PAGE = mmap.PAGESIZE  # bytes: blocks start on a page, so no two blocks share a page the driver locks
 HUGE = 2 << 20  # bytes: an x86-64 (and 4 KiB-granule arm64) transparent huge page
@@ -96,24 +96,23 @@ def advise_huge(ptr: int, nbytes: int) -> int:
     return hi - lo if madvise(lo, hi - lo, flag) == 0 else 0
 
 
-def mapped(nbytes: int, kind: type = mmap.mmap) -> tuple[mmap.mmap, torch.Tensor]:
-    """An anonymous mapping (`kind`: mmap.mmap or a subclass) and a uint8 tensor of exactly `nbytes` of it.
-
-    The bytes start at a 2 MiB boundary when they are `HUGE` or more (else at a page), so every whole 2 MiB of
-    them can be a huge page: they are advised for huge pages (`advise_huge`, unless the environment says no)
+def mapped(nbytes: int, kind: type = mmap.mmap) -> tuple[mmap.mmap, int]:
+    """A private anonymous mapping (`kind`: mmap.mmap or a subclass) with room for `nbytes`, and the offset in
+    it where they start: a 2 MiB boundary when they are `HUGE` or more (else a page), so every whole 2 MiB of
+    them can be a huge page. They are advised for huge pages (`advise_huge`, unless the environment says no)
     before anything touches them. The mapping's pages are zero until first touched; the slack before the
-    boundary and after the bytes is never touched, so it takes no memory. The tensor's storage is exactly the
-    bytes and keeps the mapping alive.
+    bytes and after them is never touched, so it takes no memory. A tensor made on it
+    (`torch.frombuffer(block, ..., offset=...)`) keeps the mapping alive.
     """
     align = HUGE if nbytes >= HUGE else PAGE
     size = -(-nbytes // PAGE) * PAGE + align - PAGE
     private = getattr(mmap, "MAP_PRIVATE", None)  # not mmap's default MAP_SHARED: shared memory takes no THP
     block = kind(-1, size) if private is None else kind(-1, size, flags=private | mmap.MAP_ANONYMOUS)
     base = torch.frombuffer(block, dtype=torch.uint8, count=1).data_ptr()
-    t = torch.frombuffer(block, dtype=torch.uint8, count=nbytes, offset=-base % align)
+    at = -base % align
     if nbytes >= HUGE and huge_pages_wanted():
-        advise_huge(t.data_ptr(), nbytes)
-    return block, t
+        advise_huge(base + at, nbytes)
+    return block, at
 
 
 def host_buffers(sizes: Sequence[int], dtype: torch.dtype) -> list[torch.Tensor]:
@@ -122,26 +121,23 @@ def host_buffers(sizes: Sequence[int], dtype: torch.dtype) -> list[torch.Tensor]
 
     Together `HUGE` bytes or more, they lie one after another (each at a 64-byte boundary) in one block
     `mapped` for them: 2 MiB-aligned and advised, so all but the last 2 MiB or less of the block can be huge
-    pages, however small each buffer (a group's LoRA adapters: a few MiB each, which on blocks of their own
-    would get none). The block is zero-filled here, so its memory is taken now, as torch.zeros takes it; it
-    is freed when the last of the buffers dies. Smaller together, or with the advice turned off: torch.zeros
-    each.
+    pages, however small each buffer (a group's LoRA adapters: a few MiB, which on a block of its own would
+    hold little or no aligned 2 MiB). The buffers are zero-filled here, so their memory is taken now, as
+    torch.zeros takes it; the block is freed when the last of them dies. Smaller together, or with the
+    advice turned off: torch.zeros each.
 
     >>> [t.tolist() for t in host_buffers([2, 0, 1], torch.float32)]
     [[0.0, 0.0], [], [0.0]]
     """
-    size = dtype.itemsize
     starts, end = [], 0
     for n in sizes:
         starts.append(end)
-        end += -(-n * size // 64) * 64
+        end += -(-n * dtype.itemsize // 64) * 64
     if end < HUGE or not huge_pages_wanted():
         return [torch.zeros(n, dtype=dtype) for n in sizes]
-    block, raw = mapped(end)
-    raw.zero_()
-    base = raw.data_ptr() - torch.frombuffer(block, dtype=torch.uint8, count=1).data_ptr()  # raw's offset in block
-    return [torch.frombuffer(block, dtype=dtype, count=n, offset=base + at) if n else torch.zeros(0, dtype=dtype)
-            for n, at in zip(sizes, starts)]
+    block, at = mapped(end)
+    return [torch.frombuffer(block, dtype=dtype, count=n, offset=at + start).zero_() if n
+            else torch.zeros(0, dtype=dtype) for n, start in zip(sizes, starts)]
 
 
 def host_zeros(n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -206,8 +202,9 @@ class PinnedAllocator:
         nbytes = n * dtype.itemsize
         if not nbytes:
             return torch.zeros(0, dtype=dtype)
-        block, raw = mapped(nbytes, _Block)  # advised for huge pages before the registration touches them
-        t, ptr = raw.view(dtype), raw.data_ptr()
+        block, at = mapped(nbytes, _Block)  # advised for huge pages before the registration touches them
+        t = torch.frombuffer(block, dtype=dtype, count=n, offset=at)
+        ptr = t.data_ptr()
         self.registrar.register(ptr, nbytes)
         with self._lock:
             self._live[ptr] = nbytes
