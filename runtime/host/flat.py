@@ -48,6 +48,12 @@ def moment_names(config: AdamW | SGD) -> tuple[str, ...]:
     return ("momentum_buffer",) if config.momentum > 0 else ()
 
 
+def _part(flat: Tensor, a: int, b: int) -> Tensor:
+    """flat[a:b]; flat itself when that is all of it (no new view: a step's calls run cold, between passes over
+    memory, where each torch operation costs tens of microseconds)."""
+    return flat if a == 0 and b == len(flat) else flat[a:b]
+
+
 class FlatGroups:
     """The flat buffers of every layer group (masters, gradients, moments), and views of them per parameter.
 
@@ -179,19 +185,19 @@ class FlatGroups:
             if lo >= hi:
                 continue
             s, a, b = self.layout.segments[group][seg], lo - own_lo, hi - own_lo  # a, b: in the owned buffers
-            o = None if out is None else out[s.dtype][lo - s.start:hi - s.start]
-            dst, src = (p[a:b], None) if alt is None else (alt[1][seg][lo - s.start:hi - s.start],
-                                                             alt[0][seg][lo - s.start:hi - s.start])
+            o = None if out is None else _part(out[s.dtype], lo - s.start, hi - s.start)
+            dst, src = (_part(p, a, b), None) if alt is None else (_part(alt[1][seg], lo - s.start, hi - s.start),
+                                                                   _part(alt[0][seg], lo - s.start, hi - s.start))
             wd = config.weight_decay if decay else 0.0
             key = rounding_key(self.seed, group, done + 1)
             if isinstance(config, AdamW):
-                low = None if self.lows[group] is None else self.lows[group][a:b]  # a split master's other halves
-                kernels.adamw(dst, g[lo:hi], mom["exp_avg"][a:b], mom["exp_avg_sq"][a:b], o, factor=factor,
-                              lr=lr, betas=config.betas, eps=config.eps, weight_decay=wd, step=done + 1,
+                low = None if self.lows[group] is None else _part(self.lows[group], a, b)  # a split master's lo halves
+                kernels.adamw(dst, _part(g, lo, hi), _part(mom["exp_avg"], a, b), _part(mom["exp_avg_sq"], a, b), o,
+                              factor=factor, lr=lr, betas=config.betas, eps=config.eps, weight_decay=wd, step=done + 1,
                               key=key, offset=lo, src=src, low=low)
             else:
-                buf = mom["momentum_buffer"][a:b] if "momentum_buffer" in mom else None
-                kernels.sgd(dst, g[lo:hi], buf, o, factor=factor, lr=lr, momentum=config.momentum,
+                buf = _part(mom["momentum_buffer"], a, b) if "momentum_buffer" in mom else None
+                kernels.sgd(dst, _part(g, lo, hi), buf, o, factor=factor, lr=lr, momentum=config.momentum,
                             weight_decay=wd, nesterov=config.nesterov, first=done == 0, key=key, offset=lo, src=src)
         for n in names:
             counts[n] += 1

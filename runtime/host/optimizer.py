@@ -57,7 +57,7 @@ from torch import Tensor
 from rpcompile.ir.host_layout import host_layout
 from rpcompile.ir.optim import SGD, AdamW, DynamicLossScale, decay_names, make_torch_optimizer, split_masters
 from rpcompile.runtime.host.flat import FlatGroups, grad_dtype, master_dtype, moment_names, state_dtype
-from rpcompile.runtime.host.grad_stats import GradStats, ScaleVerdict, _IterStats
+from rpcompile.runtime.host.grad_stats import GradStats, ScaleVerdict, _IterStats, step_factor
 from rpcompile.runtime.host.kernels import load_kernels
 from rpcompile.runtime.host.layout import AlternatingCopies, Alternation, host_blocks, view
 from rpcompile.runtime.host.lean import TorchLean, split as split_master
@@ -316,21 +316,17 @@ class HostState(GradStats, StateIO, AlternatingCopies):
             own = self.alt is not None and not shared  # a buffer of its own takes the new copies
             written = False  # whether the update's pass wrote them
             if apply and self._landed:
-                factor = torch.ones((), dtype=torch.float32)  # unscale and clip: one float32 factor, as eager's
-                if self._unscale[layer] is not None and self._unscale[layer] != 1.0:  # two multiplications
-                    factor = factor * (1.0 / self._unscale[layer])
-                if st is not None and st.coef is not None:
-                    factor = factor * st.coef
+                factor = step_factor(self._unscale[layer], None if st is None else st.coef_value)  # unscale, clip
                 out = self.alt.out(layer) if own else {d: self.blocks[(layer, d)]
                                                        for d in {s.dtype for s in self.layout.segments[layer]}}
                 copy_now = (copy or own) and self.kernels is not None  # TorchLean's steps leave the copies to `copy`
                 self.flat.step(self.kernels or self._lean, self.config, layer, [n for n in group if n in fresh],
-                               self.counts, self.decay, factor=float(factor), lr=self.lr,
+                               self.counts, self.decay, factor=factor, lr=self.lr,
                                out=out if copy_now else None, alt=alt)
                 written = copy_now and len(fresh) == len(group)
                 self._copied[layer] = written and self.alt is None  # else `copy` casts the group's others
             elif apply and self._lean is not None:  # unscaled in grads_complete; the clip coefficient here
-                factor = 1.0 if st is None or st.coef is None else float(st.coef.float())
+                factor = 1.0 if st is None or st.coef_value is None else st.coef_value
                 self.flat.step(self._lean, self.config, layer, [n for n in group if n in fresh], self.counts,
                                self.decay, factor=factor, lr=self.lr, out=None, alt=alt)  # `copy` casts (no kernels)
             elif apply:

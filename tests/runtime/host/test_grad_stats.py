@@ -6,16 +6,20 @@ iteration's gradients. The per-layer protocol against the staleness oracle is te
 """
 from __future__ import annotations
 
+import struct
 import threading
 from collections.abc import Mapping
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from oracle import eager_optimizer
 from torch import nn
 
 import rpcompile
 from rpcompile.ir.optim import DynamicLossScale
+from rpcompile.runtime.host.grad_stats import step_factor, to_float32
 from rpcompile.runtime.host.optimizer import HostState
 
 
@@ -234,3 +238,32 @@ def test_at_lag_1_the_loss_scale_is_what_the_checks_two_iterations_back_leave_an
         again, resumed = _lagged_run(6, resume_at=at)
         assert again == scales and resumed.skipped == [0, 3]
         assert all(torch.equal(resumed.master[k], m) for k, m in state.master.items())
+
+
+def torch_factor(unscale: float | None, coef: float | None) -> float:
+    """The step's factor as torch's float32 tensors form it (what eager's unscale and clip multiply by)."""
+    factor = torch.ones((), dtype=torch.float32)
+    if unscale is not None and unscale != 1.0:
+        factor = factor * (1.0 / unscale)
+    if coef is not None:
+        factor = factor * torch.tensor(coef, dtype=torch.float32)
+    return float(factor)
+
+
+float32s = st.floats(width=32, allow_nan=False, allow_infinity=False, min_value=0.0, exclude_min=True)
+
+
+@settings(max_examples=400, deadline=None)
+@given(unscale=st.one_of(st.none(), float32s, st.sampled_from([1.0, 2.0 ** -130, 3.0, 65536.0 * 3])),
+       coef=st.one_of(st.none(), float32s.filter(lambda c: c <= 1.0)))
+def test_the_step_factor_in_python_floats_has_torch_float32_bits(unscale, coef):
+    want = torch_factor(unscale, coef)
+    got = step_factor(unscale, coef)
+    assert struct.pack("d", got) == struct.pack("d", want), (unscale, coef, got, want)
+
+
+@pytest.mark.parametrize("x", [0.1, 1 / 3, 1 + 2 ** -24, 1 + 3 * 2 ** -24, 3.4028235677973366e38,
+                               3.4028235e38 * 1.0000001, -1e39, 1e-46, 2.0 ** -149 * 0.5, 2.0 ** -149 * 0.75])
+def test_to_float32_rounds_as_torch(x):
+    want = float(torch.tensor(x, dtype=torch.float64).to(torch.float32))
+    assert struct.pack("d", to_float32(x)) == struct.pack("d", want)
