@@ -5,8 +5,8 @@ Usage:
                               [--out optimizer.md]
 
 Every row handles the same parameters (split evenly over `--groups` layer groups of one tensor
-each), with bf16 gradients arriving (as a bf16 device sends them), clipping at max_grad_norm 1.0,
-AdamW (weight decay 0.01) and a bf16 compute copy. Rows:
+each), with bf16 gradients arriving (as a bf16 device sends them, into buffers allocated as the runtime's
+landing buffers are), clipping at max_grad_norm 1.0, AdamW (weight decay 0.01) and a bf16 compute copy. Rows:
 
 - rpcompile kernels, staleness 0: `accumulate_grad` (writes the fp32 gradient and takes its
   statistics), `grads_complete`, `step(l, copy=True)` (the update writes the bf16 copy), `copy(l)`.
@@ -62,7 +62,7 @@ from tabulate import tabulate  # noqa: E402
 
 import rpcompile  # noqa: E402
 from rpcompile.runtime.host.optimizer import HostState  # noqa: E402
-from rpcompile.runtime.host.pinned import HUGE_PAGES_ENV  # noqa: E402
+from rpcompile.runtime.host.pinned import HUGE_PAGES_ENV, host_zeros  # noqa: E402
 from rpcompile.runtime.host_lanes import back_up, copied_regions, undo_buffers  # noqa: E402
 
 Case = Callable[[], float]
@@ -87,9 +87,12 @@ LEAN = {"bf16 moments": dict(state_dtype=torch.bfloat16),  # row name part -> Ad
 
 
 def bf16_grads(total: int, groups: int) -> list[torch.Tensor]:
-    """One seeded bf16 gradient per group."""
+    """One seeded bf16 gradient per group, in host memory allocated as the runtime's landing buffers are
+    (runtime/host_lanes.py's staging: `pinned_zeros`, huge pages where the advice is on; torch's allocator put
+    them on 4 KiB pages, which made every row's landing read 1-3 ms slower on the Xeon of docs/bench)."""
     g = torch.Generator().manual_seed(0)
-    return [torch.randn(total // groups, generator=g).to(torch.bfloat16) for _ in range(groups)]
+    return [host_zeros(total // groups, torch.bfloat16).copy_(torch.randn(total // groups, generator=g))
+            for _ in range(groups)]
 
 
 def ours(total: int, groups: int, staleness: int, impl: str = "fused", alternate: bool = True,
