@@ -267,3 +267,17 @@ def test_the_step_factor_in_python_floats_has_torch_float32_bits(unscale, coef):
 def test_to_float32_rounds_as_torch(x):
     want = float(torch.tensor(x, dtype=torch.float64).to(torch.float32))
     assert struct.pack("d", to_float32(x)) == struct.pack("d", want)
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_a_non_contiguous_gradient_lands_as_its_values(grad_dtype):
+    params = {"w": nn.Parameter(torch.randn(4, 6))}
+    states = [HostState(params, {"w": (0,)}, 1, optimizer=rpcompile.AdamW(lr=0.1, grad_dtype=grad_dtype))
+              for _ in range(2)]
+    g = torch.randn(6, 4).t()
+    assert not g.is_contiguous()
+    states[0].accumulate_grad("w", g)
+    states[1].accumulate_grad("w", g.contiguous())
+    assert torch.equal(states[0].grad_of("w"), states[1].grad_of("w"))
+    if grad_dtype == torch.float32:
+        assert torch.equal(states[0].grad_of("w"), g)
