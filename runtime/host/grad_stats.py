@@ -32,14 +32,13 @@ Note:
 from __future__ import annotations
 
 import math
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from rpcompile.runtime.host.lean import grad_key, land as land_bf16
+from rpcompile.runtime.host.lean import grad_key, land as land_bf16, to_float32
 from rpcompile.runtime.host.kernels import KINDS
 
 __all__ = ["GradStats", "NORMS_KEPT", "ScaleVerdict"]
@@ -84,16 +83,6 @@ def _flat_cpu(grad: Tensor) -> Tensor:
     if grad.device.type != "cpu" or not grad.is_contiguous():
         grad = grad.to("cpu").contiguous()
     return _flat(grad if grad.dtype in KINDS else grad.float())
-
-
-def to_float32(x: float) -> float:
-    """x rounded to the nearest float32 (ties to even), as a Python float; past float32's range: +-inf
-    (struct's C cast; tests/runtime/host/test_grad_stats.py holds it to torch's conversion).
-
-    >>> to_float32(0.1) == float(torch.tensor(0.1, dtype=torch.float32)), to_float32(1e39)
-    (True, inf)
-    """
-    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 def step_factor(unscale: float | None, coef: float | None) -> float:

@@ -58,13 +58,14 @@ do the same (runtime/host/kernels_update.h `split_value`, `split_hi`).
 """
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterator, Mapping
 
 import torch
 from torch import Tensor
 
 __all__ = ["hash32", "rounding_key", "master_bits", "grad_key", "random_bits", "stochastic_round", "sqrt_rn",
-           "TorchLean", "M32", "land", "split", "join", "split_into", "SplitMasters"]
+           "TorchLean", "M32", "land", "to_float32", "split", "join", "split_into", "SplitMasters"]
 
 M32 = 0xFFFFFFFF  # 32-bit mask
 _C1, _C2 = 0x7FEB352D, 0x846CA68B  # lowbias32's multipliers
@@ -146,6 +147,18 @@ def sqrt_rn(x: Tensor) -> Tensor:
     """The correctly rounded float32 square root of float32 `x` (as C++'s std::sqrt): taken in float64, whose
     53 bits make the one rounding to float32 exact; torch's vectorised float32 sqrt can be an ulp off."""
     return x.double().sqrt_().float()
+
+
+def to_float32(x: float) -> float:
+    """x rounded to the nearest float32 (ties to even), as a Python float; past float32's range: +-inf
+    (struct's C cast; tests/runtime/host/test_grad_stats.py holds it to torch's conversion). Applied to the float64
+    sum, product or quotient of two float32 values it gives their float32 operation's result: 53 >= 2 * 24 + 2
+    bits, so rounding twice (to float64, then to float32) is the same as rounding once.
+
+    >>> to_float32(0.1) == float(torch.tensor(0.1, dtype=torch.float32)), to_float32(1e39)
+    (True, inf)
+    """
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 def land(dst: Tensor, src: Tensor, *, add: bool, key: int, offset: int, divisor: float = 1.0) -> tuple[float, bool]:

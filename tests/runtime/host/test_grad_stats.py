@@ -19,7 +19,8 @@ from torch import nn
 
 import rpcompile
 from rpcompile.ir.optim import DynamicLossScale
-from rpcompile.runtime.host.grad_stats import step_factor, to_float32
+from rpcompile.runtime.host.grad_stats import step_factor
+from rpcompile.runtime.host.lean import to_float32
 from rpcompile.runtime.host.optimizer import HostState
 
 
