@@ -130,6 +130,15 @@ def test_large_host_zeros_start_on_a_huge_page_and_are_advised_inside_and_not_ou
         assert "hg" not in vma_flags(hi)
 
 
+def test_exactly_one_huge_page_of_buffers_is_one_advised_huge_page(thp, monkeypatch):
+    """The boundary: buffers of HUGE bytes in all take the block (not torch.zeros), start on a 2 MiB boundary
+    and are advised, so they can be one huge page."""
+    monkeypatch.delenv(HUGE_PAGES_ENV, raising=False)
+    for bufs in (host_buffers([HUGE // 4], torch.float32), host_buffers([HUGE // 8] * 2, torch.float32)):
+        assert bufs[0].data_ptr() % HUGE == 0 and interior(bufs[-1])[1] == bufs[0].data_ptr() + HUGE
+        assert "hg" in vma_flags(bufs[0].data_ptr())
+
+
 @pytest.mark.parametrize("pinned", [False, True])
 def test_the_kernel_gives_the_block_huge_pages(thp, monkeypatch, pinned):
     """Private memory (shared memory follows shmem_enabled, usually never) that faults in as huge pages, unless
